@@ -1,0 +1,745 @@
+//! Configuration: TOML text → raw serde structs (unknown keys rejected) → validation →
+//! the typed [`Config`] that the rest of the daemon reads.
+//!
+//! Every problem is reported before anything binds, naming the file, the key and the
+//! fix. Parse errors carry toml's line and column; validation collects every problem
+//! it finds instead of stopping at the first.
+
+mod raw;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use raw::{RawConfig, RawProtocols, RawTls};
+
+/// Where the configuration came from, for messages.
+pub const BUILTIN_SOURCE: &str = "<built-in default>";
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The file it was read from, or [`BUILTIN_SOURCE`].
+    pub source: String,
+    pub listen: SocketAddr,
+    pub workers: usize,
+    /// Sites in file order. A site whose domain is [`DomainPattern::Any`] (from the
+    /// top-level `root`) is always last.
+    pub sites: Vec<Site>,
+    pub kernel: Kernel,
+    pub limits: Limits,
+    pub h2: H2Settings,
+    pub proxy_h2: ProxyH2Settings,
+    pub access_log: bool,
+}
+
+impl Config {
+    /// The site whose certificate a client with no or an unknown SNI gets: the
+    /// catch-all site when there is one, else the first site in the file.
+    pub fn default_site(&self) -> usize {
+        self.sites
+            .iter()
+            .position(|s| s.domain == DomainPattern::Any)
+            .unwrap_or(0)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Site {
+    pub domain: DomainPattern,
+    /// Canonical path of the document root.
+    pub root: PathBuf,
+    pub protocols: Protocols,
+    pub tls: TlsSource,
+}
+
+/// Which host names a site answers for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DomainPattern {
+    /// `media.example.com` (stored lowercase).
+    Exact(String),
+    /// `*.example.com`: any name with at least one more label; stores `.example.com`.
+    Wildcard(String),
+    /// The top-level `root`: any host no other site claims.
+    Any,
+}
+
+impl DomainPattern {
+    pub fn matches(&self, host: &str) -> bool {
+        match self {
+            Self::Exact(name) => name.eq_ignore_ascii_case(host),
+            Self::Wildcard(suffix) => {
+                host.len() > suffix.len()
+                    && host.is_char_boundary(host.len() - suffix.len())
+                    && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+            }
+            Self::Any => true,
+        }
+    }
+}
+
+impl fmt::Display for DomainPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Exact(name) => f.write_str(name),
+            Self::Wildcard(suffix) => write!(f, "*{suffix}"),
+            Self::Any => f.write_str("*"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Protocols {
+    pub h1: bool,
+    pub h2: bool,
+    pub h3: bool,
+}
+
+impl fmt::Display for Protocols {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names: Vec<&str> = [(self.h1, "h1"), (self.h2, "h2"), (self.h3, "h3")]
+            .into_iter()
+            .filter_map(|(on, name)| on.then_some(name))
+            .collect();
+        f.write_str(&names.join("+"))
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TlsSource {
+    Files {
+        cert: PathBuf,
+        key: PathBuf,
+    },
+    /// Generated at start for these names; only the built-in default uses it.
+    SelfSigned {
+        names: Vec<String>,
+    },
+}
+
+/// How a kernel feature is treated by preflight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// Use it when present, say so in the log.
+    Auto,
+    /// Refuse to start without it.
+    Required,
+    /// Never use it, never probe it.
+    Off,
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Required => "required",
+            Self::Off => "off",
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kernel {
+    pub ktls: Policy,
+    pub bbr: Policy,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub max_connections: usize,
+    pub max_header_bytes: usize,
+    pub handshake_timeout: Duration,
+    pub header_read_timeout: Duration,
+    pub idle_timeout: Duration,
+    /// Longest a response may wait for the client to take any more bytes.
+    pub send_timeout: Duration,
+    /// How long SIGTERM/SIGINT waits for in-flight responses before exiting.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: 10_000,
+            max_header_bytes: 32 * 1024,
+            handshake_timeout: Duration::from_secs(10),
+            header_read_timeout: Duration::from_secs(15),
+            idle_timeout: Duration::from_secs(60),
+            send_timeout: Duration::from_secs(60),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// HTTP/2 server settings (`[runtime.settings]` keys `h2_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct H2Settings {
+    /// The per-connection TLS write batch: DATA frames collect here before rustls
+    /// encrypts them, so a connection never has more than this in flight to TLS.
+    pub tls_write_buffer_bytes: usize,
+    pub initial_stream_window_bytes: u32,
+    pub initial_connection_window_bytes: u32,
+    pub max_frame_size_bytes: u32,
+    pub max_concurrent_streams: u32,
+    /// Bytes one stream may have queued for sending beyond its flow-control window.
+    pub max_send_buffer_bytes: usize,
+}
+
+impl Default for H2Settings {
+    fn default() -> Self {
+        Self {
+            tls_write_buffer_bytes: 128 * 1024,
+            initial_stream_window_bytes: 1024 * 1024,
+            initial_connection_window_bytes: 16 * 1024 * 1024,
+            max_frame_size_bytes: 64 * 1024,
+            max_concurrent_streams: 256,
+            max_send_buffer_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// Process-wide HTTP/2 settings for proxied streams, validated now, used by the proxy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProxyH2Settings {
+    pub tls_max_send_buffer_bytes: usize,
+    pub tls_connection_send_buffer_bytes: usize,
+}
+
+impl Default for ProxyH2Settings {
+    fn default() -> Self {
+        Self {
+            tls_max_send_buffer_bytes: 128 * 1024,
+            tls_connection_send_buffer_bytes: 128 * 1024 * 256,
+        }
+    }
+}
+
+/// Why a configuration was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read the configuration: {source}")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("{path}: {} problem(s):\n{}", problems.len(), list(problems))]
+    Invalid { path: String, problems: Vec<Problem> },
+}
+
+/// One validation failure: the key, what is wrong, and how to fix it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub key: String,
+    pub problem: String,
+    pub fix: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "`{}`: {} (fix: {})", self.key, self.problem, self.fix)
+    }
+}
+
+fn list(problems: &[Problem]) -> String {
+    problems
+        .iter()
+        .map(|p| format!("  - {p}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Reads and validates a configuration file.
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: shown.clone(),
+        source,
+    })?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    parse(&text, &shown, base)
+}
+
+/// Validates configuration text; relative paths in it resolve against `base`.
+pub fn parse(text: &str, source: &str, base: &Path) -> Result<Config, ConfigError> {
+    let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+        path: source.to_owned(),
+        message: e.to_string().trim_end().to_owned(),
+    })?;
+    Validator {
+        base,
+        problems: Vec::new(),
+    }
+    .validate(raw, source)
+}
+
+/// The configuration `webship serve` uses without `--config`: the current directory
+/// on loopback with a self-signed certificate generated at start.
+pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
+    let mut problems = Vec::new();
+    let root = match check_root(root) {
+        Ok(root) => root,
+        Err(problem) => {
+            problems.push(Problem {
+                key: "root".into(),
+                problem,
+                fix: "run `webship serve` from a readable directory, or pass --config".into(),
+            });
+            PathBuf::new()
+        }
+    };
+    if !problems.is_empty() {
+        return Err(ConfigError::Invalid {
+            path: BUILTIN_SOURCE.into(),
+            problems,
+        });
+    }
+    Ok(Config {
+        source: BUILTIN_SOURCE.into(),
+        listen: SocketAddr::from(([127, 0, 0, 1], 8443)),
+        workers: default_workers(),
+        sites: vec![Site {
+            domain: DomainPattern::Any,
+            root,
+            protocols: Protocols {
+                h1: true,
+                h2: true,
+                h3: true,
+            },
+            tls: TlsSource::SelfSigned {
+                names: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
+            },
+        }],
+        kernel: Kernel {
+            ktls: Policy::Auto,
+            bbr: Policy::Auto,
+        },
+        limits: Limits::default(),
+        h2: H2Settings::default(),
+        proxy_h2: ProxyH2Settings::default(),
+        access_log: false,
+    })
+}
+
+fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
+}
+
+fn check_root(root: &Path) -> Result<PathBuf, String> {
+    let canonical = root
+        .canonicalize()
+        .map_err(|e| format!("`{}` cannot be resolved: {e}", root.display()))?;
+    if !canonical.is_dir() {
+        return Err(format!("`{}` is not a directory", root.display()));
+    }
+    std::fs::read_dir(&canonical).map_err(|e| format!("`{}` cannot be listed: {e}", root.display()))?;
+    Ok(canonical)
+}
+
+struct Validator<'a> {
+    base: &'a Path,
+    problems: Vec<Problem>,
+}
+
+impl Validator<'_> {
+    fn problem(&mut self, key: impl Into<String>, problem: impl Into<String>, fix: impl Into<String>) {
+        self.problems.push(Problem {
+            key: key.into(),
+            problem: problem.into(),
+            fix: fix.into(),
+        });
+    }
+
+    fn path(&self, p: &Path) -> PathBuf {
+        self.base.join(p)
+    }
+
+    fn validate(mut self, raw: RawConfig, source: &str) -> Result<Config, ConfigError> {
+        let listen_text = raw.listen.as_deref().unwrap_or("0.0.0.0:443");
+        let listen = listen_text.parse::<SocketAddr>().unwrap_or_else(|_| {
+            self.problem(
+                "listen",
+                format!("`{listen_text}` is not an address and port"),
+                "write it as \"0.0.0.0:443\" or \"[::]:443\"",
+            );
+            SocketAddr::from(([0, 0, 0, 0], 443))
+        });
+
+        let workers = raw.workers.unwrap_or_else(default_workers);
+        if !(1..=1024).contains(&workers) {
+            self.problem("workers", format!("{workers} is out of range"), "use 1 to 1024");
+        }
+
+        if raw.reverse_proxy.is_some() {
+            self.problem(
+                "reverse_proxy",
+                "reverse proxying is not available in this build yet",
+                "remove the [reverse_proxy] table",
+            );
+        }
+
+        let top_root = raw.root.as_ref().and_then(|r| self.root("root", r));
+        let top_tls = raw.tls.as_ref().map(|t| self.tls("tls", t));
+        let top_protocols = self.protocols("protocols", raw.protocols);
+
+        let mut sites: Vec<Site> = Vec::new();
+        let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+        for (i, site) in raw.sites.iter().enumerate() {
+            let key = format!("sites[{i}]");
+            let Some(domain) = self.domain(&format!("{key}.domain"), &site.domain) else {
+                continue;
+            };
+            let name = domain.to_string();
+            if let Some(first) = seen.insert(name.clone(), i) {
+                self.problem(
+                    format!("{key}.domain"),
+                    format!("`{name}` is already the domain of sites[{first}]"),
+                    "give each site its own domain, or merge the two sites",
+                );
+            }
+            let root = match &site.root {
+                Some(r) => self.root(&format!("{key}.root"), r),
+                None if top_root.is_some() => top_root.clone(),
+                None => {
+                    self.problem(
+                        format!("{key}.root"),
+                        "the site has no root and there is no top-level `root`",
+                        "add `root = \"/srv/...\"` to the site",
+                    );
+                    None
+                }
+            };
+            let tls = match (&site.tls, &top_tls) {
+                (Some(t), _) => Some(self.tls(&format!("{key}.tls"), t)),
+                (None, Some(t)) => Some(t.clone()),
+                (None, None) => {
+                    self.problem(
+                        format!("{key}.tls"),
+                        "the site has no certificate",
+                        "add a [sites.tls] table with `cert` and `key` (PEM files)",
+                    );
+                    None
+                }
+            };
+            let protocols = match site.protocols {
+                Some(p) => self.protocols(&format!("{key}.protocols"), Some(p)),
+                None => top_protocols,
+            };
+            if let (Some(root), Some(tls)) = (root, tls) {
+                sites.push(Site {
+                    domain,
+                    root,
+                    protocols,
+                    tls,
+                });
+            }
+        }
+        if let Some(root) = top_root {
+            let tls = match top_tls {
+                Some(tls) => tls,
+                None if !sites.is_empty() => sites[0].tls.clone(),
+                None => {
+                    self.problem(
+                        "tls",
+                        "the top-level `root` is served without a certificate",
+                        "add a top-level [tls] table with `cert` and `key`, or a [[sites]] entry with [sites.tls]",
+                    );
+                    TlsSource::SelfSigned { names: Vec::new() }
+                }
+            };
+            sites.push(Site {
+                domain: DomainPattern::Any,
+                root,
+                protocols: top_protocols,
+                tls,
+            });
+        } else if raw.sites.is_empty() {
+            self.problem(
+                "root",
+                "nothing to serve: no top-level `root` and no [[sites]]",
+                "add `root = \"/srv/...\"` or at least one [[sites]] table",
+            );
+        }
+
+        let kernel = raw.kernel.unwrap_or_default();
+        let kernel = Kernel {
+            ktls: kernel.ktls.unwrap_or(Policy::Auto),
+            bbr: kernel.bbr.unwrap_or(Policy::Auto),
+        };
+        let limits = self.limits(raw.limits.unwrap_or_default());
+        let settings = raw.runtime.unwrap_or_default().settings;
+        let (h2, proxy_h2) = self.settings(&settings);
+
+        if self.problems.is_empty() {
+            Ok(Config {
+                source: source.to_owned(),
+                listen,
+                workers,
+                sites,
+                kernel,
+                limits,
+                h2,
+                proxy_h2,
+                access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
+            })
+        } else {
+            Err(ConfigError::Invalid {
+                path: source.to_owned(),
+                problems: self.problems,
+            })
+        }
+    }
+
+    fn root(&mut self, key: &str, root: &Path) -> Option<PathBuf> {
+        match check_root(&self.path(root)) {
+            Ok(p) => Some(p),
+            Err(problem) => {
+                self.problem(
+                    key,
+                    problem,
+                    "point it at an existing directory this user can read",
+                );
+                None
+            }
+        }
+    }
+
+    fn tls(&mut self, key: &str, tls: &RawTls) -> TlsSource {
+        let cert = self.path(&tls.cert);
+        let key_path = self.path(&tls.key);
+        for (name, path) in [("cert", &cert), ("key", &key_path)] {
+            if let Err(e) = std::fs::File::open(path) {
+                self.problem(
+                    format!("{key}.{name}"),
+                    format!("cannot open `{}`: {e}", path.display()),
+                    format!("point `{name}` at a readable PEM file"),
+                );
+            }
+        }
+        TlsSource::Files { cert, key: key_path }
+    }
+
+    fn domain(&mut self, key: &str, domain: &str) -> Option<DomainPattern> {
+        let lower = domain.trim_end_matches('.').to_ascii_lowercase();
+        let (wildcard, name) = match lower.strip_prefix("*.") {
+            Some(rest) => (true, rest),
+            None => (false, lower.as_str()),
+        };
+        let valid = !name.is_empty()
+            && name.len() <= 253
+            && name.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            });
+        if !valid {
+            self.problem(
+                key,
+                format!("`{domain}` is not a host name"),
+                "use a name such as \"media.example.com\" or \"*.example.com\"",
+            );
+            return None;
+        }
+        Some(if wildcard {
+            DomainPattern::Wildcard(format!(".{name}"))
+        } else {
+            DomainPattern::Exact(name.to_owned())
+        })
+    }
+
+    fn protocols(&mut self, key: &str, raw: Option<RawProtocols>) -> Protocols {
+        let raw = raw.unwrap_or(RawProtocols {
+            h1: None,
+            h2: None,
+            h3: None,
+        });
+        let p = Protocols {
+            h1: raw.h1.unwrap_or(true),
+            h2: raw.h2.unwrap_or(true),
+            h3: raw.h3.unwrap_or(true),
+        };
+        if !p.h1 && !p.h2 {
+            self.problem(
+                key,
+                "neither h1 nor h2 is enabled, and this build does not serve HTTP/3 yet",
+                "set `h1 = true` or `h2 = true`",
+            );
+        }
+        p
+    }
+
+    fn limits(&mut self, raw: raw::RawLimits) -> Limits {
+        let d = Limits::default();
+        let mut secs = |name: &str, v: Option<u64>, default: Duration| -> Duration {
+            match v {
+                None => default,
+                Some(0) | Some(86_401..) => {
+                    self.problem(format!("limits.{name}"), "out of range", "use 1 to 86400 seconds");
+                    default
+                }
+                Some(s) => Duration::from_secs(s),
+            }
+        };
+        let handshake_timeout = secs(
+            "handshake_timeout_secs",
+            raw.handshake_timeout_secs,
+            d.handshake_timeout,
+        );
+        let header_read_timeout = secs(
+            "header_read_timeout_secs",
+            raw.header_read_timeout_secs,
+            d.header_read_timeout,
+        );
+        let idle_timeout = secs("idle_timeout_secs", raw.idle_timeout_secs, d.idle_timeout);
+        let send_timeout = secs("send_timeout_secs", raw.send_timeout_secs, d.send_timeout);
+        let shutdown_grace = secs("shutdown_grace_secs", raw.shutdown_grace_secs, d.shutdown_grace);
+        let max_connections = raw.max_connections.unwrap_or(d.max_connections);
+        if !(1..=1_000_000).contains(&max_connections) {
+            self.problem("limits.max_connections", "out of range", "use 1 to 1000000");
+        }
+        let max_header_bytes = raw.max_header_bytes.unwrap_or(d.max_header_bytes);
+        if !(1024..=1024 * 1024).contains(&max_header_bytes) {
+            self.problem("limits.max_header_bytes", "out of range", "use 1024 to 1048576");
+        }
+        Limits {
+            max_connections,
+            max_header_bytes,
+            handshake_timeout,
+            header_read_timeout,
+            idle_timeout,
+            send_timeout,
+            shutdown_grace,
+        }
+    }
+
+    fn settings(&mut self, settings: &BTreeMap<String, String>) -> (H2Settings, ProxyH2Settings) {
+        let mut h2 = H2Settings::default();
+        let mut proxy = ProxyH2Settings::default();
+        for (name, value) in settings {
+            let key = format!("runtime.settings.{name}");
+            let Some(spec) = SETTINGS.iter().find(|s| s.name == name) else {
+                let known: Vec<&str> = SETTINGS.iter().map(|s| s.name).collect();
+                self.problem(
+                    key,
+                    "unknown setting",
+                    format!("use one of: {}", known.join(", ")),
+                );
+                continue;
+            };
+            let parsed = value.trim().parse::<u64>().ok();
+            let Some(n) = parsed.filter(|n| (spec.min..=spec.max).contains(n)) else {
+                self.problem(
+                    key,
+                    format!(
+                        "`{value}` is not a whole number from {} to {}",
+                        spec.min, spec.max
+                    ),
+                    format!("write it as a quoted number, e.g. \"{}\"", spec.example),
+                );
+                continue;
+            };
+            // The ranges above keep every value inside its target type.
+            let as_u32 = u32::try_from(n).unwrap_or(u32::MAX);
+            let as_usize = usize::try_from(n).unwrap_or(usize::MAX);
+            match spec.name {
+                "h2_tls_write_buffer_bytes" => h2.tls_write_buffer_bytes = as_usize,
+                "h2_initial_stream_window_bytes" => h2.initial_stream_window_bytes = as_u32,
+                "h2_initial_connection_window_bytes" => h2.initial_connection_window_bytes = as_u32,
+                "h2_max_frame_size_bytes" => h2.max_frame_size_bytes = as_u32,
+                "h2_max_concurrent_streams" => h2.max_concurrent_streams = as_u32,
+                "h2_max_send_buffer_bytes" => h2.max_send_buffer_bytes = as_usize,
+                "proxy_h2_tls_max_send_buffer_bytes" => proxy.tls_max_send_buffer_bytes = as_usize,
+                "proxy_h2_tls_connection_send_buffer_bytes" => {
+                    proxy.tls_connection_send_buffer_bytes = as_usize
+                }
+                _ => unreachable!("every entry of SETTINGS is matched"),
+            }
+        }
+        if h2.initial_connection_window_bytes < h2.initial_stream_window_bytes {
+            self.problem(
+                "runtime.settings.h2_initial_connection_window_bytes",
+                "smaller than h2_initial_stream_window_bytes, so one stream could never use its window",
+                "make the connection window at least the stream window",
+            );
+        }
+        if proxy.tls_connection_send_buffer_bytes < proxy.tls_max_send_buffer_bytes {
+            self.problem(
+                "runtime.settings.proxy_h2_tls_connection_send_buffer_bytes",
+                "smaller than proxy_h2_tls_max_send_buffer_bytes (the per-stream buffer)",
+                "make the connection budget at least one stream's buffer (e.g. 131072 x streams)",
+            );
+        }
+        (h2, proxy)
+    }
+}
+
+struct SettingSpec {
+    name: &'static str,
+    min: u64,
+    max: u64,
+    example: &'static str,
+}
+
+/// The `[runtime.settings]` keys this build knows; values are strings holding numbers.
+const SETTINGS: &[SettingSpec] = &[
+    SettingSpec {
+        name: "h2_tls_write_buffer_bytes",
+        min: 16 * 1024,
+        max: 16 * 1024 * 1024,
+        example: "131072",
+    },
+    SettingSpec {
+        name: "h2_initial_stream_window_bytes",
+        min: 65_535,
+        max: (1 << 31) - 1,
+        example: "1048576",
+    },
+    SettingSpec {
+        name: "h2_initial_connection_window_bytes",
+        min: 65_535,
+        max: (1 << 31) - 1,
+        example: "16777216",
+    },
+    SettingSpec {
+        name: "h2_max_frame_size_bytes",
+        min: 16_384,
+        max: (1 << 24) - 1,
+        example: "65536",
+    },
+    SettingSpec {
+        name: "h2_max_concurrent_streams",
+        min: 1,
+        max: 10_000,
+        example: "256",
+    },
+    SettingSpec {
+        name: "h2_max_send_buffer_bytes",
+        min: 16 * 1024,
+        max: 64 * 1024 * 1024,
+        example: "262144",
+    },
+    SettingSpec {
+        name: "proxy_h2_tls_max_send_buffer_bytes",
+        min: 16 * 1024,
+        max: 64 * 1024 * 1024,
+        example: "131072",
+    },
+    SettingSpec {
+        name: "proxy_h2_tls_connection_send_buffer_bytes",
+        min: 16 * 1024,
+        max: 4 * 1024 * 1024 * 1024,
+        example: "33554432",
+    },
+];
+
+#[cfg(test)]
+mod tests;

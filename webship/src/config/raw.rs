@@ -1,0 +1,81 @@
+//! The configuration file exactly as written: serde structs that reject unknown keys.
+//! Nothing outside `config` sees these; `super::validate` turns them into `Config`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawConfig {
+    pub listen: Option<String>,
+    pub workers: Option<usize>,
+    pub root: Option<PathBuf>,
+    pub tls: Option<RawTls>,
+    pub protocols: Option<RawProtocols>,
+    #[serde(default)]
+    pub sites: Vec<RawSite>,
+    pub kernel: Option<RawKernel>,
+    pub limits: Option<RawLimits>,
+    pub log: Option<RawLog>,
+    pub runtime: Option<RawRuntime>,
+    /// Accepted so that its absence from this build is reported clearly, not as a typo.
+    pub reverse_proxy: Option<toml::Table>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSite {
+    pub domain: String,
+    pub root: Option<PathBuf>,
+    pub protocols: Option<RawProtocols>,
+    pub tls: Option<RawTls>,
+}
+
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawProtocols {
+    pub h1: Option<bool>,
+    pub h2: Option<bool>,
+    pub h3: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawKernel {
+    pub ktls: Option<super::Policy>,
+    pub bbr: Option<super::Policy>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLimits {
+    pub max_connections: Option<usize>,
+    pub max_header_bytes: Option<usize>,
+    pub handshake_timeout_secs: Option<u64>,
+    pub header_read_timeout_secs: Option<u64>,
+    pub idle_timeout_secs: Option<u64>,
+    pub send_timeout_secs: Option<u64>,
+    pub shutdown_grace_secs: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLog {
+    pub access: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRuntime {
+    #[serde(default)]
+    pub settings: BTreeMap<String, String>,
+}

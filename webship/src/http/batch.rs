@@ -1,0 +1,172 @@
+//! A bounded write batch in front of a TLS stream.
+//!
+//! HTTP/2 writes a 9-byte frame header and then its payload; passed straight to rustls
+//! each would become its own TLS record and its own `write(2)`. Collecting writes here
+//! until a flush (or until the batch is full) turns them into full 16 KiB records and
+//! few syscalls. The batch is the connection's only write-side buffer ahead of rustls,
+//! so it is also the bound: never more than `capacity` bytes wait here.
+
+use std::io::{self, IoSlice};
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+#[derive(Debug)]
+pub struct WriteBatch<S> {
+    inner: S,
+    buf: Vec<u8>,
+    /// Bytes of `buf` already handed to `inner`.
+    written: usize,
+    capacity: usize,
+}
+
+impl<S> WriteBatch<S> {
+    pub fn new(inner: S, capacity: usize) -> Self {
+        Self {
+            inner,
+            buf: Vec::with_capacity(capacity),
+            written: 0,
+            capacity,
+        }
+    }
+
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: AsyncWrite + Unpin> WriteBatch<S> {
+    /// Hands everything batched to `inner`.
+    fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.written < self.buf.len() {
+            let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.buf[self.written..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.written += n;
+        }
+        self.buf.clear();
+        self.written = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for WriteBatch<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.buf.len() + data.len() > this.capacity {
+            ready!(this.poll_drain(cx))?;
+            if data.len() >= this.capacity {
+                return Pin::new(&mut this.inner).poll_write(cx, data);
+            }
+        }
+        this.buf.extend_from_slice(data);
+        Poll::Ready(Ok(data.len()))
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if this.buf.len() + total > this.capacity && !this.buf.is_empty() {
+            ready!(this.poll_drain(cx))?;
+        }
+        let mut taken = 0;
+        for b in bufs {
+            let room = this.capacity.saturating_sub(this.buf.len());
+            if room == 0 {
+                break;
+            }
+            let n = b.len().min(room);
+            this.buf.extend_from_slice(&b[..n]);
+            taken += n;
+            if n < b.len() {
+                break;
+            }
+        }
+        Poll::Ready(Ok(taken))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.poll_drain(cx))?;
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        ready!(self.poll_drain(cx))?;
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for WriteBatch<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// Records every write it receives.
+    #[derive(Default)]
+    struct Recorder {
+        writes: Vec<usize>,
+        flushed: usize,
+    }
+
+    impl AsyncWrite for Recorder {
+        fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+            self.writes.push(data.len());
+            Poll::Ready(Ok(data.len()))
+        }
+        fn poll_flush(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            self.flushed += 1;
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn small_writes_become_one_until_flush() {
+        let mut w = WriteBatch::new(Recorder::default(), 1024);
+        for _ in 0..10 {
+            w.write_all(&[0; 9]).await.unwrap();
+            w.write_all(&[1; 50]).await.unwrap();
+        }
+        assert!(w.inner.writes.is_empty());
+        w.flush().await.unwrap();
+        assert_eq!(w.inner.writes, vec![590]);
+        assert_eq!(w.inner.flushed, 1);
+    }
+
+    #[tokio::test]
+    async fn never_holds_more_than_capacity() {
+        let mut w = WriteBatch::new(Recorder::default(), 100);
+        w.write_all(&[0; 60]).await.unwrap();
+        w.write_all(&[0; 60]).await.unwrap();
+        assert_eq!(w.inner.writes, vec![60]);
+        assert!(w.buf.len() <= 100);
+        w.write_all(&[0; 500]).await.unwrap();
+        assert_eq!(w.inner.writes, vec![60, 60, 500]);
+        let slices = [IoSlice::new(&[1; 70]), IoSlice::new(&[2; 70])];
+        let n = w.write_vectored(&slices).await.unwrap();
+        assert_eq!(n, 100);
+        assert!(w.buf.len() <= 100);
+    }
+}

@@ -1,0 +1,491 @@
+//! HTTP/1.1 driver: keep-alive, pipelining-safe, with a bulk path for file bodies.
+//!
+//! Requests are parsed with httparse from one bounded read buffer; bytes after a
+//! request head stay there for the next request, so pipelined requests are answered
+//! in order. A file response goes out inside one `TCP_CORK` interval (head and first
+//! body bytes share segments) and its body is read in large chunks into one reused
+//! per-connection buffer, then written through rustls: one copy from the page cache,
+//! one encryption pass, one copy into the kernel.
+//!
+//! Memory per connection is bounded by `limits.max_header_bytes` (read side) plus
+//! [`CHUNK`] (body buffer, allocated on the first file response) plus rustls' own
+//! buffers; a slow reader only makes the writes wait, and `send_timeout` ends a client
+//! that stops reading altogether.
+
+use std::io;
+use std::time::Duration;
+
+use bytes::{Buf, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode, Uri, Version};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_rustls::server::TlsStream;
+
+use super::{ConnContext, SERVER};
+use crate::service::{Body, FileBody, RequestHead, Response, Segment};
+use crate::sys;
+
+/// Body chunk read from the file per write (also the per-connection buffer size).
+pub const CHUNK: usize = 256 * 1024;
+/// Most headers one request may carry.
+const MAX_HEADERS: usize = 100;
+/// A request body up to this size (on GET/HEAD) is read and dropped to keep the
+/// connection; a larger one closes it after the response.
+const MAX_DISCARD: u64 = 64 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum H1Error {
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    #[error("client stopped reading for longer than the send timeout")]
+    SendTimeout,
+}
+
+type Stream = TlsStream<TcpStream>;
+
+/// Serves one connection until the client closes it, a timeout fires, an error
+/// happens, or shutdown is requested (between responses).
+pub async fn serve(mut stream: Stream, ctx: ConnContext) -> Result<(), H1Error> {
+    let mut conn = Conn {
+        read: BytesMut::with_capacity(8 * 1024),
+        head: Vec::with_capacity(1024),
+        body: Vec::new(),
+        ctx,
+    };
+    let result = conn.run(&mut stream).await;
+    // Best effort close_notify; the peer may already be gone.
+    let _ = tokio::time::timeout(Duration::from_secs(1), stream.shutdown()).await;
+    result
+}
+
+struct Conn {
+    /// Bytes received and not yet consumed, bounded by `max_header_bytes`.
+    read: BytesMut,
+    /// Response head serialization, reused.
+    head: Vec<u8>,
+    /// File chunk buffer, reused; `CHUNK` bytes once a file was sent.
+    body: Vec<u8>,
+    ctx: ConnContext,
+}
+
+// Lives for one request on the stack; boxing would only add an allocation.
+#[allow(clippy::large_enum_variant)]
+enum Next {
+    Request(Parsed),
+    /// Clean end: the peer closed, idled out, or the server is shutting down.
+    Close,
+    /// Answer with this status, then close.
+    Reject(StatusCode),
+}
+
+struct Parsed {
+    method: Method,
+    uri: Uri,
+    version: Version,
+    headers: HeaderMap,
+    keep_alive: bool,
+    body: RequestBody,
+}
+
+enum RequestBody {
+    None,
+    Discard(u64),
+    /// Chunked or too large to drain: the connection closes after the response.
+    Unframed,
+}
+
+impl Conn {
+    async fn run(&mut self, stream: &mut Stream) -> Result<(), H1Error> {
+        let mut shutdown = self.ctx.shutdown.clone();
+        loop {
+            // Shutdown interrupts only an idle connection; a request already arriving
+            // (pipelined bytes buffered) is still answered, with `connection: close`.
+            let idle = self.read.is_empty();
+            let next = tokio::select! {
+                next = self.read_request(stream) => next?,
+                () = shutdown.requested(), if idle => Next::Close,
+            };
+            let req = match next {
+                Next::Request(req) => req,
+                Next::Close => return Ok(()),
+                Next::Reject(status) => {
+                    let resp = Response::status(status);
+                    self.respond(stream, &Method::GET, Version::HTTP_11, resp, false)
+                        .await?;
+                    return Ok(());
+                }
+            };
+            let mut keep_alive = req.keep_alive;
+            match req.body {
+                RequestBody::None => {}
+                RequestBody::Discard(n) => {
+                    if !self.discard(stream, n).await? {
+                        return Ok(());
+                    }
+                }
+                RequestBody::Unframed => keep_alive = false,
+            }
+            let head = RequestHead {
+                method: &req.method,
+                uri: &req.uri,
+                version: req.version,
+                headers: &req.headers,
+                tls_site: self.ctx.tls_site,
+            };
+            let resp = self.ctx.service.handle(&head).await;
+            if self.ctx.access_log {
+                tracing::info!(target: "access", peer = %self.ctx.peer, proto = "h1",
+                    method = %req.method, uri = %req.uri, status = resp.status.as_u16(),
+                    bytes = resp.body.len());
+            }
+            keep_alive &= !self.ctx.shutdown.is_requested();
+            self.respond(stream, &req.method, req.version, resp, keep_alive)
+                .await?;
+            if !keep_alive {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Reads until one request head is complete. The first byte may take up to the
+    /// idle timeout; the rest of the head must arrive within the header timeout.
+    async fn read_request(&mut self, stream: &mut Stream) -> Result<Next, H1Error> {
+        let limits = self.ctx.limits;
+        let mut deadline = None;
+        loop {
+            if !self.read.is_empty() {
+                match self.parse()? {
+                    Some(next) => return Ok(next),
+                    None if self.read.len() >= limits.max_header_bytes => {
+                        return Ok(Next::Reject(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE))
+                    }
+                    None => {}
+                }
+            }
+            let wait = match deadline {
+                Some(d) => d,
+                None if self.read.is_empty() => tokio::time::Instant::now() + limits.idle_timeout,
+                None => tokio::time::Instant::now() + limits.header_read_timeout,
+            };
+            let room = limits.max_header_bytes - self.read.len();
+            self.read.reserve(room.min(8 * 1024));
+            let mut limited = (&mut *stream).take(room as u64);
+            let n = match tokio::time::timeout_at(wait, limited.read_buf(&mut self.read)).await {
+                Ok(Ok(n)) => n,
+                Ok(Err(e)) if self.read.is_empty() && is_disconnect(&e) => return Ok(Next::Close),
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) if self.read.is_empty() => return Ok(Next::Close),
+                Err(_) => return Ok(Next::Reject(StatusCode::REQUEST_TIMEOUT)),
+            };
+            if n == 0 {
+                // EOF: clean between requests, truncated inside one.
+                return Ok(Next::Close);
+            }
+            if deadline.is_none() {
+                deadline = Some(tokio::time::Instant::now() + limits.header_read_timeout);
+            }
+        }
+    }
+
+    /// Parses a complete head from `self.read`, consuming it; `None` if incomplete.
+    fn parse(&mut self) -> Result<Option<Next>, H1Error> {
+        let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut slots);
+        let consumed = match req.parse(&self.read) {
+            Ok(httparse::Status::Complete(n)) => n,
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(httparse::Error::TooManyHeaders) => {
+                return Ok(Some(Next::Reject(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE)))
+            }
+            Err(_) => return Ok(Some(Next::Reject(StatusCode::BAD_REQUEST))),
+        };
+        let next = build(&req);
+        self.read.advance(consumed);
+        Ok(Some(next))
+    }
+
+    /// Reads and drops `n` bytes of request body. `false` if the peer went away.
+    async fn discard(&mut self, stream: &mut Stream, mut n: u64) -> Result<bool, H1Error> {
+        let buffered = (self.read.len() as u64).min(n);
+        self.read.advance(buffered as usize);
+        n -= buffered;
+        let mut sink = [0u8; 8 * 1024];
+        while n > 0 {
+            let want = (n as usize).min(sink.len());
+            let read = tokio::time::timeout(
+                self.ctx.limits.header_read_timeout,
+                stream.read(&mut sink[..want]),
+            )
+            .await
+            .map_err(|_| io::Error::from(io::ErrorKind::TimedOut))??;
+            if read == 0 {
+                return Ok(false);
+            }
+            n -= read as u64;
+        }
+        Ok(true)
+    }
+
+    async fn respond(
+        &mut self,
+        stream: &mut Stream,
+        method: &Method,
+        version: Version,
+        resp: Response,
+        keep_alive: bool,
+    ) -> Result<(), H1Error> {
+        self.head.clear();
+        write_head(&mut self.head, version, &resp, keep_alive);
+        let send_timeout = self.ctx.limits.send_timeout;
+        match resp.body {
+            Body::File(body) if *method != Method::HEAD && body.len > 0 => {
+                // Head and body in one corked interval; uncorked even on error paths
+                // that keep the connection (there are none today, but cheap to keep).
+                let tcp = stream.get_ref().0;
+                let corked = sys::set_cork(tcp, true).is_ok();
+                let result = self.send_file(stream, body, send_timeout).await;
+                if corked {
+                    let _ = sys::set_cork(stream.get_ref().0, false);
+                }
+                result?;
+            }
+            Body::Bytes(bytes) if *method != Method::HEAD => {
+                self.head.extend_from_slice(&bytes);
+                timed(send_timeout, stream.write_all(&self.head)).await?;
+            }
+            _ => timed(send_timeout, stream.write_all(&self.head)).await?,
+        }
+        timed(send_timeout, stream.flush()).await?;
+        Ok(())
+    }
+
+    /// The bulk path. Promotion to kernel TLS plugs in here: once [`BULK_PROMOTION`]
+    /// bytes of body have gone through rustls, the remaining `Segment::File` ranges can
+    /// be handed to `sendfile` on a kTLS socket instead of this loop.
+    async fn send_file(
+        &mut self,
+        stream: &mut Stream,
+        body: FileBody,
+        send_timeout: Duration,
+    ) -> Result<(), H1Error> {
+        timed(send_timeout, stream.write_all(&self.head)).await?;
+        if self.body.capacity() < CHUNK {
+            self.body = Vec::with_capacity(CHUNK);
+        }
+        for segment in &body.segments {
+            match segment {
+                Segment::Bytes(bytes) => timed(send_timeout, stream.write_all(bytes)).await?,
+                Segment::File { offset, len } => {
+                    let (mut offset, end) = (*offset, offset + len);
+                    while offset < end {
+                        let n = CHUNK.min((end - offset) as usize);
+                        let buf = std::mem::take(&mut self.body);
+                        let buf = crate::files::read_chunk(body.file.clone(), buf, offset, n).await?;
+                        self.body = buf;
+                        timed(send_timeout, stream.write_all(&self.body)).await?;
+                        offset += n as u64;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of body after which an HTTP/1.1 file response may move to kernel TLS.
+pub const BULK_PROMOTION: u64 = 1024 * 1024;
+
+async fn timed<F: std::future::Future<Output = io::Result<()>>>(
+    limit: Duration,
+    f: F,
+) -> Result<(), H1Error> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(r) => r.map_err(H1Error::Io),
+        Err(_) => Err(H1Error::SendTimeout),
+    }
+}
+
+fn is_disconnect(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset | io::ErrorKind::UnexpectedEof | io::ErrorKind::BrokenPipe
+    )
+}
+
+/// Turns a parsed httparse request into the typed head, deciding framing and
+/// connection persistence. Ambiguous framing is refused (request smuggling).
+fn build(req: &httparse::Request<'_, '_>) -> Next {
+    let version = match req.version {
+        Some(1) => Version::HTTP_11,
+        Some(0) => Version::HTTP_10,
+        _ => return Next::Reject(StatusCode::HTTP_VERSION_NOT_SUPPORTED),
+    };
+    let Ok(method) = Method::from_bytes(req.method.unwrap_or_default().as_bytes()) else {
+        return Next::Reject(StatusCode::BAD_REQUEST);
+    };
+    let Ok(uri) = req.path.unwrap_or_default().parse::<Uri>() else {
+        return Next::Reject(StatusCode::BAD_REQUEST);
+    };
+    if uri.path().is_empty() || (uri.scheme().is_none() && !uri.path().starts_with('/')) {
+        return Next::Reject(StatusCode::BAD_REQUEST);
+    }
+    let mut headers = HeaderMap::with_capacity(req.headers.len());
+    for h in req.headers.iter() {
+        let (Ok(name), Ok(value)) = (
+            HeaderName::from_bytes(h.name.as_bytes()),
+            HeaderValue::from_bytes(h.value),
+        ) else {
+            return Next::Reject(StatusCode::BAD_REQUEST);
+        };
+        headers.append(name, value);
+    }
+    let mut close = false;
+    let mut keep_alive_token = false;
+    for value in headers.get_all(header::CONNECTION) {
+        for token in value.to_str().unwrap_or("").split(',') {
+            let token = token.trim();
+            close |= token.eq_ignore_ascii_case("close");
+            keep_alive_token |= token.eq_ignore_ascii_case("keep-alive");
+        }
+    }
+    let keep_alive = match version {
+        Version::HTTP_11 => !close,
+        _ => keep_alive_token && !close,
+    };
+    let has_te = headers.contains_key(header::TRANSFER_ENCODING);
+    let lengths: Vec<&HeaderValue> = headers.get_all(header::CONTENT_LENGTH).iter().collect();
+    if has_te && !lengths.is_empty() {
+        return Next::Reject(StatusCode::BAD_REQUEST);
+    }
+    let body = if has_te {
+        RequestBody::Unframed
+    } else if let Some(first) = lengths.first() {
+        let parsed = first
+            .to_str()
+            .ok()
+            .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|s| s.parse::<u64>().ok());
+        match parsed {
+            Some(n) if lengths.iter().all(|v| v == first) => match n {
+                0 => RequestBody::None,
+                n if n <= MAX_DISCARD => RequestBody::Discard(n),
+                _ => RequestBody::Unframed,
+            },
+            _ => return Next::Reject(StatusCode::BAD_REQUEST),
+        }
+    } else {
+        RequestBody::None
+    };
+    Next::Request(Parsed {
+        method,
+        uri,
+        version,
+        headers,
+        keep_alive,
+        body,
+    })
+}
+
+fn write_head(out: &mut Vec<u8>, version: Version, resp: &Response, keep_alive: bool) {
+    let _ = version; // always answer as HTTP/1.1 (RFC 9110 §6.2)
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(resp.status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(resp.status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\nserver: ");
+    out.extend_from_slice(SERVER.as_bytes());
+    out.extend_from_slice(b"\r\ndate: ");
+    out.extend_from_slice(httpdate::fmt_http_date(std::time::SystemTime::now()).as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in &resp.headers {
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if !keep_alive {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(raw: &[u8]) -> Next {
+        let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut req = httparse::Request::new(&mut slots);
+        assert!(req.parse(raw).unwrap().is_complete());
+        build(&req)
+    }
+
+    fn reject(raw: &[u8]) -> StatusCode {
+        match parse(raw) {
+            Next::Reject(s) => s,
+            _ => panic!("accepted {:?}", String::from_utf8_lossy(raw)),
+        }
+    }
+
+    #[test]
+    fn keep_alive_rules() {
+        let ka = |raw: &[u8]| match parse(raw) {
+            Next::Request(p) => p.keep_alive,
+            _ => panic!("rejected"),
+        };
+        assert!(ka(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"));
+        assert!(!ka(b"GET / HTTP/1.1\r\nHost: a\r\nConnection: Close\r\n\r\n"));
+        assert!(!ka(b"GET / HTTP/1.0\r\n\r\n"));
+        assert!(ka(b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"));
+    }
+
+    #[test]
+    fn ambiguous_framing_is_refused() {
+        assert_eq!(
+            reject(b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            reject(b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n"),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            reject(b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: +5\r\n\r\n"),
+            StatusCode::BAD_REQUEST
+        );
+        assert_eq!(
+            reject(b"GET nothing HTTP/1.1\r\nHost: a\r\n\r\n"),
+            StatusCode::BAD_REQUEST
+        );
+    }
+
+    #[test]
+    fn bodies_are_drained_or_close_the_connection() {
+        match parse(b"GET / HTTP/1.1\r\nHost: a\r\nContent-Length: 10\r\n\r\n") {
+            Next::Request(Parsed {
+                body: RequestBody::Discard(10),
+                ..
+            }) => {}
+            _ => panic!("small body not drained"),
+        }
+        match parse(b"GET / HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n") {
+            Next::Request(Parsed {
+                body: RequestBody::Unframed,
+                ..
+            }) => {}
+            _ => panic!("chunked body must close"),
+        }
+    }
+
+    #[test]
+    fn head_carries_length_and_close() {
+        let mut out = Vec::new();
+        let resp = Response::status(StatusCode::NOT_FOUND);
+        write_head(&mut out, Version::HTTP_11, &resp, false);
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.starts_with("HTTP/1.1 404 Not Found\r\n"), "{text}");
+        assert!(text.contains("\r\ncontent-length: 0\r\n"));
+        assert!(text.ends_with("connection: close\r\n\r\n"));
+    }
+}

@@ -1,0 +1,32 @@
+//! HTTP/1.1 and HTTP/2 connection drivers over a TLS stream. Each translates its
+//! protocol into a [`RequestHead`](crate::service::RequestHead), calls the shared
+//! [`Service`](crate::service::Service), and sends the response its own way.
+
+mod batch;
+pub mod h1;
+pub mod h2;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::config::{H2Settings, Limits};
+use crate::server::Shutdown;
+use crate::service::Service;
+
+pub use batch::WriteBatch;
+
+/// What a connection driver needs from the server.
+#[derive(Debug, Clone)]
+pub struct ConnContext {
+    pub service: Arc<Service>,
+    pub limits: Limits,
+    pub h2: H2Settings,
+    pub access_log: bool,
+    pub peer: SocketAddr,
+    /// Site of the certificate presented, for requests without a host.
+    pub tls_site: usize,
+    pub shutdown: Shutdown,
+}
+
+/// The `Server` header value.
+pub const SERVER: &str = concat!("webship/", env!("CARGO_PKG_VERSION"));

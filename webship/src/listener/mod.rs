@@ -1,0 +1,39 @@
+//! TCP listening sockets and per-connection socket setup.
+
+use std::io;
+use std::net::SocketAddr;
+
+use socket2::{Domain, Protocol, Socket, Type};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::sys;
+
+/// Pending connections the kernel queues while every worker is busy.
+const BACKLOG: i32 = 4096;
+
+/// Binds `addr` with `SO_REUSEADDR`, so a restart does not wait out TIME_WAIT.
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    if addr.is_ipv6() {
+        // `[::]` accepts IPv4 too, as operators expect from a wildcard.
+        socket.set_only_v6(false)?;
+    }
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(BACKLOG)?;
+    TcpListener::from_std(socket.into())
+}
+
+/// Per-connection socket options: no Nagle (responses are written whole, and corked
+/// where batching pays), and BBR when preflight found it.
+pub fn configure(tcp: &TcpStream, bbr: bool) {
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY");
+    }
+    if bbr {
+        if let Err(e) = sys::set_congestion(tcp, "bbr") {
+            tracing::debug!(error = %e, "TCP_CONGESTION=bbr");
+        }
+    }
+}

@@ -1,0 +1,158 @@
+//! `webship`: serve, check a configuration, or print the kernel preflight report.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+
+use webship::config::{self, Config};
+use webship::{preflight, server, tls};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "webship",
+    version,
+    about = "Streams large payloads over HTTP/1.1 and HTTP/2 with TLS"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve (the default). Without --config: the current directory on
+    /// https://127.0.0.1:8443 with a self-signed certificate generated at start.
+    Serve {
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+    /// Validate a configuration (and load its certificates), print a summary.
+    Check {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Probe the kernel features the configuration asks for and print the report.
+    Preflight {
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging();
+    let result = match cli.command.unwrap_or(Command::Serve { config: None }) {
+        Command::Serve { config } => serve(config.as_deref()),
+        Command::Check { config } => check(&config),
+        Command::Preflight { config } => run_preflight(config.as_deref()),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("webship: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("WEBSHIP_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn load(path: Option<&Path>) -> anyhow::Result<Config> {
+    Ok(match path {
+        Some(path) => config::load(path)?,
+        None => {
+            let cwd = std::env::current_dir().context("cannot determine the current directory")?;
+            config::builtin_default(&cwd)?
+        }
+    })
+}
+
+fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
+    let config = load(path)?;
+    let report = preflight::run(&config.kernel);
+    let missing = report.missing_required();
+    if !missing.is_empty() {
+        for finding in missing {
+            eprintln!("webship: preflight: {finding}");
+        }
+        anyhow::bail!("required kernel features are missing; nothing was bound (see `webship preflight`)");
+    }
+    for finding in [&report.ktls, &report.bbr] {
+        tracing::info!("preflight: {finding}");
+    }
+    if path.is_none() {
+        let root = &config.sites[0].root;
+        println!(
+            "Serving {} at https://{}/ (self-signed certificate)",
+            root.display(),
+            config.listen
+        );
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.workers)
+        .thread_name("webship-worker")
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    runtime.block_on(server::run(config, report, shutdown_signal()))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) {
+            (Ok(mut term), Ok(mut int)) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = int.recv() => {}
+                }
+            }
+            _ => std::future::pending::<()>().await,
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+fn check(path: &Path) -> anyhow::Result<ExitCode> {
+    let config = config::load(path)?;
+    tls::Acceptor::build(&config)?;
+    println!("{}: OK", config.source);
+    println!("  listen   {}", config.listen);
+    println!("  workers  {}", config.workers);
+    for site in &config.sites {
+        println!(
+            "  site     {} → {} [{}]",
+            site.domain,
+            site.root.display(),
+            site.protocols
+        );
+    }
+    println!("  kernel   ktls={} bbr={}", config.kernel.ktls, config.kernel.bbr);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_preflight(path: Option<&Path>) -> anyhow::Result<ExitCode> {
+    let config = load(path)?;
+    let report = preflight::run(&config.kernel);
+    println!("{report}");
+    Ok(if report.missing_required().is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}

@@ -1,0 +1,201 @@
+//! Kernel feature probes, run before any socket is bound (fail closed).
+//!
+//! Each feature the configuration asks for is probed on a real loopback socket, not
+//! guessed from version numbers: kTLS by attaching the `tls` ULP and installing TLS 1.3
+//! AES-GCM transmit keys, BBR by reading what the kernel offers and allows and then
+//! setting `TCP_CONGESTION` on a socket. A `required` feature that is missing stops
+//! startup with what is missing and how to fix it.
+
+use std::fmt;
+
+use crate::config::{Kernel, Policy};
+use crate::sys;
+
+/// What preflight found.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub ktls: Finding,
+    pub bbr: Finding,
+}
+
+impl Report {
+    /// Whether accepted TCP sockets should be switched to BBR.
+    pub fn use_bbr(&self) -> bool {
+        self.bbr.policy != Policy::Off && self.bbr.available()
+    }
+
+    /// Whether HTTP/1.1 bulk responses may be promoted to kernel TLS.
+    pub fn use_ktls(&self) -> bool {
+        self.ktls.policy != Policy::Off && self.ktls.available()
+    }
+
+    /// The features that are required but missing.
+    pub fn missing_required(&self) -> Vec<&Finding> {
+        [&self.ktls, &self.bbr]
+            .into_iter()
+            .filter(|f| f.policy == Policy::Required && !f.available())
+            .collect()
+    }
+
+    /// One line for the start-up log.
+    pub fn summary(&self) -> String {
+        format!("ktls={} bbr={}", self.ktls.short(), self.bbr.short())
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{}", self.ktls)?;
+        write!(f, "{}", self.bbr)
+    }
+}
+
+/// One probed feature.
+#[derive(Debug, Clone)]
+pub struct Finding {
+    pub feature: &'static str,
+    pub policy: Policy,
+    pub outcome: Outcome,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Available { detail: String },
+    Missing { reason: String, fix: String },
+    NotProbed,
+}
+
+impl Finding {
+    pub fn available(&self) -> bool {
+        matches!(self.outcome, Outcome::Available { .. })
+    }
+
+    fn short(&self) -> &'static str {
+        match (&self.outcome, self.policy) {
+            (Outcome::NotProbed, _) => "off",
+            (Outcome::Available { .. }, _) => "yes",
+            (Outcome::Missing { .. }, _) => "missing",
+        }
+    }
+}
+
+impl fmt::Display for Finding {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let verdict = match (&self.outcome, self.policy) {
+            (Outcome::NotProbed, _) => "not probed".to_owned(),
+            (Outcome::Available { detail }, _) => format!("available ({detail})"),
+            (Outcome::Missing { reason, fix }, Policy::Required) => {
+                format!("MISSING, required: {reason}; fix: {fix}")
+            }
+            (Outcome::Missing { reason, .. }, _) => format!("missing, not used: {reason}"),
+        };
+        write!(f, "{:<5} [{}] {verdict}", self.feature, self.policy)
+    }
+}
+
+/// Probes what `kernel` asks for. Never binds a public port: probes use an ephemeral
+/// loopback pair that is closed before this returns.
+pub fn run(kernel: &Kernel) -> Report {
+    Report {
+        ktls: Finding {
+            feature: "ktls",
+            policy: kernel.ktls,
+            outcome: if kernel.ktls == Policy::Off {
+                Outcome::NotProbed
+            } else {
+                probe_ktls()
+            },
+        },
+        bbr: Finding {
+            feature: "bbr",
+            policy: kernel.bbr,
+            outcome: if kernel.bbr == Policy::Off {
+                Outcome::NotProbed
+            } else {
+                probe_bbr()
+            },
+        },
+    }
+}
+
+fn probe_ktls() -> Outcome {
+    let (client, _server) = match sys::loopback_pair() {
+        Ok(pair) => pair,
+        Err(e) => {
+            return Outcome::Missing {
+                reason: format!("could not open a loopback TCP pair to probe with: {e}"),
+                fix: "allow this process to use loopback TCP".into(),
+            }
+        }
+    };
+    // Throwaway keys: the socket is closed right after and never carries data.
+    let params = sys::Tls13AesGcm128Tx {
+        key: [0x42; 16],
+        iv: [0x24; 12],
+        record_seq: 0,
+    };
+    match sys::enable_ktls_tx(&client, &params) {
+        Ok(()) => Outcome::Available {
+            detail: "tls ULP attached, TLS 1.3 AES-GCM-128 TX accepted".into(),
+        },
+        Err(e @ sys::KtlsError::NoUlp(_)) => Outcome::Missing {
+            reason: e.to_string(),
+            fix: "load the module (`modprobe tls`) or use a kernel built with CONFIG_TLS, \
+                  or set `[kernel] ktls = \"auto\"`"
+                .into(),
+        },
+        Err(e @ sys::KtlsError::TxRefused(_)) => Outcome::Missing {
+            reason: e.to_string(),
+            fix: "use a kernel with TLS 1.3 AES-GCM support in CONFIG_TLS (5.1 or newer)".into(),
+        },
+        Err(e @ sys::KtlsError::Unsupported) => Outcome::Missing {
+            reason: e.to_string(),
+            fix: "run on Linux, or set `[kernel] ktls = \"off\"`".into(),
+        },
+    }
+}
+
+const AVAILABLE_CC: &str = "/proc/sys/net/ipv4/tcp_available_congestion_control";
+const ALLOWED_CC: &str = "/proc/sys/net/ipv4/tcp_allowed_congestion_control";
+
+fn probe_bbr() -> Outcome {
+    let available = std::fs::read_to_string(AVAILABLE_CC).unwrap_or_default();
+    if !available.split_whitespace().any(|name| name == "bbr") {
+        return Outcome::Missing {
+            reason: format!("`bbr` is not in {AVAILABLE_CC} ({})", available.trim()),
+            fix: "load it (`modprobe tcp_bbr`) or use a kernel built with CONFIG_TCP_CONG_BBR".into(),
+        };
+    }
+    let (client, _server) = match sys::loopback_pair() {
+        Ok(pair) => pair,
+        Err(e) => {
+            return Outcome::Missing {
+                reason: format!("could not open a loopback TCP pair to probe with: {e}"),
+                fix: "allow this process to use loopback TCP".into(),
+            }
+        }
+    };
+    if let Err(e) = sys::set_congestion(&client, "bbr") {
+        let allowed = std::fs::read_to_string(ALLOWED_CC).unwrap_or_default();
+        return Outcome::Missing {
+            reason: format!(
+                "setting TCP_CONGESTION=bbr failed: {e} (allowed for unprivileged users: {})",
+                allowed.trim()
+            ),
+            fix: format!("add bbr to {ALLOWED_CC}, or run with CAP_NET_ADMIN"),
+        };
+    }
+    match sys::congestion(&client) {
+        Ok(name) if name == "bbr" => Outcome::Available {
+            detail: "TCP_CONGESTION=bbr set and read back".into(),
+        },
+        Ok(other) => Outcome::Missing {
+            reason: format!("TCP_CONGESTION reads back `{other}` after setting bbr"),
+            fix: "check for a security module overriding congestion control".into(),
+        },
+        Err(e) => Outcome::Missing {
+            reason: format!("reading TCP_CONGESTION back failed: {e}"),
+            fix: "check that the kernel supports TCP_CONGESTION".into(),
+        },
+    }
+}

@@ -1,0 +1,180 @@
+//! The supervisor: builds TLS and the service, binds, accepts within the connection
+//! limit, and drains on shutdown.
+//!
+//! Every connection holds one permit of a semaphore sized `max_connections`; a full
+//! server stops accepting (the kernel backlog absorbs the burst) instead of failing
+//! new clients. Draining is waiting for every permit to come back.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpStream;
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+
+use crate::config::{Config, TlsSource};
+use crate::http::{self, ConnContext};
+use crate::listener;
+use crate::preflight::Report;
+use crate::service::Service;
+use crate::tls::{self, Acceptor, Alpn};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error(
+        "cannot listen on {addr}: {source} (fix: choose a free port, or run with the privilege to bind it)"
+    )]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A cloneable view of the shutdown request.
+#[derive(Debug, Clone)]
+pub struct Shutdown {
+    rx: watch::Receiver<bool>,
+}
+
+impl Shutdown {
+    pub fn is_requested(&self) -> bool {
+        *self.rx.borrow()
+    }
+
+    /// Completes once shutdown is requested (or the server is gone).
+    pub async fn requested(&mut self) {
+        let _ = self.rx.wait_for(|requested| *requested).await;
+    }
+}
+
+/// Serves `config` until `signal` completes, then drains for up to
+/// `limits.shutdown_grace`. Certificates are loaded before the port is bound, so a
+/// bad certificate never leaves a half-started server.
+pub async fn run(
+    config: Config,
+    report: Report,
+    signal: impl Future<Output = ()>,
+) -> Result<(), ServerError> {
+    let acceptor = Arc::new(Acceptor::build(&config)?);
+    let service = Arc::new(Service::new(&config));
+    let listener = listener::bind(config.listen).map_err(|source| ServerError::Bind {
+        addr: config.listen,
+        source,
+    })?;
+    let local = listener.local_addr().unwrap_or(config.listen);
+    announce(&config, &report, local);
+
+    let (tx, rx) = watch::channel(false);
+    let shutdown = Shutdown { rx };
+    let limit = config.limits.max_connections;
+    let permits = Arc::new(Semaphore::new(limit));
+    let bbr = report.use_bbr();
+    tokio::pin!(signal);
+    loop {
+        let permit = tokio::select! {
+            p = permits.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            () = &mut signal => break,
+        };
+        let (tcp, peer) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // EMFILE and friends: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut signal => break,
+        };
+        listener::configure(&tcp, bbr);
+        let ctx = ConnContext {
+            service: service.clone(),
+            limits: config.limits,
+            h2: config.h2,
+            access_log: config.access_log,
+            peer,
+            tls_site: 0,
+            shutdown: shutdown.clone(),
+        };
+        tokio::spawn(connection(tcp, acceptor.clone(), ctx, permit));
+    }
+    drop(listener);
+    let open = limit - permits.available_permits();
+    tracing::info!(
+        open,
+        grace_secs = config.limits.shutdown_grace.as_secs(),
+        "shutting down: draining connections"
+    );
+    let _ = tx.send(true);
+    let all = u32::try_from(limit).unwrap_or(u32::MAX);
+    match tokio::time::timeout(config.limits.shutdown_grace, permits.acquire_many(all)).await {
+        Ok(_) => tracing::info!("all connections closed"),
+        Err(_) => tracing::warn!(
+            open = limit - permits.available_permits(),
+            "grace period over: closing the remaining connections"
+        ),
+    }
+    Ok(())
+}
+
+async fn connection(
+    tcp: TcpStream,
+    acceptor: Arc<Acceptor>,
+    mut ctx: ConnContext,
+    _permit: OwnedSemaphorePermit,
+) {
+    let accepted = match acceptor
+        .accept(tcp, ctx.service.sites(), ctx.limits.handshake_timeout)
+        .await
+    {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::debug!(peer = %ctx.peer, error = %e, "handshake failed");
+            return;
+        }
+    };
+    ctx.tls_site = accepted.site;
+    let peer = ctx.peer;
+    let result = match accepted.alpn {
+        Alpn::H1 => http::h1::serve(accepted.stream, ctx)
+            .await
+            .map_err(|e| e.to_string()),
+        Alpn::H2 => http::h2::serve(accepted.stream, ctx)
+            .await
+            .map_err(|e| e.to_string()),
+    };
+    if let Err(e) = result {
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
+}
+
+fn announce(config: &Config, report: &Report, local: SocketAddr) {
+    let sites: Vec<String> = config
+        .sites
+        .iter()
+        .map(|s| format!("{} → {} [{}]", s.domain, s.root.display(), s.protocols))
+        .collect();
+    tracing::info!(
+        "webship {} listening on https://{local} (workers {}; sites: {}; preflight: {}; http/3 not served by this build)",
+        env!("CARGO_PKG_VERSION"),
+        config.workers,
+        sites.join(", "),
+        report.summary(),
+    );
+    if config
+        .sites
+        .iter()
+        .any(|s| matches!(s.tls, TlsSource::SelfSigned { .. }))
+    {
+        tracing::warn!(
+            "using a self-signed certificate generated at start; clients must skip verification (curl -k)"
+        );
+    }
+}

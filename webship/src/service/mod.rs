@@ -1,0 +1,212 @@
+//! The one router every protocol driver calls: `Host` (or `:authority`) picks the site,
+//! the site serves files. Drivers never route by themselves; they translate their
+//! protocol to a request head, call [`Service::handle`], and send the [`Response`].
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderValue};
+use http::{Method, StatusCode, Uri, Version};
+
+use crate::config::{Config, DomainPattern};
+
+/// A protocol-neutral response. File bodies name byte ranges of an open file, so each
+/// driver decides how the bytes travel (userspace TLS, or the kernel).
+#[derive(Debug)]
+pub struct Response {
+    pub status: StatusCode,
+    /// Includes `content-length` whenever the length is known (always, today).
+    pub headers: HeaderMap,
+    pub body: Body,
+}
+
+impl Response {
+    /// A bodiless response with just a status, for errors and redirects.
+    pub fn status(status: StatusCode) -> Self {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from(0));
+        Self {
+            status,
+            headers,
+            body: Body::Empty,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub enum Body {
+    Empty,
+    Bytes(Bytes),
+    File(FileBody),
+}
+
+impl Body {
+    pub fn len(&self) -> u64 {
+        match self {
+            Body::Empty => 0,
+            Body::Bytes(b) => b.len() as u64,
+            Body::File(f) => f.len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Byte ranges of one open file, possibly interleaved with literal bytes (the part
+/// headers of `multipart/byteranges`).
+#[derive(Debug)]
+pub struct FileBody {
+    pub file: Arc<std::fs::File>,
+    pub segments: Vec<Segment>,
+    /// Sum of all segment lengths.
+    pub len: u64,
+}
+
+#[derive(Debug, Clone)]
+pub enum Segment {
+    Bytes(Bytes),
+    File { offset: u64, len: u64 },
+}
+
+/// Host name → site index, shared by TLS (for SNI) and the router (for `Host`).
+#[derive(Debug, Clone)]
+pub struct SiteTable {
+    domains: Vec<DomainPattern>,
+}
+
+impl SiteTable {
+    pub fn new(config: &Config) -> Self {
+        Self {
+            domains: config.sites.iter().map(|s| s.domain.clone()).collect(),
+        }
+    }
+
+    /// Exact names first, then the longest matching wildcard, then the catch-all.
+    pub fn lookup(&self, host: &str) -> Option<usize> {
+        let host = host.trim_end_matches('.');
+        let exact = self
+            .domains
+            .iter()
+            .position(|d| matches!(d, DomainPattern::Exact(_)) && d.matches(host));
+        exact
+            .or_else(|| {
+                self.domains
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, d)| match d {
+                        DomainPattern::Wildcard(suffix) if d.matches(host) => Some((suffix.len(), i)),
+                        _ => None,
+                    })
+                    .max()
+                    .map(|(_, i)| i)
+            })
+            .or_else(|| self.domains.iter().position(|d| *d == DomainPattern::Any))
+    }
+}
+
+/// The request head a driver hands to the service.
+#[derive(Debug)]
+pub struct RequestHead<'a> {
+    pub method: &'a Method,
+    pub uri: &'a Uri,
+    pub version: Version,
+    pub headers: &'a HeaderMap,
+    /// The site whose certificate the connection presented (from SNI).
+    pub tls_site: usize,
+}
+
+/// Routes requests to sites.
+#[derive(Debug)]
+pub struct Service {
+    sites: SiteTable,
+    roots: Vec<Arc<Path>>,
+}
+
+impl Service {
+    pub fn new(config: &Config) -> Self {
+        Self {
+            sites: SiteTable::new(config),
+            roots: config.sites.iter().map(|s| Arc::from(s.root.as_path())).collect(),
+        }
+    }
+
+    pub fn sites(&self) -> &SiteTable {
+        &self.sites
+    }
+
+    pub async fn handle(&self, req: &RequestHead<'_>) -> Response {
+        let site = match host_of(req) {
+            Ok(Some(host)) => match self.sites.lookup(host) {
+                Some(site) => site,
+                // Not ours: RFC 9110 §15.5.20, the client may retry on another connection.
+                None => return Response::status(StatusCode::MISDIRECTED_REQUEST),
+            },
+            // HTTP/1.0 may omit Host: the certificate's site answers.
+            Ok(None) => req.tls_site,
+            Err(status) => return Response::status(status),
+        };
+        crate::files::serve(self.roots[site].clone(), req.method, req.uri.path(), req.headers).await
+    }
+}
+
+/// The host the request names, without port. HTTP/1.1 requires one (RFC 9112 §3.2).
+fn host_of<'a>(req: &'a RequestHead<'_>) -> Result<Option<&'a str>, StatusCode> {
+    let raw = match req.uri.authority() {
+        Some(a) => Some(a.host()),
+        None => match req.headers.get(header::HOST) {
+            Some(v) => Some(v.to_str().map_err(|_| StatusCode::BAD_REQUEST).map(strip_port)?),
+            None if req.version == Version::HTTP_11 => return Err(StatusCode::BAD_REQUEST),
+            None => None,
+        },
+    };
+    Ok(raw.map(|h| h.trim_start_matches('[').trim_end_matches(']')))
+}
+
+fn strip_port(host: &str) -> &str {
+    if let Some(rest) = host.strip_prefix('[') {
+        // [v6]:port
+        return rest.split(']').next().unwrap_or(rest);
+    }
+    match host.rsplit_once(':') {
+        Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
+        _ => host,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(domains: &[DomainPattern]) -> SiteTable {
+        SiteTable {
+            domains: domains.to_vec(),
+        }
+    }
+
+    #[test]
+    fn lookup_prefers_exact_then_longest_wildcard_then_any() {
+        let t = table(&[
+            DomainPattern::Wildcard(".example.com".into()),
+            DomainPattern::Wildcard(".cdn.example.com".into()),
+            DomainPattern::Exact("a.cdn.example.com".into()),
+            DomainPattern::Any,
+        ]);
+        assert_eq!(t.lookup("A.CDN.example.com"), Some(2));
+        assert_eq!(t.lookup("b.cdn.example.com"), Some(1));
+        assert_eq!(t.lookup("x.example.com."), Some(0));
+        assert_eq!(t.lookup("example.com"), Some(3));
+        let no_default = table(&[DomainPattern::Exact("a.test".into())]);
+        assert_eq!(no_default.lookup("b.test"), None);
+    }
+
+    #[test]
+    fn ports_are_stripped() {
+        assert_eq!(strip_port("a.test:8443"), "a.test");
+        assert_eq!(strip_port("a.test"), "a.test");
+        assert_eq!(strip_port("[::1]:443"), "::1");
+        assert_eq!(strip_port("[::1]"), "::1");
+    }
+}
