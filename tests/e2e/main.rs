@@ -1,1 +1,12 @@
+//! End-to-end tests: the real `webship` binary on loopback against real clients
+//! (rustls + hyper, curl), asserting bytes, statuses and kernel-visible state.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod config_errors;
+mod download;
+mod files;
+mod lifecycle;
+mod paths;
+mod preflight;
+mod sites;
+mod support;

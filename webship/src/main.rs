@@ -103,7 +103,10 @@ fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(server::run(config, report, shutdown_signal()))?;
+    let source = config.source.clone();
+    runtime
+        .block_on(server::run(config, report, shutdown_signal()))
+        .with_context(|| source)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -130,7 +133,7 @@ async fn shutdown_signal() {
 
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
     let config = config::load(path)?;
-    tls::Acceptor::build(&config)?;
+    tls::Acceptor::build(&config).with_context(|| config.source.clone())?;
     println!("{}: OK", config.source);
     println!("  listen   {}", config.listen);
     println!("  workers  {}", config.workers);

@@ -1,1 +1,109 @@
-fn main() {}
+//! `cargo xtask`: the project's own commands.
+//!
+//! - `cargo xtask test`: install what the suite needs when missing (Debian packages:
+//!   curl, nginx, nghttp2-client; only as root, only what is absent), build, then run
+//!   every test: formatting, clippy, unit tests and the end-to-end suite.
+//! - `cargo xtask bench [ARGS]`: the benchmark runner in `benches/` (release build).
+
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context};
+
+/// Debian packages the tests or benchmarks drive: (command that proves it, package).
+const APT: &[(&str, &str)] = &[
+    ("curl", "curl"),
+    ("nginx", "nginx-light"),
+    ("h2load", "nghttp2-client"),
+    ("openssl", "openssl"),
+];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("test") => test(&args[1..]),
+        Some("bench") => bench(&args[1..]),
+        Some("deps") => install_deps(),
+        _ => {
+            eprintln!("usage: cargo xtask <test [-- CARGO TEST ARGS] | bench [ARGS] | deps>");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn run(cmd: &mut Command) -> anyhow::Result<()> {
+    eprintln!("xtask: $ {cmd:?}");
+    let status = cmd.status().with_context(|| format!("cannot start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed with {status}");
+    }
+    Ok(())
+}
+
+fn have(command: &str) -> bool {
+    Command::new("sh")
+        .args([
+            "-c",
+            &format!("command -v {command} >/dev/null 2>&1 || test -x /usr/sbin/{command}"),
+        ])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Installs the missing Debian packages; without root it says what to install.
+fn install_deps() -> anyhow::Result<()> {
+    let missing: Vec<&str> = APT
+        .iter()
+        .filter(|(cmd, _)| !have(cmd))
+        .map(|(_, pkg)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let root = Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0"));
+    if !root {
+        bail!(
+            "missing packages: {}; install them with `sudo apt-get install {}`",
+            missing.join(" "),
+            missing.join(" ")
+        );
+    }
+    eprintln!("xtask: installing {}", missing.join(" "));
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    Ok(())
+}
+
+fn test(extra: &[String]) -> anyhow::Result<()> {
+    install_deps()?;
+    run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    // The end-to-end suite drives the real binary; build it first.
+    run(cargo().args(["build", "-p", "webship", "--bin", "webship"]))?;
+    run(cargo().args(["test", "--workspace"]).args(extra))?;
+    Ok(())
+}
+
+fn bench(extra: &[String]) -> anyhow::Result<()> {
+    install_deps()?;
+    run(cargo().args(["build", "--release", "-p", "webship", "--bin", "webship"]))?;
+    run(cargo()
+        .args(["run", "--release", "-p", "webship-benches", "--"])
+        .args(extra))
+}

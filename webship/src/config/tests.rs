@@ -1,1 +1,152 @@
+use super::*;
 
+struct Files {
+    dir: tempfile::TempDir,
+}
+
+impl Files {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir(dir.path().join("media")).unwrap();
+        std::fs::write(dir.path().join("cert.pem"), "").unwrap();
+        std::fs::write(dir.path().join("key.pem"), "").unwrap();
+        Self { dir }
+    }
+
+    fn parse(&self, text: &str) -> Result<Config, ConfigError> {
+        parse(text, "test.toml", self.dir.path())
+    }
+
+    fn problems(&self, text: &str) -> Vec<Problem> {
+        match self.parse(text) {
+            Err(ConfigError::Invalid { problems, .. }) => problems,
+            other => panic!("expected validation problems, got {other:?}"),
+        }
+    }
+}
+
+/// The first example of SPEC.md, with paths relative to the config file.
+const SPEC_EXAMPLE: &str = r#"
+listen = "0.0.0.0:443"
+workers = 8
+root = "media"
+
+[[sites]]
+domain = "media.example.com"
+root = "media"
+[sites.protocols]
+h1 = true
+h2 = true
+h3 = true
+[sites.tls]
+cert = "cert.pem"
+key = "key.pem"
+
+[runtime.settings]
+h2_tls_write_buffer_bytes = "131072"
+proxy_h2_tls_max_send_buffer_bytes = "131072"
+proxy_h2_tls_connection_send_buffer_bytes = "33554432"
+"#;
+
+#[test]
+fn the_spec_example_is_accepted() {
+    let f = Files::new();
+    let config = f.parse(SPEC_EXAMPLE).unwrap();
+    assert_eq!(config.listen, "0.0.0.0:443".parse().unwrap());
+    assert_eq!(config.workers, 8);
+    assert_eq!(
+        config.sites.len(),
+        2,
+        "the named site plus the top-level catch-all"
+    );
+    assert_eq!(
+        config.sites[0].domain,
+        DomainPattern::Exact("media.example.com".into())
+    );
+    assert_eq!(config.sites[1].domain, DomainPattern::Any);
+    assert_eq!(config.default_site(), 1);
+    assert_eq!(config.h2.tls_write_buffer_bytes, 131_072);
+    assert_eq!(config.proxy_h2.tls_connection_send_buffer_bytes, 33_554_432);
+    assert_eq!(config.kernel.ktls, Policy::Auto);
+    assert!(config.sites[0].root.is_absolute());
+}
+
+#[test]
+fn every_problem_is_reported_at_once() {
+    let f = Files::new();
+    let text = r#"
+listen = "nowhere"
+workers = 0
+[[sites]]
+domain = "bad_name!"
+root = "media"
+[[sites]]
+domain = "ok.example"
+root = "missing-dir"
+[runtime.settings]
+h2_max_frame_size_bytes = "1"
+"#;
+    let keys: Vec<String> = f.problems(text).into_iter().map(|p| p.key).collect();
+    for key in [
+        "listen",
+        "workers",
+        "sites[0].domain",
+        "sites[1].root",
+        "sites[1].tls",
+        "runtime.settings.h2_max_frame_size_bytes",
+    ] {
+        assert!(keys.iter().any(|k| k == key), "{key} missing from {keys:?}");
+    }
+}
+
+#[test]
+fn parse_errors_carry_line_and_column() {
+    let f = Files::new();
+    let err = f
+        .parse("listen = \"127.0.0.1:1\"\nroot = \"media\"\nbogus = 1\n")
+        .unwrap_err();
+    let text = err.to_string();
+    assert!(text.starts_with("test.toml: "), "{text}");
+    assert!(
+        text.contains("line 3, column 1") && text.contains("bogus"),
+        "{text}"
+    );
+}
+
+#[test]
+fn wildcards_and_case() {
+    let f = Files::new();
+    let text = r#"
+[tls]
+cert = "cert.pem"
+key = "key.pem"
+[[sites]]
+domain = "*.Example.COM"
+root = "media"
+"#;
+    let config = f.parse(text).unwrap();
+    let d = &config.sites[0].domain;
+    assert_eq!(*d, DomainPattern::Wildcard(".example.com".into()));
+    assert!(d.matches("a.example.com") && d.matches("A.B.EXAMPLE.com"));
+    assert!(!d.matches("example.com") && !d.matches("aexample.com"));
+}
+
+#[test]
+fn protocols_and_reverse_proxy() {
+    let f = Files::new();
+    let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n";
+    let problems = f.problems(&format!("{base}[protocols]\nh1 = false\nh2 = false\n"));
+    assert_eq!(problems[0].key, "protocols");
+    let problems = f.problems(&format!("{base}[reverse_proxy]\nenabled = true\n"));
+    assert_eq!(problems[0].key, "reverse_proxy");
+    assert!(f.parse(base).is_ok());
+}
+
+#[test]
+fn builtin_default_serves_a_directory_on_loopback() {
+    let f = Files::new();
+    let config = builtin_default(f.dir.path()).unwrap();
+    assert_eq!(config.listen, "127.0.0.1:8443".parse().unwrap());
+    assert!(matches!(config.sites[0].tls, TlsSource::SelfSigned { .. }));
+    assert!(builtin_default(&f.dir.path().join("nope")).is_err());
+}

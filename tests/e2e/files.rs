@@ -1,0 +1,266 @@
+//! Direct file semantics over both protocols: ranges (single, multi, suffix,
+//! open-ended, unsatisfiable), conditionals, HEAD, empty and >4 GiB files, methods,
+//! directories.
+
+use std::io::{Seek, SeekFrom, Write};
+
+use webship_tests::client::{curl, fetch, Fetched, Proto};
+use webship_tests::Server;
+
+use crate::support::{pattern, Env, HOST};
+
+const LEN: usize = 10_000;
+
+struct World {
+    env: Env,
+    server: Server,
+    data: Vec<u8>,
+}
+
+fn world() -> World {
+    let env = Env::new();
+    let data = pattern(LEN);
+    env.write("data.bin", &data);
+    env.write("empty.txt", b"");
+    env.write("dir/index.html", b"<h1>index</h1>");
+    std::fs::create_dir_all(env.root.join("noindex")).unwrap();
+    let server = env.start("");
+    World { env, server, data }
+}
+
+impl World {
+    async fn get(&self, proto: Proto, method: &str, path: &str, headers: &[(&str, &str)]) -> Fetched {
+        fetch(
+            proto,
+            self.server.addr(),
+            HOST,
+            self.env.client(proto.alpn()),
+            method,
+            path,
+            headers,
+        )
+        .await
+    }
+}
+
+const BOTH: [Proto; 2] = [Proto::H1, Proto::H2];
+
+#[tokio::test]
+async fn single_suffix_and_open_ended_ranges() {
+    let w = world();
+    for proto in BOTH {
+        for (range, start, end) in [
+            ("bytes=0-99", 0, 99),
+            ("bytes=-100", LEN - 100, LEN - 1),
+            ("bytes=9990-", 9990, LEN - 1),
+            ("bytes=5000-99999", 5000, LEN - 1),
+        ] {
+            let got = w.get(proto, "GET", "/data.bin", &[("range", range)]).await;
+            assert_eq!(got.status, 206, "{proto:?} {range}");
+            assert_eq!(
+                got.header("content-range"),
+                format!("bytes {start}-{end}/{LEN}"),
+                "{proto:?} {range}"
+            );
+            assert_eq!(got.header("content-length"), (end - start + 1).to_string());
+            assert_eq!(got.body, &w.data[start..=end], "{proto:?} {range}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn multiple_ranges_are_multipart_byteranges() {
+    let w = world();
+    for proto in BOTH {
+        let got = w
+            .get(proto, "GET", "/data.bin", &[("range", "bytes=0-9,100-109,-5")])
+            .await;
+        assert_eq!(got.status, 206, "{proto:?}");
+        let ctype = got.header("content-type").to_owned();
+        let boundary = ctype
+            .strip_prefix("multipart/byteranges; boundary=")
+            .unwrap_or_else(|| panic!("content-type {ctype}"));
+        let mut expected = Vec::new();
+        for (start, end) in [(0, 9), (100, 109), (LEN - 5, LEN - 1)] {
+            expected.extend_from_slice(
+                format!(
+                    "\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\nContent-Range: bytes {start}-{end}/{LEN}\r\n\r\n"
+                )
+                .as_bytes(),
+            );
+            expected.extend_from_slice(&w.data[start..=end]);
+        }
+        expected.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+        assert_eq!(
+            String::from_utf8_lossy(&got.body),
+            String::from_utf8_lossy(&expected),
+            "{proto:?}"
+        );
+        assert_eq!(got.header("content-length"), expected.len().to_string());
+    }
+}
+
+#[tokio::test]
+async fn unsatisfiable_and_malformed_ranges() {
+    let w = world();
+    for proto in BOTH {
+        let got = w
+            .get(proto, "GET", "/data.bin", &[("range", "bytes=20000-")])
+            .await;
+        assert_eq!(got.status, 416, "{proto:?}");
+        assert_eq!(got.header("content-range"), format!("bytes */{LEN}"));
+        assert!(got.body.is_empty());
+        // A malformed Range is ignored: the whole file.
+        let got = w.get(proto, "GET", "/data.bin", &[("range", "bytes=9-1")]).await;
+        assert_eq!(got.status, 200, "{proto:?}");
+        assert_eq!(got.body, w.data);
+    }
+}
+
+#[test]
+fn curl_ranges_over_both_protocols() {
+    let w = world();
+    let ca = w.env.pki.ca_file();
+    let url = format!("https://{HOST}:{}/data.bin", w.server.port);
+    for flag in ["--http1.1", "--http2"] {
+        let out = curl(
+            HOST,
+            w.server.port,
+            &["--cacert", ca.to_str().unwrap(), flag, "-r", "10-19", &url],
+        );
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(out.stdout, &w.data[10..20], "curl {flag}");
+    }
+}
+
+#[tokio::test]
+async fn conditional_requests() {
+    let w = world();
+    for proto in BOTH {
+        let full = w.get(proto, "GET", "/data.bin", &[]).await;
+        assert_eq!(full.status, 200);
+        assert_eq!(full.header("accept-ranges"), "bytes");
+        let etag = full.header("etag").to_owned();
+        let modified = full.header("last-modified").to_owned();
+        assert!(
+            etag.starts_with('"') && etag.ends_with('"'),
+            "strong etag: {etag}"
+        );
+        assert!(!modified.is_empty());
+
+        let got = w
+            .get(proto, "GET", "/data.bin", &[("if-none-match", &etag)])
+            .await;
+        assert_eq!(got.status, 304, "{proto:?} If-None-Match");
+        assert!(got.body.is_empty());
+        assert_eq!(got.header("etag"), etag);
+        let got = w
+            .get(proto, "GET", "/data.bin", &[("if-none-match", "\"other\"")])
+            .await;
+        assert_eq!(got.status, 200);
+        let got = w
+            .get(proto, "GET", "/data.bin", &[("if-modified-since", &modified)])
+            .await;
+        assert_eq!(got.status, 304, "{proto:?} If-Modified-Since");
+        let got = w
+            .get(proto, "GET", "/data.bin", &[("if-match", "\"other\"")])
+            .await;
+        assert_eq!(got.status, 412, "{proto:?} If-Match");
+
+        let got = w
+            .get(
+                proto,
+                "GET",
+                "/data.bin",
+                &[("range", "bytes=0-9"), ("if-range", &etag)],
+            )
+            .await;
+        assert_eq!(got.status, 206, "{proto:?} If-Range current");
+        let got = w
+            .get(
+                proto,
+                "GET",
+                "/data.bin",
+                &[("range", "bytes=0-9"), ("if-range", "\"stale\"")],
+            )
+            .await;
+        assert_eq!(got.status, 200, "{proto:?} If-Range stale");
+        assert_eq!(got.body, w.data);
+    }
+}
+
+#[tokio::test]
+async fn head_empty_files_and_methods() {
+    let w = world();
+    for proto in BOTH {
+        let got = w.get(proto, "HEAD", "/data.bin", &[]).await;
+        assert_eq!(got.status, 200);
+        assert_eq!(got.header("content-length"), LEN.to_string());
+        assert!(got.body.is_empty(), "{proto:?}: HEAD has no body");
+
+        let got = w.get(proto, "GET", "/empty.txt", &[]).await;
+        assert_eq!(got.status, 200);
+        assert_eq!(got.header("content-length"), "0");
+        assert_eq!(got.header("content-type"), "text/plain; charset=utf-8");
+        assert!(got.body.is_empty());
+        let got = w.get(proto, "GET", "/empty.txt", &[("range", "bytes=0-")]).await;
+        assert_eq!(got.status, 416);
+
+        for method in ["POST", "PUT", "DELETE"] {
+            let got = w.get(proto, method, "/data.bin", &[]).await;
+            assert_eq!(got.status, 405, "{proto:?} {method}");
+            assert_eq!(got.header("allow"), "GET, HEAD");
+        }
+        let got = w.get(proto, "GET", "/missing", &[]).await;
+        assert_eq!(got.status, 404);
+    }
+}
+
+#[tokio::test]
+async fn directories() {
+    let w = world();
+    for proto in BOTH {
+        let got = w.get(proto, "GET", "/dir/", &[]).await;
+        assert_eq!(got.status, 200);
+        assert_eq!(got.body, b"<h1>index</h1>");
+        assert_eq!(got.header("content-type"), "text/html; charset=utf-8");
+        let got = w.get(proto, "GET", "/dir", &[]).await;
+        assert_eq!(got.status, 301);
+        assert_eq!(got.header("location"), "/dir/");
+        let got = w.get(proto, "GET", "/noindex/", &[]).await;
+        assert_eq!(
+            got.status, 404,
+            "{proto:?}: a directory without index.html is not listed"
+        );
+        let got = w.get(proto, "GET", "/data.bin/", &[]).await;
+        assert_eq!(got.status, 404);
+    }
+}
+
+#[tokio::test]
+async fn range_near_the_end_of_a_sparse_file_over_4_gib() {
+    let w = world();
+    let len: u64 = 5 * 1024 * 1024 * 1024 + 123;
+    let mut file = std::fs::File::create(w.env.root.join("huge.img")).unwrap();
+    file.set_len(len).unwrap();
+    file.seek(SeekFrom::Start(len - 16)).unwrap();
+    file.write_all(b"end-of-the-file!").unwrap();
+    // And a marker straddling the 4 GiB boundary, where 32-bit offsets would wrap.
+    file.seek(SeekFrom::Start((1 << 32) - 4)).unwrap();
+    file.write_all(b"4GiB").unwrap();
+    drop(file);
+    for proto in BOTH {
+        let got = w.get(proto, "GET", "/huge.img", &[("range", "bytes=-16")]).await;
+        assert_eq!(got.status, 206);
+        assert_eq!(
+            got.header("content-range"),
+            format!("bytes {}-{}/{len}", len - 16, len - 1)
+        );
+        assert_eq!(got.body, b"end-of-the-file!");
+        let range = format!("bytes={}-{}", (1u64 << 32) - 4, (1u64 << 32) + 3);
+        let got = w.get(proto, "GET", "/huge.img", &[("range", &range)]).await;
+        assert_eq!(got.body, b"4GiB\0\0\0\0", "{proto:?}");
+        let got = w.get(proto, "HEAD", "/huge.img", &[]).await;
+        assert_eq!(got.header("content-length"), len.to_string());
+    }
+}

@@ -1,0 +1,323 @@
+//! Connection lifecycle: cancellation frees the connection and its memory, slow
+//! readers stay bounded, pipelining and keep-alive, header limits and timeouts, the
+//! connection cap, graceful shutdown, and the no-config default.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use webship_tests::client::{connect, fetch, hex, raw_h1, raw_status, Proto};
+use webship_tests::pki::insecure_client;
+use webship_tests::server::{eventually, listening};
+use webship_tests::{fixture, Server, FIXTURE_LEN};
+
+use crate::support::{Env, HOST};
+
+const MIB: u64 = 1024 * 1024;
+
+fn fixture_server(extra: &str) -> (Env, Server) {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin");
+    env.write("small.txt", b"small");
+    let server = env.start(extra);
+    (env, server)
+}
+
+fn get_request(path: &str) -> String {
+    format!("GET {path} HTTP/1.1\r\nHost: {HOST}\r\n\r\n")
+}
+
+/// Warm the server up (TLS, both drivers, the blocking pool) so RSS has a baseline.
+async fn baseline(env: &Env, server: &Server) -> u64 {
+    for proto in [Proto::H1, Proto::H2] {
+        let got = fetch(
+            proto,
+            server.addr(),
+            HOST,
+            env.client(proto.alpn()),
+            "GET",
+            "/fixture.bin",
+            &[("range", "bytes=0-4194303")],
+        )
+        .await;
+        assert_eq!(got.len, 4 * MIB);
+    }
+    server.rss()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h1_disconnect_mid_body_frees_the_connection() {
+    let (env, server) = fixture_server("");
+    let base = baseline(&env, &server).await;
+    for _ in 0..3 {
+        let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
+            .await
+            .unwrap();
+        tls.write_all(get_request("/fixture.bin").as_bytes())
+            .await
+            .unwrap();
+        let mut buf = vec![0u8; 256 * 1024];
+        let mut got = 0u64;
+        while got < 10 * MIB {
+            let n = tls.read(&mut buf).await.unwrap();
+            assert!(n > 0, "server closed early");
+            got += n as u64;
+        }
+        assert!(server.established() >= 1);
+        drop(tls);
+    }
+    assert!(
+        eventually(Duration::from_secs(10), || server.established() == 0),
+        "the server kept {} connections after the clients left",
+        server.established()
+    );
+    let rss = server.rss();
+    assert!(
+        rss < base + 16 * MIB,
+        "RSS {} MiB vs baseline {} MiB",
+        rss / MIB,
+        base / MIB
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2_reset_stream_and_disconnect_free_resources() {
+    let (env, server) = fixture_server("");
+    let base = baseline(&env, &server).await;
+    let tls = connect(server.addr(), HOST, env.client(b"h2")).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let uri = format!("https://{HOST}:{}/fixture.bin", server.port);
+    for _ in 0..3 {
+        let req = http::Request::get(&uri).body(Empty::<Bytes>::new()).unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        let mut body = resp.into_body();
+        let mut got = 0u64;
+        while got < 10 * MIB {
+            let frame = body.frame().await.unwrap().unwrap();
+            got += frame.data_ref().map_or(0, |d| d.len() as u64);
+        }
+        drop(body); // RST_STREAM(CANCEL)
+    }
+    // The connection survives the resets and still serves.
+    let req = http::Request::get(format!("https://{HOST}:{}/small.txt", server.port))
+        .body(Empty::<Bytes>::new())
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "small");
+    drop(sender);
+    conn.abort();
+    assert!(
+        eventually(Duration::from_secs(10), || server.established() == 0),
+        "h2 connection not released"
+    );
+    let rss = server.rss();
+    assert!(
+        rss < base + 16 * MIB,
+        "RSS {} MiB vs baseline {} MiB",
+        rss / MIB,
+        base / MIB
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_reader_keeps_memory_bounded() {
+    let (env, server) = fixture_server("");
+    let base = baseline(&env, &server).await;
+    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    tls.write_all(get_request("/fixture.bin").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut peak = 0;
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(3) {
+        let n = tls.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        peak = peak.max(server.rss());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // 100 MB queued in the server would show; one connection's buffers would not.
+    assert!(
+        peak < base + 24 * MIB,
+        "peak RSS {} MiB vs baseline {} MiB",
+        peak / MIB,
+        base / MIB
+    );
+}
+
+#[tokio::test]
+async fn pipelined_requests_are_answered_in_order() {
+    let (env, server) = fixture_server("");
+    env.write("one.txt", b"first");
+    env.write("two.txt", b"second");
+    let request = format!(
+        "{}GET /two.txt HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n",
+        get_request("/one.txt")
+    );
+    let response = raw_h1(server.addr(), HOST, env.client(b"http/1.1"), request.as_bytes()).await;
+    let text = String::from_utf8_lossy(&response);
+    let first = text.find("\r\n\r\nfirst").expect("first response");
+    let second = text.find("\r\n\r\nsecond").expect("second response");
+    assert!(first < second, "{text}");
+    assert_eq!(text.matches("HTTP/1.1 200 OK").count(), 2);
+}
+
+#[test]
+fn curl_reuses_one_connection() {
+    let (env, server) = fixture_server("");
+    let ca = env.pki.ca_file();
+    let url = format!("https://{HOST}:{}/small.txt", server.port);
+    let out = webship_tests::client::curl(
+        HOST,
+        server.port,
+        &[
+            "--cacert",
+            ca.to_str().unwrap(),
+            "--http1.1",
+            "-w",
+            " %{num_connects}",
+            &url,
+            &url,
+        ],
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "small 1small 0");
+}
+
+#[tokio::test]
+async fn oversized_and_slow_headers() {
+    let (env, server) = fixture_server("[limits]\nheader_read_timeout_secs = 1\nmax_header_bytes = 4096\n");
+    let big = format!(
+        "GET / HTTP/1.1\r\nHost: {HOST}\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(8000)
+    );
+    let response = raw_h1(server.addr(), HOST, env.client(b"http/1.1"), big.as_bytes()).await;
+    assert_eq!(raw_status(&response), 431);
+
+    let start = Instant::now();
+    let partial = format!("GET /small.txt HTTP/1.1\r\nHost: {HOST}\r\n");
+    let response = raw_h1(server.addr(), HOST, env.client(b"http/1.1"), partial.as_bytes()).await;
+    assert_eq!(raw_status(&response), 408);
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        start.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_cap_holds_new_connections_until_one_closes() {
+    let (env, server) = fixture_server("[limits]\nmax_connections = 2\n");
+    let first = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    let _second = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    let third = tokio::spawn({
+        let client = env.client(b"http/1.1");
+        let addr = server.addr();
+        async move { connect(addr, HOST, client).await }
+    });
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        !third.is_finished(),
+        "a third connection was served beyond max_connections = 2"
+    );
+    drop(first);
+    let third = tokio::time::timeout(Duration::from_secs(5), third).await;
+    assert!(
+        matches!(third, Ok(Ok(Ok(_)))),
+        "the third connection was not served after one closed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_in_flight_responses_then_exits_zero() {
+    let (env, mut server) = fixture_server("");
+    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    tls.write_all(get_request("/fixture.bin").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 256 * 1024];
+    let n = tls.read(&mut buf).await.unwrap();
+    let mut received: Vec<u8> = buf[..n].to_vec();
+    server.terminate();
+    assert!(
+        eventually(Duration::from_secs(5), || !listening(server.port)),
+        "still accepting after SIGTERM"
+    );
+    // The in-flight download completes byte-exact.
+    tokio::time::timeout(Duration::from_secs(60), tls.read_to_end(&mut received))
+        .await
+        .expect("download did not finish during drain")
+        .ok();
+    let head_end = received.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+    let body = &received[head_end..];
+    assert_eq!(body.len() as u64, FIXTURE_LEN);
+    use sha2::Digest;
+    assert_eq!(hex(&sha2::Sha256::digest(body)), hex(&fixture().sha256));
+    let status = server
+        .wait_exit(Duration::from_secs(10))
+        .expect("no exit after drain");
+    assert!(status.success(), "{status:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_grace_has_a_deadline() {
+    let (env, mut server) = fixture_server("[limits]\nshutdown_grace_secs = 1\n");
+    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    tls.write_all(get_request("/fixture.bin").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = [0u8; 1024];
+    let _ = tls.read(&mut buf).await.unwrap();
+    // Never read again: the response stalls on a full socket buffer.
+    let start = Instant::now();
+    server.terminate();
+    let status = server
+        .wait_exit(Duration::from_secs(10))
+        .expect("no exit after the grace period");
+    assert!(status.success(), "{status:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        start.elapsed()
+    );
+    assert!(server.log().contains("grace period over"), "{}", server.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_config_serves_the_current_directory_on_8443() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("hello.txt"), b"hello from cwd").unwrap();
+    let server = Server::spawn(dir.path(), &["serve"], 8443);
+    server.wait_listening();
+    let addr = server.addr();
+    for proto in [Proto::H1, Proto::H2] {
+        let got = fetch(
+            proto,
+            addr,
+            "localhost",
+            insecure_client(&[proto.alpn()]),
+            "GET",
+            "/hello.txt",
+            &[],
+        )
+        .await;
+        assert_eq!(got.status, 200, "{proto:?}");
+        assert_eq!(got.body, b"hello from cwd");
+    }
+    let stdout = std::fs::read_to_string(dir.path().join("stdout.log")).unwrap();
+    assert!(stdout.contains("https://127.0.0.1:8443/"), "{stdout}");
+}

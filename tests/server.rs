@@ -1,0 +1,191 @@
+//! The real `webship` binary, started on a free loopback port with a config written
+//! to a temporary directory; stopped (SIGTERM, then SIGKILL) when dropped.
+
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The binary under test, next to this test executable's `deps/` directory.
+pub fn binary() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().and_then(Path::parent).unwrap();
+    let bin = dir.join("webship");
+    assert!(
+        bin.exists(),
+        "{} is missing: build it first (`cargo build -p webship`; `cargo xtask test` does)",
+        bin.display()
+    );
+    bin
+}
+
+/// Runs `webship ARGS` to completion (for `check` and `preflight`).
+pub fn webship(args: &[&str], cwd: &Path) -> Output {
+    Command::new(binary())
+        .args(args)
+        .current_dir(cwd)
+        .env("WEBSHIP_LOG", "info")
+        .output()
+        .unwrap()
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Whether something accepts TCP connections on the port.
+pub fn listening(port: u16) -> bool {
+    TcpStream::connect_timeout(
+        &SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(200),
+    )
+    .is_ok()
+}
+
+pub struct Server {
+    child: Child,
+    pub port: u16,
+    log: PathBuf,
+}
+
+impl Server {
+    /// Starts `webship serve --config <dir>/webship.toml` with `config`, in which the
+    /// text `{port}` is replaced by a free port; waits until it accepts connections.
+    pub fn start(dir: &Path, config: &str) -> Server {
+        let port = free_port();
+        let path = dir.join("webship.toml");
+        std::fs::write(&path, config.replace("{port}", &port.to_string())).unwrap();
+        let server = Self::spawn(dir, &["serve", "--config", path.to_str().unwrap()], port);
+        server.wait_listening();
+        server
+    }
+
+    /// Starts `webship serve` with `args`, without waiting.
+    pub fn spawn(dir: &Path, args: &[&str], port: u16) -> Server {
+        let log = dir.join(format!("webship-{port}.log"));
+        let child = Command::new(binary())
+            .args(args)
+            .current_dir(dir)
+            .env("WEBSHIP_LOG", "info,webship=debug")
+            .stdout(Stdio::from(
+                std::fs::File::create(dir.join("stdout.log")).unwrap(),
+            ))
+            .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+            .spawn()
+            .unwrap();
+        Server { child, port, log }
+    }
+
+    pub fn wait_listening(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if listening(self.port) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!(
+            "webship did not listen on {} within 20 s; log:\n{}",
+            self.port,
+            self.log()
+        );
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM.
+    pub fn terminate(&self) {
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+
+    /// Waits up to `limit` for the process to exit.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Resident memory of the server process, in bytes.
+    pub fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap();
+        let kb: u64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap();
+        kb * 1024
+    }
+
+    /// Established TCP connections whose local end is this server's port, read from
+    /// the kernel's socket table (no help from the server).
+    pub fn established(&self) -> usize {
+        let port_hex = format!(":{:04X}", self.port);
+        ["/proc/net/tcp", "/proc/net/tcp6"]
+            .iter()
+            .filter_map(|f| std::fs::read_to_string(f).ok())
+            .map(|table| {
+                table
+                    .lines()
+                    .skip(1)
+                    .filter(|l| {
+                        let cols: Vec<&str> = l.split_whitespace().collect();
+                        cols.len() > 3 && cols[1].ends_with(&port_hex) && cols[3] == "01"
+                    })
+                    .count()
+            })
+            .sum()
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_none() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &self.pid().to_string()])
+                .status();
+            if self.wait_exit(Duration::from_secs(5)).is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
+        }
+    }
+}
+
+/// Polls `cond` every 50 ms for up to `limit`.
+pub fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
