@@ -10,3 +10,4 @@ mod paths;
 mod preflight;
 mod sites;
 mod support;
+mod tls;
