@@ -1,1 +1,69 @@
-fn main() {}
+//! Benchmark runner for Webship.
+//!
+//! Absolute numbers depend on the host, so every comparison here is made
+//! within one run: `aead` picks the rustls crypto provider by measuring both
+//! on this CPU, and `download` (the default) serves one fixture from Webship
+//! and from nginx side by side and reports the ratios.
+
+mod aead;
+mod fixture;
+mod measure;
+mod servers;
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(about = "Webship benchmarks: ratios against peers measured in the same run")]
+#[command(args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    /// Without a subcommand the runner downloads, so these options apply directly.
+    #[command(flatten)]
+    download: DownloadArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// AES-GCM seal throughput and in-memory rustls throughput, aws-lc-rs vs ring.
+    Aead,
+    /// Download a ~100 MB fixture over h1 and h2 from Webship and from nginx (default).
+    Download(DownloadArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DownloadArgs {
+    /// The Webship binary to benchmark (build it with `cargo build --release -p webship`).
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/webship"))]
+    pub webship: PathBuf,
+    /// The nginx binary used as the peer.
+    #[arg(long, default_value = "/usr/sbin/nginx")]
+    pub nginx: PathBuf,
+    /// Timed samples per server and protocol.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub samples: u32,
+    /// Worker count for both servers. The default of 1 gives each server one core and
+    /// leaves the other core of a two-core host to curl, so neither side starves.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub workers: u32,
+    /// Webship's `[kernel] ktls` policy: auto, required or off.
+    #[arg(long, default_value = "auto")]
+    pub ktls: String,
+    /// Where the fixture is kept between runs (it is regenerated if size or digest differ).
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+    /// Also write the results as JSON to this file.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command.unwrap_or(Command::Download(cli.download)) {
+        Command::Aead => aead::run(),
+        Command::Download(args) => measure::run(&args),
+    }
+}
