@@ -212,8 +212,18 @@ impl http_body::Body for FileStream {
                         len: len - n as u64,
                     });
                 }
+                // h2 takes ownership of each chunk, so each gets its own buffer.
+                let mut buf = Vec::new();
+                let filled = match crate::files::read_cached(&file, &mut buf, offset, n) {
+                    Ok(filled) => filled,
+                    Err(e) => return Poll::Ready(Some(Err(e))),
+                };
+                if filled == n {
+                    this.remaining -= n as u64;
+                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))));
+                }
                 this.pending = Some(tokio::task::spawn_blocking(move || {
-                    crate::files::read_chunk_blocking(&file, Vec::with_capacity(n), offset, n)
+                    crate::files::read_rest(&file, buf, offset, filled)
                 }));
                 self.poll_frame(cx)
             }

@@ -122,6 +122,29 @@ pub fn enable_ktls_tx<S>(_sock: &S, _params: &Tls13AesGcm128Tx) -> Result<(), Kt
     Err(KtlsError::Unsupported)
 }
 
+/// Reads from `file` at `offset` only what is already in the page cache
+/// (`preadv2(RWF_NOWAIT)`): `Ok(n)` with `n > 0` bytes read without waiting,
+/// `Ok(0)` at end of file, `Err(WouldBlock)` when the data would have to come from
+/// the disk. Lets a reactor thread serve hot files without a thread hop.
+#[cfg(target_os = "linux")]
+pub fn pread_cached(file: &std::fs::File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+    use rustix::io::{preadv2, ReadWriteFlags};
+    let mut slices = [std::io::IoSliceMut::new(buf)];
+    match preadv2(file, &mut slices, offset, ReadWriteFlags::NOWAIT) {
+        Ok(n) => Ok(n),
+        // Kernels or file systems without RWF_NOWAIT answer EOPNOTSUPP: treat as a miss.
+        Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::AGAIN => {
+            Err(io::ErrorKind::WouldBlock.into())
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn pread_cached(_file: &std::fs::File, _buf: &mut [u8], _offset: u64) -> io::Result<usize> {
+    Err(io::ErrorKind::WouldBlock.into())
+}
+
 /// Opens a connected loopback TCP pair for probes that need a real established socket.
 pub fn loopback_pair() -> io::Result<(TcpStream, TcpStream)> {
     let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
