@@ -89,18 +89,24 @@ pub async fn fetch(
         builder = builder.header(*k, *v);
     }
     let req = builder.body(Empty::<Bytes>::new()).unwrap();
-    let resp = match proto {
+    // The connection task is awaited at the end, so the connection is closed cleanly
+    // before this returns and never lingers into a server's shutdown.
+    let (resp, conn) = match proto {
         Proto::H1 => {
             let (mut sender, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
-            tokio::spawn(conn);
-            sender.send_request(req).await.unwrap()
+            let conn = tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            (sender.send_request(req).await.unwrap(), conn)
         }
         Proto::H2 => {
             let (mut sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
                 .await
                 .unwrap();
-            tokio::spawn(conn);
-            sender.send_request(req).await.unwrap()
+            let conn = tokio::spawn(async move {
+                let _ = conn.await;
+            });
+            (sender.send_request(req).await.unwrap(), conn)
         }
     };
     let (parts, mut body) = resp.into_parts();
@@ -117,6 +123,8 @@ pub async fn fetch(
             }
         }
     }
+    drop(body);
+    let _ = tokio::time::timeout(Duration::from_secs(2), conn).await;
     Fetched {
         status: parts.status,
         headers: parts.headers,

@@ -321,3 +321,30 @@ async fn no_config_serves_the_current_directory_on_8443() {
     let stdout = std::fs::read_to_string(dir.path().join("stdout.log")).unwrap();
     assert!(stdout.contains("https://127.0.0.1:8443/"), "{stdout}");
 }
+
+#[tokio::test]
+async fn access_log_is_off_by_default_and_on_by_switch() {
+    for (extra, expect) in [("", false), ("[log]\naccess = true\n", true)] {
+        let env = Env::new();
+        env.write("small.txt", b"small");
+        let server = env.start(extra);
+        for proto in [Proto::H1, Proto::H2] {
+            let got = fetch(
+                proto,
+                server.addr(),
+                HOST,
+                env.client(proto.alpn()),
+                "GET",
+                "/small.txt",
+                &[],
+            )
+            .await;
+            assert_eq!(got.status, 200);
+        }
+        let ok = eventually(Duration::from_secs(2), || {
+            let log = server.log();
+            log.contains(" access: ") && log.contains("uri=/small.txt") && log.contains("status=200")
+        });
+        assert_eq!(ok, expect, "access log with {extra:?}:\n{}", server.log());
+    }
+}

@@ -5,6 +5,7 @@
 mod config_errors;
 mod download;
 mod files;
+mod h2;
 mod lifecycle;
 mod paths;
 mod preflight;
