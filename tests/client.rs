@@ -134,6 +134,103 @@ pub async fn fetch(
     }
 }
 
+/// An HTTP/3 connection from a fresh quinn client endpoint.
+pub struct H3Client {
+    endpoint: quinn::Endpoint,
+    driver: tokio::task::JoinHandle<()>,
+    pub send: h3::client::SendRequest<h3_quinn::OpenStreams, Bytes>,
+    authority: String,
+}
+
+impl H3Client {
+    /// Connects to `addr` with `sni`, verifying against `config` (ALPN is set to h3).
+    pub async fn connect(addr: SocketAddr, sni: &str, config: Arc<ClientConfig>) -> Self {
+        let mut tls = (*config).clone();
+        tls.alpn_protocols = vec![b"h3".to_vec()];
+        let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(Arc::new(tls)).unwrap();
+        let mut transport = quinn::TransportConfig::default();
+        // Windows sized so the client is not what limits a bulk download.
+        transport
+            .stream_receive_window((16u32 << 20).into())
+            .receive_window((64u32 << 20).into());
+        let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+        client.transport_config(Arc::new(transport));
+        let mut endpoint = quinn::Endpoint::client(SocketAddr::from(([127, 0, 0, 1], 0))).unwrap();
+        endpoint.set_default_client_config(client);
+        let conn = endpoint.connect(addr, sni).unwrap().await.unwrap();
+        let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn)).await.unwrap();
+        let driver = tokio::spawn(async move {
+            let _ = std::future::poll_fn(|cx| driver.poll_close(cx)).await;
+        });
+        Self {
+            endpoint,
+            driver,
+            send,
+            authority: format!("{sni}:{}", addr.port()),
+        }
+    }
+
+    /// One request on this connection, body streamed through SHA-256.
+    pub async fn fetch(&mut self, method: &str, path: &str, headers: &[(&str, &str)]) -> Fetched {
+        let mut builder = Request::builder()
+            .method(method)
+            .uri(format!("https://{}{path}", self.authority));
+        for (k, v) in headers {
+            builder = builder.header(*k, *v);
+        }
+        let mut stream = self.send.send_request(builder.body(()).unwrap()).await.unwrap();
+        stream.finish().await.unwrap();
+        let resp = stream.recv_response().await.unwrap();
+        let mut hasher = Sha256::new();
+        let mut len = 0u64;
+        let mut kept = Vec::new();
+        while let Some(mut chunk) = stream.recv_data().await.unwrap() {
+            use bytes::Buf;
+            while chunk.has_remaining() {
+                let data = chunk.chunk();
+                hasher.update(data);
+                len += data.len() as u64;
+                if len <= KEEP {
+                    kept.extend_from_slice(data);
+                }
+                let n = data.len();
+                chunk.advance(n);
+            }
+        }
+        let (parts, ()) = resp.into_parts();
+        Fetched {
+            status: parts.status,
+            headers: parts.headers,
+            len,
+            sha256: hasher.finalize().into(),
+            body: kept,
+        }
+    }
+
+    /// Closes the connection and waits briefly for the close to be sent.
+    pub async fn close(self) {
+        drop(self.send);
+        self.endpoint.close(0u32.into(), b"done");
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        self.driver.abort();
+    }
+}
+
+/// One request over HTTP/3 on a fresh connection.
+pub async fn fetch_h3(
+    addr: SocketAddr,
+    sni: &str,
+    config: Arc<ClientConfig>,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Fetched {
+    let mut client = H3Client::connect(addr, sni, config).await;
+    let got = client.fetch(method, path, headers).await;
+    client.close().await;
+    got
+}
+
 /// Writes `request` verbatim over HTTP/1.1-over-TLS and returns everything the
 /// server sends until it closes (or 10 s pass).
 pub async fn raw_h1(addr: SocketAddr, sni: &str, config: Arc<ClientConfig>, request: &[u8]) -> Vec<u8> {

@@ -6,6 +6,7 @@ mod config_errors;
 mod download;
 mod files;
 mod h2;
+mod h3;
 mod lifecycle;
 mod paths;
 mod preflight;

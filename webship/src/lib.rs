@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod files;
+pub mod h3;
 pub mod http;
 pub mod listener;
 pub mod preflight;

@@ -33,6 +33,7 @@ pub struct Config {
     pub kernel: Kernel,
     pub limits: Limits,
     pub h2: H2Settings,
+    pub h3: H3Settings,
     pub proxy_h2: ProxyH2Settings,
     pub access_log: bool,
 }
@@ -203,6 +204,41 @@ impl Default for H2Settings {
     }
 }
 
+/// HTTP/3 (QUIC) settings (`[runtime.settings]` keys `h3_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct H3Settings {
+    /// Bytes one connection may have queued for sending across all its streams: the
+    /// bound on an HTTP/3 connection's send-side memory.
+    pub send_window_bytes: u64,
+    /// Flow-control windows we grant the client (they limit uploads, not downloads).
+    pub stream_receive_window_bytes: u32,
+    pub receive_window_bytes: u32,
+    pub max_concurrent_streams: u32,
+    /// DPLPMTUD probes up to this UDP payload size.
+    pub mtu_upper_bound_bytes: u16,
+    /// UDP generic segmentation offload (one sendmsg for many datagrams).
+    pub gso: bool,
+    /// Body bytes after which a response switches its connection to BBR.
+    pub bbr_switch_bytes: u64,
+    /// Address validation (Retry) for every new connection, not only under load.
+    pub always_retry: bool,
+}
+
+impl Default for H3Settings {
+    fn default() -> Self {
+        Self {
+            send_window_bytes: 16 * 1024 * 1024,
+            stream_receive_window_bytes: 1024 * 1024,
+            receive_window_bytes: 8 * 1024 * 1024,
+            max_concurrent_streams: 256,
+            mtu_upper_bound_bytes: 1452,
+            gso: true,
+            bbr_switch_bytes: 1024 * 1024,
+            always_retry: false,
+        }
+    }
+}
+
 /// Process-wide HTTP/2 settings for proxied streams, validated now, used by the proxy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProxyH2Settings {
@@ -323,6 +359,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         },
         limits: Limits::default(),
         h2: H2Settings::default(),
+        h3: H3Settings::default(),
         proxy_h2: ProxyH2Settings::default(),
         access_log: false,
     })
@@ -475,7 +512,7 @@ impl Validator<'_> {
         };
         let limits = self.limits(raw.limits.unwrap_or_default());
         let settings = raw.runtime.unwrap_or_default().settings;
-        let (h2, proxy_h2) = self.settings(&settings);
+        let (h2, h3, proxy_h2) = self.settings(&settings);
 
         if self.problems.is_empty() {
             Ok(Config {
@@ -486,6 +523,7 @@ impl Validator<'_> {
                 kernel,
                 limits,
                 h2,
+                h3,
                 proxy_h2,
                 access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
             })
@@ -567,11 +605,11 @@ impl Validator<'_> {
             h2: raw.h2.unwrap_or(true),
             h3: raw.h3.unwrap_or(true),
         };
-        if !p.h1 && !p.h2 {
+        if !p.h1 && !p.h2 && !p.h3 {
             self.problem(
                 key,
-                "neither h1 nor h2 is enabled, and this build does not serve HTTP/3 yet",
-                "set `h1 = true` or `h2 = true`",
+                "every protocol is disabled",
+                "set at least one of h1, h2, h3 to true",
             );
         }
         p
@@ -621,8 +659,9 @@ impl Validator<'_> {
         }
     }
 
-    fn settings(&mut self, settings: &BTreeMap<String, String>) -> (H2Settings, ProxyH2Settings) {
+    fn settings(&mut self, settings: &BTreeMap<String, String>) -> (H2Settings, H3Settings, ProxyH2Settings) {
         let mut h2 = H2Settings::default();
+        let mut h3 = H3Settings::default();
         let mut proxy = ProxyH2Settings::default();
         for (name, value) in settings {
             let key = format!("runtime.settings.{name}");
@@ -657,6 +696,14 @@ impl Validator<'_> {
                 "h2_max_frame_size_bytes" => h2.max_frame_size_bytes = as_u32,
                 "h2_max_concurrent_streams" => h2.max_concurrent_streams = as_u32,
                 "h2_max_send_buffer_bytes" => h2.max_send_buffer_bytes = as_usize,
+                "h3_send_window_bytes" => h3.send_window_bytes = n,
+                "h3_stream_receive_window_bytes" => h3.stream_receive_window_bytes = as_u32,
+                "h3_receive_window_bytes" => h3.receive_window_bytes = as_u32,
+                "h3_max_concurrent_streams" => h3.max_concurrent_streams = as_u32,
+                "h3_mtu_upper_bound_bytes" => h3.mtu_upper_bound_bytes = u16::try_from(n).unwrap_or(u16::MAX),
+                "h3_gso" => h3.gso = n == 1,
+                "h3_bbr_switch_bytes" => h3.bbr_switch_bytes = n,
+                "h3_retry" => h3.always_retry = n == 1,
                 "proxy_h2_tls_max_send_buffer_bytes" => proxy.tls_max_send_buffer_bytes = as_usize,
                 "proxy_h2_tls_connection_send_buffer_bytes" => {
                     proxy.tls_connection_send_buffer_bytes = as_usize
@@ -678,7 +725,7 @@ impl Validator<'_> {
                 "make the connection budget at least one stream's buffer (e.g. 131072 x streams)",
             );
         }
-        (h2, proxy)
+        (h2, h3, proxy)
     }
 }
 

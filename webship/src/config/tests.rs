@@ -135,7 +135,9 @@ root = "media"
 fn protocols_and_reverse_proxy() {
     let f = Files::new();
     let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n";
-    let problems = f.problems(&format!("{base}[protocols]\nh1 = false\nh2 = false\n"));
+    let problems = f.problems(&format!(
+        "{base}[protocols]\nh1 = false\nh2 = false\nh3 = false\n"
+    ));
     assert_eq!(problems[0].key, "protocols");
     let problems = f.problems(&format!("{base}[reverse_proxy]\nenabled = true\n"));
     assert_eq!(problems[0].key, "reverse_proxy");

@@ -13,6 +13,7 @@ use tokio::net::TcpStream;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{Config, TlsSource};
+use crate::h3::{H3Context, H3Endpoint};
 use crate::http::{self, ConnContext};
 use crate::listener;
 use crate::preflight::Report;
@@ -23,6 +24,8 @@ use crate::tls::{self, Acceptor, Alpn};
 pub enum ServerError {
     #[error(transparent)]
     Tls(#[from] tls::TlsError),
+    #[error(transparent)]
+    H3(#[from] crate::h3::H3Error),
     #[error(
         "cannot listen on {addr}: {source} (fix: choose a free port, or run with the privilege to bind it)"
     )]
@@ -65,12 +68,20 @@ pub async fn run(
         source,
     })?;
     let local = listener.local_addr().unwrap_or(config.listen);
-    announce(&config, &report, local);
+    let h3 = match acceptor.quic_config() {
+        Some(tls) => Some(H3Endpoint::bind(local, tls, &config.h3, &config.limits)?),
+        None => None,
+    };
+    announce(&config, &report, local, h3.is_some());
 
     let (tx, rx) = watch::channel(false);
     let shutdown = Shutdown { rx };
     let limit = config.limits.max_connections;
     let permits = Arc::new(Semaphore::new(limit));
+    let h3_task = h3.map(|endpoint| {
+        let ctx = H3Context::new(&config, service.clone(), shutdown.clone());
+        tokio::spawn(endpoint.serve(ctx, permits.clone(), limit))
+    });
     let bbr = report.use_bbr();
     tokio::pin!(signal);
     loop {
@@ -121,6 +132,9 @@ pub async fn run(
             "grace period over: closing the remaining connections"
         ),
     }
+    if let Some(task) = h3_task {
+        task.abort();
+    }
     Ok(())
 }
 
@@ -155,15 +169,16 @@ async fn connection(
     }
 }
 
-fn announce(config: &Config, report: &Report, local: SocketAddr) {
+fn announce(config: &Config, report: &Report, local: SocketAddr, h3: bool) {
     let sites: Vec<String> = config
         .sites
         .iter()
         .map(|s| format!("{} → {} [{}]", s.domain, s.root.display(), s.protocols))
         .collect();
     tracing::info!(
-        "webship {} listening on https://{local} (workers {}; sites: {}; preflight: {}; http/3 not served by this build)",
+        "webship {} listening on https://{local} (tcp{}; workers {}; sites: {}; preflight: {})",
         env!("CARGO_PKG_VERSION"),
+        if h3 { " + udp for h3" } else { "" },
         config.workers,
         sites.join(", "),
         report.summary(),

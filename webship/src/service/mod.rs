@@ -123,6 +123,9 @@ pub struct RequestHead<'a> {
 pub struct Service {
     sites: SiteTable,
     roots: Vec<Arc<Path>>,
+    /// `Alt-Svc` for h1/h2 responses of sites that also serve HTTP/3.
+    alt_svc: Vec<Option<HeaderValue>>,
+    default_site: usize,
 }
 
 impl Service {
@@ -130,7 +133,23 @@ impl Service {
         Self {
             sites: SiteTable::new(config),
             roots: config.sites.iter().map(|s| Arc::from(s.root.as_path())).collect(),
+            alt_svc: config
+                .sites
+                .iter()
+                .map(|s| {
+                    s.protocols.h3.then(|| {
+                        HeaderValue::try_from(format!("h3=\":{}\"; ma=86400", config.listen.port()))
+                            .unwrap_or(HeaderValue::from_static("clear"))
+                    })
+                })
+                .collect(),
+            default_site: config.default_site(),
         }
+    }
+
+    /// The site for connections without (or with an unknown) SNI.
+    pub fn default_site(&self) -> usize {
+        self.default_site
     }
 
     pub fn sites(&self) -> &SiteTable {
@@ -148,7 +167,14 @@ impl Service {
             Ok(None) => req.tls_site,
             Err(status) => return Response::status(status),
         };
-        crate::files::serve(self.roots[site].clone(), req.method, req.uri.path(), req.headers).await
+        let mut resp =
+            crate::files::serve(self.roots[site].clone(), req.method, req.uri.path(), req.headers).await;
+        if req.version != Version::HTTP_3 {
+            if let Some(alt) = &self.alt_svc[site] {
+                resp.headers.insert(header::ALT_SVC, alt.clone());
+            }
+        }
+        resp
     }
 }
 

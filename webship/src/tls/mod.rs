@@ -65,6 +65,7 @@ pub struct Acceptor {
     configs: Vec<Arc<ServerConfig>>,
     protocols: Vec<Protocols>,
     default_site: usize,
+    quic: Option<Arc<ServerConfig>>,
 }
 
 /// A completed handshake.
@@ -84,6 +85,7 @@ impl Acceptor {
         let cache = ServerSessionMemoryCache::new(SESSION_CACHE_ENTRIES);
         let ticketer: Arc<dyn ProducesTickets> = rustls::crypto::aws_lc_rs::Ticketer::new()?;
         let mut configs = Vec::with_capacity(config.sites.len());
+        let mut quic_keys = Vec::with_capacity(config.sites.len());
         for site in &config.sites {
             let (chain, key) = match &site.tls {
                 TlsSource::Files { cert, key } => (load_chain(cert)?, load_key(key)?),
@@ -107,10 +109,12 @@ impl Acceptor {
                     key: key.clone(),
                 });
             }
+            let certified = Arc::new(certified);
+            quic_keys.push(site.protocols.h3.then(|| certified.clone()));
             let mut server = ServerConfig::builder_with_provider(provider.clone())
                 .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
                 .with_no_client_auth()
-                .with_cert_resolver(Arc::new(FixedCert(Arc::new(certified))));
+                .with_cert_resolver(Arc::new(FixedCert(certified)));
             server.session_storage = cache.clone();
             server.ticketer = ticketer.clone();
             server.alpn_protocols = alpn_list(site.protocols);
@@ -119,11 +123,38 @@ impl Acceptor {
             server.enable_secret_extraction = true;
             configs.push(Arc::new(server));
         }
+        let quic = if quic_keys.iter().any(Option::is_some) {
+            // QUIC carries TLS 1.3 only and one config per endpoint, so the site is
+            // chosen by SNI inside the certificate resolver instead.
+            let mut server = ServerConfig::builder_with_provider(provider)
+                .with_protocol_versions(&[&rustls::version::TLS13])?
+                .with_no_client_auth()
+                .with_cert_resolver(Arc::new(SniResolver {
+                    sites: SiteTable::new(config),
+                    keys: quic_keys,
+                    default_site: config.default_site(),
+                }));
+            server.session_storage = cache;
+            server.ticketer = ticketer;
+            server.alpn_protocols = vec![b"h3".to_vec()];
+            server.max_early_data_size = 0;
+            Some(Arc::new(server))
+        } else {
+            None
+        };
         Ok(Self {
             configs,
             protocols: config.sites.iter().map(|s| s.protocols).collect(),
             default_site: config.default_site(),
+            quic,
         })
+    }
+
+    /// The rustls configuration for the HTTP/3 endpoint (TLS 1.3, ALPN `h3`, the
+    /// certificate chosen by SNI among sites with `h3 = true`); `None` when no site
+    /// serves HTTP/3.
+    pub fn quic_config(&self) -> Option<Arc<ServerConfig>> {
+        self.quic.clone()
     }
 
     /// Reads the ClientHello, picks the site by SNI, and completes the handshake, all
@@ -171,6 +202,26 @@ struct FixedCert(Arc<rustls::sign::CertifiedKey>);
 impl rustls::server::ResolvesServerCert for FixedCert {
     fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
         Some(self.0.clone())
+    }
+}
+
+/// Picks the certificate by SNI for QUIC, where one rustls config serves all sites.
+/// No or an unknown SNI gets the default site, as over TCP; a site with `h3 = false`
+/// gets no certificate, so the handshake fails rather than serving it over HTTP/3.
+#[derive(Debug)]
+struct SniResolver {
+    sites: SiteTable,
+    keys: Vec<Option<Arc<rustls::sign::CertifiedKey>>>,
+    default_site: usize,
+}
+
+impl rustls::server::ResolvesServerCert for SniResolver {
+    fn resolve(&self, hello: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
+        let site = hello
+            .server_name()
+            .and_then(|sni| self.sites.lookup(sni))
+            .unwrap_or(self.default_site);
+        self.keys.get(site).cloned().flatten()
     }
 }
 

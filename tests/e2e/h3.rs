@@ -1,0 +1,302 @@
+//! HTTP/3 against real clients: quinn + h3 (Rust) and aioquic (Python), the same files
+//! semantics as h1/h2, concurrency, cancellation, Alt-Svc and the per-connection BBR
+//! switch.
+
+use std::process::Command;
+use std::time::Duration;
+
+use webship_tests::client::{fetch, fetch_h3, hex, H3Client, Proto};
+use webship_tests::server::eventually;
+use webship_tests::{fixture, FIXTURE_LEN};
+
+use crate::support::{pattern, Env, HOST};
+
+const MIB: u64 = 1024 * 1024;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixture_with_quinn_h3_client() {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin");
+    let server = env.start("");
+    let got = fetch_h3(server.addr(), HOST, env.client(b"h3"), "GET", "/fixture.bin", &[]).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.header("content-length"), FIXTURE_LEN.to_string());
+    assert_eq!(got.len, FIXTURE_LEN);
+    assert_eq!(hex(&got.sha256), hex(&fixture().sha256));
+}
+
+#[test]
+fn fixture_with_aioquic() {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin");
+    env.write("data.bin", &pattern(10_000));
+    let server = env.start("");
+    let ca = env.pki.ca_file();
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/h3_fetch.py");
+    let run = |path: &str, headers: &[&str]| -> serde_like::Json {
+        let out = Command::new("python3")
+            .args([
+                script,
+                "127.0.0.1",
+                &server.port.to_string(),
+                HOST,
+                path,
+                ca.to_str().unwrap(),
+            ])
+            .args(headers)
+            .output()
+            .expect("python3 with aioquic is required; `cargo xtask test` installs it");
+        assert!(
+            out.status.success(),
+            "aioquic: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_like::Json(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let full = run("/fixture.bin", &[]);
+    assert_eq!(full.number("status"), 200, "{}", full.0);
+    assert_eq!(full.number("len"), FIXTURE_LEN, "{}", full.0);
+    assert_eq!(full.string("sha256"), hex(&fixture().sha256));
+    let part = run("/data.bin", &["range: bytes=100-199"]);
+    assert_eq!(part.number("status"), 206, "{}", part.0);
+    assert_eq!(part.number("len"), 100);
+    assert!(part.0.contains("bytes 100-199/10000"), "{}", part.0);
+}
+
+/// Just enough JSON reading for the client's one-line output, without a JSON crate.
+mod serde_like {
+    pub struct Json(pub String);
+
+    impl Json {
+        fn raw(&self, key: &str) -> &str {
+            let needle = format!("\"{key}\": ");
+            let start = self
+                .0
+                .find(&needle)
+                .unwrap_or_else(|| panic!("{key} not in {}", self.0))
+                + needle.len();
+            let rest = &self.0[start..];
+            let end = rest.find([',', '}']).unwrap();
+            rest[..end].trim()
+        }
+
+        pub fn number(&self, key: &str) -> u64 {
+            self.raw(key).parse().unwrap()
+        }
+
+        pub fn string(&self, key: &str) -> String {
+            self.raw(key).trim_matches('"').to_owned()
+        }
+    }
+}
+
+#[tokio::test]
+async fn files_semantics_match_h1_and_h2() {
+    let env = Env::new();
+    let data = pattern(10_000);
+    env.write("data.bin", &data);
+    std::fs::write(env.dir.path().join("secret.txt"), "secret").unwrap();
+    let server = env.start("");
+    let mut h3 = H3Client::connect(server.addr(), HOST, env.client(b"h3")).await;
+
+    let got = h3.fetch("GET", "/data.bin", &[("range", "bytes=10-19")]).await;
+    assert_eq!(got.status, 206);
+    assert_eq!(got.body, &data[10..20]);
+    let got = h3.fetch("GET", "/data.bin", &[("range", "bytes=0-1,-2")]).await;
+    assert_eq!(got.status, 206);
+    assert!(got
+        .header("content-type")
+        .starts_with("multipart/byteranges; boundary="));
+    let got = h3.fetch("GET", "/data.bin", &[("range", "bytes=99999-")]).await;
+    assert_eq!(got.status, 416);
+    assert_eq!(got.header("content-range"), "bytes */10000");
+    let full = h3.fetch("GET", "/data.bin", &[]).await;
+    assert_eq!(full.body, data);
+    let etag = full.header("etag").to_owned();
+    let got = h3.fetch("GET", "/data.bin", &[("if-none-match", &etag)]).await;
+    assert_eq!(got.status, 304);
+    let got = h3.fetch("HEAD", "/data.bin", &[]).await;
+    assert_eq!((got.status.as_u16(), got.len), (200, 0));
+    assert_eq!(got.header("content-length"), "10000");
+    assert!(got.headers.get("alt-svc").is_none(), "no Alt-Svc over h3 itself");
+    for path in ["/%2e%2e/secret.txt", "/..%5csecret.txt"] {
+        let got = h3.fetch("GET", path, &[]).await;
+        assert_eq!(got.status, 400, "{path}");
+    }
+    let got = h3.fetch("POST", "/data.bin", &[]).await;
+    assert_eq!(got.status, 405);
+    h3.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_concurrent_streams_on_one_connection() {
+    let env = Env::new();
+    let data = pattern(2 * 1024 * 1024);
+    env.write("data.bin", &data);
+    let server = env.start("");
+    let h3 = H3Client::connect(server.addr(), HOST, env.client(b"h3")).await;
+    let mut tasks = Vec::new();
+    for i in 0..32u64 {
+        let mut send = h3.send.clone();
+        let authority = format!("{HOST}:{}", server.port);
+        let (start, end) = (i * 60_000, i * 60_000 + 59_999 + i * 1000);
+        tasks.push(tokio::spawn(async move {
+            let req = http::Request::get(format!("https://{authority}/data.bin"))
+                .header("range", format!("bytes={start}-{end}"))
+                .body(())
+                .unwrap();
+            let mut stream = send.send_request(req).await.unwrap();
+            stream.finish().await.unwrap();
+            let resp = stream.recv_response().await.unwrap();
+            assert_eq!(resp.status(), 206);
+            let mut body = Vec::new();
+            while let Some(chunk) = stream.recv_data().await.unwrap() {
+                use bytes::Buf;
+                body.extend_from_slice(chunk.chunk());
+            }
+            (start as usize, end as usize, body)
+        }));
+    }
+    for task in tasks {
+        let (start, end, body) = task.await.unwrap();
+        assert_eq!(body, &data[start..=end], "stream for {start}-{end}");
+    }
+    h3.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_download_frees_the_stream_and_the_connection_lives_on() {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin");
+    env.write("small.txt", b"small");
+    let server = env.start("");
+    let mut h3 = H3Client::connect(server.addr(), HOST, env.client(b"h3")).await;
+    let warm = h3
+        .fetch("GET", "/fixture.bin", &[("range", "bytes=0-4194303")])
+        .await;
+    assert_eq!(warm.len, 4 * MIB);
+    let base = server.rss();
+    for _ in 0..3 {
+        let req = http::Request::get(format!("https://{HOST}:{}/fixture.bin", server.port))
+            .body(())
+            .unwrap();
+        let mut stream = h3.send.send_request(req).await.unwrap();
+        stream.finish().await.unwrap();
+        let _ = stream.recv_response().await.unwrap();
+        let mut got = 0u64;
+        while got < 10 * MIB {
+            use bytes::Buf;
+            got += stream.recv_data().await.unwrap().unwrap().remaining() as u64;
+        }
+        stream.stop_sending(h3::error::Code::H3_REQUEST_CANCELLED);
+    }
+    let got = h3.fetch("GET", "/small.txt", &[]).await;
+    assert_eq!(got.body, b"small");
+    assert!(
+        eventually(Duration::from_secs(5), || server
+            .log()
+            .matches("h3: response not completed")
+            .count()
+            == 3),
+        "the server did not stop the three cancelled responses:\n{}",
+        server.log()
+    );
+    let rss = server.rss();
+    assert!(
+        rss < base + 24 * MIB,
+        "RSS {} MiB vs baseline {} MiB",
+        rss / MIB,
+        base / MIB
+    );
+    h3.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_responses_switch_their_connection_to_bbr() {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin");
+    env.write("small.txt", b"small");
+    let server = env.start("");
+    let switched = || server.log().matches("switches to BBR").count();
+    let got = fetch_h3(server.addr(), HOST, env.client(b"h3"), "GET", "/small.txt", &[]).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(switched(), 0, "a small response must not switch");
+    let got = fetch_h3(
+        server.addr(),
+        HOST,
+        env.client(b"h3"),
+        "GET",
+        "/fixture.bin",
+        &[("range", "bytes=0-8388607")],
+    )
+    .await;
+    assert_eq!(got.len, 8 * MIB);
+    assert!(
+        eventually(Duration::from_secs(2), || switched() == 1),
+        "{}",
+        server.log()
+    );
+
+    // `[kernel] bbr = "off"` never switches.
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin");
+    let server = env.start("[kernel]\nbbr = \"off\"\n");
+    let got = fetch_h3(
+        server.addr(),
+        HOST,
+        env.client(b"h3"),
+        "GET",
+        "/fixture.bin",
+        &[("range", "bytes=0-8388607")],
+    )
+    .await;
+    assert_eq!(got.len, 8 * MIB);
+    assert!(!server.log().contains("switches to BBR"));
+}
+
+#[tokio::test]
+async fn alt_svc_advertises_h3_only_for_h3_sites() {
+    let env = Env::new();
+    env.write("small.txt", b"small");
+    let server = env.start("");
+    for proto in [Proto::H1, Proto::H2] {
+        let got = fetch(
+            proto,
+            server.addr(),
+            HOST,
+            env.client(proto.alpn()),
+            "GET",
+            "/small.txt",
+            &[],
+        )
+        .await;
+        assert_eq!(
+            got.header("alt-svc"),
+            format!("h3=\":{}\"; ma=86400", server.port),
+            "{proto:?}"
+        );
+    }
+    let env = Env::new();
+    env.write("small.txt", b"small");
+    let config = env
+        .config("")
+        .replace("[sites.tls]", "[sites.protocols]\nh3 = false\n[sites.tls]");
+    let server = webship_tests::Server::start(env.dir.path(), &config);
+    for proto in [Proto::H1, Proto::H2] {
+        let got = fetch(
+            proto,
+            server.addr(),
+            HOST,
+            env.client(proto.alpn()),
+            "GET",
+            "/small.txt",
+            &[],
+        )
+        .await;
+        assert!(got.headers.get("alt-svc").is_none(), "{proto:?}");
+    }
+    assert!(
+        !server.log().contains("udp for h3"),
+        "no UDP endpoint without h3 sites"
+    );
+}

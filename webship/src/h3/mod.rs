@@ -1,0 +1,327 @@
+//! HTTP/3: a quinn endpoint on the listen address (UDP) and the h3 driver.
+//!
+//! Requests go through the same [`Service`](crate::service::Service) as h1 and h2, so
+//! routing, headers, ranges, conditionals and path safety are identical. Transport:
+//! quinn's pacing, UDP GSO/GRO (quinn-udp), DPLPMTUD up to `h3_mtu_upper_bound_bytes`,
+//! and a per-connection congestion controller that starts on CUBIC and moves to BBR
+//! once a response proves bulk ([`congestion`]).
+//!
+//! Memory per connection is bounded by `h3_send_window_bytes` (quinn buffers no more
+//! unsent stream data than that; `send_data` waits) plus one [`FILE_CHUNK`] per
+//! active stream.
+
+pub mod congestion;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use quinn::crypto::rustls::QuicServerConfig;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::config::{Config, H3Settings, Limits, Policy};
+use crate::server::Shutdown;
+use crate::service::{Body, RequestHead, Segment, Service};
+use congestion::{BulkSignal, SwitchingFactory};
+
+/// File bytes per DATA frame production step.
+pub const FILE_CHUNK: usize = 128 * 1024;
+/// Kernel socket buffers for the UDP socket; bulk QUIC needs far more than the
+/// defaults to absorb bursts (best effort: capped by net.core.{r,w}mem_max).
+const UDP_BUFFER_BYTES: usize = 8 * 1024 * 1024;
+
+#[derive(Debug, thiserror::Error)]
+pub enum H3Error {
+    #[error(
+        "cannot listen for HTTP/3 on udp {addr}: {source} (fix: free the UDP port, or set `h3 = false`)"
+    )]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the TLS configuration cannot serve QUIC: {0}")]
+    Crypto(String),
+}
+
+/// Everything an HTTP/3 connection needs from the server.
+#[derive(Debug, Clone)]
+pub struct H3Context {
+    pub service: Arc<Service>,
+    pub limits: Limits,
+    pub settings: H3Settings,
+    /// Whether responses may switch their connection to BBR (`[kernel] bbr != "off"`).
+    pub bbr: bool,
+    pub access_log: bool,
+    pub shutdown: Shutdown,
+}
+
+impl H3Context {
+    pub fn new(config: &Config, service: Arc<Service>, shutdown: Shutdown) -> Self {
+        Self {
+            service,
+            limits: config.limits,
+            settings: config.h3,
+            bbr: config.kernel.bbr != Policy::Off,
+            access_log: config.access_log,
+            shutdown,
+        }
+    }
+}
+
+/// The bound HTTP/3 endpoint.
+#[derive(Debug)]
+pub struct H3Endpoint {
+    endpoint: quinn::Endpoint,
+    base: quinn::ServerConfig,
+}
+
+impl H3Endpoint {
+    /// Binds UDP `addr` for the sites that serve HTTP/3.
+    pub fn bind(
+        addr: SocketAddr,
+        tls: Arc<rustls::ServerConfig>,
+        settings: &H3Settings,
+        limits: &Limits,
+    ) -> Result<Self, H3Error> {
+        let crypto = QuicServerConfig::try_from(tls).map_err(|e| H3Error::Crypto(e.to_string()))?;
+        let mut base = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        base.transport_config(Arc::new(transport(settings, limits, BulkSignal::default())));
+        let socket = udp_socket(addr).map_err(|source| H3Error::Bind { addr, source })?;
+        let endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::default(),
+            Some(base.clone()),
+            socket,
+            Arc::new(quinn::TokioRuntime),
+        )
+        .map_err(|source| H3Error::Bind { addr, source })?;
+        Ok(Self { endpoint, base })
+    }
+
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.endpoint.local_addr()
+    }
+
+    /// Accepts connections until shutdown, each holding one of `permits` (shared with
+    /// TCP) for its whole life. Under load (more than half the permits taken), or
+    /// always with `h3_retry`, new clients must prove their address first (Retry).
+    pub async fn serve(self, ctx: H3Context, permits: Arc<Semaphore>, max_connections: usize) {
+        let mut shutdown = ctx.shutdown.clone();
+        loop {
+            let incoming = tokio::select! {
+                incoming = self.endpoint.accept() => match incoming {
+                    Some(incoming) => incoming,
+                    None => break,
+                },
+                () = shutdown.requested() => break,
+            };
+            let busy = permits.available_permits() < max_connections / 2;
+            if (ctx.settings.always_retry || busy)
+                && !incoming.remote_address_validated()
+                && incoming.may_retry()
+            {
+                if let Err(e) = incoming.retry() {
+                    tracing::debug!(error = %e, "h3: retry failed");
+                }
+                continue;
+            }
+            let Ok(permit) = permits.clone().try_acquire_owned() else {
+                incoming.refuse();
+                continue;
+            };
+            // One controller factory per connection carries that connection's signal.
+            let signal = BulkSignal::default();
+            let mut config = self.base.clone();
+            config.transport_config(Arc::new(transport(&ctx.settings, &ctx.limits, signal.clone())));
+            let peer = incoming.remote_address();
+            match incoming.accept_with(Arc::new(config)) {
+                Ok(connecting) => {
+                    tokio::spawn(connection(connecting, ctx.clone(), signal, peer, permit));
+                }
+                Err(e) => tracing::debug!(%peer, error = %e, "h3: accept failed"),
+            }
+        }
+        // New connections are refused from here on; open ones drain through `shutdown`.
+        self.endpoint.set_server_config(None);
+        let endpoint = self.endpoint.clone();
+        drop(self);
+        let _ = permits
+            .acquire_many(u32::try_from(max_connections).unwrap_or(u32::MAX))
+            .await;
+        endpoint.close(quinn::VarInt::from_u32(0), b"shutdown");
+        let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
+    }
+}
+
+fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    if addr.is_ipv6() {
+        socket.set_only_v6(false)?;
+    }
+    let _ = socket.set_recv_buffer_size(UDP_BUFFER_BYTES);
+    let _ = socket.set_send_buffer_size(UDP_BUFFER_BYTES);
+    socket.bind(&addr.into())?;
+    Ok(socket.into())
+}
+
+fn transport(settings: &H3Settings, limits: &Limits, signal: BulkSignal) -> quinn::TransportConfig {
+    let mut t = quinn::TransportConfig::default();
+    t.max_concurrent_bidi_streams(settings.max_concurrent_streams.into())
+        // Control and two QPACK streams, plus headroom for extensions.
+        .max_concurrent_uni_streams(8u32.into())
+        .stream_receive_window(settings.stream_receive_window_bytes.into())
+        .receive_window(settings.receive_window_bytes.into())
+        .send_window(settings.send_window_bytes)
+        .max_idle_timeout(quinn::IdleTimeout::try_from(limits.idle_timeout).ok())
+        .enable_segmentation_offload(settings.gso)
+        .congestion_controller_factory(Arc::new(SwitchingFactory::new(signal)));
+    let mut mtud = quinn::MtuDiscoveryConfig::default();
+    mtud.upper_bound(settings.mtu_upper_bound_bytes);
+    t.mtu_discovery_config(Some(mtud));
+    t
+}
+
+async fn connection(
+    connecting: quinn::Connecting,
+    ctx: H3Context,
+    signal: BulkSignal,
+    peer: SocketAddr,
+    permit: OwnedSemaphorePermit,
+) {
+    let conn = match tokio::time::timeout(ctx.limits.handshake_timeout, connecting).await {
+        Ok(Ok(conn)) => conn,
+        Ok(Err(e)) => return tracing::debug!(%peer, error = %e, "h3: handshake failed"),
+        Err(_) => return tracing::debug!(%peer, "h3: handshake timed out"),
+    };
+    let sni = conn
+        .handshake_data()
+        .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
+        .and_then(|d| d.server_name);
+    let sites = ctx.service.sites();
+    let tls_site = sni
+        .as_deref()
+        .and_then(|name| sites.lookup(name))
+        .unwrap_or_else(|| ctx.service.default_site());
+    let mut h3 = match h3::server::builder()
+        .max_field_section_size(ctx.limits.max_header_bytes as u64)
+        .build::<_, Bytes>(h3_quinn::Connection::new(conn))
+        .await
+    {
+        Ok(h3) => h3,
+        Err(e) => return tracing::debug!(%peer, error = %e, "h3: connection setup failed"),
+    };
+    let permit = Arc::new(permit);
+    let mut shutdown = ctx.shutdown.clone();
+    let mut closing = false;
+    loop {
+        let accepted = tokio::select! {
+            accepted = h3.accept() => accepted,
+            () = shutdown.requested(), if !closing => {
+                closing = true;
+                // GOAWAY: no new requests; those in flight finish.
+                if let Err(e) = h3.shutdown(0).await {
+                    tracing::debug!(%peer, error = %e, "h3: goaway");
+                }
+                continue;
+            }
+        };
+        match accepted {
+            Ok(Some(resolver)) => {
+                let ctx = ctx.clone();
+                let signal = signal.clone();
+                // Each request keeps the connection's permit alive until it is done.
+                let permit = permit.clone();
+                tokio::spawn(async move {
+                    request(resolver, &ctx, &signal, peer, tls_site).await;
+                    drop(permit);
+                });
+            }
+            Ok(None) => break,
+            Err(e) => {
+                tracing::debug!(%peer, error = %e, "h3: connection ended");
+                break;
+            }
+        }
+    }
+}
+
+type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
+type Stream = h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>;
+
+async fn request(
+    resolver: Resolver,
+    ctx: &H3Context,
+    signal: &BulkSignal,
+    peer: SocketAddr,
+    tls_site: usize,
+) {
+    let (req, mut stream) = match resolver.resolve_request().await {
+        Ok(r) => r,
+        Err(e) => return tracing::debug!(%peer, error = %e, "h3: bad request"),
+    };
+    let (parts, ()) = req.into_parts();
+    let head = RequestHead {
+        method: &parts.method,
+        uri: &parts.uri,
+        version: http::Version::HTTP_3,
+        headers: &parts.headers,
+        tls_site,
+    };
+    let resp = ctx.service.handle(&head).await;
+    if ctx.access_log {
+        tracing::info!(target: "access", %peer, proto = "h3", method = %parts.method,
+            uri = %parts.uri, status = resp.status.as_u16(), bytes = resp.body.len());
+    }
+    if let Err(e) = respond(&mut stream, resp, ctx, signal, peer).await {
+        // Typically the client cancelled (STOP_SENDING) or went away: stop reading.
+        tracing::debug!(%peer, error = %e, "h3: response not completed");
+    }
+}
+
+async fn respond(
+    stream: &mut Stream,
+    resp: crate::service::Response,
+    ctx: &H3Context,
+    signal: &BulkSignal,
+    peer: SocketAddr,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let mut head = http::Response::new(());
+    *head.status_mut() = resp.status;
+    *head.headers_mut() = resp.headers;
+    head.headers_mut().insert(
+        http::header::SERVER,
+        http::HeaderValue::from_static(crate::http::SERVER),
+    );
+    stream.send_response(head).await?;
+    match resp.body {
+        Body::Empty => {}
+        Body::Bytes(bytes) => stream.send_data(bytes).await?,
+        Body::File(body) => {
+            let mut sent = 0u64;
+            for segment in body.segments {
+                match segment {
+                    Segment::Bytes(bytes) => stream.send_data(bytes).await?,
+                    Segment::File { offset, len } => {
+                        let end = offset + len;
+                        let mut at = offset;
+                        while at < end {
+                            let n = FILE_CHUNK.min(usize::try_from(end - at).unwrap_or(FILE_CHUNK));
+                            // h3 takes ownership of each chunk, so each gets its own buffer.
+                            let buf = crate::files::read_chunk(body.file.clone(), Vec::new(), at, n).await?;
+                            stream.send_data(Bytes::from(buf)).await?;
+                            at += n as u64;
+                            sent += n as u64;
+                            if ctx.bbr && sent >= ctx.settings.bbr_switch_bytes && signal.raise() {
+                                tracing::info!(%peer, sent, "h3: bulk response, connection switches to BBR");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    stream.finish().await?;
+    Ok(())
+}
