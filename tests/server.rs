@@ -60,7 +60,7 @@ impl Server {
         let port = free_port();
         let path = dir.join("webship.toml");
         std::fs::write(&path, config.replace("{port}", &port.to_string())).unwrap();
-        let server = Self::spawn(dir, &["serve", "--config", path.to_str().unwrap()], port);
+        let mut server = Self::spawn(dir, &["serve", "--config", path.to_str().unwrap()], port);
         server.wait_listening();
         server
     }
@@ -81,11 +81,17 @@ impl Server {
         Server { child, port, log }
     }
 
-    pub fn wait_listening(&self) {
+    pub fn wait_listening(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
             if listening(self.port) {
                 return;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "webship exited ({status}) instead of listening; log:\n{}",
+                    self.log()
+                );
             }
             std::thread::sleep(Duration::from_millis(25));
         }

@@ -300,3 +300,21 @@ async fn alt_svc_advertises_h3_only_for_h3_sites() {
         "no UDP endpoint without h3 sites"
     );
 }
+
+#[tokio::test]
+async fn retry_validates_addresses_when_configured() {
+    let env = Env::new();
+    env.write("small.txt", b"small");
+    let server = env.start("[runtime.settings]\nh3_retry = \"1\"\n");
+    let got = fetch_h3(server.addr(), HOST, env.client(b"h3"), "GET", "/small.txt", &[]).await;
+    assert_eq!(got.body, b"small", "a client that answers the Retry is served");
+    assert!(server.log().contains("Retry) sent"), "{}", server.log());
+
+    let server = env.start("");
+    let got = fetch_h3(server.addr(), HOST, env.client(b"h3"), "GET", "/small.txt", &[]).await;
+    assert_eq!(got.body, b"small");
+    assert!(
+        !server.log().contains("Retry) sent"),
+        "no Retry when idle and not configured"
+    );
+}

@@ -301,7 +301,7 @@ async fn shutdown_grace_has_a_deadline() {
 async fn no_config_serves_the_current_directory_on_8443() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("hello.txt"), b"hello from cwd").unwrap();
-    let server = Server::spawn(dir.path(), &["serve"], 8443);
+    let mut server = Server::spawn(dir.path(), &["serve"], 8443);
     server.wait_listening();
     let addr = server.addr();
     for proto in [Proto::H1, Proto::H2] {

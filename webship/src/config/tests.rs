@@ -152,3 +152,30 @@ fn builtin_default_serves_a_directory_on_loopback() {
     assert!(matches!(config.sites[0].tls, TlsSource::SelfSigned { .. }));
     assert!(builtin_default(&f.dir.path().join("nope")).is_err());
 }
+
+#[test]
+fn h3_settings() {
+    let f = Files::new();
+    let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[runtime.settings]\n";
+    let config = f
+        .parse(&format!(
+            "{base}h3_gso = \"0\"\nh3_mtu_upper_bound_bytes = \"9000\"\nh3_send_window_bytes = \"1048576\"\nh3_retry = \"1\"\nh3_bbr_switch_bytes = \"0\"\n"
+        ))
+        .unwrap();
+    assert!(!config.h3.gso);
+    assert!(config.h3.always_retry);
+    assert_eq!(config.h3.mtu_upper_bound_bytes, 9000);
+    assert_eq!(config.h3.send_window_bytes, 1 << 20);
+    assert_eq!(config.h3.bbr_switch_bytes, 0);
+    let problems = f.problems(&format!(
+        "{base}h3_gso = \"2\"\nh3_mtu_upper_bound_bytes = \"70000\"\n"
+    ));
+    let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "runtime.settings.h3_gso",
+            "runtime.settings.h3_mtu_upper_bound_bytes"
+        ]
+    );
+}

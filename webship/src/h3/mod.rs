@@ -121,8 +121,10 @@ impl H3Endpoint {
                 && !incoming.remote_address_validated()
                 && incoming.may_retry()
             {
-                if let Err(e) = incoming.retry() {
-                    tracing::debug!(error = %e, "h3: retry failed");
+                let peer = incoming.remote_address();
+                match incoming.retry() {
+                    Ok(()) => tracing::debug!(%peer, "h3: address validation (Retry) sent"),
+                    Err(e) => tracing::debug!(%peer, error = %e, "h3: retry failed"),
                 }
                 continue;
             }
