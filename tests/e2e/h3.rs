@@ -318,3 +318,30 @@ async fn retry_validates_addresses_when_configured() {
         "no Retry when idle and not configured"
     );
 }
+
+#[test]
+fn fixture_with_ngtcp2_client() {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin");
+    let server = env.start("");
+    let download = env.dir.path().join("ngtcp2");
+    std::fs::create_dir(&download).unwrap();
+    let out = Command::new("timeout")
+        .args(["120", "gtlsclient", "--quiet", "--exit-on-all-streams-close"])
+        .arg(format!("--download={}", download.display()))
+        .args(["127.0.0.1", &server.port.to_string()])
+        .arg(format!("https://{HOST}:{}/fixture.bin", server.port))
+        .output()
+        .expect("gtlsclient (ngtcp2-client) is required; `cargo xtask test` installs it");
+    assert!(
+        out.status.success(),
+        "gtlsclient: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let file = download.join("fixture.bin");
+    assert_eq!(std::fs::metadata(&file).unwrap().len(), FIXTURE_LEN);
+    assert_eq!(
+        hex(&webship_tests::fixture::sha256_file(&file)),
+        hex(&fixture().sha256)
+    );
+}

@@ -1,7 +1,7 @@
 //! `cargo xtask`: the project's own commands.
 //!
 //! - `cargo xtask test`: install what the suite needs when missing (Debian packages:
-//!   curl, nginx, nghttp2-client, python3; PyPI: aioquic; only what is absent), build, then run
+//!   curl, nginx, nghttp2-client, ngtcp2-client, python3; PyPI: aioquic; only what is absent), build, then run
 //!   every test: formatting, clippy, unit tests and the end-to-end suite.
 //! - `cargo xtask bench [ARGS]`: the benchmark runner in `benches/` (release build).
 
@@ -14,6 +14,7 @@ const APT: &[(&str, &str)] = &[
     ("curl", "curl"),
     ("nginx", "nginx-light"),
     ("h2load", "nghttp2-client"),
+    ("gtlsclient", "ngtcp2-client"),
     ("openssl", "openssl"),
     ("python3", "python3"),
     ("pip3", "python3-pip"),
