@@ -9,6 +9,7 @@ pub mod config;
 pub mod files;
 pub mod h3;
 pub mod http;
+pub mod ktls;
 pub mod listener;
 pub mod preflight;
 pub mod server;

@@ -18,11 +18,14 @@ use std::time::Duration;
 use bytes::{Buf, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Uri, Version};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use tokio_rustls::server::TlsStream;
 
 use super::{ConnContext, SERVER};
+use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
 use crate::service::{Body, FileBody, RequestHead, Response, Segment};
 use crate::sys;
 
@@ -42,11 +45,69 @@ pub enum H1Error {
     SendTimeout,
 }
 
-type Stream = TlsStream<TcpStream>;
+/// The connection's TLS: rustls first, the kernel after a promotion.
+#[derive(Debug)]
+enum Stream {
+    Rustls(Box<RustlsStream>),
+    Kernel(KtlsStream),
+    /// Only during a promotion attempt, never observed by I/O.
+    Promoting,
+}
+
+impl Stream {
+    fn tcp(&self) -> Option<&TcpStream> {
+        match self {
+            Stream::Rustls(tls) => Some(tls.get_ref().0.get_ref()),
+            Stream::Kernel(k) => Some(k.tcp()),
+            Stream::Promoting => None,
+        }
+    }
+}
+
+fn promoting() -> io::Error {
+    io::Error::other("connection is being promoted")
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
+            Stream::Kernel(k) => Pin::new(k).poll_read(cx, buf),
+            Stream::Promoting => Poll::Ready(Err(promoting())),
+        }
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_write(cx, data),
+            Stream::Kernel(k) => Pin::new(k).poll_write(cx, data),
+            Stream::Promoting => Poll::Ready(Err(promoting())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
+            Stream::Kernel(k) => Pin::new(k).poll_flush(cx),
+            Stream::Promoting => Poll::Ready(Err(promoting())),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
+            Stream::Kernel(k) => Pin::new(k).poll_shutdown(cx),
+            Stream::Promoting => Poll::Ready(Err(promoting())),
+        }
+    }
+}
 
 /// Serves one connection until the client closes it, a timeout fires, an error
 /// happens, or shutdown is requested (between responses).
-pub async fn serve(mut stream: Stream, ctx: ConnContext) -> Result<(), H1Error> {
+pub async fn serve(stream: RustlsStream, ctx: ConnContext) -> Result<(), H1Error> {
+    let mut stream = Stream::Rustls(Box::new(stream));
     let mut conn = Conn {
         read: BytesMut::with_capacity(8 * 1024),
         head: Vec::with_capacity(1024),
@@ -240,13 +301,13 @@ impl Conn {
         let send_timeout = self.ctx.limits.send_timeout;
         match resp.body {
             Body::File(body) if *method != Method::HEAD && body.len > 0 => {
-                // Head and body in one corked interval; uncorked even on error paths
-                // that keep the connection (there are none today, but cheap to keep).
-                let tcp = stream.get_ref().0;
-                let corked = sys::set_cork(tcp, true).is_ok();
+                // Head and body in one corked interval.
+                let corked = stream.tcp().is_some_and(|tcp| sys::set_cork(tcp, true).is_ok());
                 let result = self.send_file(stream, body, send_timeout).await;
                 if corked {
-                    let _ = sys::set_cork(stream.get_ref().0, false);
+                    if let Some(tcp) = stream.tcp() {
+                        let _ = sys::set_cork(tcp, false);
+                    }
                 }
                 result?;
             }
@@ -260,9 +321,9 @@ impl Conn {
         Ok(())
     }
 
-    /// The bulk path. Promotion to kernel TLS plugs in here: once [`BULK_PROMOTION`]
-    /// bytes of body have gone through rustls, the remaining `Segment::File` ranges can
-    /// be handed to `sendfile` on a kTLS socket instead of this loop.
+    /// The bulk path: file chunks through rustls, and, once [`BULK_PROMOTION`] bytes
+    /// of body have gone that way and kernel TLS covers the suite, the rest of the
+    /// file ranges by `sendfile` on the promoted socket.
     async fn send_file(
         &mut self,
         stream: &mut Stream,
@@ -273,23 +334,71 @@ impl Conn {
         if self.body.capacity() < CHUNK {
             self.body = Vec::with_capacity(CHUNK);
         }
+        let mut through_rustls = 0u64;
+        let mut tried = false;
         for segment in &body.segments {
             match segment {
                 Segment::Bytes(bytes) => timed(send_timeout, stream.write_all(bytes)).await?,
                 Segment::File { offset, len } => {
                     let (mut offset, end) = (*offset, offset + len);
                     while offset < end {
+                        if let Stream::Kernel(kernel) = stream {
+                            kernel
+                                .sendfile(&body.file, offset, end - offset, send_timeout)
+                                .await?;
+                            break;
+                        }
                         let n = CHUNK.min((end - offset) as usize);
                         let buf = std::mem::take(&mut self.body);
                         let buf = crate::files::read_chunk(body.file.clone(), buf, offset, n).await?;
                         self.body = buf;
                         timed(send_timeout, stream.write_all(&self.body)).await?;
                         offset += n as u64;
+                        through_rustls += n as u64;
+                        if !tried && through_rustls >= BULK_PROMOTION && offset < end {
+                            if let Some(support) = self.ctx.ktls.clone() {
+                                tried = true;
+                                self.promote(stream, &support, send_timeout).await?;
+                            }
+                        }
                     }
                 }
             }
         }
         Ok(())
+    }
+
+    /// Tries to move `stream` to kernel TLS. Staying in rustls is fine; only a kernel
+    /// that refuses keys it accepted at preflight loses the connection.
+    async fn promote(
+        &mut self,
+        stream: &mut Stream,
+        support: &ktls::Support,
+        send_timeout: Duration,
+    ) -> Result<(), H1Error> {
+        timed(send_timeout, stream.flush()).await?;
+        let Stream::Rustls(tls) = std::mem::replace(stream, Stream::Promoting) else {
+            return Ok(());
+        };
+        match ktls::promote(*tls, support) {
+            Promotion::Kernel(kernel, leftover) => {
+                tracing::debug!(peer = %self.ctx.peer, "h1: promoted to kernel TLS");
+                // Plaintext rustls had decrypted but the parser had not consumed: a
+                // pipelined request, which comes before anything still in the socket.
+                self.read.extend_from_slice(&leftover);
+                *stream = Stream::Kernel(kernel);
+                Ok(())
+            }
+            Promotion::Stayed(tls, reason) => {
+                tracing::debug!(peer = %self.ctx.peer, %reason, "h1: stays in rustls");
+                *stream = Stream::Rustls(tls);
+                Ok(())
+            }
+            Promotion::Lost(reason) => {
+                tracing::warn!(peer = %self.ctx.peer, %reason, "h1: kernel TLS refused the keys; connection closed");
+                Err(H1Error::Io(io::Error::other(reason)))
+            }
+        }
     }
 }
 

@@ -20,11 +20,10 @@ use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
-use tokio_rustls::server::TlsStream;
 
 use super::{ConnContext, WriteBatch, SERVER};
+use crate::ktls::RustlsStream;
 use crate::service::{Body, FileBody, RequestHead, Response, Segment};
 
 /// File bytes read per DATA production step.
@@ -38,7 +37,9 @@ pub enum H2Error {
 
 /// Serves one HTTP/2 connection until the client closes it, it idles out, or
 /// shutdown is requested (then GOAWAY and the open streams finish).
-pub async fn serve(stream: TlsStream<TcpStream>, ctx: ConnContext) -> Result<(), H2Error> {
+pub async fn serve(mut stream: RustlsStream, ctx: ConnContext) -> Result<(), H2Error> {
+    // HTTP/2 never moves to kernel TLS: let rustls read whole socket buffers.
+    stream.get_mut().0.unbound();
     let settings = ctx.h2;
     let limits = ctx.limits;
     let mut builder = http2::Builder::new(TokioExecutor::new());

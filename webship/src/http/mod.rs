@@ -26,6 +26,9 @@ pub struct ConnContext {
     /// Site of the certificate presented, for requests without a host.
     pub tls_site: usize,
     pub shutdown: Shutdown,
+    /// Suites HTTP/1.1 bulk responses may promote to kernel TLS; `None` when kTLS is
+    /// off or missing.
+    pub ktls: Option<Arc<crate::ktls::Support>>,
 }
 
 /// The `Server` header value.

@@ -9,13 +9,15 @@
 use std::fmt;
 
 use crate::config::{Kernel, Policy};
-use crate::sys;
+use crate::sys::{self, KtlsCipher, KtlsVersion};
 
 /// What preflight found.
 #[derive(Debug, Clone)]
 pub struct Report {
     pub ktls: Finding,
     pub bbr: Finding,
+    /// Suites whose TX and RX keys the kernel accepted; empty unless kTLS is usable.
+    pub ktls_suites: Vec<(KtlsVersion, KtlsCipher)>,
 }
 
 impl Report {
@@ -96,15 +98,17 @@ impl fmt::Display for Finding {
 /// Probes what `kernel` asks for. Never binds a public port: probes use an ephemeral
 /// loopback pair that is closed before this returns.
 pub fn run(kernel: &Kernel) -> Report {
+    let (ktls, ktls_suites) = if kernel.ktls == Policy::Off {
+        (Outcome::NotProbed, Vec::new())
+    } else {
+        probe_ktls()
+    };
     Report {
+        ktls_suites,
         ktls: Finding {
             feature: "ktls",
             policy: kernel.ktls,
-            outcome: if kernel.ktls == Policy::Off {
-                Outcome::NotProbed
-            } else {
-                probe_ktls()
-            },
+            outcome: ktls,
         },
         bbr: Finding {
             feature: "bbr",
@@ -118,41 +122,82 @@ pub fn run(kernel: &Kernel) -> Report {
     }
 }
 
-fn probe_ktls() -> Outcome {
-    let (client, _server) = match sys::loopback_pair() {
-        Ok(pair) => pair,
-        Err(e) => {
-            return Outcome::Missing {
-                reason: format!("could not open a loopback TCP pair to probe with: {e}"),
-                fix: "allow this process to use loopback TCP".into(),
+/// Every (version, cipher) pair kernel TLS could take over from rustls.
+pub const KTLS_SUITES: [(KtlsVersion, KtlsCipher); 6] = [
+    (KtlsVersion::Tls13, KtlsCipher::Aes128Gcm),
+    (KtlsVersion::Tls13, KtlsCipher::Aes256Gcm),
+    (KtlsVersion::Tls13, KtlsCipher::Chacha20Poly1305),
+    (KtlsVersion::Tls12, KtlsCipher::Aes128Gcm),
+    (KtlsVersion::Tls12, KtlsCipher::Aes256Gcm),
+    (KtlsVersion::Tls12, KtlsCipher::Chacha20Poly1305),
+];
+
+/// Probes each suite once, on its own loopback pair: the `tls` ULP, then TX and RX
+/// keys. Promotion later only uses suites that passed here, because a connection
+/// whose secrets were extracted cannot go back to rustls.
+fn probe_ktls() -> (Outcome, Vec<(KtlsVersion, KtlsCipher)>) {
+    let mut usable = Vec::new();
+    let mut first_error = None;
+    for (version, cipher) in KTLS_SUITES {
+        match probe_suite(version, cipher) {
+            Ok(()) => usable.push((version, cipher)),
+            Err(e) => {
+                first_error.get_or_insert(e);
             }
         }
-    };
-    // Throwaway keys: the socket is closed right after and never carries data.
-    let params = sys::Tls13AesGcm128Tx {
-        key: [0x42; 16],
-        iv: [0x24; 12],
-        record_seq: 0,
-    };
-    match sys::enable_ktls_tx(&client, &params) {
-        Ok(()) => Outcome::Available {
-            detail: "tls ULP attached, TLS 1.3 AES-GCM-128 TX accepted".into(),
-        },
-        Err(e @ sys::KtlsError::NoUlp(_)) => Outcome::Missing {
-            reason: e.to_string(),
-            fix: "load the module (`modprobe tls`) or use a kernel built with CONFIG_TLS, \
-                  or set `[kernel] ktls = \"auto\"`"
-                .into(),
-        },
-        Err(e @ sys::KtlsError::TxRefused(_)) => Outcome::Missing {
-            reason: e.to_string(),
-            fix: "use a kernel with TLS 1.3 AES-GCM support in CONFIG_TLS (5.1 or newer)".into(),
-        },
-        Err(e @ sys::KtlsError::Unsupported) => Outcome::Missing {
-            reason: e.to_string(),
-            fix: "run on Linux, or set `[kernel] ktls = \"off\"`".into(),
-        },
     }
+    let outcome = if usable.is_empty() {
+        let error = first_error.unwrap_or(sys::KtlsError::Unsupported);
+        let fix = match error {
+            sys::KtlsError::NoUlp(_) => {
+                "load the module (`modprobe tls`) or use a kernel built with CONFIG_TLS, \
+                 or set `[kernel] ktls = \"auto\"`"
+            }
+            sys::KtlsError::Unsupported => "run on Linux, or set `[kernel] ktls = \"off\"`",
+            _ => "use a kernel with TLS 1.2/1.3 AES-GCM support in CONFIG_TLS (5.2 or newer)",
+        };
+        Outcome::Missing {
+            reason: error.to_string(),
+            fix: fix.into(),
+        }
+    } else {
+        let names: Vec<String> = usable.iter().map(|&(v, c)| suite_name(v, c)).collect();
+        Outcome::Available {
+            detail: format!("TX+RX for {}", names.join(", ")),
+        }
+    };
+    (outcome, usable)
+}
+
+fn probe_suite(version: KtlsVersion, cipher: KtlsCipher) -> Result<(), sys::KtlsError> {
+    let (client, _server) = sys::loopback_pair().map_err(sys::KtlsError::NoUlp)?;
+    sys::attach_tls_ulp(&client)?;
+    // Throwaway keys: the socket is closed right after and never carries data.
+    let key = [0x42u8; 32];
+    let key_len = if cipher == KtlsCipher::Aes128Gcm { 16 } else { 32 };
+    let keys = sys::KtlsKeys {
+        version,
+        cipher,
+        key: &key[..key_len],
+        iv: &[0x24; 12],
+        seq: 0,
+    };
+    sys::set_ktls_keys(&client, sys::KtlsDirection::Tx, &keys)?;
+    sys::set_ktls_keys(&client, sys::KtlsDirection::Rx, &keys)
+}
+
+/// A suite's name as operators read it.
+pub fn suite_name(version: KtlsVersion, cipher: KtlsCipher) -> String {
+    let v = match version {
+        KtlsVersion::Tls12 => "TLS1.2",
+        KtlsVersion::Tls13 => "TLS1.3",
+    };
+    let c = match cipher {
+        KtlsCipher::Aes128Gcm => "AES-128-GCM",
+        KtlsCipher::Aes256Gcm => "AES-256-GCM",
+        KtlsCipher::Chacha20Poly1305 => "CHACHA20-POLY1305",
+    };
+    format!("{v} {c}")
 }
 
 const AVAILABLE_CC: &str = "/proc/sys/net/ipv4/tcp_available_congestion_control";

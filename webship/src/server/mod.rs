@@ -83,6 +83,10 @@ pub async fn run(
         tokio::spawn(endpoint.serve(ctx, permits.clone(), limit))
     });
     let bbr = report.use_bbr();
+    let ktls = report
+        .use_ktls()
+        .then(|| Arc::new(crate::ktls::Support::new(report.ktls_suites.clone())))
+        .filter(|support| !support.is_empty());
     tokio::pin!(signal);
     loop {
         let permit = tokio::select! {
@@ -113,6 +117,7 @@ pub async fn run(
             peer,
             tls_site: 0,
             shutdown: shutdown.clone(),
+            ktls: ktls.clone(),
         };
         tokio::spawn(connection(tcp, acceptor.clone(), ctx, permit));
     }
@@ -134,6 +139,15 @@ pub async fn run(
     }
     if let Some(task) = h3_task {
         task.abort();
+    }
+    if ktls.is_some() {
+        let c = crate::ktls::counters();
+        tracing::info!(
+            promotions = c.promotions,
+            sendfile_bytes = c.sendfile_bytes,
+            fallbacks = c.fallbacks,
+            "ktls counters"
+        );
     }
     Ok(())
 }

@@ -56,34 +56,61 @@ pub enum KtlsError {
     /// `TCP_ULP "tls"` failed: the `tls` upper-layer protocol is not in this kernel.
     #[error("the kernel has no `tls` TCP upper-layer protocol ({0})")]
     NoUlp(io::Error),
-    /// The ULP attached, but the kernel refused the TX crypto parameters.
-    #[error("the kernel refused TLS 1.3 AES-GCM-128 transmit keys ({0})")]
-    TxRefused(io::Error),
+    /// The ULP attached, but the kernel refused the crypto parameters.
+    #[error("the kernel refused {0} keys ({1})")]
+    Refused(&'static str, io::Error),
+    /// Key material of the wrong size for the cipher.
+    #[error("key material does not fit the cipher")]
+    BadKeys,
     /// Not Linux.
     #[error("kernel TLS exists only on Linux")]
     Unsupported,
 }
 
-/// TLS 1.3 AES-128-GCM transmit parameters in the layout the kernel expects.
-#[derive(Debug, Clone, Copy)]
-pub struct Tls13AesGcm128Tx {
-    pub key: [u8; 16],
-    /// The 4-byte salt (implicit nonce prefix) followed by the 8-byte explicit IV.
-    pub iv: [u8; 12],
-    pub record_seq: u64,
+/// TLS protocol versions the kernel can take over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KtlsVersion {
+    Tls12,
+    Tls13,
 }
 
-/// Attaches the `tls` ULP to a connected TCP socket and installs transmit keys, so the
-/// kernel encrypts everything written to the socket from now on (one-way, TX only).
+/// AEAD ciphers the kernel can take over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum KtlsCipher {
+    Aes128Gcm,
+    Aes256Gcm,
+    Chacha20Poly1305,
+}
+
+/// Which half of the connection the keys are for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KtlsDirection {
+    Tx,
+    Rx,
+}
+
+/// One direction's traffic keys, as rustls hands them over.
+#[derive(Debug, Clone, Copy)]
+pub struct KtlsKeys<'a> {
+    pub version: KtlsVersion,
+    pub cipher: KtlsCipher,
+    pub key: &'a [u8],
+    /// The 12-byte IV: for the GCM ciphers, the 4-byte salt then 8 bytes.
+    pub iv: &'a [u8],
+    /// Sequence number of the next record in this direction.
+    pub seq: u64,
+}
+
+/// Attaches the `tls` upper-layer protocol to a connected TCP socket. Nothing changes
+/// on the wire until keys are installed, so a failure here loses nothing.
 #[cfg(target_os = "linux")]
-pub fn enable_ktls_tx<S: std::os::fd::AsRawFd>(sock: &S, params: &Tls13AesGcm128Tx) -> Result<(), KtlsError> {
-    let fd = sock.as_raw_fd();
+pub fn attach_tls_ulp<S: std::os::fd::AsRawFd>(sock: &S) -> Result<(), KtlsError> {
     let ulp = b"tls";
-    // SAFETY: `fd` is a live socket borrowed from `sock`; the option value is a valid
+    // SAFETY: the fd is a live socket borrowed from `sock`; the option value is a valid
     // buffer of the length passed, and the kernel copies it before returning.
     let rc = unsafe {
         libc::setsockopt(
-            fd,
+            sock.as_raw_fd(),
             libc::SOL_TCP,
             libc::TCP_ULP,
             ulp.as_ptr().cast(),
@@ -93,33 +120,172 @@ pub fn enable_ktls_tx<S: std::os::fd::AsRawFd>(sock: &S, params: &Tls13AesGcm128
     if rc != 0 {
         return Err(KtlsError::NoUlp(io::Error::last_os_error()));
     }
-    // SAFETY: the struct is plain old data; all-zero is a valid value for every field.
-    let mut info: libc::tls12_crypto_info_aes_gcm_128 = unsafe { std::mem::zeroed() };
-    info.info.version = libc::TLS_1_3_VERSION;
-    info.info.cipher_type = libc::TLS_CIPHER_AES_GCM_128;
-    info.key.copy_from_slice(&params.key);
-    info.salt.copy_from_slice(&params.iv[..4]);
-    info.iv.copy_from_slice(&params.iv[4..]);
-    info.rec_seq = params.record_seq.to_be_bytes();
-    // SAFETY: as above; `info` lives across the call and its size is passed exactly.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_TLS,
-            libc::TLS_TX,
-            (&info as *const libc::tls12_crypto_info_aes_gcm_128).cast(),
-            std::mem::size_of_val(&info) as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        return Err(KtlsError::TxRefused(io::Error::last_os_error()));
-    }
     Ok(())
 }
 
+/// Installs one direction's keys on a socket with the `tls` ULP attached: from now on
+/// the kernel encrypts what is written (TX) or decrypts what is read (RX).
+#[cfg(target_os = "linux")]
+pub fn set_ktls_keys<S: std::os::fd::AsRawFd>(
+    sock: &S,
+    direction: KtlsDirection,
+    keys: &KtlsKeys<'_>,
+) -> Result<(), KtlsError> {
+    let version = match keys.version {
+        KtlsVersion::Tls12 => libc::TLS_1_2_VERSION,
+        KtlsVersion::Tls13 => libc::TLS_1_3_VERSION,
+    };
+    let name = match direction {
+        KtlsDirection::Tx => libc::TLS_TX,
+        KtlsDirection::Rx => libc::TLS_RX,
+    };
+    let seq = keys.seq.to_be_bytes();
+    let fd = sock.as_raw_fd();
+    let refused = |what| move |e| KtlsError::Refused(what, e);
+    if keys.iv.len() != 12 {
+        return Err(KtlsError::BadKeys);
+    }
+    match keys.cipher {
+        KtlsCipher::Aes128Gcm => {
+            // SAFETY: plain old data; all-zero is valid for every field.
+            let mut info: libc::tls12_crypto_info_aes_gcm_128 = unsafe { std::mem::zeroed() };
+            info.info.version = version;
+            info.info.cipher_type = libc::TLS_CIPHER_AES_GCM_128;
+            copy(&mut info.key, keys.key)?;
+            info.salt.copy_from_slice(&keys.iv[..4]);
+            info.iv.copy_from_slice(&keys.iv[4..]);
+            info.rec_seq = seq;
+            setsockopt_struct(fd, libc::SOL_TLS, name, &info).map_err(refused("AES-128-GCM"))
+        }
+        KtlsCipher::Aes256Gcm => {
+            // SAFETY: plain old data; all-zero is valid for every field.
+            let mut info: libc::tls12_crypto_info_aes_gcm_256 = unsafe { std::mem::zeroed() };
+            info.info.version = version;
+            info.info.cipher_type = libc::TLS_CIPHER_AES_GCM_256;
+            copy(&mut info.key, keys.key)?;
+            info.salt.copy_from_slice(&keys.iv[..4]);
+            info.iv.copy_from_slice(&keys.iv[4..]);
+            info.rec_seq = seq;
+            setsockopt_struct(fd, libc::SOL_TLS, name, &info).map_err(refused("AES-256-GCM"))
+        }
+        KtlsCipher::Chacha20Poly1305 => {
+            // SAFETY: plain old data; all-zero is valid for every field.
+            let mut info: libc::tls12_crypto_info_chacha20_poly1305 = unsafe { std::mem::zeroed() };
+            info.info.version = version;
+            info.info.cipher_type = libc::TLS_CIPHER_CHACHA20_POLY1305;
+            copy(&mut info.key, keys.key)?;
+            info.iv.copy_from_slice(keys.iv);
+            info.rec_seq = seq;
+            setsockopt_struct(fd, libc::SOL_TLS, name, &info).map_err(refused("ChaCha20-Poly1305"))
+        }
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn copy(dst: &mut [u8], src: &[u8]) -> Result<(), KtlsError> {
+    if dst.len() != src.len() {
+        return Err(KtlsError::BadKeys);
+    }
+    dst.copy_from_slice(src);
+    Ok(())
+}
+
+#[cfg(target_os = "linux")]
+fn setsockopt_struct<T>(fd: libc::c_int, level: libc::c_int, name: libc::c_int, value: &T) -> io::Result<()> {
+    // SAFETY: `value` is a live reference to a plain-old-data struct whose exact size is
+    // passed; the kernel copies it before returning.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (value as *const T).cast(),
+            std::mem::size_of::<T>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Sends a TLS `close_notify` alert through kernel TLS (a record of type alert, not
+/// application data, chosen with the `TLS_SET_RECORD_TYPE` control message).
+#[cfg(target_os = "linux")]
+pub fn ktls_send_close_notify<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<()> {
+    const ALERT: u8 = 21;
+    let mut payload = [1u8, 0u8]; // level warning, description close_notify
+                                  // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(1) } as usize;
+    let mut control = [0u8; 64];
+    let control = &mut control[..space];
+    let mut iov = libc::iovec {
+        iov_base: payload.as_mut_ptr().cast(),
+        iov_len: payload.len(),
+    };
+    // SAFETY: msghdr is plain old data; zeroed is a valid empty header.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: msg_control points at `space` valid bytes, enough for one cmsg with a
+    // one-byte payload, so CMSG_FIRSTHDR is non-null and CMSG_DATA is in bounds.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_TLS;
+        (*cmsg).cmsg_type = libc::TLS_SET_RECORD_TYPE;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(1) as _;
+        *libc::CMSG_DATA(cmsg) = ALERT;
+    }
+    // SAFETY: every pointer in `msg` refers to locals that outlive the call.
+    let rc = unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_DONTWAIT) };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// `sendfile(2)` from `file` at `*offset` into `sock`, advancing `offset`. The socket
+/// is non-blocking: `WouldBlock` means wait for writability.
+#[cfg(target_os = "linux")]
+pub fn sendfile<S: std::os::fd::AsRawFd>(
+    sock: &S,
+    file: &std::fs::File,
+    offset: &mut u64,
+    count: usize,
+) -> io::Result<usize> {
+    use std::os::fd::AsRawFd as _;
+    let mut off = libc::off_t::try_from(*offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: both fds are live for the call; `off` is a valid local the kernel updates.
+    let n = unsafe { libc::sendfile(sock.as_raw_fd(), file.as_raw_fd(), &mut off, count) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    *offset = u64::try_from(off).unwrap_or(*offset);
+    Ok(n as usize)
+}
+
 #[cfg(not(target_os = "linux"))]
-pub fn enable_ktls_tx<S>(_sock: &S, _params: &Tls13AesGcm128Tx) -> Result<(), KtlsError> {
+pub fn attach_tls_ulp<S>(_sock: &S) -> Result<(), KtlsError> {
     Err(KtlsError::Unsupported)
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn set_ktls_keys<S>(_sock: &S, _direction: KtlsDirection, _keys: &KtlsKeys<'_>) -> Result<(), KtlsError> {
+    Err(KtlsError::Unsupported)
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn ktls_send_close_notify<S>(_sock: &S) -> io::Result<()> {
+    Err(io::ErrorKind::Unsupported.into())
+}
+
+#[cfg(not(target_os = "linux"))]
+pub fn sendfile<S>(_sock: &S, _file: &std::fs::File, _offset: &mut u64, _count: usize) -> io::Result<usize> {
+    Err(io::ErrorKind::Unsupported.into())
 }
 
 /// Reads from `file` at `offset` only what is already in the page cache

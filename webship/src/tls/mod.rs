@@ -16,10 +16,10 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::server::{ProducesTickets, ServerSessionMemoryCache};
 use rustls::ServerConfig;
 use tokio::net::TcpStream;
-use tokio_rustls::server::TlsStream;
 use tokio_rustls::LazyConfigAcceptor;
 
 use crate::config::{Config, Protocols, TlsSource};
+use crate::ktls::{RecordBounded, RustlsStream};
 use crate::service::SiteTable;
 
 /// Session-cache entries shared by all sites (rustls keeps them in memory).
@@ -71,7 +71,8 @@ pub struct Acceptor {
 /// A completed handshake.
 #[derive(Debug)]
 pub struct Accepted {
-    pub stream: TlsStream<TcpStream>,
+    /// Reads stop at TLS record boundaries, so HTTP/1.1 can later move to kernel TLS.
+    pub stream: RustlsStream,
     pub alpn: Alpn,
     /// Index of the site whose certificate was presented.
     pub site: usize,
@@ -166,7 +167,8 @@ impl Acceptor {
         timeout: std::time::Duration,
     ) -> Result<Accepted, AcceptError> {
         let handshake = async {
-            let start = LazyConfigAcceptor::new(rustls::server::Acceptor::default(), tcp).await?;
+            let start =
+                LazyConfigAcceptor::new(rustls::server::Acceptor::default(), RecordBounded::new(tcp)).await?;
             let site = start
                 .client_hello()
                 .server_name()
