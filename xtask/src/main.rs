@@ -3,11 +3,15 @@
 //! - `cargo xtask test`: install what the suite needs when missing (Debian packages:
 //!   curl, nginx, nghttp2-client, ngtcp2-client, python3; PyPI: aioquic; only what is absent), build, then run
 //!   every test: formatting, clippy, unit tests and the end-to-end suite.
+//! - `cargo xtask vm-test [--release]`: the kTLS promotion path inside user-mode
+//!   Linux, whose kernel has kTLS (this host's does not); part of `test`.
 //! - `cargo xtask bench [ARGS]`: the benchmark runner in `benches/` (release build).
 
 use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context};
+
+mod vm;
 
 /// Debian packages the tests or benchmarks drive: (command that proves it, package).
 const APT: &[(&str, &str)] = &[
@@ -26,8 +30,11 @@ fn main() -> ExitCode {
         Some("test") => test(&args[1..]),
         Some("bench") => bench(&args[1..]),
         Some("deps") => install_deps(),
+        Some("vm-test") => vm::vm_test(args.iter().any(|a| a == "--release")),
         _ => {
-            eprintln!("usage: cargo xtask <test [-- CARGO TEST ARGS] | bench [ARGS] | deps>");
+            eprintln!(
+                "usage: cargo xtask <test [-- CARGO TEST ARGS] | vm-test [--release] | bench [ARGS] | deps>"
+            );
             return ExitCode::from(2);
         }
     };
@@ -40,11 +47,11 @@ fn main() -> ExitCode {
     }
 }
 
-fn cargo() -> Command {
+pub(crate) fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
-fn run(cmd: &mut Command) -> anyhow::Result<()> {
+pub(crate) fn run(cmd: &mut Command) -> anyhow::Result<()> {
     eprintln!("xtask: $ {cmd:?}");
     let status = cmd.status().with_context(|| format!("cannot start {cmd:?}"))?;
     if !status.success() {
@@ -100,7 +107,8 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     // The end-to-end suite drives the real binary; build it first.
     run(cargo().args(["build", "-p", "webship", "--bin", "webship"]))?;
     run(cargo().args(["test", "--workspace"]).args(extra))?;
-    Ok(())
+    // The kTLS promotion path, in a kernel that has kTLS.
+    vm::vm_test(false)
 }
 
 fn bench(extra: &[String]) -> anyhow::Result<()> {
