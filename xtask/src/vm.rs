@@ -23,15 +23,26 @@ pub fn vm_test(release: bool) -> anyhow::Result<()> {
     let uml = unpack_uml(&vm)?;
     let profile = if release { "release" } else { "debug" };
     let mut build = crate::cargo();
-    build.args(["build", "-p", "webship", "--bin", "webship"]);
+    build.args([
+        "build",
+        "-p",
+        "webship",
+        "--bin",
+        "webship",
+        "-p",
+        "webship-tests",
+        "--bin",
+        "webship-fetch",
+    ]);
     if release {
         build.arg("--release");
     }
     run(&mut build)?;
     let webship = root.join("target").join(profile).join("webship");
+    let fetch = root.join("target").join(profile).join("webship-fetch");
     prepare_files(&vm)?;
     let script = vm.join("init.sh");
-    std::fs::write(&script, init_script(&vm, &uml, &webship))?;
+    std::fs::write(&script, init_script(&vm, &uml, &webship, &fetch))?;
     make_executable(&script)?;
 
     let start = Instant::now();
@@ -176,6 +187,9 @@ fn prepare_files(vm: &Path) -> anyhow::Result<()> {
                 "/CN=localhost",
                 "-addext",
                 "subjectAltName=DNS:localhost",
+                // A leaf, not a CA: rustls clients refuse a CA certificate as a server's.
+                "-addext",
+                "basicConstraints=critical,CA:FALSE",
             ])
             .arg("-keyout")
             .arg(&key)
@@ -210,7 +224,7 @@ fn make_executable(path: &Path) -> anyhow::Result<()> {
 }
 
 /// The guest's PID 1. Everything it writes goes to a tmpfs: the host tree is read-only.
-fn init_script(vm: &Path, uml: &Uml, webship: &Path) -> String {
+fn init_script(vm: &Path, uml: &Uml, webship: &Path, fetch: &Path) -> String {
     let template = include_str!("vm_init.sh");
     template
         .replace("@VM@", &vm.display().to_string())
@@ -224,5 +238,6 @@ fn init_script(vm: &Path, uml: &Uml, webship: &Path) -> String {
                 .join(" "),
         )
         .replace("@WEBSHIP@", &webship.display().to_string())
+        .replace("@FETCH@", &fetch.display().to_string())
         .replace("@FIXTURE_LEN@", &FIXTURE_LEN.to_string())
 }

@@ -81,12 +81,19 @@ for suite in \
     name=$1; shift
     check "fixture-exact-$name" [ "$(sha_of $CURL "$@" $URL)" = "$WANT" ]
 done
+# The same with rustls as the client.
+for version in tls13 tls12; do
+    for cipher in aes128 aes256 chacha20; do
+        got=$(@FETCH@ 127.0.0.1:8443 localhost /fixture.bin "$VM/cert.pem" $version $cipher)
+        check "rustls-client-exact-$version-$cipher" [ "$got" = "200 $LEN $WANT" ]
+    done
+done
 promoted=$(grep -c "promoted to kernel TLS" /tmp/required.log)
-check six-downloads-promoted [ "$promoted" -ge 6 ]
+check twelve-downloads-promoted [ "$promoted" -ge 12 ]
 tx=$(awk '/^TlsTxSw /{print $2}' /proc/net/tls_stat)
 rx=$(awk '/^TlsRxSw /{print $2}' /proc/net/tls_stat)
 echo "VMTEST-INFO tls_stat TlsTxSw=$tx TlsRxSw=$rx promotions-logged=$promoted"
-check kernel-tls-tx-and-rx-used [ "$tx" -ge 6 ] && [ "$rx" -ge 6 ]
+check kernel-tls-tx-and-rx-used [ "$tx" -ge 12 ] && [ "$rx" -ge 12 ]
 
 # Two requests on one promoted connection: the second is read by the kernel's RX.
 $CURL -w '%{num_connects} %{size_download}\n' -o /dev/null $URL -o /tmp/small.out \
