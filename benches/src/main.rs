@@ -3,11 +3,16 @@
 //! Absolute numbers depend on the host, so every comparison here is made
 //! within one run: `aead` picks the rustls crypto provider by measuring both
 //! on this CPU, and `download` (the default) serves one fixture from Webship
-//! and from nginx side by side and reports the ratios.
+//! and from nginx side by side and reports the ratios. The hidden `h3-get` is
+//! the HTTP/3 client `download` runs as a child process (curl here has no h3).
 
 mod aead;
+mod clients;
 mod fixture;
+mod h3client;
 mod measure;
+mod proc;
+mod report;
 mod servers;
 
 use std::path::PathBuf;
@@ -30,8 +35,11 @@ struct Cli {
 enum Command {
     /// AES-GCM seal throughput and in-memory rustls throughput, aws-lc-rs vs ring.
     Aead,
-    /// Download a ~100 MB fixture over h1 and h2 from Webship and from nginx (default).
+    /// Download a ~100 MB fixture over h1, h2 and h3 from Webship and from nginx (default).
     Download(DownloadArgs),
+    /// One HTTP/3 GET, body hashed and dropped: the h3 cells' client (run by `download`).
+    #[command(name = "h3-get", hide = true)]
+    H3Get(h3client::H3GetArgs),
 }
 
 #[derive(Debug, Args)]
@@ -58,6 +66,10 @@ pub struct DownloadArgs {
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Webship's `h3_mtu_upper_bound_bytes` (the DPLPMTUD ceiling) for the h3 cells;
+    /// Webship's default when absent.
+    #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u16).range(1200..=65527))]
+    pub h3_mtu: Option<u16>,
 }
 
 fn main() -> Result<()> {
@@ -65,5 +77,6 @@ fn main() -> Result<()> {
     match cli.command.unwrap_or(Command::Download(cli.download)) {
         Command::Aead => aead::run(),
         Command::Download(args) => measure::run(&args),
+        Command::H3Get(args) => h3client::run(&args),
     }
 }

@@ -1,91 +1,31 @@
 //! The `download` benchmark: Webship against nginx, same host, same run.
 //!
-//! Servers are measured in interleaved order (alternating which goes first in
-//! each round) so that thermal or background drift lands on both equally.
-//! Every sample must deliver the exact fixture size with status 200 over the
-//! requested protocol, and one download per server and protocol is checked
-//! byte for byte by digest; anything else aborts the run.
+//! Cells are (server, protocol): Webship over h1, h2 and h3; nginx over h1 and
+//! h2 (Debian's nginx 1.22 has no HTTP/3); and a second Webship with UDP GSO
+//! off over h3, started only for its h3 cells in each round so it never sits
+//! beside the other measurements. Servers are measured in interleaved order
+//! (alternating which goes first in each round) so that thermal or background
+//! drift lands on both equally. Every sample must deliver the exact fixture
+//! size with status 200 over the requested protocol; h1/h2 bodies are checked
+//! byte for byte by digest once per cell, h3 bodies on every sample (h3-get
+//! hashes as it reads). Anything else aborts the run.
 
 use std::env;
-use std::fmt::Write as _;
 use std::fs;
-use std::path::Path;
-use std::process::Command;
-use std::time::Duration;
+use std::path::{Path, PathBuf};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 
-use crate::fixture::{self, Fixture, FIXTURE_BYTES, FIXTURE_NAME};
-use crate::servers::{self, Server, Settings};
+use crate::clients::{Clients, Protocol, Sample};
+use crate::fixture::{self, Fixture};
+use crate::proc::{clock_ticks_per_second, cpu_ticks, udp_socket_drops};
+use crate::report::{Report, Series};
+use crate::servers::{self, Server, Settings, WebshipSpec};
 use crate::DownloadArgs;
 
-const MIB: f64 = 1_048_576.0;
-const GB: f64 = 1e9;
-/// Upper bound per download; at even 10 MiB/s the fixture takes 10 s.
-const CURL_MAX_TIME: Duration = Duration::from_secs(120);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Protocol {
-    H1,
-    H2,
-}
-
-impl Protocol {
-    const ALL: [Protocol; 2] = [Protocol::H1, Protocol::H2];
-
-    fn label(self) -> &'static str {
-        match self {
-            Protocol::H1 => "h1",
-            Protocol::H2 => "h2",
-        }
-    }
-
-    fn curl_flag(self) -> &'static str {
-        match self {
-            Protocol::H1 => "--http1.1",
-            Protocol::H2 => "--http2",
-        }
-    }
-
-    /// curl's `%{http_version}`: checked so that a silent ALPN fallback to
-    /// HTTP/1.1 cannot pass as an h2 result.
-    fn curl_version(self) -> &'static str {
-        match self {
-            Protocol::H1 => "1.1",
-            Protocol::H2 => "2",
-        }
-    }
-}
-
-/// All samples of one server and protocol.
-#[derive(Debug)]
-struct Series {
-    server: &'static str,
-    protocol: Protocol,
-    tls: String,
-    mib_s: Vec<f64>,
-    /// Server CPU summed over all samples: a single 100 MB download costs only a
-    /// few dozen clock ticks, so per-sample figures would be too coarse.
-    cpu_ticks: u64,
-    bytes: u64,
-}
-
-impl Series {
-    fn median_mib_s(&self) -> f64 {
-        let mut sorted = self.mib_s.clone();
-        sorted.sort_by(f64::total_cmp);
-        let mid = sorted.len() / 2;
-        if sorted.len() % 2 == 0 {
-            (sorted[mid - 1] + sorted[mid]) / 2.0
-        } else {
-            sorted[mid]
-        }
-    }
-
-    fn cpu_s_per_gb(&self, ticks_per_s: f64) -> f64 {
-        (self.cpu_ticks as f64 / ticks_per_s) / (self.bytes as f64 / GB)
-    }
-}
+pub const WEBSHIP: &str = "webship";
+pub const WEBSHIP_NO_GSO: &str = "webship gso=off";
+pub const NGINX: &str = "nginx";
 
 pub fn run(args: &DownloadArgs) -> Result<()> {
     ensure!(
@@ -102,74 +42,79 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
 
     let scratch = tempfile::Builder::new().prefix("webship-bench-").tempdir()?;
     let identity = fixture::write_identity(scratch.path())?;
-    let ticks_per_s = clock_ticks_per_second();
+    let clients = Clients::new(&identity.cert)?;
+    let bench = Bench {
+        args,
+        fixture: &fixture,
+        clients: &clients,
+        scratch: scratch.path(),
+    };
 
-    let settings = |name: &str| -> Result<_> {
+    let dir = |name: &str| -> Result<PathBuf> {
         let dir = scratch.path().join(name);
         fs::create_dir(&dir)?;
         Ok(dir)
     };
-    let (webship_dir, nginx_dir) = (settings("webship")?, settings("nginx")?);
-    let webship = servers::start_webship(
-        &args.webship,
-        &args.ktls,
-        &Settings {
-            root,
-            identity: &identity,
-            workers: args.workers,
-            dir: &webship_dir,
-        },
-    )?;
-    let nginx = servers::start_nginx(
-        &args.nginx,
-        &Settings {
-            root,
-            identity: &identity,
-            workers: args.workers,
-            dir: &nginx_dir,
-        },
-    )?;
-    let servers = [&webship, &nginx];
+    let (webship_dir, no_gso_dir, nginx_dir) = (dir("webship")?, dir("webship-no-gso")?, dir("nginx")?);
+    let settings = |dir| Settings {
+        root,
+        identity: &identity,
+        workers: args.workers,
+        dir,
+    };
+    let webship = servers::start_webship(&webship_spec(args, WEBSHIP, true), &settings(&webship_dir))?;
+    ensure_h3(&webship)?;
+    let nginx = servers::start_nginx(&args.nginx, &settings(&nginx_dir))?;
+    let start_no_gso = || -> Result<Server> {
+        let server =
+            servers::start_webship(&webship_spec(args, WEBSHIP_NO_GSO, false), &settings(&no_gso_dir))?;
+        ensure_h3(&server)?;
+        Ok(server)
+    };
 
-    // One checked download per pair first; it also warms the page cache and
-    // both servers so the first timed sample is not an outlier.
+    // One checked download per cell first; it also warms the page cache and
+    // the servers so the first timed sample is not an outlier.
     let mut series = Vec::new();
-    for server in servers {
-        for protocol in Protocol::ALL {
-            let tls = verify(server, protocol, &fixture, scratch.path())?;
-            series.push(Series {
-                server: server.name,
-                protocol,
-                tls,
-                mib_s: Vec::new(),
-                cpu_ticks: 0,
-                bytes: 0,
-            });
+    for protocol in Protocol::ALL {
+        for server in [&webship, &nginx] {
+            if serves(server, protocol) {
+                series.push(bench.verify(server, protocol)?);
+            }
         }
+    }
+    {
+        let no_gso = start_no_gso()?;
+        series.push(bench.verify(&no_gso, Protocol::H3)?);
     }
 
     for round in 0..args.samples {
         for protocol in Protocol::ALL {
-            let order: [usize; 2] = if round % 2 == 0 { [0, 1] } else { [1, 0] };
-            for index in order {
-                let server = servers[index];
-                let before = cpu_ticks(server.pid());
-                let sample = download(server, protocol, Path::new("/dev/null"), false)?;
-                let after = cpu_ticks(server.pid());
+            // Started afresh for each round's h3 cells, stopped right after them.
+            let no_gso = match protocol {
+                Protocol::H3 => Some(start_no_gso()?),
+                Protocol::H1 | Protocol::H2 => None,
+            };
+            let mut pair: Vec<&Server> = [&webship, &nginx]
+                .into_iter()
+                .chain(no_gso.as_ref())
+                .filter(|server| serves(server, protocol))
+                .collect();
+            if round % 2 == 1 {
+                pair.reverse();
+            }
+            for server in pair {
                 let entry = series
                     .iter_mut()
                     .find(|s| s.server == server.name && s.protocol == protocol)
-                    .context("every pair was verified before sampling")?;
-                entry.mib_s.push(sample.size as f64 / sample.seconds / MIB);
-                entry.cpu_ticks += after.saturating_sub(before);
-                entry.bytes += sample.size;
+                    .context("every cell was verified before sampling")?;
+                bench.sample(server, protocol, entry)?;
                 eprintln!(
                     "round {}/{} {} {}: {:.1} MiB/s",
                     round + 1,
                     args.samples,
                     server.name,
                     protocol.label(),
-                    sample.size as f64 / sample.seconds / MIB
+                    entry.mib_s.last().copied().unwrap_or(0.0)
                 );
             }
         }
@@ -181,9 +126,12 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
 
     let report = Report {
         series,
-        ticks_per_s,
-        args,
+        ticks_per_s: clock_ticks_per_second(),
+        samples: args.samples,
+        workers: args.workers,
+        h3_mtu: args.h3_mtu,
         webship_kernel,
+        nginx_version: servers::nginx_version(&args.nginx),
     };
     print!("{}", report.markdown());
     if let Some(out) = &args.out {
@@ -193,149 +141,107 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
     Ok(())
 }
 
-#[derive(Debug)]
-struct Sample {
-    size: u64,
-    seconds: f64,
-    /// Only captured with `verbose`: the TLS version and cipher curl negotiated.
-    tls: String,
-}
-
-fn download(server: &Server, protocol: Protocol, to: &Path, verbose: bool) -> Result<Sample> {
-    let url = format!("https://127.0.0.1:{}/{FIXTURE_NAME}", server.port);
-    let mut command = Command::new("curl");
-    command
-        .args(["-sk", if verbose { "-v" } else { "-S" }, protocol.curl_flag()])
-        .args(["--max-time", &CURL_MAX_TIME.as_secs().to_string()])
-        .arg("-o")
-        .arg(to)
-        .args([
-            "-w",
-            "%{size_download} %{time_total} %{http_code} %{http_version}",
-            &url,
-        ]);
-    let output = command.output().context("running curl")?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let what = format!("{} {} GET {url}", server.name, protocol.label());
-    if !output.status.success() {
-        bail!(
-            "{what}: curl failed ({}): {stdout} {}",
-            output.status,
-            stderr.trim()
-        );
-    }
-
-    let fields: Vec<&str> = stdout.split_whitespace().collect();
-    let [size, seconds, code, version] = fields[..] else {
-        bail!("{what}: unexpected curl -w output {stdout:?}");
-    };
-    let size: u64 = size.parse().with_context(|| format!("{what}: size {size:?}"))?;
-    let seconds: f64 = seconds
-        .parse()
-        .with_context(|| format!("{what}: time {seconds:?}"))?;
-    ensure!(code == "200", "{what}: status {code}, expected 200");
+/// Webship announces its UDP listener in the "listening on" line; without it
+/// the h3 cells would measure a connection timeout.
+fn ensure_h3(server: &Server) -> Result<()> {
     ensure!(
-        size == FIXTURE_BYTES,
-        "{what}: received {size} bytes, expected {FIXTURE_BYTES}"
-    );
-    ensure!(
-        version == protocol.curl_version(),
-        "{what}: curl spoke HTTP/{version}, expected HTTP/{}",
-        protocol.curl_version()
-    );
-    ensure!(seconds > 0.0, "{what}: curl reported a time of {seconds} s");
-
-    let tls = stderr
-        .lines()
-        .find_map(|line| line.strip_prefix("* SSL connection using "))
-        .unwrap_or("unknown")
-        .trim()
-        .to_owned();
-    Ok(Sample { size, seconds, tls })
-}
-
-/// Downloads to a file and compares digests: size and status alone would
-/// miss a server that sends the right number of wrong bytes.
-fn verify(server: &Server, protocol: Protocol, fixture: &Fixture, scratch: &Path) -> Result<String> {
-    let to = scratch.join(format!("check-{}-{}.bin", server.name, protocol.label()));
-    let sample = download(server, protocol, &to, true)?;
-    let digest = fixture::file_digest(&to)?;
-    fs::remove_file(&to)?;
-    ensure!(
-        digest == fixture.sha256,
-        "{} {}: body SHA-256 {} differs from fixture {}",
+        server.log().contains("udp for h3"),
+        "{} did not announce HTTP/3 (udp) on port {}; log:\n{}",
         server.name,
-        protocol.label(),
-        fixture::hex(&digest),
-        fixture::hex(&fixture.sha256)
+        server.port,
+        server.log()
     );
-    Ok(sample.tls)
+    Ok(())
 }
 
-/// utime + stime, in clock ticks, of `pid` and every process below it (nginx
-/// serves from worker processes; the master alone would read as idle).
-fn cpu_ticks(pid: u32) -> u64 {
-    let mut total = 0;
-    for pid in std::iter::once(pid).chain(descendants(pid)) {
-        // A process may exit between listing and reading; it no longer counts.
-        if let Some(stat) = read_stat(pid) {
-            total += stat.utime + stat.stime;
+/// Which cells exist: nginx (1.22, as packaged) is not configured for HTTP/3,
+/// and the GSO-off Webship is there only for the h3 comparison.
+fn serves(server: &Server, protocol: Protocol) -> bool {
+    match server.name {
+        NGINX => protocol != Protocol::H3,
+        WEBSHIP_NO_GSO => protocol == Protocol::H3,
+        _ => true,
+    }
+}
+
+fn webship_spec<'a>(args: &'a DownloadArgs, name: &'static str, gso: bool) -> WebshipSpec<'a> {
+    let mut runtime = Vec::new();
+    // Only what differs from Webship's defaults is written, so the default
+    // instance runs on exactly the configuration users get.
+    if !gso {
+        runtime.push(("h3_gso", "0".to_owned()));
+    }
+    if let Some(mtu) = args.h3_mtu {
+        runtime.push(("h3_mtu_upper_bound_bytes", mtu.to_string()));
+    }
+    WebshipSpec {
+        name,
+        binary: &args.webship,
+        ktls: &args.ktls,
+        runtime,
+    }
+}
+
+struct Bench<'a> {
+    args: &'a DownloadArgs,
+    fixture: &'a Fixture,
+    clients: &'a Clients,
+    scratch: &'a Path,
+}
+
+impl Bench<'_> {
+    /// Downloads the fixture once, untimed, and compares digests: size and status
+    /// alone would miss a server that sends the right number of wrong bytes.
+    fn verify(&self, server: &Server, protocol: Protocol) -> Result<Series> {
+        let to = self
+            .scratch
+            .join(format!("check-{}-{}.bin", server.port, protocol.label()));
+        let sample = self.clients.download(server, protocol, &to, true)?;
+        let digest = match &sample.sha256 {
+            Some(digest) => digest.clone(),
+            None => {
+                let digest = fixture::file_digest(&to)?;
+                fs::remove_file(&to)?;
+                fixture::hex(&digest)
+            }
+        };
+        self.check_digest(server, protocol, &digest)?;
+        Ok(Series::new(server.name, protocol, sample.notes))
+    }
+
+    /// One timed download, its server CPU and client CPU added to `series`.
+    fn sample(&self, server: &Server, protocol: Protocol, series: &mut Series) -> Result<()> {
+        let drops_before = udp_socket_drops(server.port);
+        let before = cpu_ticks(server.pid());
+        let sample: Sample = self
+            .clients
+            .download(server, protocol, Path::new("/dev/null"), false)?;
+        let after = cpu_ticks(server.pid());
+        if let Some(digest) = &sample.sha256 {
+            self.check_digest(server, protocol, digest)?;
         }
+        series.add(&sample, after.saturating_sub(before));
+        if protocol == Protocol::H3 {
+            // The server's UDP socket lives across samples, so its counter is read as a difference.
+            let server_drops = udp_socket_drops(server.port)
+                .zip(drops_before)
+                .map(|(after, before)| after.saturating_sub(before));
+            series.add_udp_drops(sample.client_drops, server_drops);
+        }
+        Ok(())
     }
-    total
-}
 
-/// Every process whose parent chain leads to `root`, found through /proc/*/stat.
-pub fn descendants(root: u32) -> Vec<u32> {
-    let Ok(entries) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let parents: Vec<(u32, u32)> = entries
-        .flatten()
-        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
-        .filter_map(|pid| Some((pid, read_stat(pid)?.ppid)))
-        .collect();
-    let mut found = vec![root];
-    // Each pass adds at least one process or stops; the process count bounds it.
-    let mut next = 0;
-    while next < found.len() {
-        let parent = found[next];
-        found.extend(
-            parents
-                .iter()
-                .filter(|&&(_, ppid)| ppid == parent)
-                .map(|&(pid, _)| pid),
+    fn check_digest(&self, server: &Server, protocol: Protocol, digest: &str) -> Result<()> {
+        let expected = fixture::hex(&self.fixture.sha256);
+        ensure!(
+            digest == expected,
+            "{} {} (workers {}): body SHA-256 {digest} differs from fixture {expected}",
+            server.name,
+            protocol.label(),
+            self.args.workers,
         );
-        next += 1;
+        Ok(())
     }
-    found.remove(0);
-    found
-}
-
-#[derive(Debug)]
-struct Stat {
-    ppid: u32,
-    utime: u64,
-    stime: u64,
-}
-
-fn read_stat(pid: u32) -> Option<Stat> {
-    parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
-}
-
-/// Fields 4, 14 and 15 of proc(5) stat. The command name (field 2) may hold
-/// spaces and parentheses, so counting starts after its last ')'.
-fn parse_stat(stat: &str) -> Option<Stat> {
-    let (_, rest) = stat.rsplit_once(')')?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // rest starts at field 3 (state).
-    let field = |n: usize| fields.get(n - 3);
-    Some(Stat {
-        ppid: field(4)?.parse().ok()?,
-        utime: field(14)?.parse().ok()?,
-        stime: field(15)?.parse().ok()?,
-    })
 }
 
 /// The `preflight: ...` part of Webship's "listening on" log line.
@@ -349,151 +255,9 @@ fn kernel_summary(log: &str) -> String {
         .to_owned()
 }
 
-/// USER_HZ, which is 100 on every mainstream Linux build; asked of getconf to be sure.
-fn clock_ticks_per_second() -> f64 {
-    Command::new("getconf")
-        .arg("CLK_TCK")
-        .output()
-        .ok()
-        .and_then(|out| String::from_utf8(out.stdout).ok()?.trim().parse().ok())
-        .unwrap_or(100.0)
-}
-
-struct Report<'a> {
-    series: Vec<Series>,
-    ticks_per_s: f64,
-    args: &'a DownloadArgs,
-    /// What Webship's preflight enabled, e.g. "ktls=missing bbr=yes": without
-    /// kTLS its h1 path stays in userspace TLS, which changes what is compared.
-    webship_kernel: String,
-}
-
-impl Report<'_> {
-    fn find(&self, server: &str, protocol: Protocol) -> Option<&Series> {
-        self.series
-            .iter()
-            .find(|s| s.server == server && s.protocol == protocol)
-    }
-
-    /// (protocol, throughput ratio, CPU-per-GB ratio), webship over nginx.
-    fn ratios(&self) -> Vec<(Protocol, f64, f64)> {
-        Protocol::ALL
-            .into_iter()
-            .filter_map(|protocol| {
-                let (w, n) = (self.find("webship", protocol)?, self.find("nginx", protocol)?);
-                Some((
-                    protocol,
-                    w.median_mib_s() / n.median_mib_s(),
-                    w.cpu_s_per_gb(self.ticks_per_s) / n.cpu_s_per_gb(self.ticks_per_s),
-                ))
-            })
-            .collect()
-    }
-
-    fn markdown(&self) -> String {
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "\nfixture {FIXTURE_BYTES} bytes, {} samples, {} worker(s) per server, CLK_TCK {}, \
-             webship preflight: {}\n",
-            self.args.samples, self.args.workers, self.ticks_per_s, self.webship_kernel
-        );
-        let _ = writeln!(
-            out,
-            "| server | protocol | median MiB/s | min | max | server CPU-s/GB | TLS |"
-        );
-        let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---|");
-        for s in &self.series {
-            let min = s.mib_s.iter().copied().fold(f64::INFINITY, f64::min);
-            let max = s.mib_s.iter().copied().fold(0.0, f64::max);
-            let _ = writeln!(
-                out,
-                "| {} | {} | {:.1} | {min:.1} | {max:.1} | {:.3} | {} |",
-                s.server,
-                s.protocol.label(),
-                s.median_mib_s(),
-                s.cpu_s_per_gb(self.ticks_per_s),
-                s.tls
-            );
-        }
-        let _ = writeln!(
-            out,
-            "\n| protocol | throughput webship/nginx | CPU-s/GB webship/nginx |"
-        );
-        let _ = writeln!(out, "|---|---:|---:|");
-        for (protocol, throughput, cpu) in self.ratios() {
-            let _ = writeln!(out, "| {} | {throughput:.3} | {cpu:.3} |", protocol.label());
-        }
-        out
-    }
-
-    fn json(&self) -> String {
-        let results: Vec<String> = self
-            .series
-            .iter()
-            .map(|s| {
-                let samples: Vec<String> = s.mib_s.iter().map(|v| format!("{v:.3}")).collect();
-                format!(
-                    "{{\"server\":{},\"protocol\":\"{}\",\"median_mib_s\":{:.3},\"samples_mib_s\":[{}],\
-                     \"cpu_s_per_gb\":{:.4},\"tls\":{}}}",
-                    json_string(s.server),
-                    s.protocol.label(),
-                    s.median_mib_s(),
-                    samples.join(","),
-                    s.cpu_s_per_gb(self.ticks_per_s),
-                    json_string(&s.tls)
-                )
-            })
-            .collect();
-        let ratios: Vec<String> = self
-            .ratios()
-            .into_iter()
-            .map(|(p, t, c)| {
-                format!(
-                    "{{\"protocol\":\"{}\",\"throughput\":{t:.4},\"cpu_s_per_gb\":{c:.4}}}",
-                    p.label()
-                )
-            })
-            .collect();
-        format!(
-            "{{\"fixture_bytes\":{FIXTURE_BYTES},\"samples\":{},\"workers\":{},\"webship_preflight\":{},\
-             \"results\":[{}],\"ratios_webship_over_nginx\":[{}]}}\n",
-            self.args.samples,
-            self.args.workers,
-            json_string(&self.webship_kernel),
-            results.join(","),
-            ratios.join(",")
-        )
-    }
-}
-
-/// Enough JSON string escaping for the ASCII labels written here, and correct for any input.
-fn json_string(s: &str) -> String {
-    let mut out = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stat_with_spaces_in_comm() {
-        let stat = "42 (nginx: worker (x)) S 7 42 42 0 -1 4194560 10 0 0 0 123 45 0 0 20 0 1 0";
-        let parsed = parse_stat(stat).expect("parses");
-        assert_eq!((parsed.ppid, parsed.utime, parsed.stime), (7, 123, 45));
-    }
 
     #[test]
     fn kernel_summary_from_log() {
@@ -501,10 +265,5 @@ mod tests {
                    y INFO listening on https://127.0.0.1:1 (workers 1; preflight: ktls=missing bbr=yes; h3 off)\n";
         assert_eq!(kernel_summary(log), "ktls=missing bbr=yes");
         assert_eq!(kernel_summary(""), "unknown");
-    }
-
-    #[test]
-    fn json_escapes() {
-        assert_eq!(json_string("a\"b\\c\n"), "\"a\\\"b\\\\c\\u000a\"");
     }
 }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::fixture::Identity;
-use crate::measure::descendants;
+use crate::proc::descendants;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
 const STOP_TIMEOUT: Duration = Duration::from_secs(5);
@@ -27,6 +27,9 @@ pub struct Server {
     pub port: u16,
     child: Child,
     log: PathBuf,
+    /// A log line fragment that appears once the server is fully up (Webship
+    /// binds UDP for h3 after TCP, so an accepting TCP port is not enough).
+    ready_line: Option<&'static str>,
 }
 
 impl Server {
@@ -47,7 +50,8 @@ impl Server {
                     self.log_tail()
                 );
             }
-            if TcpStream::connect_timeout(&addr, POLL).is_ok() {
+            let logged = self.ready_line.is_none_or(|line| self.log().contains(line));
+            if logged && TcpStream::connect_timeout(&addr, POLL).is_ok() {
                 return Ok(());
             }
             thread::sleep(POLL);
@@ -122,7 +126,13 @@ fn free_port() -> Result<u16> {
     Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
 }
 
-fn spawn(name: &'static str, mut command: Command, port: u16, log: PathBuf) -> Result<Server> {
+fn spawn(
+    name: &'static str,
+    mut command: Command,
+    port: u16,
+    log: PathBuf,
+    ready_line: Option<&'static str>,
+) -> Result<Server> {
     let log_file = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
     command
         .stdin(Stdio::null())
@@ -136,6 +146,7 @@ fn spawn(name: &'static str, mut command: Command, port: u16, log: PathBuf) -> R
         port,
         child,
         log,
+        ready_line,
     };
     server.wait_ready()?;
     Ok(server)
@@ -150,23 +161,48 @@ pub struct Settings<'a> {
     pub dir: &'a Path,
 }
 
-pub fn start_webship(binary: &Path, ktls: &str, s: &Settings<'_>) -> Result<Server> {
+/// One Webship instance: h1, h2 and h3 (UDP, same port), plus `[runtime.settings]`.
+#[derive(Debug)]
+pub struct WebshipSpec<'a> {
+    pub name: &'static str,
+    pub binary: &'a Path,
+    pub ktls: &'a str,
+    /// `[runtime.settings]` entries (name, value); Webship's defaults apply to the rest.
+    pub runtime: Vec<(&'static str, String)>,
+}
+
+pub fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
     let port = free_port()?;
     let config = s.dir.join("webship.toml");
-    fs::write(
-        &config,
-        format!(
-            "listen = \"127.0.0.1:{port}\"\nworkers = {workers}\nroot = {root:?}\n\n\
-             [tls]\ncert = {cert:?}\nkey = {key:?}\n\n[kernel]\nktls = {ktls:?}\nbbr = \"auto\"\n",
-            workers = s.workers,
-            root = s.root,
-            cert = s.identity.cert,
-            key = s.identity.key,
-        ),
-    )?;
-    let mut command = Command::new(binary);
+    fs::write(&config, webship_config(spec, s, port))?;
+    let mut command = Command::new(spec.binary);
     command.arg("serve").arg("--config").arg(&config);
-    spawn("webship", command, port, s.dir.join("webship.log"))
+    spawn(
+        spec.name,
+        command,
+        port,
+        s.dir.join("webship.log"),
+        Some("listening on"),
+    )
+}
+
+fn webship_config(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16) -> String {
+    let mut config = format!(
+        "listen = \"127.0.0.1:{port}\"\nworkers = {workers}\nroot = {root:?}\n\n\
+         [tls]\ncert = {cert:?}\nkey = {key:?}\n\n[kernel]\nktls = {ktls:?}\nbbr = \"auto\"\n",
+        workers = s.workers,
+        root = s.root,
+        cert = s.identity.cert,
+        key = s.identity.key,
+        ktls = spec.ktls,
+    );
+    if !spec.runtime.is_empty() {
+        config.push_str("\n[runtime.settings]\n");
+        for (name, value) in &spec.runtime {
+            let _ = writeln!(config, "{name} = {value:?}");
+        }
+    }
+    config
 }
 
 pub fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
@@ -208,5 +244,21 @@ pub fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
         .arg("-c")
         .arg(&config)
         .args(["-e", "stderr"]);
-    spawn("nginx", command, port, s.dir.join("nginx.log"))
+    spawn("nginx", command, port, s.dir.join("nginx.log"), None)
+}
+
+/// "nginx 1.22" from `nginx -v`, for the cells nginx cannot serve.
+pub fn nginx_version(binary: &Path) -> String {
+    Command::new(binary)
+        .arg("-v")
+        .output()
+        .ok()
+        .and_then(|out| {
+            // nginx prints "nginx version: nginx/1.22.1" on stderr.
+            let text = String::from_utf8_lossy(&out.stderr).into_owned();
+            let version = text.split("nginx/").nth(1)?.split_whitespace().next()?.to_owned();
+            let major_minor: Vec<&str> = version.split('.').take(2).collect();
+            Some(format!("nginx {}", major_minor.join(".")))
+        })
+        .unwrap_or_else(|| "nginx".to_owned())
 }
