@@ -41,6 +41,7 @@ pub fn vm_test(release: bool) -> anyhow::Result<()> {
     let webship = root.join("target").join(profile).join("webship");
     let fetch = root.join("target").join(profile).join("webship-fetch");
     prepare_files(&vm)?;
+    std::fs::create_dir_all(vm.join("scratch"))?;
     let script = vm.join("init.sh");
     std::fs::write(&script, init_script(&vm, &uml, &webship, &fetch))?;
     make_executable(&script)?;

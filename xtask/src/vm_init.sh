@@ -1,6 +1,8 @@
 #!/bin/sh
 # PID 1 of the kTLS VM test (see vm.rs). The host's root is mounted read-only; all
-# writes go to a tmpfs. One `VMTEST ok|FAIL <check>` line per check, then VMTEST-DONE.
+# writes go to a tmpfs mounted on $VM/scratch (inside our own tree, so it can never
+# hide the checkout, wherever that lies). One `VMTEST ok|FAIL <check>` line per check,
+# then VMTEST-DONE.
 export PATH=/usr/sbin:/usr/bin:/sbin:/bin
 BB=@BUSYBOX@
 VM=@VM@
@@ -9,9 +11,10 @@ LEN=@FIXTURE_LEN@
 FIX=$VM/www/fixture.bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
-mount -t tmpfs -o size=128m tmpfs /tmp
+T=$VM/scratch
+mount -t tmpfs -o size=128m tmpfs "$T"
 $BB ip link set lo up
-export HOME=/tmp
+export HOME=$T TMPDIR=$T
 
 pass() { echo "VMTEST ok $1"; }
 fail() { echo "VMTEST FAIL $1 $2"; }
@@ -23,35 +26,35 @@ WANT=$(sha256sum "$FIX" | cut -d' ' -f1)
 
 # start NAME PORT: serve $VM/NAME.toml, wait until it answers
 start() {
-    WEBSHIP_LOG=info,webship=debug "$WEBSHIP" serve --config "$VM/$1.toml" > "/tmp/$1.out" 2> "/tmp/$1.log" &
-    echo $! > "/tmp/$1.pid"
+    WEBSHIP_LOG=info,webship=debug "$WEBSHIP" serve --config "$VM/$1.toml" > "$T/$1.out" 2> "$T/$1.log" &
+    echo $! > "$T/$1.pid"
     i=0
     while [ $i -lt 100 ]; do
         $CURL -o /dev/null "https://localhost:$2/small.txt" && return 0
         sleep 0.1
         i=$((i + 1))
     done
-    echo "server $1 did not start:"; cat "/tmp/$1.log"
+    echo "server $1 did not start:"; cat "$T/$1.log"
     return 1
 }
 
 stop() {
-    kill -TERM "$(cat /tmp/$1.pid)" 2>/dev/null
+    kill -TERM "$(cat $T/$1.pid)" 2>/dev/null
     i=0
-    while [ $i -lt 100 ] && kill -0 "$(cat /tmp/$1.pid)" 2>/dev/null; do sleep 0.1; i=$((i + 1)); done
+    while [ $i -lt 100 ] && kill -0 "$(cat $T/$1.pid)" 2>/dev/null; do sleep 0.1; i=$((i + 1)); done
 }
 
 sha_of() { "$@" | sha256sum | cut -d' ' -f1; }
 
 # --- negative control: the tls module is not loaded yet -----------------------------
-if "$WEBSHIP" serve --config "$VM/required.toml" > /tmp/neg.out 2> /tmp/neg.log; then
+if "$WEBSHIP" serve --config "$VM/required.toml" > $T/neg.out 2> $T/neg.log; then
     fail required-without-ktls-refuses "it served"
 else
-    check required-without-ktls-refuses grep -q "modprobe tls" /tmp/neg.log
+    check required-without-ktls-refuses grep -q "modprobe tls" $T/neg.log
 fi
 if start auto 8444; then
     check auto-without-ktls-serves-exact [ "$(sha_of $CURL https://localhost:8444/fixture.bin)" = "$WANT" ]
-    check auto-without-ktls-says-so grep -q "ktls  \[auto\] missing" /tmp/auto.log
+    check auto-without-ktls-says-so grep -q "ktls  \[auto\] missing" $T/auto.log
     stop auto
 else
     fail auto-without-ktls-serves-exact "no start"
@@ -60,9 +63,9 @@ fi
 # --- with kTLS ---------------------------------------------------------------------
 for module in @MODULES@; do $BB insmod "$module" || echo "insmod $module failed"; done
 check tls-module-loaded [ -e /proc/net/tls_stat ]
-"$WEBSHIP" preflight --config "$VM/required.toml" > /tmp/preflight.txt 2>&1
-check preflight-lists-suites grep -q "TLS1.2 CHACHA20-POLY1305" /tmp/preflight.txt
-cat /tmp/preflight.txt | sed 's/^/VMTEST-INFO /'
+"$WEBSHIP" preflight --config "$VM/required.toml" > $T/preflight.txt 2>&1
+check preflight-lists-suites grep -q "TLS1.2 CHACHA20-POLY1305" $T/preflight.txt
+cat $T/preflight.txt | sed 's/^/VMTEST-INFO /'
 
 if ! start required 8443; then
     fail required-starts ""
@@ -88,7 +91,7 @@ for version in tls13 tls12; do
         check "rustls-client-exact-$version-$cipher" [ "$got" = "200 $LEN $WANT" ]
     done
 done
-promoted=$(grep -c "promoted to kernel TLS" /tmp/required.log)
+promoted=$(grep -c "promoted to kernel TLS" $T/required.log)
 check twelve-downloads-promoted [ "$promoted" -ge 12 ]
 tx=$(awk '/^TlsTxSw /{print $2}' /proc/net/tls_stat)
 rx=$(awk '/^TlsRxSw /{print $2}' /proc/net/tls_stat)
@@ -96,10 +99,10 @@ echo "VMTEST-INFO tls_stat TlsTxSw=$tx TlsRxSw=$rx promotions-logged=$promoted"
 check kernel-tls-tx-and-rx-used [ "$tx" -ge 12 ] && [ "$rx" -ge 12 ]
 
 # Two requests on one promoted connection: the second is read by the kernel's RX.
-$CURL -w '%{num_connects} %{size_download}\n' -o /dev/null $URL -o /tmp/small.out \
-    https://localhost:8443/small.txt > /tmp/keepalive.txt
-check keepalive-one-connection [ "$(tr '\n' ' ' < /tmp/keepalive.txt)" = "1 $LEN 0 26 " ]
-check keepalive-second-body-exact cmp -s /tmp/small.out "$VM/www/small.txt"
+$CURL -w '%{num_connects} %{size_download}\n' -o /dev/null $URL -o $T/small.out \
+    https://localhost:8443/small.txt > $T/keepalive.txt
+check keepalive-one-connection [ "$(tr '\n' ' ' < $T/keepalive.txt)" = "1 $LEN 0 26 " ]
+check keepalive-second-body-exact cmp -s $T/small.out "$VM/www/small.txt"
 
 # A range above 1 MiB is promoted too, and exact.
 want_range=$(tail -c +2000001 "$FIX" | head -c 58000001 | sha256sum | cut -d' ' -f1)
@@ -114,14 +117,14 @@ check disconnect-mid-sendfile-releases [ "$(established)" -eq 0 ]
 check serves-after-disconnect [ "$($CURL https://localhost:8443/small.txt)" = "small and after promotion" ]
 
 stop required
-check counters-logged grep -q "ktls counters promotions=" /tmp/required.log
-grep "ktls counters" /tmp/required.log | sed 's/^.*ktls counters/VMTEST-INFO ktls counters/'
+check counters-logged grep -q "ktls counters promotions=" $T/required.log
+grep "ktls counters" $T/required.log | sed 's/^.*ktls counters/VMTEST-INFO ktls counters/'
 
 # --- throughput and server CPU, promotion on versus off -------------------------------
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 measure() { # NAME PORT
     start "$1" "$2" || return
-    pid=$(cat "/tmp/$1.pid")
+    pid=$(cat "$T/$1.pid")
     t0=$(ticks "$pid")
     total=0
     for n in 1 2 3; do
