@@ -1,5 +1,6 @@
 //! `webship-fetch`: one HTTP/1.1 GET over rustls with a chosen TLS version and cipher,
-//! printing `<status> <body length> <sha256>`. The kTLS VM test uses it as the rustls
+//! printing `<status> <body length> <sha256>`. It insists on a `close_notify` at the
+//! end, so it also checks that a promoted connection closes with a real alert. The kTLS VM test uses it as the rustls
 //! peer next to curl (OpenSSL).
 //!
 //! usage: webship-fetch HOST:PORT SNI PATH CA.pem tls12|tls13 aes128|aes256|chacha20
@@ -87,10 +88,11 @@ fn main() -> anyhow::Result<()> {
                 hasher.update(&buf[..n]);
                 len += n as u64;
             }
-            // The server closes after `Connection: close`; an unclean EOF after the
-            // whole body would still show in the length.
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
-            Err(e) => return Err(e.into()),
+            // rustls reports a close without `close_notify` as UnexpectedEof: the server
+            // must end the connection with a real alert, also from kernel TLS.
+            Err(e) => {
+                return Err(anyhow::Error::new(e).context("the connection did not end with close_notify"))
+            }
         }
     }
     let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
