@@ -12,6 +12,7 @@ pub mod http;
 pub mod ktls;
 pub mod listener;
 pub mod preflight;
+pub mod proxy;
 pub mod server;
 pub mod service;
 pub mod sys;

@@ -91,11 +91,10 @@ fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
         tracing::info!("preflight: {finding}");
     }
     if path.is_none() {
-        let root = &config.sites[0].root;
+        let root = &config.sites[0].serve;
         println!(
             "Serving {} at https://{}/ (self-signed certificate)",
-            root.display(),
-            config.listen
+            root, config.listen
         );
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -139,12 +138,7 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
     println!("  listen   {}", config.listen);
     println!("  workers  {}", config.workers);
     for site in &config.sites {
-        println!(
-            "  site     {} → {} [{}]",
-            site.domain,
-            site.root.display(),
-            site.protocols
-        );
+        println!("  site     {} → {} [{}]", site.domain, site.serve, site.protocols);
     }
     println!("  kernel   ktls={} bbr={}", config.kernel.ktls, config.kernel.bbr);
     Ok(ExitCode::SUCCESS)

@@ -52,10 +52,64 @@ impl Config {
 #[derive(Debug, Clone)]
 pub struct Site {
     pub domain: DomainPattern,
-    /// Canonical path of the document root.
-    pub root: PathBuf,
+    pub serve: Serve,
     pub protocols: Protocols,
     pub tls: TlsSource,
+}
+
+/// What a site does with a request.
+#[derive(Debug, Clone)]
+pub enum Serve {
+    /// Files under this canonical document root.
+    Files(PathBuf),
+    /// Forward to upstreams; routes sorted by `path_prefix`, longest first.
+    Proxy(Vec<Route>),
+}
+
+impl fmt::Display for Serve {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Serve::Files(root) => write!(f, "{}", root.display()),
+            Serve::Proxy(routes) => {
+                let list: Vec<String> = routes
+                    .iter()
+                    .map(|r| {
+                        let ups: Vec<String> = r.upstreams.iter().map(ToString::to_string).collect();
+                        format!("{} ⇒ {}", r.path_prefix, ups.join(","))
+                    })
+                    .collect();
+                write!(f, "proxy {}", list.join("; "))
+            }
+        }
+    }
+}
+
+/// One `[[reverse_proxy.routes]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub path_prefix: String,
+    pub upstreams: Vec<SocketAddr>,
+    pub upstream_protocol: UpstreamProtocol,
+    /// Send the upstream's address as `Host` instead of the client's.
+    pub rewrite_host: bool,
+    pub max_body_bytes: Option<u64>,
+    pub max_header_bytes: usize,
+    /// Upper-case method names; empty means any.
+    pub allowed_methods: Vec<String>,
+    /// A pattern ending in `*` matches by prefix, one starting with `*` by suffix,
+    /// anything else exactly.
+    pub deny_paths: Vec<String>,
+    /// Lower-case media types a request body must carry; empty means any.
+    pub required_content_types: Vec<String>,
+    pub connect_timeout: Duration,
+    pub read_timeout: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamProtocol {
+    H1,
+    /// HTTP/2 over cleartext TCP, prior knowledge.
+    H2c,
 }
 
 /// Which host names a site answers for.
@@ -343,7 +397,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         workers: default_workers(),
         sites: vec![Site {
             domain: DomainPattern::Any,
-            root,
+            serve: Serve::Files(root),
             protocols: Protocols {
                 h1: true,
                 h2: true,
@@ -414,14 +468,6 @@ impl Validator<'_> {
             self.problem("workers", format!("{workers} is out of range"), "use 1 to 1024");
         }
 
-        if raw.reverse_proxy.is_some() {
-            self.problem(
-                "reverse_proxy",
-                "reverse proxying is not available in this build yet",
-                "remove the [reverse_proxy] table",
-            );
-        }
-
         let top_root = raw.root.as_ref().and_then(|r| self.root("root", r));
         let top_tls = raw.tls.as_ref().map(|t| self.tls("tls", t));
         let top_protocols = self.protocols("protocols", raw.protocols);
@@ -472,11 +518,14 @@ impl Validator<'_> {
             if let (Some(root), Some(tls)) = (root, tls) {
                 sites.push(Site {
                     domain,
-                    root,
+                    serve: Serve::Files(root),
                     protocols,
                     tls,
                 });
             }
+        }
+        if let Some(proxy) = &raw.reverse_proxy {
+            self.reverse_proxy(proxy, &mut sites, &mut seen);
         }
         if let Some(root) = top_root {
             let tls = match top_tls {
@@ -493,11 +542,11 @@ impl Validator<'_> {
             };
             sites.push(Site {
                 domain: DomainPattern::Any,
-                root,
+                serve: Serve::Files(root),
                 protocols: top_protocols,
                 tls,
             });
-        } else if raw.sites.is_empty() {
+        } else if sites.is_empty() && self.problems.is_empty() {
             self.problem(
                 "root",
                 "nothing to serve: no top-level `root` and no [[sites]]",
@@ -533,6 +582,200 @@ impl Validator<'_> {
                 problems: self.problems,
             })
         }
+    }
+
+    /// Each distinct route domain becomes a proxy site with the proxy's certificate
+    /// and protocols; its routes are matched by the longest `path_prefix`.
+    fn reverse_proxy(
+        &mut self,
+        raw: &raw::RawReverseProxy,
+        sites: &mut Vec<Site>,
+        seen: &mut BTreeMap<String, usize>,
+    ) {
+        if raw.enabled == Some(false) {
+            return;
+        }
+        if raw.tls_termination == Some(false) {
+            self.problem(
+                "reverse_proxy.tls_termination",
+                "TLS passthrough is not available in this build yet",
+                "set `tls_termination = true` (or leave it out)",
+            );
+            return;
+        }
+        if raw.udp_upstream.is_some() {
+            self.problem(
+                "reverse_proxy.udp_upstream",
+                "only TLS passthrough uses a UDP upstream",
+                "remove `udp_upstream`",
+            );
+        }
+        let protocols = self.protocols("reverse_proxy.protocols", raw.protocols);
+        let tls = match &raw.tls {
+            Some(t) => Some(self.tls("reverse_proxy.tls", t)),
+            None => {
+                self.problem(
+                    "reverse_proxy.tls",
+                    "TLS termination needs a certificate",
+                    "add a [reverse_proxy.tls] table with `cert` and `key`",
+                );
+                None
+            }
+        };
+        if raw.routes.is_empty() {
+            self.problem(
+                "reverse_proxy.routes",
+                "the reverse proxy has no routes",
+                "add at least one [[reverse_proxy.routes]] with `domain`, `path_prefix` and `upstreams`",
+            );
+        }
+        let mut by_domain: BTreeMap<String, (DomainPattern, Vec<Route>)> = BTreeMap::new();
+        for (i, r) in raw.routes.iter().enumerate() {
+            let key = format!("reverse_proxy.routes[{i}]");
+            let Some(domain) = self.domain(&format!("{key}.domain"), &r.domain) else {
+                continue;
+            };
+            let Some(route) = self.route(&key, r) else {
+                continue;
+            };
+            let name = domain.to_string();
+            if let Some(&site) = seen.get(&name) {
+                if !by_domain.contains_key(&name) {
+                    self.problem(
+                        format!("{key}.domain"),
+                        format!("`{name}` is already the domain of sites[{site}]"),
+                        "serve a domain either from files or through the proxy",
+                    );
+                    continue;
+                }
+            }
+            let entry = by_domain.entry(name).or_insert_with(|| (domain, Vec::new()));
+            if entry.1.iter().any(|other| other.path_prefix == route.path_prefix) {
+                self.problem(
+                    format!("{key}.path_prefix"),
+                    format!(
+                        "another route of `{}` already has path_prefix `{}`, so this one is unreachable",
+                        r.domain, route.path_prefix
+                    ),
+                    "give each route of a domain its own path_prefix",
+                );
+                continue;
+            }
+            entry.1.push(route);
+        }
+        let Some(tls) = tls else {
+            return;
+        };
+        for (name, (domain, mut routes)) in by_domain {
+            routes.sort_by_key(|r| std::cmp::Reverse(r.path_prefix.len()));
+            seen.insert(name, usize::MAX);
+            sites.push(Site {
+                domain,
+                serve: Serve::Proxy(routes),
+                protocols,
+                tls: tls.clone(),
+            });
+        }
+    }
+
+    fn route(&mut self, key: &str, r: &raw::RawRoute) -> Option<Route> {
+        let before = self.problems.len();
+        let path_prefix = r.path_prefix.clone().unwrap_or_else(|| "/".into());
+        if !path_prefix.starts_with('/') {
+            self.problem(
+                format!("{key}.path_prefix"),
+                format!("`{path_prefix}` does not start with `/`"),
+                "write it as \"/api/\"",
+            );
+        }
+        if r.upstreams.is_empty() {
+            self.problem(
+                format!("{key}.upstreams"),
+                "the route has no upstreams",
+                "list at least one, e.g. [\"127.0.0.1:8080\"]",
+            );
+        }
+        let mut upstreams = Vec::new();
+        for (j, u) in r.upstreams.iter().enumerate() {
+            match u.parse::<SocketAddr>() {
+                Ok(addr) if addr.port() != 0 => upstreams.push(addr),
+                _ => self.problem(
+                    format!("{key}.upstreams[{j}]"),
+                    format!("`{u}` is not an IP address with a port"),
+                    "write it as \"10.0.0.20:8080\" or \"[::1]:8080\"",
+                ),
+            }
+        }
+        let upstream_protocol = match r.upstream_protocol.as_deref() {
+            None | Some("h1") => UpstreamProtocol::H1,
+            Some("h2c") => UpstreamProtocol::H2c,
+            Some(other) => {
+                self.problem(
+                    format!("{key}.upstream_protocol"),
+                    format!("`{other}` is not supported"),
+                    "use \"h1\" or \"h2c\"",
+                );
+                UpstreamProtocol::H1
+            }
+        };
+        let rewrite_host = match r.host.as_deref() {
+            None | Some("preserve") => false,
+            Some("upstream") => true,
+            Some(other) => {
+                self.problem(
+                    format!("{key}.host"),
+                    format!("`{other}` is not a host policy"),
+                    "use \"preserve\" or \"upstream\"",
+                );
+                false
+            }
+        };
+        let mut allowed_methods = Vec::new();
+        for m in r.allowed_methods.iter().flatten() {
+            if http::Method::from_bytes(m.as_bytes()).is_err() || m.is_empty() {
+                self.problem(
+                    format!("{key}.allowed_methods"),
+                    format!("`{m}` is not a method"),
+                    "use names like \"GET\"",
+                );
+            }
+            allowed_methods.push(m.to_ascii_uppercase());
+        }
+        let max_header_bytes = r.max_header_bytes.unwrap_or(64 * 1024);
+        if !(1024..=1024 * 1024).contains(&max_header_bytes) {
+            self.problem(
+                format!("{key}.max_header_bytes"),
+                "out of range",
+                "use 1024 to 1048576",
+            );
+        }
+        let connect_timeout = Duration::from_millis(r.connect_timeout_ms.unwrap_or(3_000));
+        let read_timeout = Duration::from_secs(r.read_timeout_secs.unwrap_or(60));
+        if connect_timeout.is_zero() || read_timeout.is_zero() {
+            self.problem(
+                key,
+                "a timeout of zero",
+                "use a positive connect_timeout_ms and read_timeout_secs",
+            );
+        }
+        (self.problems.len() == before).then(|| Route {
+            path_prefix,
+            upstreams,
+            upstream_protocol,
+            rewrite_host,
+            max_body_bytes: r.max_body_bytes,
+            max_header_bytes,
+            allowed_methods,
+            deny_paths: r.deny_paths.clone().unwrap_or_default(),
+            required_content_types: r
+                .required_content_types
+                .iter()
+                .flatten()
+                .map(|t| t.to_ascii_lowercase())
+                .collect(),
+            connect_timeout,
+            read_timeout,
+        })
     }
 
     fn root(&mut self, key: &str, root: &Path) -> Option<PathBuf> {

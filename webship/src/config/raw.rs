@@ -20,8 +20,40 @@ pub(super) struct RawConfig {
     pub limits: Option<RawLimits>,
     pub log: Option<RawLog>,
     pub runtime: Option<RawRuntime>,
-    /// Accepted so that its absence from this build is reported clearly, not as a typo.
-    pub reverse_proxy: Option<toml::Table>,
+    pub reverse_proxy: Option<RawReverseProxy>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawReverseProxy {
+    pub enabled: Option<bool>,
+    pub tls_termination: Option<bool>,
+    pub protocols: Option<RawProtocols>,
+    pub tls: Option<RawTls>,
+    /// Reserved for passthrough's shared QUIC origin.
+    pub udp_upstream: Option<String>,
+    #[serde(default)]
+    pub routes: Vec<RawRoute>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRoute {
+    pub domain: String,
+    pub path_prefix: Option<String>,
+    #[serde(default)]
+    pub upstreams: Vec<String>,
+    /// "h1" (default) or "h2c".
+    pub upstream_protocol: Option<String>,
+    /// "preserve" (default): the client's Host; "upstream": the upstream's address.
+    pub host: Option<String>,
+    pub max_body_bytes: Option<u64>,
+    pub max_header_bytes: Option<usize>,
+    pub allowed_methods: Option<Vec<String>>,
+    pub deny_paths: Option<Vec<String>>,
+    pub required_content_types: Option<Vec<String>>,
+    pub connect_timeout_ms: Option<u64>,
+    pub read_timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]

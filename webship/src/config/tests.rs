@@ -68,7 +68,7 @@ fn the_spec_example_is_accepted() {
     assert_eq!(config.h2.tls_write_buffer_bytes, 131_072);
     assert_eq!(config.proxy_h2.tls_connection_send_buffer_bytes, 33_554_432);
     assert_eq!(config.kernel.ktls, Policy::Auto);
-    assert!(config.sites[0].root.is_absolute());
+    assert!(matches!(&config.sites[0].serve, Serve::Files(root) if root.is_absolute()));
 }
 
 #[test]
@@ -139,8 +139,10 @@ fn protocols_and_reverse_proxy() {
         "{base}[protocols]\nh1 = false\nh2 = false\nh3 = false\n"
     ));
     assert_eq!(problems[0].key, "protocols");
-    let problems = f.problems(&format!("{base}[reverse_proxy]\nenabled = true\n"));
-    assert_eq!(problems[0].key, "reverse_proxy");
+    let problems = f.problems(&format!(
+        "{base}[reverse_proxy]\nenabled = true\ntls_termination = false\n"
+    ));
+    assert_eq!(problems[0].key, "reverse_proxy.tls_termination");
     assert!(f.parse(base).is_ok());
 }
 

@@ -250,7 +250,56 @@ async fn connection(
 }
 
 type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
-type Stream = h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>;
+type SendHalf = h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
+type RecvHalf = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
+
+/// A request body read from an h3 stream's receive half, trailers included.
+struct H3Body {
+    recv: RecvHalf,
+    data_done: bool,
+    done: bool,
+}
+
+impl http_body::Body for H3Body {
+    type Data = Bytes;
+    type Error = crate::service::BoxError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        use bytes::Buf;
+        use std::task::Poll;
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        if !this.data_done {
+            match std::task::ready!(this.recv.poll_recv_data(cx)) {
+                Ok(Some(mut buf)) => {
+                    let n = buf.remaining();
+                    return Poll::Ready(Some(Ok(http_body::Frame::data(buf.copy_to_bytes(n)))));
+                }
+                Ok(None) => this.data_done = true,
+                Err(e) => {
+                    this.done = true;
+                    return Poll::Ready(Some(Err(Box::new(e))));
+                }
+            }
+        }
+        let trailers = std::task::ready!(this.recv.poll_recv_trailers(cx));
+        this.done = true;
+        match trailers {
+            Ok(Some(t)) => Poll::Ready(Some(Ok(http_body::Frame::trailers(t)))),
+            Ok(None) => Poll::Ready(None),
+            Err(e) => Poll::Ready(Some(Err(Box::new(e)))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done
+    }
+}
 
 async fn request(
     resolver: Resolver,
@@ -259,7 +308,7 @@ async fn request(
     peer: SocketAddr,
     tls_site: usize,
 ) {
-    let (req, mut stream) = match resolver.resolve_request().await {
+    let (req, stream) = match resolver.resolve_request().await {
         Ok(r) => r,
         Err(e) => return tracing::debug!(%peer, error = %e, "h3: bad request"),
     };
@@ -270,8 +319,16 @@ async fn request(
         version: http::Version::HTTP_3,
         headers: &parts.headers,
         tls_site,
+        peer,
+        body_forwardable: true,
     };
-    let resp = ctx.service.handle(&head).await;
+    let (mut stream, recv) = stream.split();
+    let body = http_body_util::BodyExt::boxed_unsync(H3Body {
+        recv,
+        data_done: false,
+        done: false,
+    });
+    let resp = ctx.service.handle(&head, body).await;
     if ctx.access_log {
         tracing::info!(target: "access", %peer, proto = "h3", method = %parts.method,
             uri = %parts.uri, status = resp.status.as_u16(), bytes = resp.body.len());
@@ -283,7 +340,7 @@ async fn request(
 }
 
 async fn respond(
-    stream: &mut Stream,
+    stream: &mut SendHalf,
     resp: crate::service::Response,
     ctx: &H3Context,
     signal: &BulkSignal,
@@ -300,6 +357,28 @@ async fn respond(
     match resp.body {
         Body::Empty => {}
         Body::Bytes(bytes) => stream.send_data(bytes).await?,
+        Body::Stream(mut body) => {
+            use http_body_util::BodyExt;
+            while let Some(frame) = body.frame().await {
+                let frame = match frame {
+                    Ok(frame) => frame,
+                    Err(e) => {
+                        // The upstream failed mid-body: reset, never a short success.
+                        stream.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
+                        return Err(e);
+                    }
+                };
+                match frame.into_data() {
+                    Ok(data) => stream.send_data(data).await?,
+                    Err(frame) => {
+                        if let Ok(trailers) = frame.into_trailers() {
+                            stream.send_trailers(trailers).await?;
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+        }
         Body::File(body) => {
             let mut sent = 0u64;
             for segment in body.segments {

@@ -193,8 +193,11 @@ impl Conn {
                 version: req.version,
                 headers: &req.headers,
                 tls_site: self.ctx.tls_site,
+                peer: self.ctx.peer,
+                // This driver drains request bodies; proxy sites get hyper's (serve_h1).
+                body_forwardable: false,
             };
-            let resp = self.ctx.service.handle(&head).await;
+            let resp = self.ctx.service.handle(&head, crate::service::empty_body()).await;
             if self.ctx.access_log {
                 tracing::info!(target: "access", peer = %self.ctx.peer, proto = "h1",
                     method = %req.method, uri = %req.uri, status = resp.status.as_u16(),
@@ -293,9 +296,20 @@ impl Conn {
         stream: &mut Stream,
         method: &Method,
         version: Version,
-        resp: Response,
+        mut resp: Response,
         keep_alive: bool,
     ) -> Result<(), H1Error> {
+        let bodiless = *method == Method::HEAD
+            || resp.status.is_informational()
+            || resp.status == StatusCode::NO_CONTENT
+            || resp.status == StatusCode::NOT_MODIFIED;
+        let chunked = matches!(resp.body, Body::Stream(_))
+            && !bodiless
+            && !resp.headers.contains_key(header::CONTENT_LENGTH);
+        if chunked {
+            resp.headers
+                .insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        }
         self.head.clear();
         write_head(&mut self.head, version, &resp, keep_alive);
         let send_timeout = self.ctx.limits.send_timeout;
@@ -314,6 +328,10 @@ impl Conn {
             Body::Bytes(bytes) if *method != Method::HEAD => {
                 self.head.extend_from_slice(&bytes);
                 timed(send_timeout, stream.write_all(&self.head)).await?;
+            }
+            Body::Stream(body) if !bodiless => {
+                timed(send_timeout, stream.write_all(&self.head)).await?;
+                send_stream(stream, body, chunked, send_timeout).await?;
             }
             _ => timed(send_timeout, stream.write_all(&self.head)).await?,
         }
@@ -400,6 +418,54 @@ impl Conn {
             }
         }
     }
+}
+
+/// Relays a streamed body: as is when `content-length` frames it, else chunked with
+/// trailers. An error mid-body returns before the terminating chunk, so the client
+/// sees a truncated message, never a short success.
+async fn send_stream(
+    stream: &mut Stream,
+    mut body: crate::service::StreamBody,
+    chunked: bool,
+    send_timeout: Duration,
+) -> Result<(), H1Error> {
+    use http_body_util::BodyExt;
+    let mut framing = Vec::with_capacity(256);
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| H1Error::Io(io::Error::other(e)))?;
+        match frame.into_data() {
+            Ok(data) if chunked => {
+                if data.is_empty() {
+                    continue;
+                }
+                framing.clear();
+                framing.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
+                timed(send_timeout, stream.write_all(&framing)).await?;
+                timed(send_timeout, stream.write_all(&data)).await?;
+                timed(send_timeout, stream.write_all(b"\r\n")).await?;
+            }
+            Ok(data) => timed(send_timeout, stream.write_all(&data)).await?,
+            Err(frame) => {
+                if let (Ok(trailers), true) = (frame.into_trailers(), chunked) {
+                    framing.clear();
+                    framing.extend_from_slice(b"0\r\n");
+                    for (name, value) in &trailers {
+                        framing.extend_from_slice(name.as_str().as_bytes());
+                        framing.extend_from_slice(b": ");
+                        framing.extend_from_slice(value.as_bytes());
+                        framing.extend_from_slice(b"\r\n");
+                    }
+                    framing.extend_from_slice(b"\r\n");
+                    timed(send_timeout, stream.write_all(&framing)).await?;
+                    return Ok(());
+                }
+            }
+        }
+    }
+    if chunked {
+        timed(send_timeout, stream.write_all(b"0\r\n\r\n")).await?;
+    }
+    Ok(())
 }
 
 /// Bytes of body after which an HTTP/1.1 file response may move to kernel TLS.

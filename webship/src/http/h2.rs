@@ -1,4 +1,5 @@
-//! HTTP/2 driver: hyper's server over a bounded write batch.
+//! hyper-driven connections: HTTP/2 always (over a bounded write batch), and
+//! HTTP/1.1 for proxy sites ([`serve_h1`]).
 //!
 //! Flow control is h2's: a stream's file body is read only when the stream has send
 //! capacity, and at most `h2.max_send_buffer_bytes` wait per stream beyond its window.
@@ -24,7 +25,8 @@ use tokio::task::JoinHandle;
 
 use super::{ConnContext, WriteBatch, SERVER};
 use crate::ktls::RustlsStream;
-use crate::service::{Body, FileBody, RequestHead, Response, Segment};
+use crate::service::{Body, BoxError, FileBody, RequestHead, Response, Segment, StreamBody};
+use http_body_util::BodyExt;
 
 /// File bytes read per DATA production step.
 const FILE_CHUNK: usize = 128 * 1024;
@@ -54,19 +56,81 @@ pub async fn serve(mut stream: RustlsStream, ctx: ConnContext) -> Result<(), H2E
         .keep_alive_interval(Some(limits.idle_timeout / 2))
         .keep_alive_timeout(Duration::from_secs(20));
 
+    // A proxy site's streams relay upstream bodies: the proxy budget bounds them, and
+    // the connection's total (`proxy_h2_tls_connection_send_buffer_bytes`) caps how
+    // many may run at once.
+    if ctx.service.is_proxy(ctx.tls_site) {
+        let per_stream = ctx.proxy_h2.tls_max_send_buffer_bytes;
+        let streams = (ctx.proxy_h2.tls_connection_send_buffer_bytes / per_stream.max(1)).max(1);
+        builder.max_send_buf_size(per_stream).max_concurrent_streams(
+            u32::try_from(streams)
+                .unwrap_or(u32::MAX)
+                .min(settings.max_concurrent_streams),
+        );
+    }
     let active = Arc::new(AtomicUsize::new(0));
     let io = TokioIo::new(WriteBatch::new(stream, settings.tls_write_buffer_bytes));
-    let service = {
-        let ctx = ctx.clone();
-        let active = active.clone();
-        hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-            let ctx = ctx.clone();
-            let guard = InFlight::new(active.clone());
-            async move { Ok::<_, Infallible>(handle(req, &ctx, guard).await) }
-        })
-    };
-    let conn = builder.serve_connection(io, service);
+    let conn = builder.serve_connection(io, service(&ctx, &active));
     tokio::pin!(conn);
+    drive(conn, |c| c.graceful_shutdown(), &active, &ctx).await
+}
+
+/// Serves HTTP/1.1 through hyper, for connections whose certificate names a proxy
+/// site: hyper streams request bodies (chunked or sized) and relays trailers, which
+/// the file-serving driver does not need to.
+pub async fn serve_h1(mut stream: RustlsStream, ctx: ConnContext) -> Result<(), H2Error> {
+    stream.get_mut().0.unbound();
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(ctx.limits.header_read_timeout)
+        .max_buf_size(ctx.limits.max_header_bytes.max(8192));
+    let active = Arc::new(AtomicUsize::new(0));
+    let conn = builder.serve_connection(TokioIo::new(stream), service(&ctx, &active));
+    tokio::pin!(conn);
+    drive(conn, |c| c.graceful_shutdown(), &active, &ctx).await
+}
+
+type HandlerFuture = Pin<Box<dyn Future<Output = Result<http::Response<FileStream>, Infallible>> + Send>>;
+
+/// The hyper service of one connection: every request goes to the shared Service.
+#[derive(Debug, Clone)]
+struct Handler {
+    ctx: ConnContext,
+    active: Arc<AtomicUsize>,
+}
+
+impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Handler {
+    type Response = http::Response<FileStream>;
+    type Error = Infallible;
+    type Future = HandlerFuture;
+
+    fn call(&self, req: http::Request<hyper::body::Incoming>) -> Self::Future {
+        let ctx = self.ctx.clone();
+        let guard = InFlight::new(self.active.clone());
+        Box::pin(async move { Ok(handle(req, &ctx, guard).await) })
+    }
+}
+
+fn service(ctx: &ConnContext, active: &Arc<AtomicUsize>) -> Handler {
+    Handler {
+        ctx: ctx.clone(),
+        active: active.clone(),
+    }
+}
+
+/// Runs a hyper connection until it ends, shutting it down gracefully on shutdown
+/// or after `idle_timeout` without a request in flight.
+async fn drive<C, G>(
+    mut conn: Pin<&mut C>,
+    graceful: G,
+    active: &AtomicUsize,
+    ctx: &ConnContext,
+) -> Result<(), H2Error>
+where
+    C: Future<Output = Result<(), hyper::Error>>,
+    G: Fn(Pin<&mut C>),
+{
     let mut shutdown = ctx.shutdown.clone();
     let mut idle_check = tokio::time::interval(Duration::from_secs(1));
     let mut idle_since = tokio::time::Instant::now();
@@ -76,14 +140,14 @@ pub async fn serve(mut stream: RustlsStream, ctx: ConnContext) -> Result<(), H2E
             result = conn.as_mut() => return result.map_err(H2Error::from),
             () = shutdown.requested(), if !closing => {
                 closing = true;
-                conn.as_mut().graceful_shutdown();
+                graceful(conn.as_mut());
             }
             _ = idle_check.tick(), if !closing => {
                 if active.load(Ordering::Acquire) > 0 {
                     idle_since = tokio::time::Instant::now();
-                } else if idle_since.elapsed() >= limits.idle_timeout {
+                } else if idle_since.elapsed() >= ctx.limits.idle_timeout {
                     closing = true;
-                    conn.as_mut().graceful_shutdown();
+                    graceful(conn.as_mut());
                 }
             }
         }
@@ -95,17 +159,25 @@ async fn handle(
     ctx: &ConnContext,
     guard: InFlight,
 ) -> http::Response<FileStream> {
-    let (parts, _body) = req.into_parts();
+    let (parts, body) = req.into_parts();
     let head = RequestHead {
         method: &parts.method,
         uri: &parts.uri,
         version: parts.version,
         headers: &parts.headers,
         tls_site: ctx.tls_site,
+        peer: ctx.peer,
+        body_forwardable: true,
     };
-    let resp = ctx.service.handle(&head).await;
+    let body = body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
+    let resp = ctx.service.handle(&head, body).await;
     if ctx.access_log {
-        tracing::info!(target: "access", peer = %ctx.peer, proto = "h2",
+        let proto = if parts.version == http::Version::HTTP_2 {
+            "h2"
+        } else {
+            "h1"
+        };
+        tracing::info!(target: "access", peer = %ctx.peer, proto,
             method = %parts.method, uri = %parts.uri, status = resp.status.as_u16(),
             bytes = resp.body.len());
     }
@@ -145,8 +217,10 @@ impl Drop for InFlight {
 
 /// A response body that reads file ranges on demand, one chunk at a time, only when
 /// hyper polls it (which it does only when the stream has capacity).
-#[derive(Debug)]
 pub struct FileStream {
+    /// A relayed body (proxy), passed through frame by frame, trailers and errors
+    /// included; the file fields are unused then.
+    relay: Option<StreamBody>,
     file: Option<Arc<std::fs::File>>,
     segments: VecDeque<Segment>,
     remaining: u64,
@@ -156,8 +230,13 @@ pub struct FileStream {
 
 impl FileStream {
     fn new(body: Body, guard: InFlight) -> Self {
+        let mut relay = None;
         let (file, segments, remaining) = match body {
             Body::Empty => (None, VecDeque::new(), 0),
+            Body::Stream(stream) => {
+                relay = Some(stream);
+                (None, VecDeque::new(), 0)
+            }
             Body::Bytes(b) => {
                 let len = b.len() as u64;
                 (None, VecDeque::from([Segment::Bytes(b)]), len)
@@ -165,6 +244,7 @@ impl FileStream {
             Body::File(FileBody { file, segments, len }) => (Some(file), segments.into(), len),
         };
         Self {
+            relay,
             file,
             segments,
             remaining,
@@ -176,7 +256,7 @@ impl FileStream {
 
 impl http_body::Body for FileStream {
     type Data = Bytes;
-    type Error = std::io::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
@@ -186,7 +266,10 @@ impl http_body::Body for FileStream {
         if let Some(pending) = this.pending.as_mut() {
             let result = match Pin::new(pending).poll(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(r) => r.map_err(std::io::Error::other).and_then(|r| r),
+                Poll::Ready(r) => r
+                    .map_err(std::io::Error::other)
+                    .and_then(|r| r)
+                    .map_err(BoxError::from),
             };
             this.pending = None;
             return Poll::Ready(Some(result.map(|buf| {
@@ -204,7 +287,7 @@ impl http_body::Body for FileStream {
             }
             Segment::File { offset, len } => {
                 let Some(file) = this.file.clone() else {
-                    return Poll::Ready(Some(Err(std::io::Error::other("file segment without a file"))));
+                    return Poll::Ready(Some(Err("file segment without a file".into())));
                 };
                 let n = FILE_CHUNK.min(usize::try_from(len).unwrap_or(FILE_CHUNK));
                 if (n as u64) < len {
@@ -217,7 +300,7 @@ impl http_body::Body for FileStream {
                 let mut buf = Vec::new();
                 let filled = match crate::files::read_cached(&file, &mut buf, offset, n) {
                     Ok(filled) => filled,
-                    Err(e) => return Poll::Ready(Some(Err(e))),
+                    Err(e) => return Poll::Ready(Some(Err(e.into()))),
                 };
                 if filled == n {
                     this.remaining -= n as u64;
@@ -232,11 +315,26 @@ impl http_body::Body for FileStream {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.remaining == 0 && self.pending.is_none()
+        match &self.relay {
+            Some(relay) => relay.is_end_stream(),
+            None => self.remaining == 0 && self.pending.is_none(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.remaining)
+        match &self.relay {
+            Some(relay) => relay.size_hint(),
+            None => SizeHint::with_exact(self.remaining),
+        }
+    }
+}
+
+impl std::fmt::Debug for FileStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileStream")
+            .field("relay", &self.relay.is_some())
+            .field("remaining", &self.remaining)
+            .finish()
     }
 }
 

@@ -21,6 +21,7 @@ pub struct ConnContext {
     pub service: Arc<Service>,
     pub limits: Limits,
     pub h2: H2Settings,
+    pub proxy_h2: crate::config::ProxyH2Settings,
     pub access_log: bool,
     pub peer: SocketAddr,
     /// Site of the certificate presented, for requests without a host.

@@ -113,6 +113,7 @@ pub async fn run(
             service: service.clone(),
             limits: config.limits,
             h2: config.h2,
+            proxy_h2: config.proxy_h2,
             access_log: config.access_log,
             peer,
             tls_site: 0,
@@ -171,6 +172,9 @@ async fn connection(
     ctx.tls_site = accepted.site;
     let peer = ctx.peer;
     let result = match accepted.alpn {
+        Alpn::H1 if ctx.service.is_proxy(accepted.site) => http::h2::serve_h1(accepted.stream, ctx)
+            .await
+            .map_err(|e| e.to_string()),
         Alpn::H1 => http::h1::serve(accepted.stream, ctx)
             .await
             .map_err(|e| e.to_string()),
@@ -187,7 +191,7 @@ fn announce(config: &Config, report: &Report, local: SocketAddr, h3: bool) {
     let sites: Vec<String> = config
         .sites
         .iter()
-        .map(|s| format!("{} → {} [{}]", s.domain, s.root.display(), s.protocols))
+        .map(|s| format!("{} → {} [{}]", s.domain, s.serve, s.protocols))
         .collect();
     tracing::info!(
         "webship {} listening on https://{local} (tcp{}; workers {}; sites: {}; preflight: {})",

@@ -1,6 +1,7 @@
 //! The one router every protocol driver calls: `Host` (or `:authority`) picks the site,
-//! the site serves files. Drivers never route by themselves; they translate their
-//! protocol to a request head, call [`Service::handle`], and send the [`Response`].
+//! the site serves files or forwards to its upstreams. Drivers never route by
+//! themselves; they translate their protocol to a request head and body, call
+//! [`Service::handle`], and send the [`Response`].
 
 use std::path::Path;
 use std::sync::Arc;
@@ -9,7 +10,24 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, StatusCode, Uri, Version};
 
-use crate::config::{Config, DomainPattern};
+use crate::config::{Config, DomainPattern, Serve};
+use crate::proxy::Proxy;
+
+/// Errors a streamed body can end with.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A streamed body (request bodies, and responses relayed from upstreams). Data,
+/// trailers and errors pass through; an error ends the peer's stream as a protocol
+/// error, never as a silently short message.
+pub type StreamBody = http_body_util::combinators::UnsyncBoxBody<Bytes, BoxError>;
+
+/// An empty request body.
+pub fn empty_body() -> StreamBody {
+    use http_body_util::BodyExt;
+    http_body_util::Empty::<Bytes>::new()
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
 
 /// A protocol-neutral response. File bodies name byte ranges of an open file, so each
 /// driver decides how the bytes travel (userspace TLS, or the kernel).
@@ -34,17 +52,30 @@ impl Response {
     }
 }
 
-#[derive(Debug)]
 pub enum Body {
     Empty,
     Bytes(Bytes),
     File(FileBody),
+    /// Relayed from an upstream; its length is in `content-length` when known.
+    Stream(StreamBody),
+}
+
+impl std::fmt::Debug for Body {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Body::Empty => f.write_str("Empty"),
+            Body::Bytes(b) => write!(f, "Bytes({})", b.len()),
+            Body::File(file) => write!(f, "{file:?}"),
+            Body::Stream(_) => f.write_str("Stream"),
+        }
+    }
 }
 
 impl Body {
+    /// Bytes known up front (0 for a stream, whose length the upstream decides).
     pub fn len(&self) -> u64 {
         match self {
-            Body::Empty => 0,
+            Body::Empty | Body::Stream(_) => 0,
             Body::Bytes(b) => b.len() as u64,
             Body::File(f) => f.len,
         }
@@ -116,13 +147,36 @@ pub struct RequestHead<'a> {
     pub headers: &'a HeaderMap,
     /// The site whose certificate the connection presented (from SNI).
     pub tls_site: usize,
+    /// The client's address, for forwarding headers.
+    pub peer: std::net::SocketAddr,
+    /// `false` when the driver cannot stream this request's body to an upstream
+    /// (HTTP/1.1 on a connection opened for a file site); such a request with a body
+    /// routed to the proxy gets 421, so the client retries on the proxy's own name.
+    pub body_forwardable: bool,
+}
+
+impl RequestHead<'_> {
+    /// Whether the request announces a body.
+    pub fn has_body(&self) -> bool {
+        self.headers.contains_key(header::TRANSFER_ENCODING)
+            || self
+                .headers
+                .get(header::CONTENT_LENGTH)
+                .is_some_and(|v| v.as_bytes() != b"0")
+    }
+}
+
+#[derive(Debug)]
+enum Handler {
+    Files(Arc<Path>),
+    Proxy(Proxy),
 }
 
 /// Routes requests to sites.
 #[derive(Debug)]
 pub struct Service {
     sites: SiteTable,
-    roots: Vec<Arc<Path>>,
+    serve: Vec<Handler>,
     /// `Alt-Svc` for h1/h2 responses of sites that also serve HTTP/3.
     alt_svc: Vec<Option<HeaderValue>>,
     default_site: usize,
@@ -132,7 +186,14 @@ impl Service {
     pub fn new(config: &Config) -> Self {
         Self {
             sites: SiteTable::new(config),
-            roots: config.sites.iter().map(|s| Arc::from(s.root.as_path())).collect(),
+            serve: config
+                .sites
+                .iter()
+                .map(|s| match &s.serve {
+                    Serve::Files(root) => Handler::Files(Arc::from(root.as_path())),
+                    Serve::Proxy(routes) => Handler::Proxy(Proxy::new(routes, s.domain.to_string())),
+                })
+                .collect(),
             alt_svc: config
                 .sites
                 .iter()
@@ -156,7 +217,13 @@ impl Service {
         &self.sites
     }
 
-    pub async fn handle(&self, req: &RequestHead<'_>) -> Response {
+    /// Whether a site forwards to upstreams (its connections speak HTTP/1.1 through
+    /// hyper, which streams request bodies both ways).
+    pub fn is_proxy(&self, site: usize) -> bool {
+        matches!(self.serve.get(site), Some(Handler::Proxy(_)))
+    }
+
+    pub async fn handle(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
         let site = match host_of(req) {
             Ok(Some(host)) => match self.sites.lookup(host) {
                 Some(site) => site,
@@ -167,8 +234,15 @@ impl Service {
             Ok(None) => req.tls_site,
             Err(status) => return Response::status(status),
         };
-        let mut resp =
-            crate::files::serve(self.roots[site].clone(), req.method, req.uri.path(), req.headers).await;
+        let mut resp = match &self.serve[site] {
+            Handler::Files(root) => {
+                crate::files::serve(root.clone(), req.method, req.uri.path(), req.headers).await
+            }
+            Handler::Proxy(_) if req.has_body() && !req.body_forwardable => {
+                Response::status(StatusCode::MISDIRECTED_REQUEST)
+            }
+            Handler::Proxy(proxy) => proxy.forward(req, body).await,
+        };
         if req.version != Version::HTTP_3 {
             if let Some(alt) = &self.alt_svc[site] {
                 resp.headers.insert(header::ALT_SVC, alt.clone());

@@ -1,0 +1,205 @@
+//! Header rewriting at the proxy boundary (RFC 9110 §7.6): hop-by-hop fields stay
+//! behind, forwarding fields are added.
+
+use std::net::SocketAddr;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::Version;
+
+use crate::config::Route;
+use crate::service::RequestHead;
+
+/// Fields that describe one connection, never forwarded (RFC 9110 §7.6.1), plus the
+/// legacy ones proxies in the wild still send.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Copies `from` without hop-by-hop fields, including those `Connection` names.
+fn end_to_end(from: &HeaderMap) -> HeaderMap {
+    let named: Vec<String> = from
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .filter(|t| !t.is_empty())
+        .collect();
+    let mut out = HeaderMap::with_capacity(from.len() + 5);
+    for (name, value) in from {
+        if HOP_BY_HOP.contains(name) || named.iter().any(|n| n == name.as_str()) {
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    out
+}
+
+fn version_token(v: Version) -> &'static str {
+    match v {
+        Version::HTTP_10 => "1.0",
+        Version::HTTP_2 => "2",
+        Version::HTTP_3 => "3",
+        _ => "1.1",
+    }
+}
+
+fn append(out: &mut HeaderMap, name: HeaderName, existing: Option<&HeaderValue>, ours: &str) {
+    let value = match existing.and_then(|v| v.to_str().ok()) {
+        Some(prev) if !prev.is_empty() => format!("{prev}, {ours}"),
+        _ => ours.to_owned(),
+    };
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        out.insert(name, v);
+    }
+}
+
+/// The request headers the upstream sees.
+pub(super) fn upstream_request(req: &RequestHead<'_>, upstream: SocketAddr, route: &Route) -> HeaderMap {
+    let mut out = end_to_end(req.headers);
+    // `TE: trailers` is the one TE value worth passing: it asks for trailers.
+    if req
+        .headers
+        .get(header::TE)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"trailers"))
+    {
+        out.insert(header::TE, HeaderValue::from_static("trailers"));
+    }
+    let host = req
+        .uri
+        .authority()
+        .map(|a| a.as_str().to_owned())
+        .or_else(|| {
+            req.headers
+                .get(header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_owned)
+        })
+        .unwrap_or_default();
+    let ip = req.peer.ip();
+    append(
+        &mut out,
+        HeaderName::from_static("x-forwarded-for"),
+        req.headers.get("x-forwarded-for"),
+        &ip.to_string(),
+    );
+    out.insert(
+        HeaderName::from_static("x-forwarded-proto"),
+        HeaderValue::from_static("https"),
+    );
+    if let Ok(v) = HeaderValue::from_str(&host) {
+        out.insert(HeaderName::from_static("x-forwarded-host"), v);
+    }
+    let node = match ip {
+        std::net::IpAddr::V4(v4) => v4.to_string(),
+        std::net::IpAddr::V6(v6) => format!("\"[{v6}]\""),
+    };
+    let forwarded = if host.is_empty() {
+        format!("for={node};proto=https")
+    } else {
+        format!("for={node};proto=https;host=\"{host}\"")
+    };
+    append(
+        &mut out,
+        header::FORWARDED,
+        req.headers.get(header::FORWARDED),
+        &forwarded,
+    );
+    let via = format!("{} webship", version_token(req.version));
+    append(&mut out, header::VIA, req.headers.get(header::VIA), &via);
+    let host_value = if route.rewrite_host {
+        upstream.to_string()
+    } else {
+        host
+    };
+    if let Ok(v) = HeaderValue::from_str(&host_value) {
+        out.insert(header::HOST, v);
+    }
+    out
+}
+
+/// The response headers the client sees.
+pub(super) fn downstream_response(
+    from: &HeaderMap,
+    upstream_version: Version,
+    _client: Version,
+) -> HeaderMap {
+    let mut out = end_to_end(from);
+    let via = format!("{} webship", version_token(upstream_version));
+    append(&mut out, header::VIA, from.get(header::VIA), &via);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_and_connection_named_fields_stay_behind() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("x-secret", HeaderValue::from_static("1"));
+        h.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+        h.insert("x-kept", HeaderValue::from_static("yes"));
+        let out = end_to_end(&h);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out["x-kept"], "yes");
+    }
+
+    #[test]
+    fn forwarding_fields_append() {
+        let mut h = HeaderMap::new();
+        h.insert("x-forwarded-for", HeaderValue::from_static("203.0.113.7"));
+        h.insert(header::HOST, HeaderValue::from_static("media.example.com"));
+        let uri: http::Uri = "/a?b".parse().unwrap();
+        let req = RequestHead {
+            method: &http::Method::GET,
+            uri: &uri,
+            version: Version::HTTP_11,
+            headers: &h,
+            tls_site: 0,
+            peer: "[::1]:5000".parse().unwrap(),
+            body_forwardable: true,
+        };
+        let route = Route {
+            path_prefix: "/".into(),
+            upstreams: vec!["127.0.0.1:9".parse().unwrap()],
+            upstream_protocol: crate::config::UpstreamProtocol::H1,
+            rewrite_host: false,
+            max_body_bytes: None,
+            max_header_bytes: 65536,
+            allowed_methods: vec![],
+            deny_paths: vec![],
+            required_content_types: vec![],
+            connect_timeout: std::time::Duration::from_secs(1),
+            read_timeout: std::time::Duration::from_secs(1),
+        };
+        let out = upstream_request(&req, "127.0.0.1:9".parse().unwrap(), &route);
+        assert_eq!(out["x-forwarded-for"], "203.0.113.7, ::1");
+        assert_eq!(out["x-forwarded-proto"], "https");
+        assert_eq!(out["x-forwarded-host"], "media.example.com");
+        assert_eq!(
+            out[header::FORWARDED],
+            "for=\"[::1]\";proto=https;host=\"media.example.com\""
+        );
+        assert_eq!(out[header::VIA], "1.1 webship");
+        assert_eq!(out[header::HOST], "media.example.com");
+        let rewrite = Route {
+            rewrite_host: true,
+            ..route
+        };
+        let out = upstream_request(&req, "127.0.0.1:9".parse().unwrap(), &rewrite);
+        assert_eq!(out[header::HOST], "127.0.0.1:9");
+    }
+}
