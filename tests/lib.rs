@@ -5,6 +5,8 @@
 
 pub mod client;
 pub mod fixture;
+pub mod nginx;
+pub mod origin;
 pub mod pki;
 pub mod server;
 

@@ -88,6 +88,8 @@ impl fmt::Display for Serve {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Route {
     pub path_prefix: String,
+    /// Remove `path_prefix` from the path the upstream sees.
+    pub strip_prefix: bool,
     pub upstreams: Vec<SocketAddr>,
     pub upstream_protocol: UpstreamProtocol,
     /// Send the upstream's address as `Host` instead of the client's.
@@ -760,6 +762,7 @@ impl Validator<'_> {
         }
         (self.problems.len() == before).then(|| Route {
             path_prefix,
+            strip_prefix: r.strip_prefix.unwrap_or(false),
             upstreams,
             upstream_protocol,
             rewrite_host,

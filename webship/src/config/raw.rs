@@ -41,6 +41,8 @@ pub(super) struct RawReverseProxy {
 pub(super) struct RawRoute {
     pub domain: String,
     pub path_prefix: Option<String>,
+    /// Send the path without the prefix (`/api/x` → `/x` for prefix `/api/`).
+    pub strip_prefix: Option<bool>,
     #[serde(default)]
     pub upstreams: Vec<String>,
     /// "h1" (default) or "h2c".

@@ -263,6 +263,9 @@ impl http_body::Body for FileStream {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
         let this = &mut *self;
+        if let Some(relay) = this.relay.as_mut() {
+            return Pin::new(relay).poll_frame(cx);
+        }
         if let Some(pending) = this.pending.as_mut() {
             let result = match Pin::new(pending).poll(cx) {
                 Poll::Pending => return Poll::Pending,

@@ -174,6 +174,7 @@ mod tests {
         };
         let route = Route {
             path_prefix: "/".into(),
+            strip_prefix: false,
             upstreams: vec!["127.0.0.1:9".parse().unwrap()],
             upstream_protocol: crate::config::UpstreamProtocol::H1,
             rewrite_host: false,

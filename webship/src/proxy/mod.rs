@@ -212,6 +212,10 @@ fn build_request(
     route: &Route,
 ) -> Result<http::Request<StreamBody>, http::Error> {
     let path_and_query = req.uri.path_and_query().map_or("/", |p| p.as_str());
+    let path_and_query = match path_and_query.strip_prefix(route.path_prefix.as_str()) {
+        Some(rest) if route.strip_prefix => format!("/{}", rest.trim_start_matches('/')),
+        _ => path_and_query.to_owned(),
+    };
     let uri = format!("http://{upstream}{path_and_query}");
     let mut out = http::Request::builder()
         .method(req.method.clone())
@@ -328,6 +332,9 @@ impl http_body::Body for IdleTimeout {
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
                 this.timer = None;
+                if let Some(Err(e)) = &frame {
+                    tracing::debug!(target: "proxy", error = %e, "upstream body failed");
+                }
                 Poll::Ready(frame)
             }
             Poll::Pending => {

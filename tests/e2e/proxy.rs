@@ -1,0 +1,453 @@
+//! The reverse proxy with TLS termination, against real origins: Debian's nginx for
+//! files, and a programmable Rust origin for what nginx cannot show (trailers,
+//! mid-body death, aborts, half-close, huge headers). Fronts: h1, h2 and h3.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::ClientConfig;
+use sha2::{Digest, Sha256};
+use webship_tests::client::{connect, hex, H3Client, Proto};
+use webship_tests::nginx::Nginx;
+use webship_tests::origin::{HalfCloseOrigin, Origin};
+use webship_tests::server::eventually;
+use webship_tests::{fixture, Server, FIXTURE_LEN};
+
+use crate::support::{pattern, Env};
+
+const HOST: &str = "proxy.test";
+
+struct World {
+    env: Env,
+    server: Server,
+    origin: Origin,
+    _nginx: Nginx,
+}
+
+/// A proxy whose `/` goes to nginx (serving the fixture) and `/api/` to the Rust
+/// origin with inspection rules; `extra_routes` are appended as TOML.
+async fn world(extra_routes: &str) -> World {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin");
+    let nginx = Nginx::start(&env.root);
+    let origin = Origin::start().await;
+    let (cert, key) = env.pki.leaf("proxy", &[HOST]);
+    let config = format!(
+        r#"listen = "127.0.0.1:{{port}}"
+workers = 2
+
+[reverse_proxy]
+enabled = true
+tls_termination = true
+[reverse_proxy.tls]
+cert = "{}"
+key = "{}"
+
+[[reverse_proxy.routes]]
+domain = "{HOST}"
+path_prefix = "/"
+upstreams = ["{}"]
+
+[[reverse_proxy.routes]]
+domain = "{HOST}"
+path_prefix = "/api/"
+strip_prefix = true
+upstreams = ["{}"]
+max_body_bytes = 1000
+allowed_methods = ["GET", "HEAD", "POST"]
+deny_paths = ["/api/admin*"]
+required_content_types = ["application/json"]
+{extra_routes}
+"#,
+        cert.display(),
+        key.display(),
+        nginx.addr,
+        origin.addr
+    );
+    let server = Server::start(env.dir.path(), &config);
+    World {
+        env,
+        server,
+        origin,
+        _nginx: nginx,
+    }
+}
+
+/// What a client saw of one exchange, errors included.
+#[derive(Debug)]
+struct Seen {
+    status: StatusCode,
+    headers: HeaderMap,
+    len: u64,
+    sha256: String,
+    body: Vec<u8>,
+    trailers: Option<HeaderMap>,
+    error: Option<String>,
+}
+
+async fn exchange(
+    proto: Proto,
+    addr: SocketAddr,
+    config: Arc<ClientConfig>,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Seen {
+    let tls = connect(addr, HOST, config).await.unwrap();
+    let io = TokioIo::new(tls);
+    let authority = format!("{HOST}:{}", addr.port());
+    let mut builder = Request::builder().method(method);
+    builder = match proto {
+        Proto::H1 => builder.uri(path).header("host", &authority),
+        Proto::H2 => builder.uri(format!("https://{authority}{path}")),
+    };
+    for (k, v) in headers {
+        builder = builder.header(*k, *v);
+    }
+    let req = builder.body(Full::new(Bytes::copy_from_slice(body))).unwrap();
+    let resp = match proto {
+        Proto::H1 => {
+            let (mut send, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
+            tokio::spawn(conn);
+            send.send_request(req).await.unwrap()
+        }
+        Proto::H2 => {
+            // Room for the huge-header test: the limit is the client's to set.
+            let (mut send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+                .max_header_list_size(1 << 20)
+                .handshake(io)
+                .await
+                .unwrap();
+            tokio::spawn(conn);
+            send.send_request(req).await.unwrap()
+        }
+    };
+    let (parts, mut body) = resp.into_parts();
+    let mut hasher = Sha256::new();
+    let (mut len, mut kept, mut trailers, mut error) = (0u64, Vec::new(), None, None);
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(frame) => {
+                if let Some(data) = frame.data_ref() {
+                    hasher.update(data);
+                    len += data.len() as u64;
+                    if kept.len() < 1 << 20 {
+                        kept.extend_from_slice(data);
+                    }
+                } else if let Some(t) = frame.trailers_ref() {
+                    trailers = Some(t.clone());
+                }
+            }
+            Err(e) => {
+                error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    Seen {
+        status: parts.status,
+        headers: parts.headers,
+        len,
+        sha256: hex(&hasher.finalize()),
+        body: kept,
+        trailers,
+        error,
+    }
+}
+
+impl World {
+    async fn get(&self, proto: Proto, path: &str, headers: &[(&str, &str)]) -> Seen {
+        exchange(
+            proto,
+            self.server.addr(),
+            self.env.client(proto.alpn()),
+            "GET",
+            path,
+            headers,
+            b"",
+        )
+        .await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixture_through_the_proxy_over_h1_h2_and_h3() {
+    let w = world("").await;
+    for proto in [Proto::H1, Proto::H2] {
+        let got = w.get(proto, "/fixture.bin", &[]).await;
+        assert_eq!(got.status, 200, "{proto:?}");
+        assert_eq!(got.error, None, "{proto:?}");
+        assert_eq!(got.len, FIXTURE_LEN, "{proto:?}");
+        assert_eq!(got.sha256, hex(&fixture().sha256), "{proto:?}");
+        assert!(
+            got.headers["via"].to_str().unwrap().ends_with("webship"),
+            "{proto:?}"
+        );
+    }
+    let mut h3 = H3Client::connect(w.server.addr(), HOST, w.env.client(b"h3")).await;
+    let got = h3.fetch("GET", "/fixture.bin", &[]).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.len, FIXTURE_LEN);
+    assert_eq!(hex(&got.sha256), hex(&fixture().sha256));
+    // Range passes through to the origin.
+    let got = h3
+        .fetch("GET", "/fixture.bin", &[("range", "bytes=1000-1999")])
+        .await;
+    assert_eq!(got.status, 206);
+    assert_eq!(got.len, 1000);
+    h3.close().await;
+    let got = w.get(Proto::H2, "/fixture.bin", &[("range", "bytes=-100")]).await;
+    assert_eq!(got.status, 206);
+    let tail = std::fs::read(&fixture().path).unwrap();
+    assert_eq!(got.body, &tail[tail.len() - 100..]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarding_headers_as_the_origin_saw_them() {
+    let w = world("").await;
+    for (proto, via) in [(Proto::H1, "1.1 webship"), (Proto::H2, "2 webship")] {
+        let got = w
+            .get(
+                proto,
+                "/api/echo?q=1",
+                &[("x-forwarded-for", "203.0.113.9"), ("x-keep", "yes")],
+            )
+            .await;
+        assert_eq!(
+            got.status,
+            200,
+            "{proto:?} {:?}",
+            String::from_utf8_lossy(&got.body)
+        );
+        let seen = w.origin.seen().pop().unwrap();
+        assert_eq!(seen.path, "/echo?q=1", "strip_prefix removes /api");
+        assert_eq!(
+            seen.header("x-forwarded-for"),
+            Some("203.0.113.9, 127.0.0.1"),
+            "{proto:?}"
+        );
+        assert_eq!(seen.header("x-forwarded-proto"), Some("https"));
+        let authority = format!("{HOST}:{}", w.server.port);
+        assert_eq!(seen.header("x-forwarded-host"), Some(authority.as_str()));
+        assert_eq!(
+            seen.header("forwarded"),
+            Some(format!("for=127.0.0.1;proto=https;host=\"{authority}\"").as_str())
+        );
+        assert_eq!(seen.header("via"), Some(via), "{proto:?}");
+        assert_eq!(seen.header("host"), Some(authority.as_str()), "Host is preserved");
+        assert_eq!(seen.header("x-keep"), Some("yes"));
+    }
+    // Hop-by-hop fields, and those named in Connection, stay behind (h1 only).
+    let got = w
+        .get(
+            Proto::H1,
+            "/api/echo",
+            &[
+                ("connection", "x-drop"),
+                ("x-drop", "1"),
+                ("keep-alive", "timeout=5"),
+            ],
+        )
+        .await;
+    assert_eq!(got.status, 200);
+    let seen = w.origin.seen().pop().unwrap();
+    assert_eq!(seen.header("x-drop"), None);
+    assert_eq!(seen.header("keep-alive"), None);
+    // nginx, a different origin, saw the same fields.
+    let got = w.get(Proto::H1, "/fixture.bin", &[("range", "bytes=0-0")]).await;
+    assert_eq!(got.status, 206);
+    let log = w._nginx.access_log();
+    assert!(log.contains("\"https\"") && log.contains("1.1 webship"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspection_refuses_before_the_origin_sees_anything() {
+    let w = world("").await;
+    let json = [("content-type", "application/json")];
+    let before = w.origin.seen().len();
+    for proto in [Proto::H1, Proto::H2] {
+        let client = w.env.client(proto.alpn());
+        let addr = w.server.addr();
+        let big = vec![b'x'; 2000];
+        let got = exchange(proto, addr, client.clone(), "POST", "/api/echo", &json, &big).await;
+        assert_eq!(got.status, 413, "{proto:?}");
+        assert!(String::from_utf8_lossy(&got.body).contains("max_body_bytes"));
+        let got = exchange(
+            proto,
+            addr,
+            client.clone(),
+            "POST",
+            "/api/echo",
+            &[("content-type", "text/plain")],
+            b"hi",
+        )
+        .await;
+        assert_eq!(got.status, 415, "{proto:?}");
+        let got = exchange(proto, addr, client.clone(), "DELETE", "/api/echo", &[], b"").await;
+        assert_eq!(got.status, 405, "{proto:?}");
+        assert_eq!(got.headers["allow"], "GET, HEAD, POST");
+        let got = exchange(proto, addr, client.clone(), "GET", "/api/admin/users", &[], b"").await;
+        assert_eq!(got.status, 403, "{proto:?}");
+    }
+    assert_eq!(
+        w.origin.seen().len(),
+        before,
+        "a refused request reached the origin"
+    );
+    assert!(w.server.log().contains("request refused"));
+    // An accepted body streams to the origin exactly.
+    let body = pattern(900);
+    for proto in [Proto::H1, Proto::H2] {
+        let got = exchange(
+            proto,
+            w.server.addr(),
+            w.env.client(proto.alpn()),
+            "POST",
+            "/api/echo",
+            &json,
+            &body,
+        )
+        .await;
+        assert_eq!(got.status, 200, "{proto:?}");
+        let seen = w.origin.seen().pop().unwrap();
+        assert_eq!((seen.method.as_str(), seen.body_len), ("POST", 900));
+        assert_eq!(seen.body_sha256, hex(&Sha256::digest(&body)));
+        assert!(seen.body_complete);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trailers_pass_and_origin_death_is_an_error_not_a_short_success() {
+    let w = world("").await;
+    for proto in [Proto::H1, Proto::H2] {
+        let got = w.get(proto, "/api/trailers", &[("te", "trailers")]).await;
+        assert_eq!(got.status, 200, "{proto:?}");
+        assert_eq!(got.body, b"hello");
+        let trailers = got.trailers.unwrap_or_else(|| panic!("{proto:?}: no trailers"));
+        assert_eq!(trailers["x-checksum"], "12345", "{proto:?}");
+
+        for path in ["/api/die/100000", "/api/die-chunked/100000"] {
+            let got = w.get(proto, path, &[]).await;
+            assert!(
+                got.error.is_some() || got.status.is_server_error(),
+                "{proto:?} {path}: a dying origin became {} with {} bytes and no error",
+                got.status,
+                got.len
+            );
+        }
+    }
+    let mut h3 = H3Client::connect(w.server.addr(), HOST, w.env.client(b"h3")).await;
+    let got = h3.fetch("GET", "/api/echo", &[]).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(w.origin.seen().pop().unwrap().header("via"), Some("3 webship"));
+    h3.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_aborts_the_upstream_request() {
+    let w = world("").await;
+    let tls = connect(w.server.addr(), HOST, w.env.client(b"h2")).await.unwrap();
+    let (mut send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+        .await
+        .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = Request::get(format!("https://{HOST}:{}/api/wait-abort", w.server.port))
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = send.send_request(req).await.unwrap();
+    let mut body = resp.into_body();
+    let _ = body.frame().await;
+    drop(body);
+    drop(send);
+    conn.abort();
+    assert!(
+        eventually(Duration::from_secs(5), || w.origin.aborted_responses() >= 1),
+        "the origin never saw the request aborted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_ejection_and_502() {
+    let dead = webship_tests::server::free_port();
+    let origin = Origin::start().await;
+    let w = world(&format!(
+        "\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/failover/\"\nstrip_prefix = true\nupstreams = [\"127.0.0.1:{dead}\", \"{}\"]\n\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/down/\"\nupstreams = [\"127.0.0.1:{dead}\"]\n",
+        origin.addr
+    ))
+    .await;
+    for _ in 0..4 {
+        let got = w.get(Proto::H2, "/failover/echo", &[]).await;
+        assert_eq!(got.status, 200, "the live upstream answers");
+    }
+    assert_eq!(origin.seen().len(), 4);
+    assert!(w.server.log().contains("ejected"), "{}", w.server.log());
+    let got = w.get(Proto::H1, "/down/x", &[]).await;
+    assert_eq!(got.status, 502);
+    let text = String::from_utf8_lossy(&got.body);
+    assert!(
+        text.contains("no upstream answered") && text.contains(&dead.to_string()),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_closed_origin_and_huge_headers() {
+    let body = pattern(300_000);
+    let half = HalfCloseOrigin::start(body.clone()).await;
+    let w = world(&format!(
+        "\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/half/\"\nupstreams = [\"{}\"]\n",
+        half.addr
+    ))
+    .await;
+    for proto in [Proto::H1, Proto::H2] {
+        let got = w.get(proto, "/half/x", &[]).await;
+        assert_eq!(got.status, 200, "{proto:?}");
+        assert_eq!(got.error, None, "{proto:?}");
+        assert_eq!(
+            got.len,
+            body.len() as u64,
+            "{proto:?}: a close-delimited body arrives whole"
+        );
+        let got = w.get(proto, "/api/huge-headers/60000", &[]).await;
+        assert_eq!(got.status, 200, "{proto:?}");
+        assert_eq!(got.headers["x-huge"].len(), 60000);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_client_fast_origin_keeps_memory_bounded() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let w = world("").await;
+    let warm = w
+        .get(Proto::H1, "/fixture.bin", &[("range", "bytes=0-4194303")])
+        .await;
+    assert_eq!(warm.len, 4 << 20);
+    let base = w.server.rss();
+    let mut tls = connect(w.server.addr(), HOST, w.env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    tls.write_all(format!("GET /fixture.bin HTTP/1.1\r\nHost: {HOST}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut peak = 0;
+    let start = std::time::Instant::now();
+    while start.elapsed() < Duration::from_secs(3) {
+        let n = tls.read(&mut buf).await.unwrap();
+        assert!(n > 0);
+        peak = peak.max(w.server.rss());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        peak < base + (24 << 20),
+        "peak RSS {} MiB vs baseline {} MiB",
+        peak >> 20,
+        base >> 20
+    );
+}

@@ -1,0 +1,162 @@
+//! Debian's nginx (`/usr/sbin/nginx`) as a plain-HTTP origin for the reverse-proxy
+//! tests: a second, independent HTTP implementation serving files with sendfile, and
+//! an access log that shows what reached the origin (the forwarding headers included).
+//! One process (`master_process off`), configured in a temporary directory, on a free
+//! loopback port; stopped (SIGTERM, then SIGKILL) when dropped.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::server::{free_port, listening};
+
+pub const NGINX: &str = "/usr/sbin/nginx";
+
+pub struct Nginx {
+    pub addr: SocketAddr,
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl Nginx {
+    /// Serves the files under `root` on a free loopback port; returns once the port
+    /// accepts connections.
+    pub fn start(root: &Path) -> Nginx {
+        assert!(
+            Path::new(NGINX).exists(),
+            "{NGINX} is missing (Debian package nginx-light)"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let d = dir.path();
+        for temp in ["client_body", "proxy", "fastcgi", "uwsgi", "scgi"] {
+            std::fs::create_dir(d.join(temp)).unwrap();
+        }
+        // Content types are a convenience; nginx works without the Debian file.
+        let mime = Path::new("/etc/nginx/mime.types");
+        let types = if mime.exists() {
+            format!("include {};", mime.display())
+        } else {
+            String::new()
+        };
+        let conf = format!(
+            r#"daemon off;
+master_process off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log info;
+
+events {{
+    worker_connections 1024;
+}}
+
+http {{
+    {types}
+    default_type application/octet-stream;
+    sendfile on;
+    tcp_nopush on;
+    client_body_temp_path {d}/client_body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    log_format origin '$request $status $body_bytes_sent "$http_host" "$http_x_forwarded_for" '
+                      '"$http_x_forwarded_proto" "$http_x_forwarded_host" "$http_forwarded" "$http_via"';
+    access_log {d}/access.log origin;
+
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+        keepalive_requests 10000;
+    }}
+}}
+"#,
+            d = d.display(),
+            root = root.display(),
+        );
+        let conf_path = d.join("nginx.conf");
+        std::fs::write(&conf_path, conf).unwrap();
+        let error_log = d.join("error.log");
+        // `-e` so that even the messages before the config is read stay in the temp dir.
+        let child = Command::new(NGINX)
+            .arg("-p")
+            .arg(d)
+            .arg("-c")
+            .arg(&conf_path)
+            .arg("-e")
+            .arg(&error_log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(std::fs::File::create(d.join("stdout.log")).unwrap()))
+            .stderr(Stdio::from(std::fs::File::create(d.join("stderr.log")).unwrap()))
+            .spawn()
+            .unwrap();
+        let mut nginx = Nginx {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            child,
+            dir,
+        };
+        nginx.wait_listening(port);
+        nginx
+    }
+
+    fn wait_listening(&mut self, port: u16) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if listening(port) {
+                return;
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("nginx exited ({status}) instead of listening:\n{}", self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!("nginx did not listen on {port} within 10 s:\n{}", self.logs());
+    }
+
+    /// One line per request: `$request $status $body_bytes_sent "$http_host"
+    /// "$http_x_forwarded_for" "$http_x_forwarded_proto" "$http_x_forwarded_host"
+    /// "$http_forwarded" "$http_via"` (an absent header shows as `"-"`). nginx writes a
+    /// line when the request ends, so it may lag a response the client already has.
+    pub fn access_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("access.log")).unwrap_or_default()
+    }
+
+    pub fn error_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default()
+    }
+
+    /// The directory holding the config and logs.
+    pub fn dir(&self) -> PathBuf {
+        self.dir.path().to_path_buf()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn logs(&self) -> String {
+        let stderr = std::fs::read_to_string(self.dir.path().join("stderr.log")).unwrap_or_default();
+        format!("error.log:\n{}\nstderr:\n{stderr}", self.error_log())
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        if self.child.try_wait().ok().flatten().is_some() {
+            return;
+        }
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
