@@ -451,3 +451,44 @@ async fn slow_client_fast_origin_keeps_memory_bounded() {
         base >> 20
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_to_the_origin_over_h2c_and_over_tls() {
+    // h2c to the Rust origin; HTTP/2 over TLS to a second webship serving files.
+    let origin = Origin::start().await;
+    let files = Env::new();
+    files.write("hello.txt", b"over tls");
+    let direct = Server::start(
+        files.dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:{{port}}\"\nroot = \"{}\"\n[tls]\ncert = \"{}\"\nkey = \"{}\"\n[protocols]\nh3 = false\n",
+            files.root.display(),
+            files.cert.display(),
+            files.key.display()
+        ),
+    );
+    let ca = files.pki.ca_file();
+    let w = world(&format!(
+        "\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/h2c/\"\nstrip_prefix = true\nupstream_protocol = \"h2c\"\nupstreams = [\"{}\"]\n\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/tls/\"\nstrip_prefix = true\nupstream_protocol = \"h2\"\nupstream_ca = \"{}\"\nupstream_tls_name = \"files.test\"\nupstreams = [\"{}\"]\n",
+        origin.addr,
+        ca.display(),
+        direct.addr()
+    ))
+    .await;
+    let got = w.get(Proto::H1, "/h2c/echo", &[]).await;
+    assert_eq!(got.status, 200);
+    let seen = origin.seen().pop().unwrap();
+    assert!(seen.version.contains('2'), "the origin saw {}", seen.version);
+    for proto in [Proto::H1, Proto::H2] {
+        let got = w.get(proto, "/tls/hello.txt", &[]).await;
+        assert_eq!(
+            got.status,
+            200,
+            "{proto:?}: {}\n{}",
+            String::from_utf8_lossy(&got.body),
+            w.server.log()
+        );
+        assert_eq!(got.body, b"over tls");
+        assert!(got.headers["via"].to_str().unwrap().starts_with("2 webship"));
+    }
+}

@@ -134,6 +134,7 @@ async fn shutdown_signal() {
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
     let config = config::load(path)?;
     tls::Acceptor::build(&config).with_context(|| config.source.clone())?;
+    webship::service::Service::new(&config).with_context(|| config.source.clone())?;
     println!("{}: OK", config.source);
     println!("  listen   {}", config.listen);
     println!("  workers  {}", config.workers);

@@ -107,11 +107,16 @@ pub struct Route {
     pub read_timeout: Duration,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamProtocol {
     H1,
     /// HTTP/2 over cleartext TCP, prior knowledge.
     H2c,
+    /// HTTP/2 over TLS, the upstreams' certificates checked against `ca` for `name`.
+    H2 {
+        ca: PathBuf,
+        name: String,
+    },
 }
 
 /// Which host names a site answers for.
@@ -711,11 +716,38 @@ impl Validator<'_> {
         let upstream_protocol = match r.upstream_protocol.as_deref() {
             None | Some("h1") => UpstreamProtocol::H1,
             Some("h2c") => UpstreamProtocol::H2c,
+            Some("h2") => {
+                let name = r
+                    .upstream_tls_name
+                    .clone()
+                    .unwrap_or_else(|| r.domain.trim_start_matches("*.").to_ascii_lowercase());
+                match &r.upstream_ca {
+                    Some(ca) => {
+                        let ca = self.path(ca);
+                        if let Err(e) = std::fs::File::open(&ca) {
+                            self.problem(
+                                format!("{key}.upstream_ca"),
+                                format!("cannot open `{}`: {e}", ca.display()),
+                                "point it at a readable PEM file",
+                            );
+                        }
+                        UpstreamProtocol::H2 { ca, name }
+                    }
+                    None => {
+                        self.problem(
+                            format!("{key}.upstream_ca"),
+                            "HTTP/2 over TLS to the upstreams needs the CA that signs their certificates",
+                            "add `upstream_ca = \"/etc/webship/origin-ca.pem\"`",
+                        );
+                        UpstreamProtocol::H1
+                    }
+                }
+            }
             Some(other) => {
                 self.problem(
                     format!("{key}.upstream_protocol"),
                     format!("`{other}` is not supported"),
-                    "use \"h1\" or \"h2c\"",
+                    "use \"h1\", \"h2c\" or \"h2\"",
                 );
                 UpstreamProtocol::H1
             }

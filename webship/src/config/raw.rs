@@ -45,8 +45,13 @@ pub(super) struct RawRoute {
     pub strip_prefix: Option<bool>,
     #[serde(default)]
     pub upstreams: Vec<String>,
-    /// "h1" (default) or "h2c".
+    /// "h1" (default), "h2c", or "h2" (HTTP/2 over TLS).
     pub upstream_protocol: Option<String>,
+    /// PEM file of the CA that signs the upstreams' certificates (with "h2").
+    pub upstream_ca: Option<PathBuf>,
+    /// The name the upstreams' certificates are checked against (with "h2");
+    /// defaults to the route's domain.
+    pub upstream_tls_name: Option<String>,
     /// "preserve" (default): the client's Host; "upstream": the upstream's address.
     pub host: Option<String>,
     pub max_body_bytes: Option<u64>,

@@ -48,7 +48,7 @@ pub struct Proxy {
 #[derive(Debug)]
 struct RouteState {
     route: Route,
-    client: Client<HttpConnector, StreamBody>,
+    client: Upstream,
     next: AtomicUsize,
     /// When each upstream may be tried again after a failure.
     ejected_until: Mutex<Vec<Option<Instant>>>,
@@ -56,11 +56,11 @@ struct RouteState {
 
 impl Proxy {
     /// `routes` are sorted longest `path_prefix` first (config guarantees it).
-    pub fn new(routes: &[Route], domain: String) -> Self {
-        Self {
+    pub fn new(routes: &[Route], domain: String) -> Result<Self, ProxyError> {
+        Ok(Self {
             domain,
-            routes: routes.iter().map(RouteState::new).collect(),
-        }
+            routes: routes.iter().map(RouteState::new).collect::<Result<_, _>>()?,
+        })
     }
 
     pub async fn forward(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
@@ -83,6 +83,13 @@ impl Proxy {
             }
             return resp;
         }
+        // A request that announces no body sends none: some fronts (h3) cannot tell an
+        // empty body from one still coming, and a GET must not go out chunked.
+        let body = if !req.has_body() && !matches!(*req.method, Method::POST | Method::PUT | Method::PATCH) {
+            empty_body()
+        } else {
+            body
+        };
         let body = match state.route.max_body_bytes {
             Some(max) => LimitedBody {
                 inner: body,
@@ -95,27 +102,67 @@ impl Proxy {
     }
 }
 
+/// The pooled client of one route: plain TCP, or TLS to the upstreams.
+#[derive(Debug)]
+enum Upstream {
+    Plain(Client<HttpConnector, StreamBody>),
+    Tls(Client<hyper_rustls::HttpsConnector<HttpConnector>, StreamBody>),
+}
+
+impl Upstream {
+    fn request(&self, req: http::Request<StreamBody>) -> hyper_util::client::legacy::ResponseFuture {
+        match self {
+            Upstream::Plain(c) => c.request(req),
+            Upstream::Tls(c) => c.request(req),
+        }
+    }
+}
+
+/// Why a route's upstream client could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    #[error("upstream CA `{path}`: {reason} (fix: point `upstream_ca` at a PEM file of CA certificates)")]
+    Ca {
+        path: std::path::PathBuf,
+        reason: String,
+    },
+    #[error("`{0}` is not a valid upstream_tls_name (fix: use a DNS name)")]
+    Name(String),
+}
+
 impl RouteState {
-    fn new(route: &Route) -> Self {
+    fn new(route: &Route) -> Result<Self, ProxyError> {
         let mut connector = HttpConnector::new();
         connector.set_connect_timeout(Some(route.connect_timeout));
         connector.set_nodelay(true);
-        connector.enforce_http(true);
         let mut builder = Client::builder(TokioExecutor::new());
         builder
             .pool_timer(TokioTimer::new())
             .timer(TokioTimer::new())
             .pool_idle_timeout(Duration::from_secs(90))
             .pool_max_idle_per_host(POOL_IDLE_PER_UPSTREAM);
-        if route.upstream_protocol == UpstreamProtocol::H2c {
-            builder.http2_only(true);
-        }
-        Self {
-            client: builder.build(connector),
+        let client = match &route.upstream_protocol {
+            UpstreamProtocol::H1 => {
+                connector.enforce_http(true);
+                Upstream::Plain(builder.build(connector))
+            }
+            UpstreamProtocol::H2c => {
+                connector.enforce_http(true);
+                builder.http2_only(true);
+                Upstream::Plain(builder.build(connector))
+            }
+            UpstreamProtocol::H2 { ca, name } => {
+                connector.enforce_http(false);
+                builder.http2_only(true);
+                Upstream::Tls(builder.build(tls_connector(connector, ca, name)?))
+            }
+        };
+        Ok(Self {
+            client,
             next: AtomicUsize::new(0),
             ejected_until: Mutex::new(vec![None; route.upstreams.len()]),
             route: route.clone(),
-        }
+        })
     }
 
     /// Upstream indexes in the order to try: round-robin, healthy ones first.
@@ -158,14 +205,14 @@ impl RouteState {
             match sent {
                 Ok(Ok(resp)) => return relay(resp, req.version, self.route.read_timeout),
                 Ok(Err(e)) if e.is_connect() => {
-                    tracing::warn!(target: "proxy", %domain, %upstream, error = %e, "upstream unreachable; ejected");
+                    tracing::warn!(target: "proxy", %domain, %upstream, error = %chain(&e), "upstream unreachable; ejected");
                     self.eject(i);
                     if !retryable {
                         break;
                     }
                 }
                 Ok(Err(e)) => {
-                    tracing::warn!(target: "proxy", %domain, %upstream, error = %e, "upstream exchange failed");
+                    tracing::warn!(target: "proxy", %domain, %upstream, error = %chain(&e), "upstream exchange failed");
                     if limited(&e) {
                         return text(
                             StatusCode::PAYLOAD_TOO_LARGE,
@@ -198,6 +245,55 @@ impl RouteState {
     }
 }
 
+/// rustls towards the upstreams: only `ca` is trusted, certificates are checked for
+/// `name` whatever address was dialled, and only h2 is offered.
+fn tls_connector(
+    http: HttpConnector,
+    ca: &std::path::Path,
+    name: &str,
+) -> Result<hyper_rustls::HttpsConnector<HttpConnector>, ProxyError> {
+    use rustls::pki_types::pem::PemObject;
+    let ca_error = |reason: String| ProxyError::Ca {
+        path: ca.to_owned(),
+        reason,
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    let certs = rustls::pki_types::CertificateDer::pem_file_iter(ca).map_err(|e| ca_error(e.to_string()))?;
+    for cert in certs {
+        roots
+            .add(cert.map_err(|e| ca_error(e.to_string()))?)
+            .map_err(|e| ca_error(e.to_string()))?;
+    }
+    if roots.is_empty() {
+        return Err(ca_error("no CERTIFICATE block found".into()));
+    }
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(crate::tls::provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| ca_error(e.to_string()))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let server_name = rustls::pki_types::ServerName::try_from(name.to_owned())
+        .map_err(|_| ProxyError::Name(name.to_owned()))?;
+    Ok(hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(config)
+        .https_only()
+        .with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(server_name))
+        .enable_http2()
+        .wrap_connector(http))
+}
+
+/// An error and its sources on one line: hyper's own message is only the outer layer.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
 fn is_idempotent(m: &Method) -> bool {
     matches!(
         *m,
@@ -216,13 +312,17 @@ fn build_request(
         Some(rest) if route.strip_prefix => format!("/{}", rest.trim_start_matches('/')),
         _ => path_and_query.to_owned(),
     };
-    let uri = format!("http://{upstream}{path_and_query}");
+    let scheme = match route.upstream_protocol {
+        UpstreamProtocol::H2 { .. } => "https",
+        _ => "http",
+    };
+    let uri = format!("{scheme}://{upstream}{path_and_query}");
     let mut out = http::Request::builder()
         .method(req.method.clone())
         .uri(uri)
         .body(body)?;
     *out.headers_mut() = headers::upstream_request(req, upstream, route);
-    if route.upstream_protocol == UpstreamProtocol::H2c {
+    if route.upstream_protocol != UpstreamProtocol::H1 {
         *out.version_mut() = http::Version::HTTP_2;
     }
     Ok(out)

@@ -26,6 +26,8 @@ pub enum ServerError {
     Tls(#[from] tls::TlsError),
     #[error(transparent)]
     H3(#[from] crate::h3::H3Error),
+    #[error(transparent)]
+    Proxy(#[from] crate::proxy::ProxyError),
     #[error(
         "cannot listen on {addr}: {source} (fix: choose a free port, or run with the privilege to bind it)"
     )]
@@ -62,7 +64,7 @@ pub async fn run(
     signal: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
     let acceptor = Arc::new(Acceptor::build(&config)?);
-    let service = Arc::new(Service::new(&config));
+    let service = Arc::new(Service::new(&config)?);
     let listener = listener::bind(config.listen).map_err(|source| ServerError::Bind {
         addr: config.listen,
         source,

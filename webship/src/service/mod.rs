@@ -183,17 +183,21 @@ pub struct Service {
 }
 
 impl Service {
-    pub fn new(config: &Config) -> Self {
-        Self {
+    /// Sets up every site; fails only when a proxy route's upstream TLS cannot be
+    /// configured (its CA file), which `webship check` reports too.
+    pub fn new(config: &Config) -> Result<Self, crate::proxy::ProxyError> {
+        Ok(Self {
             sites: SiteTable::new(config),
             serve: config
                 .sites
                 .iter()
-                .map(|s| match &s.serve {
-                    Serve::Files(root) => Handler::Files(Arc::from(root.as_path())),
-                    Serve::Proxy(routes) => Handler::Proxy(Proxy::new(routes, s.domain.to_string())),
+                .map(|s| {
+                    Ok(match &s.serve {
+                        Serve::Files(root) => Handler::Files(Arc::from(root.as_path())),
+                        Serve::Proxy(routes) => Handler::Proxy(Proxy::new(routes, s.domain.to_string())?),
+                    })
                 })
-                .collect(),
+                .collect::<Result<_, crate::proxy::ProxyError>>()?,
             alt_svc: config
                 .sites
                 .iter()
@@ -205,7 +209,7 @@ impl Service {
                 })
                 .collect(),
             default_site: config.default_site(),
-        }
+        })
     }
 
     /// The site for connections without (or with an unknown) SNI.
