@@ -181,3 +181,66 @@ fn h3_settings() {
         ]
     );
 }
+
+const PROXY_BASE: &str = r#"
+listen = "127.0.0.1:8443"
+[reverse_proxy]
+enabled = true
+tls_termination = true
+[reverse_proxy.tls]
+cert = "cert.pem"
+key = "key.pem"
+"#;
+
+#[test]
+fn the_spec_proxy_example_becomes_a_proxy_site() {
+    let f = Files::new();
+    let config = f
+        .parse(&format!(
+            "{PROXY_BASE}[[reverse_proxy.routes]]\ndomain = \"media.example.com\"\npath_prefix = \"/\"\nupstreams = [\"10.0.0.20:8080\"]\n[[reverse_proxy.routes]]\ndomain = \"media.example.com\"\npath_prefix = \"/api/\"\nupstreams = [\"10.0.0.21:8080\", \"[::1]:9000\"]\nupstream_protocol = \"h2c\"\n"
+        ))
+        .unwrap();
+    assert_eq!(config.sites.len(), 1);
+    let Serve::Proxy(routes) = &config.sites[0].serve else {
+        panic!("not a proxy site");
+    };
+    assert_eq!(routes[0].path_prefix, "/api/", "longest prefix first");
+    assert_eq!(routes[0].upstreams.len(), 2);
+    assert_eq!(routes[0].upstream_protocol, UpstreamProtocol::H2c);
+    assert_eq!(routes[1].path_prefix, "/");
+}
+
+#[test]
+fn bad_routes_are_named() {
+    let f = Files::new();
+    let route =
+        |body: &str| format!("{PROXY_BASE}[[reverse_proxy.routes]]\ndomain = \"a.example\"\n{body}\n");
+    let keys = |text: String| -> Vec<String> { f.problems(&text).into_iter().map(|p| p.key).collect() };
+    assert_eq!(
+        keys(route("upstreams = []")),
+        ["reverse_proxy.routes[0].upstreams"]
+    );
+    assert_eq!(
+        keys(route("upstreams = [\"backend:80\"]")),
+        ["reverse_proxy.routes[0].upstreams[0]"]
+    );
+    assert_eq!(
+        keys(route("path_prefix = \"api\"\nupstreams = [\"127.0.0.1:1\"]")),
+        ["reverse_proxy.routes[0].path_prefix"]
+    );
+    assert_eq!(
+        keys(route("upstreams = [\"127.0.0.1:1\"]\nupstream_protocol = \"h2\"")),
+        ["reverse_proxy.routes[0].upstream_ca"]
+    );
+    let duplicate = format!(
+        "{}[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"127.0.0.1:2\"]\n",
+        route("upstreams = [\"127.0.0.1:1\"]")
+    );
+    assert_eq!(keys(duplicate), ["reverse_proxy.routes[1].path_prefix"]);
+    let both = format!(
+        "{}[[sites]]\ndomain = \"a.example\"\nroot = \"media\"\n[sites.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n",
+        route("upstreams = [\"127.0.0.1:1\"]")
+    );
+    assert_eq!(keys(both), ["reverse_proxy.routes[0].domain"]);
+    assert_eq!(keys(PROXY_BASE.to_owned()), ["reverse_proxy.routes"]);
+}
