@@ -492,3 +492,55 @@ async fn http2_to_the_origin_over_h2c_and_over_tls() {
         assert!(got.headers["via"].to_str().unwrap().starts_with("2 webship"));
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h3_front_relays_trailers() {
+    let w = world("").await;
+    let h3 = H3Client::connect(w.server.addr(), HOST, w.env.client(b"h3")).await;
+    let mut send = h3.send.clone();
+    let req = Request::get(format!("https://{HOST}:{}/api/trailers", w.server.port))
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let mut stream = send.send_request(req).await.unwrap();
+    stream
+        .finish()
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", w.server.log()));
+    assert_eq!(stream.recv_response().await.unwrap().status(), 200);
+    let mut body = Vec::new();
+    while let Some(chunk) = stream.recv_data().await.unwrap() {
+        use bytes::Buf;
+        body.extend_from_slice(chunk.chunk());
+    }
+    assert_eq!(body, b"hello");
+    let trailers = stream.recv_trailers().await.unwrap().expect("trailers over h3");
+    assert_eq!(trailers["x-checksum"], "12345");
+    drop(stream);
+    drop(send);
+    h3.close().await;
+}
+
+#[test]
+fn h2_front_bounds_proxy_streams_by_the_connection_budget() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let w = rt.block_on(world(
+        "\n[runtime.settings]\nproxy_h2_tls_max_send_buffer_bytes = \"131072\"\nproxy_h2_tls_connection_send_buffer_bytes = \"1048576\"\n",
+    ));
+    let out = std::process::Command::new("nghttp")
+        .args(["-nv", "--no-verify-peer"])
+        .arg(format!("https://127.0.0.1:{}/api/echo", w.server.port))
+        .args(["-H", &format!(":authority: {HOST}")])
+        .output()
+        .expect("nghttp (nghttp2-client) is required");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let settings = text
+        .split("recv SETTINGS frame")
+        .nth(1)
+        .unwrap_or_else(|| panic!("{text}"));
+    assert!(
+        settings.contains("SETTINGS_MAX_CONCURRENT_STREAMS(0x03):8"),
+        "1 MiB / 128 KiB = 8 streams:\n{settings}"
+    );
+    drop(w);
+}

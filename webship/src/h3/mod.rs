@@ -254,10 +254,24 @@ type SendHalf = h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
 type RecvHalf = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
 
 /// A request body read from an h3 stream's receive half, trailers included.
+///
+/// Dropped unread (a file request, or a proxied request without a body), it hands the
+/// receive half back to the request task instead of closing it: closing it would send
+/// STOP_SENDING while the client may still be about to FIN its request, which the
+/// client sees as its request being refused. The task drops it after the response.
 struct H3Body {
-    recv: RecvHalf,
+    recv: Option<RecvHalf>,
+    park: Option<tokio::sync::oneshot::Sender<RecvHalf>>,
     data_done: bool,
     done: bool,
+}
+
+impl Drop for H3Body {
+    fn drop(&mut self) {
+        if let (Some(recv), Some(park)) = (self.recv.take(), self.park.take()) {
+            let _ = park.send(recv);
+        }
+    }
 }
 
 impl http_body::Body for H3Body {
@@ -271,11 +285,14 @@ impl http_body::Body for H3Body {
         use bytes::Buf;
         use std::task::Poll;
         let this = &mut *self;
+        let Some(recv) = this.recv.as_mut() else {
+            return Poll::Ready(None);
+        };
         if this.done {
             return Poll::Ready(None);
         }
         if !this.data_done {
-            match std::task::ready!(this.recv.poll_recv_data(cx)) {
+            match std::task::ready!(recv.poll_recv_data(cx)) {
                 Ok(Some(mut buf)) => {
                     let n = buf.remaining();
                     return Poll::Ready(Some(Ok(http_body::Frame::data(buf.copy_to_bytes(n)))));
@@ -287,7 +304,7 @@ impl http_body::Body for H3Body {
                 }
             }
         }
-        let trailers = std::task::ready!(this.recv.poll_recv_trailers(cx));
+        let trailers = std::task::ready!(recv.poll_recv_trailers(cx));
         this.done = true;
         match trailers {
             Ok(Some(t)) => Poll::Ready(Some(Ok(http_body::Frame::trailers(t)))),
@@ -323,8 +340,10 @@ async fn request(
         body_forwardable: true,
     };
     let (mut stream, recv) = stream.split();
+    let (park, parked) = tokio::sync::oneshot::channel();
     let body = http_body_util::BodyExt::boxed_unsync(H3Body {
-        recv,
+        recv: Some(recv),
+        park: Some(park),
         data_done: false,
         done: false,
     });
@@ -333,7 +352,10 @@ async fn request(
         tracing::info!(target: "access", %peer, proto = "h3", method = %parts.method,
             uri = %parts.uri, status = resp.status.as_u16(), bytes = resp.body.len());
     }
-    if let Err(e) = respond(&mut stream, resp, ctx, signal, peer).await {
+    let result = respond(&mut stream, resp, ctx, signal, peer).await;
+    // The response is complete: an unread request body may be refused now.
+    drop(parked);
+    if let Err(e) = result {
         // Typically the client cancelled (STOP_SENDING) or went away: stop reading.
         tracing::debug!(%peer, error = %e, "h3: response not completed");
     }
