@@ -129,8 +129,14 @@ fn curl(server: &Server, protocol: Protocol, to: &Path, verbose: bool) -> Result
         Protocol::H2 => ("--http2", "2"),
         Protocol::H3 => bail!("curl on this host has no HTTP/3; h3 goes through h3-get"),
     };
-    let url = format!("https://127.0.0.1:{}/{FIXTURE_NAME}", server.port);
+    let url = format!("https://{}:{}/{FIXTURE_NAME}", server.host, server.port);
     let mut command = Command::new("curl");
+    if server.host != "127.0.0.1" {
+        // A name (the proxies route `localhost`) resolved without asking the system.
+        command
+            .arg("--resolve")
+            .arg(format!("{}:{}:127.0.0.1", server.host, server.port));
+    }
     command
         .args(["-sk", if verbose { "-v" } else { "-S" }, flag])
         .args(["--max-time", &MAX_TIME.as_secs().to_string()])

@@ -3,7 +3,8 @@
 //! Absolute numbers depend on the host, so every comparison here is made
 //! within one run: `aead` picks the rustls crypto provider by measuring both
 //! on this CPU, and `download` (the default) serves one fixture from Webship
-//! and from nginx side by side and reports the ratios. The hidden `h3-get` is
+//! and from nginx side by side, directly and through each as a TLS-terminating
+//! reverse proxy, and reports the ratios. The hidden `h3-get` is
 //! the HTTP/3 client `download` runs as a child process (curl here has no h3).
 
 mod aead;
@@ -35,7 +36,8 @@ struct Cli {
 enum Command {
     /// AES-GCM seal throughput and in-memory rustls throughput, aws-lc-rs vs ring.
     Aead,
-    /// Download a ~100 MB fixture over h1, h2 and h3 from Webship and from nginx (default).
+    /// Download a ~100 MB fixture over h1, h2 and h3 from Webship and from nginx,
+    /// directly and through each as a TLS-terminating proxy (default).
     Download(DownloadArgs),
     /// One HTTP/3 GET, body hashed and dropped: the h3 cells' client (run by `download`).
     #[command(name = "h3-get", hide = true)]
@@ -63,6 +65,10 @@ pub struct DownloadArgs {
     /// Where the fixture is kept between runs (it is regenerated if size or digest differ).
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
+    /// Which cells to measure, comma-separated: `direct` (each server sends the
+    /// fixture from disk), `proxy` (each terminates TLS in front of a plain-HTTP nginx origin).
+    #[arg(long, value_delimiter = ',', default_value = "direct,proxy")]
+    pub modes: Vec<measure::Mode>,
     /// Also write the results as JSON to this file.
     #[arg(long)]
     pub out: Option<PathBuf>,

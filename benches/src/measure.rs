@@ -9,6 +9,14 @@
 //! size with status 200 over the requested protocol; h1/h2 bodies are checked
 //! byte for byte by digest once per cell, h3 bodies on every sample (h3-get
 //! hashes as it reads). Anything else aborts the run.
+//!
+//! `--modes` picks direct delivery (the cells above), proxy mode, or both in one
+//! run. In proxy mode each server terminates TLS in front of the same origin, a
+//! third nginx serving the fixture over plain HTTP on loopback: Webship over h1
+//! (hyper), h2 and h3 on one port, nginx over h1 and h2. Its cells are checked
+//! like the direct ones; server CPU is the proxy's, the origin's is reported
+//! apart. The rounds interleave the modes too, so proxy/direct ratios compare
+//! samples taken side by side.
 
 use std::env;
 use std::fs;
@@ -27,11 +35,46 @@ pub const WEBSHIP: &str = "webship";
 pub const WEBSHIP_NO_GSO: &str = "webship gso=off";
 pub const NGINX: &str = "nginx";
 
+/// What the servers under test do with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
+pub enum Mode {
+    /// Each server sends the fixture from its own disk.
+    Direct,
+    /// Each server terminates TLS and relays the fixture from a plain-HTTP origin
+    /// (a separate nginx on loopback); only the proxy's CPU is its server CPU.
+    Proxy,
+}
+
+impl Mode {
+    pub fn label(self) -> &'static str {
+        match self {
+            Mode::Direct => "direct",
+            Mode::Proxy => "proxy",
+        }
+    }
+}
+
+/// The servers of one mode. The GSO-off Webship (direct only) is started per round.
+struct ModeServers {
+    mode: Mode,
+    webship: Server,
+    nginx: Server,
+    /// Proxy mode: the origin both proxies forward to, its CPU reported apart.
+    origin: Option<Server>,
+}
+
 pub fn run(args: &DownloadArgs) -> Result<()> {
     ensure!(
         args.webship.is_file(),
         "webship binary {} not found; build it with `cargo build --release -p webship` or pass --webship",
         args.webship.display()
+    );
+    let mut modes = args.modes.clone();
+    modes.sort();
+    modes.dedup();
+    ensure!(
+        !modes.is_empty(),
+        "--modes names no mode; use direct, proxy or both"
     );
     let cache = args
         .cache_dir
@@ -55,16 +98,54 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         fs::create_dir(&dir)?;
         Ok(dir)
     };
-    let (webship_dir, no_gso_dir, nginx_dir) = (dir("webship")?, dir("webship-no-gso")?, dir("nginx")?);
+    let no_gso_dir = dir("webship-no-gso")?;
+    // Per mode: the Webship, nginx and (proxy mode) origin directories.
+    let mut dirs = Vec::new();
+    for &mode in &modes {
+        dirs.push(match mode {
+            Mode::Direct => [dir("webship")?, dir("nginx")?, PathBuf::new()],
+            Mode::Proxy => [dir("webship-proxy")?, dir("nginx-proxy")?, dir("origin-nginx")?],
+        });
+    }
     let settings = |dir| Settings {
         root,
         identity: &identity,
         workers: args.workers,
         dir,
     };
-    let webship = servers::start_webship(&webship_spec(args, WEBSHIP, true), &settings(&webship_dir))?;
-    ensure_h3(&webship)?;
-    let nginx = servers::start_nginx(&args.nginx, &settings(&nginx_dir))?;
+    let mut sets = Vec::new();
+    for (&mode, [webship_dir, nginx_dir, origin_dir]) in modes.iter().zip(&dirs) {
+        sets.push(match mode {
+            Mode::Direct => {
+                let webship =
+                    servers::start_webship(&webship_spec(args, WEBSHIP, true), &settings(webship_dir))?;
+                ensure_h3(&webship)?;
+                let nginx = servers::start_nginx(&args.nginx, &settings(nginx_dir))?;
+                ModeServers {
+                    mode,
+                    webship,
+                    nginx,
+                    origin: None,
+                }
+            }
+            Mode::Proxy => {
+                let origin = servers::start_origin(&args.nginx, root, origin_dir)?;
+                let webship = servers::start_webship_proxy(
+                    &webship_spec(args, WEBSHIP, true),
+                    &settings(webship_dir),
+                    origin.port,
+                )?;
+                ensure_h3(&webship)?;
+                let nginx = servers::start_nginx_proxy(&args.nginx, &settings(nginx_dir), origin.port)?;
+                ModeServers {
+                    mode,
+                    webship,
+                    nginx,
+                    origin: Some(origin),
+                }
+            }
+        });
+    }
     let start_no_gso = || -> Result<Server> {
         let server =
             servers::start_webship(&webship_spec(args, WEBSHIP_NO_GSO, false), &settings(&no_gso_dir))?;
@@ -75,54 +156,60 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
     // One checked download per cell first; it also warms the page cache and
     // the servers so the first timed sample is not an outlier.
     let mut series = Vec::new();
-    for protocol in Protocol::ALL {
-        for server in [&webship, &nginx] {
-            if serves(server, protocol) {
-                series.push(bench.verify(server, protocol)?);
+    for set in &sets {
+        for protocol in Protocol::ALL {
+            for server in [&set.webship, &set.nginx] {
+                if serves(server, protocol) {
+                    series.push(bench.verify(set.mode, server, protocol)?);
+                }
             }
         }
-    }
-    {
-        let no_gso = start_no_gso()?;
-        series.push(bench.verify(&no_gso, Protocol::H3)?);
+        if set.mode == Mode::Direct {
+            let no_gso = start_no_gso()?;
+            series.push(bench.verify(set.mode, &no_gso, Protocol::H3)?);
+        }
     }
 
     for round in 0..args.samples {
-        for protocol in Protocol::ALL {
-            // Started afresh for each round's h3 cells, stopped right after them.
-            let no_gso = match protocol {
-                Protocol::H3 => Some(start_no_gso()?),
-                Protocol::H1 | Protocol::H2 => None,
-            };
-            let mut pair: Vec<&Server> = [&webship, &nginx]
-                .into_iter()
-                .chain(no_gso.as_ref())
-                .filter(|server| serves(server, protocol))
-                .collect();
-            if round % 2 == 1 {
-                pair.reverse();
-            }
-            for server in pair {
-                let entry = series
-                    .iter_mut()
-                    .find(|s| s.server == server.name && s.protocol == protocol)
-                    .context("every cell was verified before sampling")?;
-                bench.sample(server, protocol, entry)?;
-                eprintln!(
-                    "round {}/{} {} {}: {:.1} MiB/s",
-                    round + 1,
-                    args.samples,
-                    server.name,
-                    protocol.label(),
-                    entry.mib_s.last().copied().unwrap_or(0.0)
-                );
+        for set in &sets {
+            for protocol in Protocol::ALL {
+                // Started afresh for each round's h3 cells, stopped right after them.
+                let no_gso = match (set.mode, protocol) {
+                    (Mode::Direct, Protocol::H3) => Some(start_no_gso()?),
+                    _ => None,
+                };
+                let mut pair: Vec<&Server> = [&set.webship, &set.nginx]
+                    .into_iter()
+                    .chain(no_gso.as_ref())
+                    .filter(|server| serves(server, protocol))
+                    .collect();
+                if round % 2 == 1 {
+                    pair.reverse();
+                }
+                for server in pair {
+                    let entry = series
+                        .iter_mut()
+                        .find(|s| s.mode == set.mode && s.server == server.name && s.protocol == protocol)
+                        .context("every cell was verified before sampling")?;
+                    bench.sample(server, set.origin.as_ref(), protocol, entry)?;
+                    eprintln!(
+                        "round {}/{} {} {} {}: {:.1} MiB/s",
+                        round + 1,
+                        args.samples,
+                        set.mode.label(),
+                        server.name,
+                        protocol.label(),
+                        entry.mib_s.last().copied().unwrap_or(0.0)
+                    );
+                }
             }
         }
     }
     // Read late: the line may be logged just after the port starts accepting.
-    let webship_kernel = kernel_summary(&webship.log());
-    drop(nginx);
-    drop(webship);
+    let webship_kernel = sets
+        .first()
+        .map_or_else(|| "unknown".to_owned(), |set| kernel_summary(&set.webship.log()));
+    drop(sets);
 
     let report = Report {
         series,
@@ -192,35 +279,54 @@ struct Bench<'a> {
 impl Bench<'_> {
     /// Downloads the fixture once, untimed, and compares digests: size and status
     /// alone would miss a server that sends the right number of wrong bytes.
-    fn verify(&self, server: &Server, protocol: Protocol) -> Result<Series> {
+    fn verify(&self, mode: Mode, server: &Server, protocol: Protocol) -> Result<Series> {
         let to = self
             .scratch
             .join(format!("check-{}-{}.bin", server.port, protocol.label()));
-        let sample = self.clients.download(server, protocol, &to, true)?;
-        let digest = match &sample.sha256 {
-            Some(digest) => digest.clone(),
-            None => {
-                let digest = fixture::file_digest(&to)?;
-                fs::remove_file(&to)?;
-                fixture::hex(&digest)
-            }
+        let checked = || -> Result<Sample> {
+            let sample = self.clients.download(server, protocol, &to, true)?;
+            let digest = match &sample.sha256 {
+                Some(digest) => digest.clone(),
+                None => {
+                    let digest = fixture::file_digest(&to)?;
+                    fs::remove_file(&to)?;
+                    fixture::hex(&digest)
+                }
+            };
+            self.check_digest(server, protocol, &digest)?;
+            Ok(sample)
         };
-        self.check_digest(server, protocol, &digest)?;
-        Ok(Series::new(server.name, protocol, sample.notes))
+        let sample = checked().with_context(|| failed(mode, server, protocol))?;
+        Ok(Series::new(mode, server.name, protocol, sample.notes))
     }
 
-    /// One timed download, its server CPU and client CPU added to `series`.
-    fn sample(&self, server: &Server, protocol: Protocol, series: &mut Series) -> Result<()> {
+    /// One timed download, its server CPU (the proxy's alone in proxy mode), the
+    /// origin's CPU and the client's CPU added to `series`.
+    fn sample(
+        &self,
+        server: &Server,
+        origin: Option<&Server>,
+        protocol: Protocol,
+        series: &mut Series,
+    ) -> Result<()> {
         let drops_before = udp_socket_drops(server.port);
+        let origin_before = origin.map(|o| cpu_ticks(o.pid()));
         let before = cpu_ticks(server.pid());
-        let sample: Sample = self
-            .clients
-            .download(server, protocol, Path::new("/dev/null"), false)?;
+        let timed = || -> Result<Sample> {
+            let sample = self
+                .clients
+                .download(server, protocol, Path::new("/dev/null"), false)?;
+            if let Some(digest) = &sample.sha256 {
+                self.check_digest(server, protocol, digest)?;
+            }
+            Ok(sample)
+        };
+        let sample = timed().with_context(|| failed(series.mode, server, protocol))?;
         let after = cpu_ticks(server.pid());
-        if let Some(digest) = &sample.sha256 {
-            self.check_digest(server, protocol, digest)?;
-        }
-        series.add(&sample, after.saturating_sub(before));
+        let origin_ticks = origin
+            .zip(origin_before)
+            .map(|(o, before)| cpu_ticks(o.pid()).saturating_sub(before));
+        series.add(&sample, after.saturating_sub(before), origin_ticks);
         if protocol == Protocol::H3 {
             // The server's UDP socket lives across samples, so its counter is read as a difference.
             let server_drops = udp_socket_drops(server.port)
@@ -242,6 +348,18 @@ impl Bench<'_> {
         );
         Ok(())
     }
+}
+
+/// The context of a failed download: the cell and what the server logged last.
+fn failed(mode: Mode, server: &Server, protocol: Protocol) -> String {
+    format!(
+        "{} {} {} (port {}) failed; server log tail:\n{}",
+        mode.label(),
+        server.name,
+        protocol.label(),
+        server.port,
+        server.log_tail()
+    )
 }
 
 /// The `preflight: ...` part of Webship's "listening on" log line.

@@ -25,6 +25,9 @@ const POLL: Duration = Duration::from_millis(20);
 pub struct Server {
     pub name: &'static str,
     pub port: u16,
+    /// The host clients put in the URL (and so in SNI and `Host`): "127.0.0.1" for the
+    /// direct cells, "localhost" for the proxies, whose route is for that domain.
+    pub host: &'static str,
     child: Child,
     log: PathBuf,
     /// A log line fragment that appears once the server is fully up (Webship
@@ -68,7 +71,7 @@ impl Server {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    fn log_tail(&self) -> String {
+    pub fn log_tail(&self) -> String {
         let log = self.log();
         let start = log.len().saturating_sub(4000);
         log.get(start..).unwrap_or(&log).to_owned()
@@ -144,6 +147,7 @@ fn spawn(
     let mut server = Server {
         name,
         port,
+        host: "127.0.0.1",
         child,
         log,
         ready_line,
@@ -173,8 +177,36 @@ pub struct WebshipSpec<'a> {
 
 pub fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
     let port = free_port()?;
+    let serve = format!(
+        "root = {root:?}\n\n[tls]\ncert = {cert:?}\nkey = {key:?}\n",
+        root = s.root,
+        cert = s.identity.cert,
+        key = s.identity.key,
+    );
+    launch_webship(spec, s, port, &serve)
+}
+
+/// Webship as a TLS-terminating reverse proxy for `localhost`, every path forwarded
+/// to the plain-HTTP origin on `origin_port`. The proxy site speaks h1 (through
+/// hyper), h2 and h3 on one port, like the direct site.
+pub fn start_webship_proxy(spec: &WebshipSpec<'_>, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+    let port = free_port()?;
+    let serve = format!(
+        "[reverse_proxy]\nenabled = true\ntls_termination = true\n\n\
+         [reverse_proxy.tls]\ncert = {cert:?}\nkey = {key:?}\n\n\
+         [[reverse_proxy.routes]]\ndomain = \"localhost\"\npath_prefix = \"/\"\n\
+         upstreams = [\"127.0.0.1:{origin_port}\"]\n",
+        cert = s.identity.cert,
+        key = s.identity.key,
+    );
+    let mut server = launch_webship(spec, s, port, &serve)?;
+    server.host = "localhost";
+    Ok(server)
+}
+
+fn launch_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &str) -> Result<Server> {
     let config = s.dir.join("webship.toml");
-    fs::write(&config, webship_config(spec, s, port))?;
+    fs::write(&config, webship_config(spec, s, port, serve))?;
     let mut command = Command::new(spec.binary);
     command.arg("serve").arg("--config").arg(&config);
     spawn(
@@ -186,14 +218,12 @@ pub fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server>
     )
 }
 
-fn webship_config(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16) -> String {
+/// `serve`: what the instance serves (a root with its `[tls]`, or a `[reverse_proxy]`).
+fn webship_config(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &str) -> String {
     let mut config = format!(
-        "listen = \"127.0.0.1:{port}\"\nworkers = {workers}\nroot = {root:?}\n\n\
-         [tls]\ncert = {cert:?}\nkey = {key:?}\n\n[kernel]\nktls = {ktls:?}\nbbr = \"auto\"\n",
+        "listen = \"127.0.0.1:{port}\"\nworkers = {workers}\n{serve}\n\
+         [kernel]\nktls = {ktls:?}\nbbr = \"auto\"\n",
         workers = s.workers,
-        root = s.root,
-        cert = s.identity.cert,
-        key = s.identity.key,
         ktls = spec.ktls,
     );
     if !spec.runtime.is_empty() {
@@ -207,16 +237,81 @@ fn webship_config(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16) -> String
 
 pub fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
     let port = free_port()?;
-    let dir = s.dir.display();
+    let mut server = String::new();
+    tls_server(&mut server, port, s)?;
+    writeln!(server, "    root {};\n  }}", s.root.display())?;
+    launch_nginx("nginx", binary, s.dir, s.workers, &server, port)
+}
+
+/// The proxies' origin: nginx serving `root` over plain HTTP on loopback, one
+/// worker, keep-alive connections reused for as long as the proxies like.
+pub fn start_origin(binary: &Path, root: &Path, dir: &Path) -> Result<Server> {
+    let port = free_port()?;
+    let mut server = String::new();
+    writeln!(server, "  keepalive_requests 100000;")?;
+    writeln!(server, "  server {{\n    listen 127.0.0.1:{port};")?;
+    writeln!(server, "    root {};\n  }}", root.display())?;
+    launch_nginx("origin nginx", binary, dir, 1, &server, port)
+}
+
+/// nginx as the TLS-terminating proxy in front of the origin on `origin_port`,
+/// with the settings nginx documents for relaying large responses: HTTP/1.1 to
+/// the upstream with `Connection` cleared so the `keepalive` pool reuses
+/// connections; buffering on with 16 × 64k buffers (`proxy_buffer_size` 64k for
+/// the header); `proxy_max_temp_file_size 0`, so a response larger than the
+/// buffers is relayed synchronously through them and never spooled to disk.
+pub fn start_nginx_proxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+    let port = free_port()?;
+    let mut server = String::new();
+    writeln!(
+        server,
+        "  upstream origin {{\n    server 127.0.0.1:{origin_port};\n    keepalive 32;\n  }}"
+    )?;
+    tls_server(&mut server, port, s)?;
+    writeln!(server, "    location / {{")?;
+    writeln!(server, "      proxy_pass http://origin;")?;
+    writeln!(
+        server,
+        "      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";"
+    )?;
+    writeln!(
+        server,
+        "      proxy_buffering on;\n      proxy_buffers 16 64k;\n      proxy_buffer_size 64k;"
+    )?;
+    writeln!(server, "      proxy_max_temp_file_size 0;\n    }}\n  }}")?;
+    let mut nginx = launch_nginx("nginx", binary, s.dir, s.workers, &server, port)?;
+    nginx.host = "localhost";
+    Ok(nginx)
+}
+
+/// The opening of a TLS server block, the same for direct delivery and the proxy.
+fn tls_server(conf: &mut String, port: u16, s: &Settings<'_>) -> Result<()> {
+    writeln!(conf, "  server {{")?;
+    writeln!(conf, "    listen 127.0.0.1:{port} ssl http2;")?;
+    writeln!(conf, "    ssl_certificate {};", s.identity.cert.display())?;
+    writeln!(conf, "    ssl_certificate_key {};", s.identity.key.display())?;
+    writeln!(conf, "    ssl_protocols TLSv1.3;")?;
+    Ok(())
+}
+
+/// Writes `nginx.conf` in `dir` around the `http` block's `servers` and starts nginx.
+fn launch_nginx(
+    name: &'static str,
+    binary: &Path,
+    dir: &Path,
+    workers: u32,
+    servers: &str,
+    port: u16,
+) -> Result<Server> {
+    let shown = dir.display();
     let mut conf = String::new();
     // One master plus `workers` workers, in the foreground so it stays our child.
     // Every path nginx writes is inside `dir`, so it runs beside a system nginx.
     writeln!(
         conf,
-        "daemon off;\nmaster_process on;\nworker_processes {};",
-        s.workers
+        "daemon off;\nmaster_process on;\nworker_processes {workers};"
     )?;
-    writeln!(conf, "pid {dir}/nginx.pid;\nerror_log stderr warn;")?;
+    writeln!(conf, "pid {shown}/nginx.pid;\nerror_log stderr warn;")?;
     writeln!(conf, "events {{ worker_connections 64; }}")?;
     writeln!(conf, "http {{")?;
     writeln!(
@@ -225,26 +320,22 @@ pub fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
     )?;
     writeln!(conf, "  sendfile on;\n  tcp_nopush on;")?;
     for temp in ["client_body", "proxy", "fastcgi", "uwsgi", "scgi"] {
-        writeln!(conf, "  {temp}_temp_path {dir}/{temp}_temp;")?;
+        writeln!(conf, "  {temp}_temp_path {shown}/{temp}_temp;")?;
     }
-    writeln!(conf, "  server {{")?;
-    writeln!(conf, "    listen 127.0.0.1:{port} ssl http2;")?;
-    writeln!(conf, "    ssl_certificate {};", s.identity.cert.display())?;
-    writeln!(conf, "    ssl_certificate_key {};", s.identity.key.display())?;
-    writeln!(conf, "    ssl_protocols TLSv1.3;\n    root {};", s.root.display())?;
-    writeln!(conf, "  }}\n}}")?;
-    let config = s.dir.join("nginx.conf");
+    conf.push_str(servers);
+    writeln!(conf, "}}")?;
+    let config = dir.join("nginx.conf");
     fs::write(&config, conf)?;
 
     let mut command = Command::new(binary);
     // -e: otherwise the compiled-in error log is opened before the config is read.
     command
         .arg("-p")
-        .arg(s.dir)
+        .arg(dir)
         .arg("-c")
         .arg(&config)
         .args(["-e", "stderr"]);
-    spawn("nginx", command, port, s.dir.join("nginx.log"), None)
+    spawn(name, command, port, dir.join("nginx.log"), None)
 }
 
 /// "nginx 1.22" from `nginx -v`, for the cells nginx cannot serve.
