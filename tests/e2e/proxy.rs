@@ -62,6 +62,7 @@ max_body_bytes = 1000
 allowed_methods = ["GET", "HEAD", "POST"]
 deny_paths = ["/api/admin*"]
 required_content_types = ["application/json"]
+max_header_bytes = 4096
 {extra_routes}
 "#,
         cert.display(),
@@ -294,6 +295,18 @@ async fn inspection_refuses_before_the_origin_sees_anything() {
         assert_eq!(got.headers["allow"], "GET, HEAD, POST");
         let got = exchange(proto, addr, client.clone(), "GET", "/api/admin/users", &[], b"").await;
         assert_eq!(got.status, 403, "{proto:?}");
+        let big = "b".repeat(5000);
+        let got = exchange(
+            proto,
+            addr,
+            client.clone(),
+            "GET",
+            "/api/echo",
+            &[("x-big", &big)],
+            b"",
+        )
+        .await;
+        assert_eq!(got.status, 431, "{proto:?}");
     }
     assert_eq!(
         w.origin.seen().len(),
@@ -386,6 +399,11 @@ async fn failover_ejection_and_502() {
         assert_eq!(got.status, 200, "the live upstream answers");
     }
     assert_eq!(origin.seen().len(), 4);
+    assert_eq!(
+        origin.connections(),
+        1,
+        "the four requests shared one pooled connection"
+    );
     assert!(w.server.log().contains("ejected"), "{}", w.server.log());
     let got = w.get(Proto::H1, "/down/x", &[]).await;
     assert_eq!(got.status, 502);
