@@ -91,7 +91,7 @@ pub async fn serve_h1(mut stream: RustlsStream, ctx: ConnContext) -> Result<(), 
     drive(conn, |c| c.graceful_shutdown(), &active, &ctx).await
 }
 
-type HandlerFuture = Pin<Box<dyn Future<Output = Result<http::Response<FileStream>, Infallible>> + Send>>;
+type HandlerFuture = Pin<Box<dyn Future<Output = Result<http::Response<ResponseBody>, Infallible>> + Send>>;
 
 /// The hyper service of one connection: every request goes to the shared Service.
 #[derive(Debug, Clone)]
@@ -101,7 +101,7 @@ struct Handler {
 }
 
 impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Handler {
-    type Response = http::Response<FileStream>;
+    type Response = http::Response<ResponseBody>;
     type Error = Infallible;
     type Future = HandlerFuture;
 
@@ -158,7 +158,7 @@ async fn handle(
     req: http::Request<hyper::body::Incoming>,
     ctx: &ConnContext,
     guard: InFlight,
-) -> http::Response<FileStream> {
+) -> http::Response<ResponseBody> {
     let (parts, body) = req.into_parts();
     let head = RequestHead {
         method: &parts.method,
@@ -184,14 +184,14 @@ async fn handle(
     into_hyper(resp, guard)
 }
 
-fn into_hyper(resp: Response, guard: InFlight) -> http::Response<FileStream> {
+fn into_hyper(resp: Response, guard: InFlight) -> http::Response<ResponseBody> {
     let Response {
         status,
         mut headers,
         body,
     } = resp;
     headers.insert(http::header::SERVER, http::HeaderValue::from_static(SERVER));
-    let body = FileStream::new(body, guard);
+    let body = ResponseBody::new(body, guard);
     let mut out = http::Response::new(body);
     *out.status_mut() = status;
     *out.headers_mut() = headers;
@@ -215,9 +215,10 @@ impl Drop for InFlight {
     }
 }
 
-/// A response body that reads file ranges on demand, one chunk at a time, only when
-/// hyper polls it (which it does only when the stream has capacity).
-pub struct FileStream {
+/// A response body for hyper: file ranges read on demand, one chunk at a time, only
+/// when hyper polls it (which it does only when the stream has capacity), or a body
+/// relayed from an upstream, frame by frame.
+pub struct ResponseBody {
     /// A relayed body (proxy), passed through frame by frame, trailers and errors
     /// included; the file fields are unused then.
     relay: Option<StreamBody>,
@@ -228,7 +229,7 @@ pub struct FileStream {
     _guard: InFlight,
 }
 
-impl FileStream {
+impl ResponseBody {
     fn new(body: Body, guard: InFlight) -> Self {
         let mut relay = None;
         let (file, segments, remaining) = match body {
@@ -254,7 +255,7 @@ impl FileStream {
     }
 }
 
-impl http_body::Body for FileStream {
+impl http_body::Body for ResponseBody {
     type Data = Bytes;
     type Error = BoxError;
 
@@ -332,16 +333,16 @@ impl http_body::Body for FileStream {
     }
 }
 
-impl std::fmt::Debug for FileStream {
+impl std::fmt::Debug for ResponseBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FileStream")
+        f.debug_struct("ResponseBody")
             .field("relay", &self.relay.is_some())
             .field("remaining", &self.remaining)
             .finish()
     }
 }
 
-impl Drop for FileStream {
+impl Drop for ResponseBody {
     fn drop(&mut self) {
         // A cancelled stream must not leave a read running for nobody.
         if let Some(pending) = self.pending.take() {
