@@ -348,3 +348,36 @@ async fn access_log_is_off_by_default_and_on_by_switch() {
         assert_eq!(ok, expect, "access log with {extra:?}:\n{}", server.log());
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_closed_after_the_idle_timeout() {
+    let env = Env::new();
+    env.write("small.txt", b"small");
+    let server = env.start("[limits]\nidle_timeout_secs = 1\n");
+    // HTTP/1.1: one request, then silence.
+    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    tls.write_all(get_request("/small.txt").as_bytes()).await.unwrap();
+    let start = Instant::now();
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut all))
+        .await
+        .expect("an idle keep-alive connection was never closed")
+        .ok();
+    assert!(String::from_utf8_lossy(&all).ends_with("small"));
+    assert!(
+        start.elapsed() < Duration::from_secs(5),
+        "closed after {:?}",
+        start.elapsed()
+    );
+    // HTTP/2: the connection ends by itself too (GOAWAY, then close).
+    let tls = connect(server.addr(), HOST, env.client(b"h2")).await.unwrap();
+    let (_send, conn) =
+        hyper::client::conn::http2::handshake::<_, _, Empty<Bytes>>(TokioExecutor::new(), TokioIo::new(tls))
+            .await
+            .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), conn).await;
+    assert!(ended.is_ok(), "an idle h2 connection was never closed");
+    assert!(eventually(Duration::from_secs(5), || server.established() == 0));
+}
