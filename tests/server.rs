@@ -30,12 +30,17 @@ pub fn webship(args: &[&str], cwd: &Path) -> Output {
 }
 
 /// A port that was free a moment ago.
+/// A port free for both TCP and UDP a moment ago (webship serves h3 on the same
+/// port over UDP, and client QUIC sockets take ephemeral UDP ports).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    for _ in 0..100 {
+        let tcp = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = tcp.local_addr().unwrap().port();
+        if std::net::UdpSocket::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no port free for both TCP and UDP after 100 tries");
 }
 
 /// Whether something accepts TCP connections on the port.
@@ -56,13 +61,43 @@ pub struct Server {
 impl Server {
     /// Starts `webship serve --config <dir>/webship.toml` with `config`, in which the
     /// text `{port}` is replaced by a free port; waits until it accepts connections.
+    ///
+    /// A port taken between choosing it and binding it (another test's ephemeral
+    /// socket) is retried on a fresh port: that race is the harness's, not webship's.
     pub fn start(dir: &Path, config: &str) -> Server {
-        let port = free_port();
-        let path = dir.join("webship.toml");
-        std::fs::write(&path, config.replace("{port}", &port.to_string())).unwrap();
-        let mut server = Self::spawn(dir, &["serve", "--config", path.to_str().unwrap()], port);
-        server.wait_listening();
-        server
+        for _ in 0..3 {
+            let port = free_port();
+            let path = dir.join("webship.toml");
+            std::fs::write(&path, config.replace("{port}", &port.to_string())).unwrap();
+            let mut server = Self::spawn(dir, &["serve", "--config", path.to_str().unwrap()], port);
+            if server.try_wait_listening() {
+                return server;
+            }
+            let log = server.log();
+            if !log.contains("Address already in use") {
+                panic!("webship did not start on {port}; log:\n{log}");
+            }
+        }
+        panic!("webship could not bind a free port in 3 tries");
+    }
+
+    /// Like [`Server::wait_listening`], but `false` when the process exited instead.
+    fn try_wait_listening(&mut self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if listening(self.port) {
+                return true;
+            }
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        panic!(
+            "webship did not listen on {} within 20 s; log:\n{}",
+            self.port,
+            self.log()
+        );
     }
 
     /// Starts `webship serve` with `args`, without waiting.
