@@ -11,6 +11,7 @@ pub mod h3;
 pub mod http;
 pub mod ktls;
 pub mod listener;
+pub mod passthrough;
 pub mod preflight;
 pub mod proxy;
 pub mod server;
