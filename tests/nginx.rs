@@ -23,6 +23,16 @@ impl Nginx {
     /// Serves the files under `root` on a free loopback port; returns once the port
     /// accepts connections.
     pub fn start(root: &Path) -> Nginx {
+        Self::start_with(root, None)
+    }
+
+    /// Serves `root` over TLS (h1 and h2) with the given certificate: an origin for
+    /// passthrough, whose certificate the client must see.
+    pub fn start_tls(root: &Path, cert: &Path, key: &Path) -> Nginx {
+        Self::start_with(root, Some((cert, key)))
+    }
+
+    fn start_with(root: &Path, tls: Option<(&Path, &Path)>) -> Nginx {
         assert!(
             Path::new(NGINX).exists(),
             "{NGINX} is missing (Debian package nginx-light)"
@@ -66,13 +76,20 @@ http {{
     access_log {d}/access.log origin;
 
     server {{
-        listen 127.0.0.1:{port};
+        listen 127.0.0.1:{port}{listen_tls};
+        {tls_lines}
         root {root};
         keepalive_requests 10000;
     }}
 }}
 "#,
             d = d.display(),
+            listen_tls = if tls.is_some() { " ssl http2" } else { "" },
+            tls_lines = tls.map_or(String::new(), |(cert, key)| format!(
+                "ssl_certificate {}; ssl_certificate_key {}; ssl_protocols TLSv1.2 TLSv1.3;",
+                cert.display(),
+                key.display()
+            )),
             root = root.display(),
         );
         let conf_path = d.join("nginx.conf");

@@ -9,6 +9,7 @@ mod h2;
 mod h3;
 mod lifecycle;
 mod origins;
+mod passthrough;
 mod paths;
 mod preflight;
 mod proxy;

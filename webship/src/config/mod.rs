@@ -35,7 +35,17 @@ pub struct Config {
     pub h2: H2Settings,
     pub h3: H3Settings,
     pub proxy_h2: ProxyH2Settings,
+    /// Domains whose TLS connections go to upstreams untouched (never decrypted).
+    pub passthrough: Vec<PassthroughRoute>,
     pub access_log: bool,
+}
+
+/// A TLS passthrough route: connections whose ClientHello names `domain`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PassthroughRoute {
+    pub domain: DomainPattern,
+    pub upstreams: Vec<SocketAddr>,
+    pub connect_timeout: Duration,
 }
 
 impl Config {
@@ -422,6 +432,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         h2: H2Settings::default(),
         h3: H3Settings::default(),
         proxy_h2: ProxyH2Settings::default(),
+        passthrough: Vec::new(),
         access_log: false,
     })
 }
@@ -531,9 +542,10 @@ impl Validator<'_> {
                 });
             }
         }
-        if let Some(proxy) = &raw.reverse_proxy {
-            self.reverse_proxy(proxy, &mut sites, &mut seen);
-        }
+        let passthrough = match &raw.reverse_proxy {
+            Some(proxy) => self.reverse_proxy(proxy, &mut sites, &mut seen),
+            None => Vec::new(),
+        };
         if let Some(root) = top_root {
             let tls = match top_tls {
                 Some(tls) => tls,
@@ -553,7 +565,7 @@ impl Validator<'_> {
                 protocols: top_protocols,
                 tls,
             });
-        } else if sites.is_empty() && self.problems.is_empty() {
+        } else if sites.is_empty() && passthrough.is_empty() && self.problems.is_empty() {
             self.problem(
                 "root",
                 "nothing to serve: no top-level `root` and no [[sites]]",
@@ -581,6 +593,7 @@ impl Validator<'_> {
                 h2,
                 h3,
                 proxy_h2,
+                passthrough,
                 access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
             })
         } else {
@@ -598,17 +611,12 @@ impl Validator<'_> {
         raw: &raw::RawReverseProxy,
         sites: &mut Vec<Site>,
         seen: &mut BTreeMap<String, usize>,
-    ) {
+    ) -> Vec<PassthroughRoute> {
         if raw.enabled == Some(false) {
-            return;
+            return Vec::new();
         }
         if raw.tls_termination == Some(false) {
-            self.problem(
-                "reverse_proxy.tls_termination",
-                "TLS passthrough is not available in this build yet",
-                "set `tls_termination = true` (or leave it out)",
-            );
-            return;
+            return self.passthrough(raw, seen);
         }
         if raw.udp_upstream.is_some() {
             self.problem(
@@ -671,7 +679,7 @@ impl Validator<'_> {
             entry.1.push(route);
         }
         let Some(tls) = tls else {
-            return;
+            return Vec::new();
         };
         for (name, (domain, mut routes)) in by_domain {
             routes.sort_by_key(|r| std::cmp::Reverse(r.path_prefix.len()));
@@ -683,6 +691,109 @@ impl Validator<'_> {
                 tls: tls.clone(),
             });
         }
+        Vec::new()
+    }
+
+    /// `tls_termination = false`: routes by SNI only; nothing about HTTP applies.
+    fn passthrough(
+        &mut self,
+        raw: &raw::RawReverseProxy,
+        seen: &mut BTreeMap<String, usize>,
+    ) -> Vec<PassthroughRoute> {
+        if raw.tls.is_some() {
+            self.problem(
+                "reverse_proxy.tls",
+                "passthrough never decrypts, so it has no certificate",
+                "remove [reverse_proxy.tls] (the upstreams present their own certificates)",
+            );
+        }
+        let protocols = self.protocols("reverse_proxy.protocols", raw.protocols);
+        if protocols.h3 || raw.udp_upstream.is_some() {
+            self.problem(
+                "reverse_proxy.protocols.h3",
+                "HTTP/3 passthrough (a shared `udp_upstream`) is not available in this build yet",
+                "set `h3 = false` in [reverse_proxy.protocols] and remove `udp_upstream`",
+            );
+        }
+        if raw.routes.is_empty() {
+            self.problem(
+                "reverse_proxy.routes",
+                "passthrough has no routes",
+                "add at least one [[reverse_proxy.routes]] with `domain` and `upstreams`",
+            );
+        }
+        let mut out: Vec<PassthroughRoute> = Vec::new();
+        for (i, r) in raw.routes.iter().enumerate() {
+            let key = format!("reverse_proxy.routes[{i}]");
+            if r.path_prefix.as_deref().is_some_and(|p| p != "/") {
+                self.problem(
+                    format!("{key}.path_prefix"),
+                    "passthrough routes by SNI alone: it never sees a path",
+                    "use `path_prefix = \"/\"` or leave it out",
+                );
+            }
+            let http_only = [
+                ("strip_prefix", r.strip_prefix.is_some()),
+                ("upstream_protocol", r.upstream_protocol.is_some()),
+                ("host", r.host.is_some()),
+                ("max_body_bytes", r.max_body_bytes.is_some()),
+                ("max_header_bytes", r.max_header_bytes.is_some()),
+                ("allowed_methods", r.allowed_methods.is_some()),
+                ("deny_paths", r.deny_paths.is_some()),
+                ("required_content_types", r.required_content_types.is_some()),
+                ("read_timeout_secs", r.read_timeout_secs.is_some()),
+            ];
+            for (name, present) in http_only {
+                if present {
+                    self.problem(
+                        format!("{key}.{name}"),
+                        "applies to HTTP, which passthrough never sees",
+                        format!("remove `{name}`, or set `tls_termination = true`"),
+                    );
+                }
+            }
+            let Some(domain) = self.domain(&format!("{key}.domain"), &r.domain) else {
+                continue;
+            };
+            let name = domain.to_string();
+            if let Some(&site) = seen.get(&name) {
+                self.problem(
+                    format!("{key}.domain"),
+                    if site == usize::MAX {
+                        format!("`{name}` already has a passthrough route")
+                    } else {
+                        format!("`{name}` is already the domain of sites[{site}]")
+                    },
+                    "give each domain one way to be served",
+                );
+                continue;
+            }
+            seen.insert(name, usize::MAX);
+            let mut upstreams = Vec::new();
+            for (j, u) in r.upstreams.iter().enumerate() {
+                match u.parse::<SocketAddr>() {
+                    Ok(addr) if addr.port() != 0 => upstreams.push(addr),
+                    _ => self.problem(
+                        format!("{key}.upstreams[{j}]"),
+                        format!("`{u}` is not an IP address with a port"),
+                        "write it as \"10.0.0.20:443\"",
+                    ),
+                }
+            }
+            if r.upstreams.is_empty() {
+                self.problem(
+                    format!("{key}.upstreams"),
+                    "the route has no upstreams",
+                    "list at least one",
+                );
+            }
+            out.push(PassthroughRoute {
+                domain,
+                upstreams,
+                connect_timeout: Duration::from_millis(r.connect_timeout_ms.unwrap_or(3_000).max(1)),
+            });
+        }
+        out
     }
 
     fn route(&mut self, key: &str, r: &raw::RawRoute) -> Option<Route> {

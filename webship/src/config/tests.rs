@@ -142,7 +142,8 @@ fn protocols_and_reverse_proxy() {
     let problems = f.problems(&format!(
         "{base}[reverse_proxy]\nenabled = true\ntls_termination = false\n"
     ));
-    assert_eq!(problems[0].key, "reverse_proxy.tls_termination");
+    let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(keys, ["reverse_proxy.protocols.h3", "reverse_proxy.routes"]);
     assert!(f.parse(base).is_ok());
 }
 
@@ -243,4 +244,33 @@ fn bad_routes_are_named() {
     );
     assert_eq!(keys(both), ["reverse_proxy.routes[0].domain"]);
     assert_eq!(keys(PROXY_BASE.to_owned()), ["reverse_proxy.routes"]);
+}
+
+#[test]
+fn passthrough_routes_by_sni_alone() {
+    let f = Files::new();
+    let base = "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\ntls_termination = false\n[reverse_proxy.protocols]\nh3 = false\n";
+    let config = f
+        .parse(&format!(
+            "{base}[[reverse_proxy.routes]]\ndomain = \"*.example.com\"\nupstreams = [\"10.0.0.20:443\"]\n"
+        ))
+        .unwrap();
+    assert!(config.sites.is_empty());
+    assert_eq!(config.passthrough.len(), 1);
+    assert_eq!(
+        config.passthrough[0].domain,
+        DomainPattern::Wildcard(".example.com".into())
+    );
+    let problems = f.problems(&format!(
+        "{base}[reverse_proxy.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[[reverse_proxy.routes]]\ndomain = \"a.example\"\npath_prefix = \"/api/\"\nmax_body_bytes = 10\nupstreams = [\"10.0.0.20:443\"]\n"
+    ));
+    let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "reverse_proxy.tls",
+            "reverse_proxy.routes[0].path_prefix",
+            "reverse_proxy.routes[0].max_body_bytes"
+        ]
+    );
 }

@@ -16,6 +16,7 @@ use crate::config::{Config, TlsSource};
 use crate::h3::{H3Context, H3Endpoint};
 use crate::http::{self, ConnContext};
 use crate::listener;
+use crate::passthrough::{Decision, Passthrough};
 use crate::preflight::Report;
 use crate::service::Service;
 use crate::tls::{self, Acceptor, Alpn};
@@ -65,6 +66,7 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     let acceptor = Arc::new(Acceptor::build(&config)?);
     let service = Arc::new(Service::new(&config)?);
+    let passthrough = Passthrough::new(&config).map(Arc::new);
     let listener = listener::bind(config.listen).map_err(|source| ServerError::Bind {
         addr: config.listen,
         source,
@@ -122,7 +124,13 @@ pub async fn run(
             shutdown: shutdown.clone(),
             ktls: ktls.clone(),
         };
-        tokio::spawn(connection(tcp, acceptor.clone(), ctx, permit));
+        tokio::spawn(connection(
+            tcp,
+            acceptor.clone(),
+            passthrough.clone(),
+            ctx,
+            permit,
+        ));
     }
     drop(listener);
     let open = limit - permits.available_permits();
@@ -143,6 +151,18 @@ pub async fn run(
     if let Some(task) = h3_task {
         task.abort();
     }
+    if passthrough.is_some() {
+        let c = crate::passthrough::counters();
+        tracing::info!(
+            steered = c.steered,
+            bytes_up = c.bytes_up,
+            bytes_down = c.bytes_down,
+            sni_misses = c.sni_misses,
+            bad_hellos = c.bad_hellos,
+            upstream_failures = c.upstream_failures,
+            "passthrough counters"
+        );
+    }
     if ktls.is_some() {
         let c = crate::ktls::counters();
         tracing::info!(
@@ -158,9 +178,22 @@ pub async fn run(
 async fn connection(
     tcp: TcpStream,
     acceptor: Arc<Acceptor>,
+    passthrough: Option<Arc<Passthrough>>,
     mut ctx: ConnContext,
     _permit: OwnedSemaphorePermit,
 ) {
+    if let Some(pt) = &passthrough {
+        match pt.decide(&tcp, ctx.limits.handshake_timeout).await {
+            Decision::Forward(route) => return pt.forward(route, tcp, ctx.peer).await,
+            Decision::Close(reason) => {
+                return tracing::debug!(peer = %ctx.peer, reason, "passthrough: closed");
+            }
+            Decision::Terminate => {}
+        }
+    }
+    if acceptor.is_empty() {
+        return;
+    }
     let accepted = match acceptor
         .accept(tcp, ctx.service.sites(), ctx.limits.handshake_timeout)
         .await

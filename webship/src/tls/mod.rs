@@ -151,6 +151,11 @@ impl Acceptor {
         })
     }
 
+    /// Whether no site terminates TLS (a passthrough-only listener).
+    pub fn is_empty(&self) -> bool {
+        self.configs.is_empty()
+    }
+
     /// The rustls configuration for the HTTP/3 endpoint (TLS 1.3, ALPN `h3`, the
     /// certificate chosen by SNI among sites with `h3 = true`); `None` when no site
     /// serves HTTP/3.

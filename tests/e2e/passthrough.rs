@@ -1,0 +1,284 @@
+//! TLS passthrough against real TLS origins (Debian nginx with its own certificates):
+//! the client completes TLS with the origin, never with webship; routing is by SNI,
+//! also for a ClientHello that arrives one byte per segment; misses and garbage are
+//! closed; direct sites can share the listener.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use webship_tests::client::{connect, curl, fetch, hex, raw_status, Proto};
+use webship_tests::fixture::sha256_file;
+use webship_tests::nginx::Nginx;
+use webship_tests::{fixture, Server, FIXTURE_LEN};
+
+use crate::support::{Env, HOST};
+
+struct World {
+    env: Env,
+    server: Server,
+    _a: Nginx,
+    _b: Nginx,
+}
+
+/// Origins `a.pass` (serving the fixture) and `b.pass` (serving "b"), each with its
+/// own certificate; webship in front, optionally with a direct site too.
+fn world(with_site: bool) -> World {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin");
+    let a_root = env.dir.path().join("a");
+    let b_root = env.dir.path().join("b");
+    std::fs::create_dir(&a_root).unwrap();
+    std::fs::create_dir(&b_root).unwrap();
+    fixture().place(&a_root, "fixture.bin");
+    std::fs::write(a_root.join("who.txt"), "origin a").unwrap();
+    std::fs::write(b_root.join("who.txt"), "origin b").unwrap();
+    let (a_cert, a_key) = env.pki.leaf("a", &["a.pass"]);
+    let (b_cert, b_key) = env.pki.leaf("b", &["b.pass", "*.b.pass"]);
+    let a = Nginx::start_tls(&a_root, &a_cert, &a_key);
+    let b = Nginx::start_tls(&b_root, &b_cert, &b_key);
+    let passthrough = format!(
+        r#"
+[reverse_proxy]
+enabled = true
+tls_termination = false
+[reverse_proxy.protocols]
+h1 = true
+h2 = true
+h3 = false
+[[reverse_proxy.routes]]
+domain = "a.pass"
+upstreams = ["{}"]
+[[reverse_proxy.routes]]
+domain = "*.b.pass"
+upstreams = ["{}"]
+[[reverse_proxy.routes]]
+domain = "b.pass"
+upstreams = ["{}"]
+"#,
+        a.addr, b.addr, b.addr
+    );
+    let config = if with_site {
+        env.config(&passthrough.replace("[reverse_proxy]", "[protocols]\nh3 = false\n\n[reverse_proxy]"))
+    } else {
+        format!("listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{passthrough}")
+    };
+    let server = Server::start(env.dir.path(), &config);
+    World {
+        env,
+        server,
+        _a: a,
+        _b: b,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_origin_terminates_tls_and_the_bytes_are_exact() {
+    let w = world(false);
+    for proto in [Proto::H1, Proto::H2] {
+        // The client verifies the chain for a.pass: only the origin holds that key.
+        let got = fetch(
+            proto,
+            w.server.addr(),
+            "a.pass",
+            w.env.client(proto.alpn()),
+            "GET",
+            "/fixture.bin",
+            &[],
+        )
+        .await;
+        assert_eq!(got.status, 200, "{proto:?}");
+        assert_eq!(got.len, FIXTURE_LEN, "{proto:?}");
+        assert_eq!(hex(&got.sha256), hex(&fixture().sha256), "{proto:?}");
+        assert!(
+            got.header("server").starts_with("nginx"),
+            "{proto:?}: served by the origin"
+        );
+        let got = fetch(
+            proto,
+            w.server.addr(),
+            "b.pass",
+            w.env.client(proto.alpn()),
+            "GET",
+            "/who.txt",
+            &[],
+        )
+        .await;
+        assert_eq!(got.body, b"origin b", "{proto:?}");
+        let got = fetch(
+            proto,
+            w.server.addr(),
+            "x.b.pass",
+            w.env.client(proto.alpn()),
+            "GET",
+            "/who.txt",
+            &[],
+        )
+        .await;
+        assert_eq!(got.status, 200, "wildcard route");
+    }
+}
+
+#[test]
+fn curl_through_passthrough() {
+    let w = world(false);
+    let ca = w.env.pki.ca_file();
+    let out = w.env.dir.path().join("curl.bin");
+    for flag in ["--http1.1", "--http2"] {
+        let result = curl(
+            "a.pass",
+            w.server.port,
+            &[
+                "--cacert",
+                ca.to_str().unwrap(),
+                flag,
+                "-o",
+                out.to_str().unwrap(),
+                "-w",
+                "%{http_code} %{size_download}",
+                &format!("https://a.pass:{}/fixture.bin", w.server.port),
+            ],
+        );
+        assert!(
+            result.status.success(),
+            "{}",
+            String::from_utf8_lossy(&result.stderr)
+        );
+        assert_eq!(
+            String::from_utf8_lossy(&result.stdout),
+            format!("200 {FIXTURE_LEN}"),
+            "{flag}"
+        );
+        assert_eq!(hex(&sha256_file(&out)), hex(&fixture().sha256), "{flag}");
+    }
+}
+
+/// Writes the first `slow` bytes one per write (each its own segment: no Nagle).
+struct Trickle {
+    tcp: TcpStream,
+    slow: usize,
+}
+
+impl AsyncRead for Trickle {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Trickle {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let n = if self.slow > 0 {
+            1.min(data.len())
+        } else {
+            data.len()
+        };
+        let r = Pin::new(&mut self.tcp).poll_write(cx, &data[..n]);
+        if let Poll::Ready(Ok(written)) = &r {
+            self.slow = self.slow.saturating_sub(*written);
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_in_one_byte_segments_still_routes() {
+    let w = world(false);
+    let tcp = TcpStream::connect(w.server.addr()).await.unwrap();
+    tcp.set_nodelay(true).unwrap();
+    let trickle = Trickle { tcp, slow: 4096 };
+    let name = rustls::pki_types::ServerName::try_from("b.pass").unwrap();
+    let mut config = (*w.env.client(b"http/1.1")).clone();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config));
+    let mut tls = connector.connect(name, trickle).await.unwrap();
+    tls.write_all(b"GET /who.txt HTTP/1.1\r\nHost: b.pass\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    tls.flush().await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(20), tls.read_to_end(&mut out)).await;
+    assert!(!out.is_empty(), "no response; log:\n{}", w.server.log());
+    assert_eq!(raw_status(&out), 200);
+    assert!(String::from_utf8_lossy(&out).ends_with("origin b"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_sni_and_garbage_are_closed_and_counted() {
+    let w = world(false);
+    assert!(connect(w.server.addr(), "nobody.pass", w.env.client(b"http/1.1"))
+        .await
+        .is_err());
+    for garbage in [
+        &b"GET / HTTP/1.1\r\nHost: a.pass\r\n\r\n"[..],
+        &[22, 3, 1, 0, 4, 2, 0, 0, 0],
+    ] {
+        let mut tcp = TcpStream::connect(w.server.addr()).await.unwrap();
+        tcp.write_all(garbage).await.unwrap();
+        let mut buf = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(15), tcp.read_to_end(&mut buf)).await;
+        assert!(closed.is_ok(), "garbage kept the connection open");
+        assert!(buf.is_empty(), "webship answered garbage: {buf:?}");
+    }
+    // A truncated hello is closed when the handshake timeout ends it.
+    let mut tcp = TcpStream::connect(w.server.addr()).await.unwrap();
+    tcp.write_all(&[22, 3, 1, 2, 0, 1, 0, 1]).await.unwrap();
+    let mut server = w.server;
+    server.terminate();
+    assert!(server.wait_exit(Duration::from_secs(20)).is_some());
+    let log = server.log();
+    // Two garbage connections and the truncated hello (its timeout ends it during
+    // the drain); the harness's TCP probe that sent nothing is not a bad hello.
+    assert!(
+        log.contains("sni_misses=1") && log.contains("bad_hellos=3"),
+        "{log}"
+    );
+    drop(tcp);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_sites_share_the_listener() {
+    let w = world(true);
+    std::fs::write(w.env.root.join("here.txt"), "terminated by webship").unwrap();
+    let got = fetch(
+        Proto::H2,
+        w.server.addr(),
+        HOST,
+        w.env.client(b"h2"),
+        "GET",
+        "/here.txt",
+        &[],
+    )
+    .await;
+    assert_eq!(got.body, b"terminated by webship");
+    assert!(got.header("server").starts_with("webship"));
+    let got = fetch(
+        Proto::H2,
+        w.server.addr(),
+        "a.pass",
+        w.env.client(b"h2"),
+        "GET",
+        "/who.txt",
+        &[],
+    )
+    .await;
+    assert_eq!(got.body, b"origin a");
+    assert!(got.header("server").starts_with("nginx"));
+}
