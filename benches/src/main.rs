@@ -3,8 +3,9 @@
 //! Absolute numbers depend on the host, so every comparison here is made
 //! within one run: `aead` picks the rustls crypto provider by measuring both
 //! on this CPU, and `download` (the default) serves one fixture from Webship
-//! and from nginx side by side, directly and through each as a TLS-terminating
-//! reverse proxy, and reports the ratios. The hidden `h3-get` is
+//! and from its peers (nginx, lighttpd, HAProxy, Caddy) side by side,
+//! directly and through each as a TLS-terminating reverse proxy, and reports
+//! the ratios. The hidden `h3-get` is
 //! the HTTP/3 client `download` runs as a child process (curl here has no h3).
 
 mod aead;
@@ -36,8 +37,9 @@ struct Cli {
 enum Command {
     /// AES-GCM seal throughput and in-memory rustls throughput, aws-lc-rs vs ring.
     Aead,
-    /// Download a ~100 MB fixture over h1, h2 and h3 from Webship and from nginx,
-    /// directly and through each as a TLS-terminating proxy (default).
+    /// Download a ~100 MB fixture over h1, h2 and h3 from Webship and its peers
+    /// (nginx, lighttpd, HAProxy, Caddy), directly and through each as a
+    /// TLS-terminating proxy (default).
     Download(DownloadArgs),
     /// One HTTP/3 GET, body hashed and dropped: the h3 cells' client (run by `download`).
     #[command(name = "h3-get", hide = true)]
@@ -49,13 +51,29 @@ pub struct DownloadArgs {
     /// The Webship binary to benchmark (build it with `cargo build --release -p webship`).
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/webship"))]
     pub webship: PathBuf,
-    /// The nginx binary used as the peer.
+    /// The nginx binary: a peer, and the proxies' origin in proxy mode.
     #[arg(long, default_value = "/usr/sbin/nginx")]
     pub nginx: PathBuf,
-    /// Timed samples per server and protocol.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    /// Accepted timed samples per cell (server, mode, protocol).
+    #[arg(long, default_value_t = 7, value_parser = clap::value_parser!(u32).range(1..=100))]
     pub samples: u32,
-    /// Worker count for both servers. The default of 1 gives each server one core and
+    /// The lighttpd binary (a peer in direct mode; skipped if missing).
+    #[arg(long, default_value = "/usr/sbin/lighttpd")]
+    pub lighttpd: PathBuf,
+    /// The HAProxy binary (a peer in proxy mode; skipped if missing).
+    #[arg(long, default_value = "/usr/sbin/haproxy")]
+    pub haproxy: PathBuf,
+    /// The Caddy binary (a peer in both modes; skipped if missing).
+    #[arg(long, default_value = "/usr/bin/caddy")]
+    pub caddy: PathBuf,
+    /// Which peers to run, comma-separated (each is skipped if its binary is missing).
+    #[arg(long, value_delimiter = ',', default_value = "nginx,lighttpd,haproxy,caddy")]
+    pub peers: Vec<String>,
+    /// CI's check that the harness works: one accepted sample per Webship cell,
+    /// no peers, no GSO-off comparison; fails if any Webship cell has none.
+    #[arg(long)]
+    pub smoke: bool,
+    /// Worker count for every server. The default of 1 gives each server one core and
     /// leaves the other core of a two-core host to curl, so neither side starves.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub workers: u32,
@@ -69,7 +87,7 @@ pub struct DownloadArgs {
     /// fixture from disk), `proxy` (each terminates TLS in front of a plain-HTTP nginx origin).
     #[arg(long, value_delimiter = ',', default_value = "direct,proxy")]
     pub modes: Vec<measure::Mode>,
-    /// Also write the results as JSON to this file.
+    /// Also write the results as JSON to this file (they always go to target/bench/report.json).
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Webship's `h3_mtu_upper_bound_bytes` (the DPLPMTUD ceiling) for the h3 cells;

@@ -26,14 +26,17 @@ use anyhow::{ensure, Context, Result};
 
 use crate::clients::{Clients, Protocol, Sample};
 use crate::fixture::{self, Fixture};
-use crate::proc::{clock_ticks_per_second, cpu_ticks, udp_socket_drops};
-use crate::report::{Report, Series};
+use crate::proc::{clock_ticks_per_second, cpu_ticks, major_faults, udp_socket_drops, RssWatch};
+use crate::report::{Gap, Report, Series};
 use crate::servers::{self, Server, Settings, WebshipSpec};
 use crate::DownloadArgs;
 
 pub const WEBSHIP: &str = "webship";
 pub const WEBSHIP_NO_GSO: &str = "webship gso=off";
 pub const NGINX: &str = "nginx";
+pub const LIGHTTPD: &str = "lighttpd";
+pub const HAPROXY: &str = "haproxy";
+pub const CADDY: &str = "caddy";
 
 /// What the servers under test do with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -54,13 +57,44 @@ impl Mode {
     }
 }
 
-/// The servers of one mode. The GSO-off Webship (direct only) is started per round.
+/// The servers of one mode: Webship first, then the peers that started. The
+/// GSO-off Webship (direct only) is started per round.
 struct ModeServers {
     mode: Mode,
-    webship: Server,
-    nginx: Server,
-    /// Proxy mode: the origin both proxies forward to, its CPU reported apart.
+    servers: Vec<Server>,
+    /// Proxy mode: the origin every proxy forwards to, its CPU reported apart.
     origin: Option<Server>,
+}
+
+/// The peers this runner knows, in table order.
+pub const PEERS: [&str; 4] = [NGINX, LIGHTTPD, HAPROXY, CADDY];
+
+/// Why `server` has no cell for (`mode`, `protocol`); None where it has one.
+/// `nginx_version` is e.g. "nginx 1.22" (Debian's build has no HTTP/3 module).
+pub fn cell_gap(server: &str, mode: Mode, protocol: Protocol, nginx_version: &str) -> Option<String> {
+    let reason = match (server, mode, protocol) {
+        (NGINX, _, Protocol::H3) => return Some(format!("{nginx_version} has no HTTP/3")),
+        (LIGHTTPD, Mode::Proxy, _) => "lighttpd is measured as a file server only",
+        (LIGHTTPD, _, Protocol::H3) => "lighttpd has no HTTP/3",
+        (HAPROXY, Mode::Direct, _) => "HAProxy serves no files (proxy only)",
+        (HAPROXY, _, Protocol::H3) => "Debian's HAProxy 2.6 is built without QUIC",
+        _ => return None,
+    };
+    Some(reason.to_owned())
+}
+
+/// Whether `peer` takes part in `mode` at all.
+fn in_mode(peer: &str, mode: Mode) -> bool {
+    Protocol::ALL
+        .into_iter()
+        .any(|protocol| cell_gap(peer, mode, protocol, "").is_none())
+}
+
+/// The first line of an error's root cause, short enough for a table cell.
+fn short(error: &anyhow::Error) -> String {
+    let text = error.root_cause().to_string();
+    let line = text.lines().next().unwrap_or("").trim();
+    line.chars().take(240).collect()
 }
 
 pub fn run(args: &DownloadArgs) -> Result<()> {
@@ -76,6 +110,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         !modes.is_empty(),
         "--modes names no mode; use direct, proxy or both"
     );
+    let target = if args.smoke { 1 } else { args.samples };
     let cache = args
         .cache_dir
         .clone()
@@ -92,114 +127,213 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         clients: &clients,
         scratch: scratch.path(),
     };
-
     let dir = |name: &str| -> Result<PathBuf> {
         let dir = scratch.path().join(name);
         fs::create_dir(&dir)?;
         Ok(dir)
     };
-    let no_gso_dir = dir("webship-no-gso")?;
-    // Per mode: the Webship, nginx and (proxy mode) origin directories.
-    let mut dirs = Vec::new();
-    for &mode in &modes {
-        dirs.push(match mode {
-            Mode::Direct => [dir("webship")?, dir("nginx")?, PathBuf::new()],
-            Mode::Proxy => [dir("webship-proxy")?, dir("nginx-proxy")?, dir("origin-nginx")?],
-        });
-    }
-    let settings = |dir| Settings {
+    let base = Settings {
         root,
         identity: &identity,
         workers: args.workers,
-        dir,
+        dir: scratch.path(),
     };
-    let mut sets = Vec::new();
-    for (&mode, [webship_dir, nginx_dir, origin_dir]) in modes.iter().zip(&dirs) {
-        sets.push(match mode {
-            Mode::Direct => {
-                let webship =
-                    servers::start_webship(&webship_spec(args, WEBSHIP, true), &settings(webship_dir))?;
-                ensure_h3(&webship)?;
-                let nginx = servers::start_nginx(&args.nginx, &settings(nginx_dir))?;
-                ModeServers {
-                    mode,
-                    webship,
-                    nginx,
-                    origin: None,
-                }
-            }
-            Mode::Proxy => {
-                let origin = servers::start_origin(&args.nginx, root, origin_dir)?;
-                let webship = servers::start_webship_proxy(
-                    &webship_spec(args, WEBSHIP, true),
-                    &settings(webship_dir),
-                    origin.port,
-                )?;
-                ensure_h3(&webship)?;
-                let nginx = servers::start_nginx_proxy(&args.nginx, &settings(nginx_dir), origin.port)?;
-                ModeServers {
-                    mode,
-                    webship,
-                    nginx,
-                    origin: Some(origin),
-                }
-            }
-        });
-    }
-    let start_no_gso = || -> Result<Server> {
-        let server =
-            servers::start_webship(&webship_spec(args, WEBSHIP_NO_GSO, false), &settings(&no_gso_dir))?;
-        ensure_h3(&server)?;
-        Ok(server)
-    };
+    let nginx_version = servers::nginx_version(&args.nginx);
 
-    // One checked download per cell first; it also warms the page cache and
-    // the servers so the first timed sample is not an outlier.
-    let mut series = Vec::new();
-    for set in &sets {
-        for protocol in Protocol::ALL {
-            for server in [&set.webship, &set.nginx] {
-                if serves(server, protocol) {
-                    series.push(bench.verify(set.mode, server, protocol)?);
+    // Which peers run: none for --smoke; each one's binary must exist.
+    let mut gaps: Vec<Gap> = Vec::new();
+    let mut peers_found = Vec::new();
+    let wanted: Vec<&str> = if args.smoke {
+        Vec::new()
+    } else {
+        PEERS
+            .into_iter()
+            .filter(|peer| args.peers.iter().any(|p| p == peer))
+            .collect()
+    };
+    let mut peers: Vec<&'static str> = Vec::new();
+    for peer in wanted {
+        let binary = peer_binary(args, peer);
+        if binary.is_file() {
+            let version = match peer {
+                NGINX => nginx_version.clone(),
+                HAPROXY => servers::version_line(binary, &["-v"]),
+                CADDY => format!("caddy {}", servers::version_line(binary, &["version"])),
+                _ => servers::version_line(binary, &["-v"]),
+            };
+            eprintln!("peer {peer}: {} ({version})", binary.display());
+            peers_found.push(format!("{peer}: {} ({version})", binary.display()));
+            peers.push(peer);
+            for &mode in &modes {
+                for protocol in Protocol::ALL {
+                    if let Some(reason) = cell_gap(peer, mode, protocol, &nginx_version) {
+                        gaps.push(Gap::new(mode, protocol, peer, reason));
+                    }
+                }
+            }
+        } else {
+            let reason = format!("{} not found (install the Debian package)", binary.display());
+            eprintln!("peer {peer} skipped: {reason}");
+            for &mode in &modes {
+                add_gaps(&mut gaps, peer, mode, &reason);
+            }
+        }
+    }
+
+    let mut sets = Vec::new();
+    for &mode in &modes {
+        let origin = match mode {
+            Mode::Direct => None,
+            Mode::Proxy => Some(servers::start_origin(&args.nginx, root, &dir("origin-nginx")?)?),
+        };
+        let origin_port = origin.as_ref().map(|o| o.port);
+        let webship_dir = dir(&format!("webship-{}", mode.label()))?;
+        let spec = webship_spec(args, WEBSHIP, true);
+        let webship = match origin_port {
+            None => servers::start_webship(
+                &spec,
+                &Settings {
+                    dir: &webship_dir,
+                    ..base
+                },
+            )?,
+            Some(port) => servers::start_webship_proxy(
+                &spec,
+                &Settings {
+                    dir: &webship_dir,
+                    ..base
+                },
+                port,
+            )?,
+        };
+        ensure_h3(&webship)?;
+        let mut started = vec![webship];
+        for &peer in peers.iter().filter(|peer| in_mode(peer, mode)) {
+            let peer_dir = dir(&format!("{peer}-{}", mode.label()))?;
+            let s = Settings {
+                dir: &peer_dir,
+                ..base
+            };
+            let binary = peer_binary(args, peer);
+            let server = match (peer, origin_port) {
+                (NGINX, None) => servers::start_nginx(binary, &s),
+                (NGINX, Some(port)) => servers::start_nginx_proxy(binary, &s, port),
+                (LIGHTTPD, _) => servers::start_lighttpd(binary, &s),
+                (HAPROXY, Some(port)) => servers::start_haproxy(binary, &s, port),
+                (CADDY, port) => servers::start_caddy(binary, &s, port),
+                _ => continue,
+            };
+            match server {
+                Ok(server) => started.push(server),
+                Err(e) => {
+                    let reason = format!("failed to start: {}", short(&e));
+                    eprintln!("{} {peer}: {reason}", mode.label());
+                    add_gaps(&mut gaps, peer, mode, &reason);
                 }
             }
         }
-        if set.mode == Mode::Direct {
+        sets.push(ModeServers {
+            mode,
+            servers: started,
+            origin,
+        });
+    }
+    let no_gso_dir = dir("webship-no-gso")?;
+    let with_no_gso = !args.smoke && modes.contains(&Mode::Direct);
+    let start_no_gso = || -> Result<Server> {
+        let server = servers::start_webship(
+            &webship_spec(args, WEBSHIP_NO_GSO, false),
+            &Settings {
+                dir: &no_gso_dir,
+                ..base
+            },
+        )?;
+        ensure_h3(&server)?;
+        Ok(server)
+    };
+    let serves = |server: &str, mode: Mode, protocol: Protocol| match server {
+        WEBSHIP => true,
+        WEBSHIP_NO_GSO => protocol == Protocol::H3,
+        peer => cell_gap(peer, mode, protocol, &nginx_version).is_none(),
+    };
+
+    // One checked download per cell first (size, status and SHA-256); it also
+    // warms the page cache and the servers so the first timed sample is not an
+    // outlier. A Webship cell that fails it ends the run; a peer's becomes n/a.
+    let mut series = Vec::new();
+    for set in &sets {
+        for protocol in Protocol::ALL {
+            for server in &set.servers {
+                if !serves(server.name, set.mode, protocol) {
+                    continue;
+                }
+                match bench.verify(set.mode, server, protocol) {
+                    Ok(entry) => series.push(entry),
+                    Err(e) if server.name == WEBSHIP => return Err(e),
+                    Err(e) => {
+                        let reason = format!("checked download failed: {}", short(&e));
+                        eprintln!("{e:#}");
+                        gaps.push(Gap::new(set.mode, protocol, server.name, reason));
+                    }
+                }
+            }
+        }
+        if set.mode == Mode::Direct && with_no_gso {
             let no_gso = start_no_gso()?;
             series.push(bench.verify(set.mode, &no_gso, Protocol::H3)?);
         }
     }
 
-    for round in 0..args.samples {
+    // Rounds until every cell has `target` accepted samples; rejected samples
+    // cost a round, and the round count is bounded so a cell that keeps failing
+    // ends the run instead of looping.
+    let max_rounds = target * 2 + 2;
+    let wants = |series: &[Series], mode: Mode, name: &str, protocol: Protocol| {
+        series
+            .iter()
+            .any(|s| s.mode == mode && s.server == name && s.protocol == protocol && s.accepted() < target)
+    };
+    for round in 0..max_rounds {
+        if series.iter().all(|s| s.accepted() >= target) {
+            break;
+        }
         for set in &sets {
             for protocol in Protocol::ALL {
                 // Started afresh for each round's h3 cells, stopped right after them.
                 let no_gso = match (set.mode, protocol) {
-                    (Mode::Direct, Protocol::H3) => Some(start_no_gso()?),
+                    (Mode::Direct, Protocol::H3)
+                        if with_no_gso && wants(&series, set.mode, WEBSHIP_NO_GSO, protocol) =>
+                    {
+                        Some(start_no_gso()?)
+                    }
                     _ => None,
                 };
-                let mut pair: Vec<&Server> = [&set.webship, &set.nginx]
-                    .into_iter()
+                let mut cells: Vec<&Server> = set
+                    .servers
+                    .iter()
                     .chain(no_gso.as_ref())
-                    .filter(|server| serves(server, protocol))
+                    .filter(|server| wants(&series, set.mode, server.name, protocol))
                     .collect();
-                if round % 2 == 1 {
-                    pair.reverse();
+                if !cells.is_empty() {
+                    let turn = round as usize % cells.len();
+                    cells.rotate_left(turn);
                 }
-                for server in pair {
+                for server in cells {
                     let entry = series
                         .iter_mut()
                         .find(|s| s.mode == set.mode && s.server == server.name && s.protocol == protocol)
                         .context("every cell was verified before sampling")?;
-                    bench.sample(server, set.origin.as_ref(), protocol, entry)?;
+                    let verdict = match bench.sample(server, set.origin.as_ref(), protocol, entry) {
+                        None => format!("{:.1} MiB/s", entry.mib_s.last().copied().unwrap_or(0.0)),
+                        Some(reason) => format!("REJECTED: {reason}"),
+                    };
                     eprintln!(
-                        "round {}/{} {} {} {}: {:.1} MiB/s",
+                        "round {}/{max_rounds} {} {} {} ({}/{target} accepted): {verdict}",
                         round + 1,
-                        args.samples,
                         set.mode.label(),
                         server.name,
                         protocol.label(),
-                        entry.mib_s.last().copied().unwrap_or(0.0)
+                        entry.accepted(),
                     );
                 }
             }
@@ -208,24 +342,79 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
     // Read late: the line may be logged just after the port starts accepting.
     let webship_kernel = sets
         .first()
-        .map_or_else(|| "unknown".to_owned(), |set| kernel_summary(&set.webship.log()));
+        .and_then(|set| set.servers.first())
+        .map_or_else(|| "unknown".to_owned(), |webship| kernel_summary(&webship.log()));
     drop(sets);
+
+    // A cell with no accepted sample has no numbers: a peer's becomes n/a, a Webship one fails the run.
+    let mut failed_webship = Vec::new();
+    series.retain(|s| {
+        if s.accepted() > 0 {
+            return true;
+        }
+        let last = s.rejected.last().map_or("", String::as_str);
+        let reason = format!("0 of {} samples accepted (last: {last})", s.rejected.len());
+        if s.server == WEBSHIP || s.server == WEBSHIP_NO_GSO {
+            failed_webship.push(format!(
+                "{} {} {}: {reason}",
+                s.mode.label(),
+                s.server,
+                s.protocol.label()
+            ));
+        }
+        gaps.push(Gap::new(s.mode, s.protocol, s.server, reason));
+        false
+    });
 
     let report = Report {
         series,
         ticks_per_s: clock_ticks_per_second(),
-        samples: args.samples,
+        samples: target,
         workers: args.workers,
         h3_mtu: args.h3_mtu,
         webship_kernel,
-        nginx_version: servers::nginx_version(&args.nginx),
+        gaps,
+        peers: peers_found,
+        smoke: args.smoke,
     };
     print!("{}", report.markdown());
+    let out_dir = Path::new(REPORT_DIR);
+    report.write_files(out_dir)?;
+    eprintln!(
+        "wrote {0}/report.md, {0}/report.json and {0}/report.svg",
+        out_dir.display()
+    );
     if let Some(out) = &args.out {
         fs::write(out, report.json()).with_context(|| format!("writing {}", out.display()))?;
         eprintln!("wrote {}", out.display());
     }
+    ensure!(
+        failed_webship.is_empty(),
+        "Webship cells without an accepted sample:\n{}",
+        failed_webship.join("\n")
+    );
     Ok(())
+}
+
+/// Where the report files go: the workspace's `target/bench`.
+pub const REPORT_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench");
+
+fn peer_binary<'a>(args: &'a DownloadArgs, peer: &str) -> &'a Path {
+    match peer {
+        LIGHTTPD => &args.lighttpd,
+        HAPROXY => &args.haproxy,
+        CADDY => &args.caddy,
+        _ => &args.nginx,
+    }
+}
+
+/// n/a entries for every cell `peer` would have had in `mode`.
+fn add_gaps(gaps: &mut Vec<Gap>, peer: &'static str, mode: Mode, reason: &str) {
+    for protocol in Protocol::ALL {
+        if cell_gap(peer, mode, protocol, "").is_none() {
+            gaps.push(Gap::new(mode, protocol, peer, reason.to_owned()));
+        }
+    }
 }
 
 /// Webship announces its UDP listener in the "listening on" line; without it
@@ -239,16 +428,6 @@ fn ensure_h3(server: &Server) -> Result<()> {
         server.log()
     );
     Ok(())
-}
-
-/// Which cells exist: nginx (1.22, as packaged) is not configured for HTTP/3,
-/// and the GSO-off Webship is there only for the h3 comparison.
-fn serves(server: &Server, protocol: Protocol) -> bool {
-    match server.name {
-        NGINX => protocol != Protocol::H3,
-        WEBSHIP_NO_GSO => protocol == Protocol::H3,
-        _ => true,
-    }
 }
 
 fn webship_spec<'a>(args: &'a DownloadArgs, name: &'static str, gso: bool) -> WebshipSpec<'a> {
@@ -301,17 +480,22 @@ impl Bench<'_> {
     }
 
     /// One timed download, its server CPU (the proxy's alone in proxy mode), the
-    /// origin's CPU and the client's CPU added to `series`.
+    /// origin's CPU and the client's CPU added to `series` if the sample is
+    /// accepted: exact size, status 200, the fixture's SHA-256 where the client
+    /// hashes (h3), and no major page fault in the server's process tree.
+    /// Returns the reason for a rejected sample, which is counted in `series`.
     fn sample(
         &self,
         server: &Server,
         origin: Option<&Server>,
         protocol: Protocol,
         series: &mut Series,
-    ) -> Result<()> {
+    ) -> Option<String> {
         let drops_before = udp_socket_drops(server.port);
         let origin_before = origin.map(|o| cpu_ticks(o.pid()));
+        let faults_before = major_faults(server.pid());
         let before = cpu_ticks(server.pid());
+        let rss = RssWatch::start(server.pid());
         let timed = || -> Result<Sample> {
             let sample = self
                 .clients
@@ -321,12 +505,22 @@ impl Bench<'_> {
             }
             Ok(sample)
         };
-        let sample = timed().with_context(|| failed(series.mode, server, protocol))?;
+        let result = timed();
         let after = cpu_ticks(server.pid());
+        let peak_kib = rss.finish();
+        let faults = major_faults(server.pid()).saturating_sub(faults_before);
         let origin_ticks = origin
             .zip(origin_before)
             .map(|(o, before)| cpu_ticks(o.pid()).saturating_sub(before));
+        let sample = match result {
+            Err(e) => return Some(series.reject(short(&e))),
+            Ok(_) if faults > 0 => {
+                return Some(series.reject(format!("{faults} major page fault(s) in the server")))
+            }
+            Ok(sample) => sample,
+        };
         series.add(&sample, after.saturating_sub(before), origin_ticks);
+        series.peak_rss_kib = series.peak_rss_kib.max(peak_kib);
         if protocol == Protocol::H3 {
             // The server's UDP socket lives across samples, so its counter is read as a difference.
             let server_drops = udp_socket_drops(server.port)
@@ -334,7 +528,7 @@ impl Bench<'_> {
                 .map(|(after, before)| after.saturating_sub(before));
             series.add_udp_drops(sample.client_drops, server_drops);
         }
-        Ok(())
+        None
     }
 
     fn check_digest(&self, server: &Server, protocol: Protocol, digest: &str) -> Result<()> {

@@ -2,6 +2,10 @@
 
 use std::fs;
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
 
 /// utime + stime, in clock ticks, of `pid` and every process below it (nginx
 /// serves from worker processes; the master alone would read as idle).
@@ -14,6 +18,69 @@ pub fn cpu_ticks(pid: u32) -> u64 {
         }
     }
     total
+}
+
+/// Major page faults (field 12 of proc(5) stat) of `pid` and every process below it.
+/// A sample during which this grows had the server wait on the disk, so it is rejected.
+pub fn major_faults(pid: u32) -> u64 {
+    std::iter::once(pid)
+        .chain(descendants(pid))
+        .filter_map(read_stat)
+        .map(|stat| stat.majflt)
+        .sum()
+}
+
+/// One `Name:   1234 kB` line of /proc/PID/status, in KiB.
+fn status_kib(pid: u32, field: &str) -> Option<u64> {
+    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix(field))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// How often [`RssWatch`] reads the tree's VmRSS.
+const RSS_PERIOD: Duration = Duration::from_millis(50);
+/// A watch ends on its own after this long even if nobody stops it.
+const RSS_MAX: Duration = Duration::from_secs(600);
+
+/// The peak resident memory of a process tree over an interval, read every
+/// [`RSS_PERIOD`] by a thread (summed VmRSS: VmHWM alone would miss nginx's
+/// workers, and would carry the peak of earlier cells).
+#[derive(Debug)]
+pub struct RssWatch {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<u64>,
+}
+
+impl RssWatch {
+    pub fn start(pid: u32) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&stop);
+        let thread = thread::spawn(move || {
+            let deadline = Instant::now() + RSS_MAX;
+            // The tree is listed once: no server forks during a download, and a
+            // full /proc scan every period would cost the host more than the reads.
+            let tree: Vec<u32> = std::iter::once(pid).chain(descendants(pid)).collect();
+            let rss = || -> u64 { tree.iter().filter_map(|&pid| status_kib(pid, "VmRSS:")).sum() };
+            let mut peak = rss();
+            while !flag.load(Ordering::Relaxed) && Instant::now() < deadline {
+                thread::sleep(RSS_PERIOD);
+                peak = peak.max(rss());
+            }
+            peak
+        });
+        Self { stop, thread }
+    }
+
+    /// Stops the watch and returns the peak, in KiB.
+    pub fn finish(self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap_or(0)
+    }
 }
 
 /// cutime + cstime of this process: the CPU of every child it has waited for.
@@ -84,6 +151,7 @@ pub fn clock_ticks_per_second() -> f64 {
 #[derive(Debug)]
 struct Stat {
     ppid: u32,
+    majflt: u64,
     utime: u64,
     stime: u64,
     cutime: u64,
@@ -94,7 +162,7 @@ fn read_stat(pid: u32) -> Option<Stat> {
     parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
 }
 
-/// Fields 4 and 14 to 17 of proc(5) stat. The command name (field 2) may hold
+/// Fields 4, 12 and 14 to 17 of proc(5) stat. The command name (field 2) may hold
 /// spaces and parentheses, so counting starts after its last ')'.
 fn parse_stat(stat: &str) -> Option<Stat> {
     let (_, rest) = stat.rsplit_once(')')?;
@@ -103,6 +171,7 @@ fn parse_stat(stat: &str) -> Option<Stat> {
     let field = |n: usize| -> Option<u64> { fields.get(n - 3)?.parse().ok() };
     Some(Stat {
         ppid: u32::try_from(field(4)?).ok()?,
+        majflt: field(12)?,
         utime: field(14)?,
         stime: field(15)?,
         cutime: field(16)?,
@@ -116,18 +185,26 @@ mod tests {
 
     #[test]
     fn stat_with_spaces_in_comm() {
-        let stat = "42 (nginx: worker (x)) S 7 42 42 0 -1 4194560 10 0 0 0 123 45 6 7 20 0 1 0";
+        let stat = "42 (nginx: worker (x)) S 7 42 42 0 -1 4194560 10 0 3 0 123 45 6 7 20 0 1 0";
         let parsed = parse_stat(stat).expect("parses");
         assert_eq!(
             (
                 parsed.ppid,
+                parsed.majflt,
                 parsed.utime,
                 parsed.stime,
                 parsed.cutime,
                 parsed.cstime
             ),
-            (7, 123, 45, 6, 7)
+            (7, 3, 123, 45, 6, 7)
         );
+    }
+
+    #[test]
+    fn own_tree_rss_and_faults_readable() {
+        let me = std::process::id();
+        let _ = major_faults(me);
+        assert!(RssWatch::start(me).finish() > 0);
     }
 
     #[test]

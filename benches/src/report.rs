@@ -1,10 +1,14 @@
 //! Results of the `download` benchmark: per-cell series, the Markdown tables and the JSON.
 
 use std::fmt::Write as _;
+use std::fs;
+use std::path::Path;
+
+use anyhow::{Context, Result};
 
 use crate::clients::{Protocol, Sample};
 use crate::fixture::FIXTURE_BYTES;
-use crate::measure::{Mode, NGINX, WEBSHIP, WEBSHIP_NO_GSO};
+use crate::measure::{Mode, WEBSHIP, WEBSHIP_NO_GSO};
 
 const MIB: f64 = 1_048_576.0;
 const GB: f64 = 1e9;
@@ -29,6 +33,32 @@ pub struct Series {
     /// h3: datagrams the kernel dropped for a full receive buffer, summed over
     /// the timed samples, at the client's socket and at the server's (None: unknown).
     pub udp_drops: Option<(Option<u64>, Option<u64>)>,
+    /// Why each rejected sample was rejected (wrong size, digest or status, a
+    /// client error, a major page fault in the server).
+    pub rejected: Vec<String>,
+    /// The largest summed VmRSS of the server's process tree seen during the
+    /// accepted samples, in KiB (read every 50 ms).
+    pub peak_rss_kib: u64,
+}
+
+/// A cell a server does not have, and why.
+#[derive(Debug, Clone)]
+pub struct Gap {
+    pub mode: Mode,
+    pub protocol: Protocol,
+    pub server: &'static str,
+    pub reason: String,
+}
+
+impl Gap {
+    pub fn new(mode: Mode, protocol: Protocol, server: &'static str, reason: String) -> Self {
+        Self {
+            mode,
+            protocol,
+            server,
+            reason,
+        }
+    }
 }
 
 impl Series {
@@ -44,7 +74,39 @@ impl Series {
             origin_ticks: None,
             bytes: 0,
             udp_drops: None,
+            rejected: Vec::new(),
+            peak_rss_kib: 0,
         }
+    }
+
+    pub fn accepted(&self) -> u32 {
+        u32::try_from(self.mib_s.len()).unwrap_or(u32::MAX)
+    }
+
+    /// Counts a rejected sample; returns the reason for the caller's log line.
+    pub fn reject(&mut self, reason: String) -> String {
+        self.rejected.push(reason.clone());
+        reason
+    }
+
+    /// Coefficient of variation of the accepted samples' MiB/s (population
+    /// standard deviation over mean), in percent; 0 for a single sample.
+    fn cv_percent(&self) -> f64 {
+        let n = self.mib_s.len() as f64;
+        if self.mib_s.is_empty() {
+            return 0.0;
+        }
+        let mean = self.mib_s.iter().sum::<f64>() / n;
+        let var = self.mib_s.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+        if mean > 0.0 {
+            100.0 * var.sqrt() / mean
+        } else {
+            0.0
+        }
+    }
+
+    fn peak_rss_mib(&self) -> f64 {
+        self.peak_rss_kib as f64 / 1024.0
     }
 
     pub fn add_udp_drops(&mut self, client: Option<u64>, server: Option<u64>) {
@@ -101,14 +163,25 @@ impl Series {
 #[derive(Debug)]
 struct Ratio {
     label: String,
-    /// None where the denominator cell does not exist (nginx over h3).
+    /// None where the denominator cell does not exist.
     values: Option<(f64, f64)>,
+}
+
+/// Webship against the best peer (highest median) of one mode and protocol.
+#[derive(Debug)]
+struct BestPeer<'a> {
+    protocol: Protocol,
+    webship: Option<&'a Series>,
+    best: Option<&'a Series>,
+    /// Peers without this cell, and why.
+    missing: Vec<&'a Gap>,
 }
 
 #[derive(Debug)]
 pub struct Report {
     pub series: Vec<Series>,
     pub ticks_per_s: f64,
+    /// Accepted samples wanted per cell.
     pub samples: u32,
     pub workers: u32,
     /// `--h3-mtu`, passed to Webship as `h3_mtu_upper_bound_bytes` (None: Webship's default).
@@ -116,8 +189,16 @@ pub struct Report {
     /// What Webship's preflight enabled, e.g. "ktls=missing bbr=yes": without
     /// kTLS its h1 path stays in userspace TLS, which changes what is compared.
     pub webship_kernel: String,
-    /// "nginx 1.22", for the h3 cell it cannot serve.
-    pub nginx_version: String,
+    /// Cells that could not be measured, with the reason.
+    pub gaps: Vec<Gap>,
+    /// The peers found: "name: binary (version)".
+    pub peers: Vec<String>,
+    /// `--smoke`: one sample per Webship cell, no peers.
+    pub smoke: bool,
+}
+
+fn is_webship(server: &str) -> bool {
+    server == WEBSHIP || server == WEBSHIP_NO_GSO
 }
 
 impl Report {
@@ -129,7 +210,12 @@ impl Report {
 
     /// The modes measured, in a fixed order (direct first).
     fn modes(&self) -> Vec<Mode> {
-        let mut modes: Vec<Mode> = self.series.iter().map(|s| s.mode).collect();
+        let mut modes: Vec<Mode> = self
+            .series
+            .iter()
+            .map(|s| s.mode)
+            .chain(self.gaps.iter().map(|g| g.mode))
+            .collect();
         modes.sort();
         modes.dedup();
         modes
@@ -137,19 +223,33 @@ impl Report {
 
     fn ratio(&self, of: (Mode, &str, Protocol), to: (Mode, &str, Protocol)) -> Option<(f64, f64)> {
         let (a, b) = (self.find(of.0, of.1, of.2)?, self.find(to.0, to.1, to.2)?);
-        Some((
-            a.median_mib_s() / b.median_mib_s(),
-            a.per_gb(a.cpu_ticks, self.ticks_per_s) / b.per_gb(b.cpu_ticks, self.ticks_per_s),
-        ))
+        Some(self.ratio_of(a, b))
     }
 
-    /// Webship over nginx in one mode, one per protocol.
-    fn peer_ratios(&self, mode: Mode) -> Vec<Ratio> {
+    fn ratio_of(&self, a: &Series, b: &Series) -> (f64, f64) {
+        (
+            a.median_mib_s() / b.median_mib_s(),
+            a.per_gb(a.cpu_ticks, self.ticks_per_s) / b.per_gb(b.cpu_ticks, self.ticks_per_s),
+        )
+    }
+
+    /// Webship over the fastest peer of each protocol in `mode`.
+    fn best_peers(&self, mode: Mode) -> Vec<BestPeer<'_>> {
         Protocol::ALL
             .into_iter()
-            .map(|protocol| Ratio {
-                label: protocol.label().to_owned(),
-                values: self.ratio((mode, WEBSHIP, protocol), (mode, NGINX, protocol)),
+            .map(|protocol| BestPeer {
+                protocol,
+                webship: self.find(mode, WEBSHIP, protocol),
+                best: self
+                    .series
+                    .iter()
+                    .filter(|s| s.mode == mode && s.protocol == protocol && !is_webship(s.server))
+                    .max_by(|a, b| a.median_mib_s().total_cmp(&b.median_mib_s())),
+                missing: self
+                    .gaps
+                    .iter()
+                    .filter(|g| g.mode == mode && g.protocol == protocol && !is_webship(g.server))
+                    .collect(),
             })
             .collect()
     }
@@ -166,7 +266,7 @@ impl Report {
                 label: format!("{prefix} h3 / webship h2"),
                 values: self.ratio((mode, WEBSHIP, Protocol::H3), (mode, WEBSHIP, Protocol::H2)),
             });
-            if mode == Mode::Direct {
+            if mode == Mode::Direct && self.find(mode, WEBSHIP_NO_GSO, Protocol::H3).is_some() {
                 ratios.push(Ratio {
                     label: "webship h3 gso=off / gso=on".to_owned(),
                     values: self.ratio(
@@ -179,25 +279,22 @@ impl Report {
         ratios
     }
 
-    /// Each server's proxy cell over its direct cell, per protocol (both modes measured).
+    /// Each server's proxy cell over its direct cell, for the cells measured in both modes.
     fn proxy_over_direct(&self) -> Vec<(&'static str, Ratio)> {
-        let mut ratios = Vec::new();
-        for server in [WEBSHIP, NGINX] {
-            for protocol in Protocol::ALL {
-                ratios.push((
-                    server,
+        self.series
+            .iter()
+            .filter(|s| s.mode == Mode::Proxy)
+            .filter_map(|proxied| {
+                let direct = self.find(Mode::Direct, proxied.server, proxied.protocol)?;
+                Some((
+                    proxied.server,
                     Ratio {
-                        label: protocol.label().to_owned(),
-                        values: self.ratio((Mode::Proxy, server, protocol), (Mode::Direct, server, protocol)),
+                        label: proxied.protocol.label().to_owned(),
+                        values: Some(self.ratio_of(proxied, direct)),
                     },
-                ));
-            }
-        }
-        ratios
-    }
-
-    fn no_h3_note(&self) -> String {
-        format!("{} has no HTTP/3", self.nginx_version)
+                ))
+            })
+            .collect()
     }
 
     fn mode_heading(mode: Mode) -> &'static str {
@@ -217,21 +314,36 @@ impl Report {
             .map_or_else(|| "default".to_owned(), |m| m.to_string());
         let _ = writeln!(
             out,
-            "\nfixture {FIXTURE_BYTES} bytes, {} samples, {} worker(s) per server, CLK_TCK {}, \
-             webship preflight: {}, h3_mtu_upper_bound_bytes: {mtu}",
-            self.samples, self.workers, self.ticks_per_s, self.webship_kernel
+            "\nfixture {FIXTURE_BYTES} bytes, {} accepted sample(s) per cell{}, {} worker(s) per server, \
+             CLK_TCK {}, webship preflight: {}, h3_mtu_upper_bound_bytes: {mtu}",
+            self.samples,
+            if self.smoke { " (smoke: no peers)" } else { "" },
+            self.workers,
+            self.ticks_per_s,
+            self.webship_kernel
         );
+        let _ = writeln!(
+            out,
+            "\nA sample is accepted only with status 200, exactly {FIXTURE_BYTES} bytes, the fixture's \
+             SHA-256 (h1/h2: the checked download per cell; h3: every sample) and no major page fault \
+             in the server's process tree. CV: standard deviation / mean of the accepted MiB/s. \
+             Peak RSS: the server tree's summed VmRSS, read every 50 ms during the accepted samples."
+        );
+        if !self.peers.is_empty() {
+            let _ = writeln!(out, "\npeers: {}", self.peers.join("; "));
+        }
         for mode in self.modes() {
             let proxy = mode == Mode::Proxy;
             let _ = writeln!(out, "\n### {}\n", Self::mode_heading(mode));
             let _ = writeln!(
                 out,
-                "| server | protocol | median MiB/s | min | max | server CPU-s/GB | client CPU-s/GB |{} TLS / transport (checked download) |",
+                "| server | protocol | accepted | rejected | median MiB/s | CV % | min | max | server CPU-s/GB | \
+                 client CPU-s/GB |{} peak RSS MiB | TLS / transport (checked download) |",
                 if proxy { " origin CPU-s/GB |" } else { "" }
             );
             let _ = writeln!(
                 out,
-                "|---|---|---:|---:|---:|---:|---:|{}---|",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|{}---:|---|",
                 if proxy { "---:|" } else { "" }
             );
             for s in self.series.iter().filter(|s| s.mode == mode) {
@@ -244,30 +356,57 @@ impl Report {
                 };
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {:.1} | {min:.1} | {max:.1} | {:.3} | {:.3} |{origin} {} |",
+                    "| {} | {} | {} | {} | {:.1} | {:.1} | {min:.1} | {max:.1} | {:.3} | {:.3} |{origin} {:.1} | {} |",
                     s.server,
                     s.protocol.label(),
+                    s.accepted(),
+                    s.rejected.len(),
                     s.median_mib_s(),
+                    s.cv_percent(),
                     s.per_gb(s.cpu_ticks, self.ticks_per_s),
                     s.per_gb(s.client_ticks, self.ticks_per_s),
+                    s.peak_rss_mib(),
                     s.transport()
                 );
             }
             let _ = writeln!(
                 out,
-                "\n| {} protocol | throughput webship/nginx | CPU-s/GB webship/nginx |",
+                "\n| {} protocol | best peer | webship MiB/s | best peer MiB/s | throughput webship/best | \
+                 CPU-s/GB webship/best | peers without this cell |",
                 mode.label()
             );
-            let _ = writeln!(out, "|---|---:|---:|");
-            for ratio in self.peer_ratios(mode) {
-                let _ = match ratio.values {
-                    Some((throughput, cpu)) => {
-                        writeln!(out, "| {} | {throughput:.3} | {cpu:.3} |", ratio.label)
+            let _ = writeln!(out, "|---|---|---:|---:|---:|---:|---|");
+            for row in self.best_peers(mode) {
+                let missing: Vec<String> = row
+                    .missing
+                    .iter()
+                    .map(|g| format!("{}: {}", g.server, g.reason))
+                    .collect();
+                let missing = if missing.is_empty() {
+                    "-".to_owned()
+                } else {
+                    missing.join("; ")
+                };
+                let _ = match (row.webship, row.best) {
+                    (Some(w), Some(b)) => {
+                        let (throughput, cpu) = self.ratio_of(w, b);
+                        writeln!(
+                            out,
+                            "| {} | {} | {:.1} | {:.1} | {throughput:.3} | {cpu:.3} | {missing} |",
+                            row.protocol.label(),
+                            b.server,
+                            w.median_mib_s(),
+                            b.median_mib_s()
+                        )
                     }
-                    None => {
-                        let na = format!("n/a ({})", self.no_h3_note());
-                        writeln!(out, "| {} | {na} | {na} |", ratio.label)
-                    }
+                    (w, b) => writeln!(
+                        out,
+                        "| {} | {} | {} | {} | n/a | n/a | {missing} |",
+                        row.protocol.label(),
+                        b.map_or("none", |b| b.server),
+                        w.map_or_else(|| "n/a".to_owned(), |w| format!("{:.1}", w.median_mib_s())),
+                        b.map_or_else(|| "n/a".to_owned(), |b| format!("{:.1}", b.median_mib_s())),
+                    ),
                 };
             }
         }
@@ -281,25 +420,45 @@ impl Report {
                 None => writeln!(out, "| {} | n/a | n/a |", ratio.label),
             };
         }
-        if self.modes().len() > 1 {
+        let proxy_over_direct = self.proxy_over_direct();
+        if !proxy_over_direct.is_empty() {
             let _ = writeln!(
                 out,
                 "\n| proxy / direct | protocol | throughput | server CPU-s/GB |"
             );
             let _ = writeln!(out, "|---|---|---:|---:|");
-            for (server, ratio) in self.proxy_over_direct() {
-                let _ = match ratio.values {
-                    Some((throughput, cpu)) => {
-                        writeln!(out, "| {server} | {} | {throughput:.3} | {cpu:.3} |", ratio.label)
-                    }
-                    None if server == NGINX => writeln!(
-                        out,
-                        "| {server} | {} | n/a ({}) | n/a |",
-                        ratio.label,
-                        self.no_h3_note()
-                    ),
-                    None => writeln!(out, "| {server} | {} | n/a | n/a |", ratio.label),
-                };
+            for (server, ratio) in proxy_over_direct {
+                if let Some((throughput, cpu)) = ratio.values {
+                    let _ = writeln!(out, "| {server} | {} | {throughput:.3} | {cpu:.3} |", ratio.label);
+                }
+            }
+        }
+        if !self.gaps.is_empty() {
+            let _ = writeln!(out, "\n| not measured | server | protocol | why |");
+            let _ = writeln!(out, "|---|---|---|---|");
+            for g in &self.gaps {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} |",
+                    g.mode.label(),
+                    g.server,
+                    g.protocol.label(),
+                    g.reason
+                );
+            }
+        }
+        let rejected: Vec<&Series> = self.series.iter().filter(|s| !s.rejected.is_empty()).collect();
+        if !rejected.is_empty() {
+            let _ = writeln!(out, "\nrejected samples:");
+            for s in rejected {
+                let _ = writeln!(
+                    out,
+                    "- {} {} {}: {}",
+                    s.mode.label(),
+                    s.server,
+                    s.protocol.label(),
+                    s.rejected.join("; ")
+                );
             }
         }
         out
@@ -325,16 +484,23 @@ impl Report {
                         s.per_gb(ticks, self.ticks_per_s)
                     )
                 });
+                let rejected: Vec<String> = s.rejected.iter().map(|r| json_string(r)).collect();
                 format!(
-                    "{{\"mode\":\"{}\",\"server\":{},\"protocol\":\"{}\",\"median_mib_s\":{:.3},\"samples_mib_s\":[{}],\
-                     \"cpu_s_per_gb\":{:.4},\"client_cpu_s_per_gb\":{:.4}{origin},\"tls\":{}{drops}}}",
+                    "{{\"mode\":\"{}\",\"server\":{},\"protocol\":\"{}\",\"accepted\":{},\"rejected\":{},\
+                     \"rejected_reasons\":[{}],\"median_mib_s\":{:.3},\"cv_percent\":{:.2},\"samples_mib_s\":[{}],\
+                     \"cpu_s_per_gb\":{:.4},\"client_cpu_s_per_gb\":{:.4}{origin},\"peak_rss_mib\":{:.1},\"tls\":{}{drops}}}",
                     s.mode.label(),
                     json_string(s.server),
                     s.protocol.label(),
+                    s.accepted(),
+                    s.rejected.len(),
+                    rejected.join(","),
                     s.median_mib_s(),
+                    s.cv_percent(),
                     samples.join(","),
                     s.per_gb(s.cpu_ticks, self.ticks_per_s),
                     s.per_gb(s.client_ticks, self.ticks_per_s),
+                    s.peak_rss_mib(),
                     json_string(&s.notes)
                 )
             })
@@ -347,17 +513,30 @@ impl Report {
                 json_string(note)
             ),
         };
-        let peer: Vec<String> = self
+        let best: Vec<String> = self
             .modes()
             .into_iter()
-            .flat_map(|mode| self.peer_ratios(mode).into_iter().map(move |r| (mode, r)))
-            .map(|(mode, r)| {
+            .flat_map(|mode| self.best_peers(mode).into_iter().map(move |r| (mode, r)))
+            .map(|(mode, row)| {
+                let values = row.webship.zip(row.best).map(|(w, b)| self.ratio_of(w, b));
+                let reasons: Vec<String> = row
+                    .missing
+                    .iter()
+                    .map(|g| format!("{}: {}", g.server, g.reason))
+                    .collect();
                 let head = format!(
-                    "\"mode\":\"{}\",\"protocol\":{}",
+                    "\"mode\":\"{}\",\"protocol\":\"{}\",\"best_peer\":{},\"peers_without_cell\":{}",
                     mode.label(),
-                    json_string(&r.label)
+                    row.protocol.label(),
+                    row.best
+                        .map_or_else(|| "null".to_owned(), |b| json_string(b.server)),
+                    json_string(&reasons.join("; "))
                 );
-                ratio_json(head, &r, &self.no_h3_note())
+                let ratio = Ratio {
+                    label: String::new(),
+                    values,
+                };
+                ratio_json(head, &ratio, "no peer has this cell")
             })
             .collect();
         let h3: Vec<String> = self
@@ -371,35 +550,122 @@ impl Report {
                 )
             })
             .collect();
-        let proxy_over_direct: Vec<String> = if self.modes().len() > 1 {
-            self.proxy_over_direct()
-                .iter()
-                .map(|(server, r)| {
-                    let head = format!(
-                        "\"server\":{},\"protocol\":{}",
-                        json_string(server),
-                        json_string(&r.label)
-                    );
-                    ratio_json(head, r, "cell missing")
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
+        let proxy_over_direct: Vec<String> = self
+            .proxy_over_direct()
+            .iter()
+            .map(|(server, r)| {
+                let head = format!(
+                    "\"server\":{},\"protocol\":{}",
+                    json_string(server),
+                    json_string(&r.label)
+                );
+                ratio_json(head, r, "cell missing")
+            })
+            .collect();
+        let gaps: Vec<String> = self
+            .gaps
+            .iter()
+            .map(|g| {
+                format!(
+                    "{{\"mode\":\"{}\",\"server\":{},\"protocol\":\"{}\",\"reason\":{}}}",
+                    g.mode.label(),
+                    json_string(g.server),
+                    g.protocol.label(),
+                    json_string(&g.reason)
+                )
+            })
+            .collect();
+        let peers: Vec<String> = self.peers.iter().map(|p| json_string(p)).collect();
         let mtu = self.h3_mtu.map_or_else(|| "null".to_owned(), |m| m.to_string());
         format!(
-            "{{\"fixture_bytes\":{FIXTURE_BYTES},\"samples\":{},\"workers\":{},\"webship_preflight\":{},\
-             \"h3_mtu_upper_bound_bytes\":{mtu},\"results\":[{}],\"ratios_webship_over_nginx\":[{}],\
-             \"ratios_h3\":[{}],\"ratios_proxy_over_direct\":[{}]}}\n",
+            "{{\"fixture_bytes\":{FIXTURE_BYTES},\"samples\":{},\"smoke\":{},\"workers\":{},\"webship_preflight\":{},\
+             \"h3_mtu_upper_bound_bytes\":{mtu},\"peers\":[{}],\"results\":[{}],\"ratios_webship_over_best_peer\":[{}],\
+             \"ratios_h3\":[{}],\"ratios_proxy_over_direct\":[{}],\"not_measured\":[{}]}}\n",
             self.samples,
+            self.smoke,
             self.workers,
             json_string(&self.webship_kernel),
+            peers.join(","),
             results.join(","),
-            peer.join(","),
+            best.join(","),
             h3.join(","),
-            proxy_over_direct.join(",")
+            proxy_over_direct.join(","),
+            gaps.join(",")
         )
     }
+
+    /// A horizontal bar chart of the median MiB/s, one bar per cell, drawn as plain SVG.
+    pub fn svg(&self) -> String {
+        const LABEL_W: f64 = 260.0;
+        const BAR_W: f64 = 520.0;
+        const ROW_H: f64 = 22.0;
+        const TOP: f64 = 40.0;
+        let peak = self
+            .series
+            .iter()
+            .map(Series::median_mib_s)
+            .fold(0.0, f64::max)
+            .max(1.0);
+        let height = TOP + ROW_H * self.series.len() as f64 + 20.0;
+        let width = LABEL_W + BAR_W + 100.0;
+        let mut out = String::new();
+        let _ = writeln!(
+            out,
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" \
+             font-family=\"sans-serif\" font-size=\"12\">"
+        );
+        let _ = writeln!(
+            out,
+            "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"10\" y=\"22\" font-size=\"15\">\
+             Median MiB/s of a {FIXTURE_BYTES}-byte download ({} accepted sample(s) per cell)</text>",
+            self.samples
+        );
+        let mut ordered: Vec<&Series> = self.series.iter().collect();
+        ordered.sort_by_key(|s| (s.mode, s.protocol.label(), !is_webship(s.server)));
+        for (i, s) in ordered.into_iter().enumerate() {
+            let y = TOP + ROW_H * i as f64;
+            let len = BAR_W * s.median_mib_s() / peak;
+            let fill = if is_webship(s.server) {
+                "#2b6cb0"
+            } else {
+                "#a0aec0"
+            };
+            let label = xml_escape(&format!("{} {} {}", s.mode.label(), s.protocol.label(), s.server));
+            let _ = writeln!(
+                out,
+                "<text x=\"{:.0}\" y=\"{:.0}\" text-anchor=\"end\">{label}</text>\
+                 <rect x=\"{LABEL_W}\" y=\"{:.0}\" width=\"{len:.1}\" height=\"{:.0}\" fill=\"{fill}\"/>\
+                 <text x=\"{:.1}\" y=\"{:.0}\">{:.1}</text>",
+                LABEL_W - 8.0,
+                y + 15.0,
+                y + 3.0,
+                ROW_H - 6.0,
+                LABEL_W + len + 6.0,
+                y + 15.0,
+                s.median_mib_s()
+            );
+        }
+        out.push_str("</svg>\n");
+        out
+    }
+
+    /// Writes report.md, report.json and report.svg into `dir`, creating it.
+    pub fn write_files(&self, dir: &Path) -> Result<()> {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        for (name, text) in [
+            ("report.md", self.markdown()),
+            ("report.json", self.json()),
+            ("report.svg", self.svg()),
+        ] {
+            let path = dir.join(name);
+            fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        }
+        Ok(())
+    }
+}
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
 /// Enough JSON string escaping for the ASCII labels written here, and correct for any input.
@@ -422,6 +688,7 @@ fn json_string(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::measure::{LIGHTTPD, NGINX};
 
     #[test]
     fn json_escapes() {
@@ -444,24 +711,61 @@ mod tests {
             workers: 1,
             h3_mtu: None,
             webship_kernel: "x".into(),
-            nginx_version: "nginx 1.22".into(),
+            gaps: vec![Gap::new(
+                Mode::Direct,
+                Protocol::H3,
+                NGINX,
+                "nginx 1.22 has no HTTP/3".into(),
+            )],
+            peers: vec!["nginx: /usr/sbin/nginx (nginx 1.22)".into()],
+            smoke: false,
         }
     }
 
     #[test]
-    fn h3_has_no_nginx_ratio() {
+    fn best_peer_and_gaps() {
+        let mut slow = series(Mode::Direct, LIGHTTPD, Protocol::H2, 150.0, 30);
+        slow.rejected.push("1 major page fault(s) in the server".into());
         let report = report(vec![
             series(Mode::Direct, WEBSHIP, Protocol::H2, 100.0, 50),
             series(Mode::Direct, NGINX, Protocol::H2, 200.0, 25),
+            slow,
             series(Mode::Direct, WEBSHIP, Protocol::H3, 50.0, 100),
         ]);
         let md = report.markdown();
-        assert!(md.contains("| h2 | 0.500 | 2.000 |"), "{md}");
-        assert!(md.contains("| h3 | n/a (nginx 1.22 has no HTTP/3) |"), "{md}");
+        assert!(
+            md.contains("| h2 | nginx | 100.0 | 200.0 | 0.500 | 2.000 | - |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| h3 | none | 50.0 | n/a | n/a | n/a | nginx: nginx 1.22 has no HTTP/3 |"),
+            "{md}"
+        );
         assert!(md.contains("| webship h3 / webship h2 | 0.500 | 2.000 |"), "{md}");
+        assert!(
+            md.contains("| direct | nginx | h3 | nginx 1.22 has no HTTP/3 |"),
+            "{md}"
+        );
+        assert!(md.contains("| lighttpd | h2 | 1 | 1 | 150.0 |"), "{md}");
+        assert!(
+            md.contains("- direct lighttpd h2: 1 major page fault(s) in the server"),
+            "{md}"
+        );
         assert!(!md.contains("proxy"), "{md}");
         let json = report.json();
-        assert!(json.contains("\"note\":\"nginx 1.22 has no HTTP/3\""), "{json}");
+        assert!(json.contains("\"best_peer\":\"nginx\""), "{json}");
+        assert!(json.contains("\"reason\":\"nginx 1.22 has no HTTP/3\""), "{json}");
+        assert!(json.contains("\"rejected\":1,"), "{json}");
+        let svg = report.svg();
+        assert_eq!(svg.matches("<rect x=").count(), 4, "{svg}");
+        assert!(svg.contains(">direct h2 nginx</text>"), "{svg}");
+    }
+
+    #[test]
+    fn cv_of_samples() {
+        let mut s = series(Mode::Direct, WEBSHIP, Protocol::H1, 90.0, 1);
+        s.mib_s.push(110.0);
+        assert!((s.cv_percent() - 10.0).abs() < 1e-9);
     }
 
     #[test]
@@ -475,22 +779,18 @@ mod tests {
             series(Mode::Proxy, NGINX, Protocol::H2, 25.0, 200),
         ]);
         let md = report.markdown();
+        assert!(md.contains("| proxy protocol | best peer |"), "{md}");
         assert!(
-            md.contains("| proxy protocol | throughput webship/nginx |"),
+            md.contains("| h2 | nginx | 50.0 | 25.0 | 2.000 | 0.500 | - |"),
             "{md}"
         );
-        assert!(md.contains("| h2 | 2.000 | 0.500 |"), "{md}");
         // Origin: 0.1 s over 0.0999 GB.
         assert!(
-            md.contains("| webship | h2 | 50.0 | 50.0 | 50.0 | 10.006 | 0.000 | 1.001 |"),
+            md.contains("| webship | h2 | 1 | 0 | 50.0 | 0.0 | 50.0 | 50.0 | 10.006 | 0.000 | 1.001 |"),
             "{md}"
         );
         assert!(md.contains("| webship | h2 | 0.500 | 2.000 |"), "{md}");
         assert!(md.contains("| nginx | h2 | 0.125 | 8.000 |"), "{md}");
-        assert!(
-            md.contains("| nginx | h3 | n/a (nginx 1.22 has no HTTP/3) | n/a |"),
-            "{md}"
-        );
         let json = report.json();
         assert!(json.contains("\"origin_cpu_s_per_gb\":1.0006"), "{json}");
         assert!(

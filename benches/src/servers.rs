@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::fixture::Identity;
+use crate::measure::{CADDY, HAPROXY, LIGHTTPD};
 use crate::proc::descendants;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
@@ -156,7 +157,7 @@ fn spawn(
     Ok(server)
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 pub struct Settings<'a> {
     pub root: &'a Path,
     pub identity: &'a Identity,
@@ -352,4 +353,138 @@ pub fn nginx_version(binary: &Path) -> String {
             Some(format!("nginx {}", major_minor.join(".")))
         })
         .unwrap_or_else(|| "nginx".to_owned())
+}
+
+/// lighttpd serving `root` over TLS (h1 and h2), single process (lighttpd's
+/// default `server.max-worker = 0`), with the settings its documentation gives
+/// for large static files: the `sendfile` network backend, and OpenSSL's kTLS
+/// option so sendfile can reach the socket where the kernel offers kTLS.
+pub fn start_lighttpd(binary: &Path, s: &Settings<'_>) -> Result<Server> {
+    let port = free_port()?;
+    let mut conf = String::new();
+    writeln!(conf, "server.document-root = {:?}", s.root.display().to_string())?;
+    writeln!(conf, "server.bind = \"127.0.0.1\"\nserver.port = {port}")?;
+    writeln!(conf, "server.modules += (\"mod_openssl\")")?;
+    writeln!(conf, "server.network-backend = \"sendfile\"")?;
+    writeln!(conf, "server.feature-flags += (\"server.h2proto\" => \"enable\")")?;
+    writeln!(conf, "server.upload-dirs = ({:?})", s.dir.display().to_string())?;
+    writeln!(conf, "mimetype.assign = (\"\" => \"application/octet-stream\")")?;
+    writeln!(conf, "ssl.engine = \"enable\"")?;
+    writeln!(conf, "ssl.pemfile = {:?}", s.identity.cert.display().to_string())?;
+    writeln!(conf, "ssl.privkey = {:?}", s.identity.key.display().to_string())?;
+    writeln!(
+        conf,
+        "ssl.openssl.ssl-conf-cmd = (\"MinProtocol\" => \"TLSv1.3\", \"Options\" => \"KTLS\")"
+    )?;
+    let config = s.dir.join("lighttpd.conf");
+    fs::write(&config, conf)?;
+    let mut command = Command::new(binary);
+    // -D: foreground, so it stays our child; errors go to stderr (no server.errorlog).
+    command.arg("-D").arg("-f").arg(&config);
+    spawn(LIGHTTPD, command, port, s.dir.join("lighttpd.log"), None)
+}
+
+/// HAProxy as the TLS-terminating proxy (h1 and h2 via ALPN) in front of the
+/// origin: one thread (`nbthread`, like nginx's one worker), `tune.bufsize`
+/// 64k for large responses, `http-reuse always` for the origin connections.
+pub fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+    let port = free_port()?;
+    // HAProxy wants certificate and key in one PEM.
+    let pem = s.dir.join("haproxy.pem");
+    let mut both = fs::read_to_string(&s.identity.cert)?;
+    both.push_str(&fs::read_to_string(&s.identity.key)?);
+    fs::write(&pem, both)?;
+    let mut conf = String::new();
+    writeln!(
+        conf,
+        "global\n  nbthread {}\n  maxconn 1024\n  tune.bufsize 65536\n  \
+         ssl-default-bind-options ssl-min-ver TLSv1.3",
+        s.workers
+    )?;
+    writeln!(
+        conf,
+        "defaults\n  mode http\n  timeout connect 5s\n  timeout client 150s\n  timeout server 150s"
+    )?;
+    writeln!(
+        conf,
+        "frontend fe\n  bind 127.0.0.1:{port} ssl crt {} alpn h2,http/1.1\n  default_backend origin",
+        pem.display()
+    )?;
+    writeln!(
+        conf,
+        "backend origin\n  http-reuse always\n  server origin 127.0.0.1:{origin_port}"
+    )?;
+    let config = s.dir.join("haproxy.cfg");
+    fs::write(&config, conf)?;
+    let mut command = Command::new(binary);
+    // -db: foreground, no daemon; stays our child.
+    command.arg("-db").arg("-f").arg(&config);
+    let mut server = spawn(HAPROXY, command, port, s.dir.join("haproxy.log"), None)?;
+    server.host = "localhost";
+    Ok(server)
+}
+
+/// Caddy serving `root` (`file_server`) or proxying to the origin
+/// (`reverse_proxy`), with the given certificate, over h1, h2 and h3 (Caddy
+/// 2.6 enables HTTP/3 by default), `GOMAXPROCS` = workers, admin endpoint off
+/// and all its state inside `dir`.
+pub fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> Result<Server> {
+    let port = free_port()?;
+    let dir = s.dir.display();
+    let mut conf = String::new();
+    writeln!(
+        conf,
+        "{{\n  admin off\n  auto_https disable_redirects\n  storage file_system {dir}/data\n  \
+         servers {{\n    protocols h1 h2 h3\n  }}\n}}"
+    )?;
+    writeln!(conf, ":{port} {{\n  bind 127.0.0.1")?;
+    writeln!(
+        conf,
+        "  tls {} {}",
+        s.identity.cert.display(),
+        s.identity.key.display()
+    )?;
+    match origin_port {
+        Some(origin) => writeln!(conf, "  reverse_proxy 127.0.0.1:{origin}")?,
+        None => writeln!(conf, "  root * {}\n  file_server", s.root.display())?,
+    }
+    writeln!(conf, "}}")?;
+    let config = s.dir.join("Caddyfile");
+    fs::write(&config, conf)?;
+    let mut command = Command::new(binary);
+    command
+        .args(["run", "--adapter", "caddyfile", "--config"])
+        .arg(&config)
+        .env("GOMAXPROCS", s.workers.to_string())
+        .env("HOME", s.dir)
+        .env("XDG_DATA_HOME", s.dir.join("xdg-data"))
+        .env("XDG_CONFIG_HOME", s.dir.join("xdg-config"));
+    let mut server = spawn(
+        CADDY,
+        command,
+        port,
+        s.dir.join("caddy.log"),
+        Some("serving initial configuration"),
+    )?;
+    if origin_port.is_some() {
+        server.host = "localhost";
+    }
+    Ok(server)
+}
+
+/// The first line of `binary ARGS`' output (stdout, else stderr), e.g. "lighttpd/1.4.69 (ssl)".
+pub fn version_line(binary: &Path, args: &[&str]) -> String {
+    Command::new(binary)
+        .args(args)
+        .output()
+        .ok()
+        .and_then(|out| {
+            let text = if out.stdout.is_empty() {
+                out.stderr
+            } else {
+                out.stdout
+            };
+            Some(String::from_utf8_lossy(&text).lines().next()?.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown version".to_owned())
 }
