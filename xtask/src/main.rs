@@ -2,7 +2,8 @@
 //!
 //! - `cargo xtask test`: install what the suite needs when missing (Debian packages:
 //!   curl, nginx, nghttp2-client, ngtcp2-client, python3; PyPI: aioquic; only what is absent), build, then run
-//!   every test: formatting, clippy, unit tests and the end-to-end suite.
+//!   every test: formatting, clippy, unit tests, the end-to-end suite, the kTLS VM
+//!   test and a smoke run of the benchmark harness.
 //! - `cargo xtask vm-test [--release]`: the kTLS promotion path inside user-mode
 //!   Linux, whose kernel has kTLS (this host's does not); part of `test`.
 //! - `cargo xtask bench [ARGS]`: the benchmark runner in `benches/` (release build).
@@ -108,7 +109,9 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     run(cargo().args(["build", "-p", "webship", "--bin", "webship"]))?;
     run(cargo().args(["test", "--workspace"]).args(extra))?;
     // The kTLS promotion path, in a kernel that has kTLS.
-    vm::vm_test(false)
+    vm::vm_test(false)?;
+    // The benchmark harness, one sample per webship cell, so it cannot rot.
+    bench(&["download".into(), "--smoke".into()])
 }
 
 fn bench(extra: &[String]) -> anyhow::Result<()> {
