@@ -188,7 +188,9 @@ async fn cancelled_download_frees_the_stream_and_the_connection_lives_on() {
             use bytes::Buf;
             got += stream.recv_data().await.unwrap().unwrap().remaining() as u64;
         }
-        stream.stop_sending(h3::error::Code::H3_REQUEST_CANCELLED);
+        // Dropping the request stream cancels it (STOP_SENDING). h3-quinn 0.0.10's
+        // explicit stop_sending can panic while its read future holds the stream.
+        drop(stream);
     }
     let got = h3.fetch("GET", "/small.txt", &[]).await;
     assert_eq!(got.body, b"small");

@@ -250,6 +250,33 @@ async fn connection(
 }
 
 type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
+/// Reads what is left of a request nobody needs, for at most [`DRAIN_TIME`] and
+/// [`DRAIN_BYTES`], then lets it go.
+async fn drain_request(mut recv: RecvHalf) {
+    use bytes::Buf;
+    let drain = async {
+        let mut left = DRAIN_BYTES;
+        while let Ok(Some(chunk)) = recv.recv_data().await {
+            left = left.saturating_sub(chunk.remaining());
+            if left == 0 {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(DRAIN_TIME, drain).await;
+}
+
+/// Bounds of [`drain_request`].
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+const DRAIN_BYTES: usize = 64 * 1024;
+
+/// Switches the connection to BBR once a response (file or relayed) proves bulk.
+fn bulk(ctx: &H3Context, signal: &BulkSignal, peer: SocketAddr, sent: u64) {
+    if ctx.bbr && sent >= ctx.settings.bbr_switch_bytes && signal.raise() {
+        tracing::info!(%peer, sent, "h3: bulk response, connection switches to BBR");
+    }
+}
+
 type SendHalf = h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
 type RecvHalf = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
 
@@ -340,7 +367,7 @@ async fn request(
         body_forwardable: true,
     };
     let (mut stream, recv) = stream.split();
-    let (park, parked) = tokio::sync::oneshot::channel();
+    let (park, mut parked) = tokio::sync::oneshot::channel();
     let body = http_body_util::BodyExt::boxed_unsync(H3Body {
         recv: Some(recv),
         park: Some(park),
@@ -353,8 +380,12 @@ async fn request(
             uri = %parts.uri, status = resp.status.as_u16(), bytes = resp.body.len());
     }
     let result = respond(&mut stream, resp, ctx, signal, peer).await;
-    // The response is complete: an unread request body may be refused now.
-    drop(parked);
+    // The response is complete. A request whose end has not arrived yet (its FIN can
+    // trail a fast response) gets a moment to finish before the receive half goes:
+    // closing it early would send STOP_SENDING, which clients report as an error.
+    if let Ok(recv) = parked.try_recv() {
+        tokio::spawn(drain_request(recv));
+    }
     if let Err(e) = result {
         // Typically the client cancelled (STOP_SENDING) or went away: stop reading.
         tracing::debug!(%peer, error = %e, "h3: response not completed");
@@ -381,6 +412,7 @@ async fn respond(
         Body::Bytes(bytes) => stream.send_data(bytes).await?,
         Body::Stream(mut body) => {
             use http_body_util::BodyExt;
+            let mut sent = 0u64;
             while let Some(frame) = body.frame().await {
                 let frame = match frame {
                     Ok(frame) => frame,
@@ -391,7 +423,11 @@ async fn respond(
                     }
                 };
                 match frame.into_data() {
-                    Ok(data) => stream.send_data(data).await?,
+                    Ok(data) => {
+                        sent += data.len() as u64;
+                        stream.send_data(data).await?;
+                        bulk(ctx, signal, peer, sent);
+                    }
                     Err(frame) => {
                         if let Ok(trailers) = frame.into_trailers() {
                             stream.send_trailers(trailers).await?;
@@ -416,9 +452,7 @@ async fn respond(
                             stream.send_data(Bytes::from(buf)).await?;
                             at += n as u64;
                             sent += n as u64;
-                            if ctx.bbr && sent >= ctx.settings.bbr_switch_bytes && signal.raise() {
-                                tracing::info!(%peer, sent, "h3: bulk response, connection switches to BBR");
-                            }
+                            bulk(ctx, signal, peer, sent);
                         }
                     }
                 }
