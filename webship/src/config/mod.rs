@@ -769,24 +769,7 @@ impl Validator<'_> {
                 continue;
             }
             seen.insert(name, usize::MAX);
-            let mut upstreams = Vec::new();
-            for (j, u) in r.upstreams.iter().enumerate() {
-                match u.parse::<SocketAddr>() {
-                    Ok(addr) if addr.port() != 0 => upstreams.push(addr),
-                    _ => self.problem(
-                        format!("{key}.upstreams[{j}]"),
-                        format!("`{u}` is not an IP address with a port"),
-                        "write it as \"10.0.0.20:443\"",
-                    ),
-                }
-            }
-            if r.upstreams.is_empty() {
-                self.problem(
-                    format!("{key}.upstreams"),
-                    "the route has no upstreams",
-                    "list at least one",
-                );
-            }
+            let upstreams = self.upstreams(&key, &r.upstreams);
             out.push(PassthroughRoute {
                 domain,
                 upstreams,
@@ -806,24 +789,7 @@ impl Validator<'_> {
                 "write it as \"/api/\"",
             );
         }
-        if r.upstreams.is_empty() {
-            self.problem(
-                format!("{key}.upstreams"),
-                "the route has no upstreams",
-                "list at least one, e.g. [\"127.0.0.1:8080\"]",
-            );
-        }
-        let mut upstreams = Vec::new();
-        for (j, u) in r.upstreams.iter().enumerate() {
-            match u.parse::<SocketAddr>() {
-                Ok(addr) if addr.port() != 0 => upstreams.push(addr),
-                _ => self.problem(
-                    format!("{key}.upstreams[{j}]"),
-                    format!("`{u}` is not an IP address with a port"),
-                    "write it as \"10.0.0.20:8080\" or \"[::1]:8080\"",
-                ),
-            }
-        }
+        let upstreams = self.upstreams(key, &r.upstreams);
         let upstream_protocol = match r.upstream_protocol.as_deref() {
             None | Some("h1") => UpstreamProtocol::H1,
             Some("h2c") => UpstreamProtocol::H2c,
@@ -922,6 +888,29 @@ impl Validator<'_> {
             connect_timeout,
             read_timeout,
         })
+    }
+
+    /// A route's `upstreams`: IP:port each, at least one.
+    fn upstreams(&mut self, key: &str, list: &[String]) -> Vec<SocketAddr> {
+        if list.is_empty() {
+            self.problem(
+                format!("{key}.upstreams"),
+                "the route has no upstreams",
+                "list at least one, e.g. [\"10.0.0.20:8080\"]",
+            );
+        }
+        let mut out = Vec::with_capacity(list.len());
+        for (j, u) in list.iter().enumerate() {
+            match u.parse::<SocketAddr>() {
+                Ok(addr) if addr.port() != 0 => out.push(addr),
+                _ => self.problem(
+                    format!("{key}.upstreams[{j}]"),
+                    format!("`{u}` is not an IP address with a port"),
+                    "write it as \"10.0.0.20:8080\" or \"[::1]:8080\"",
+                ),
+            }
+        }
+        out
     }
 
     fn root(&mut self, key: &str, root: &Path) -> Option<PathBuf> {
