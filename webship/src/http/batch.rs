@@ -30,10 +30,6 @@ impl<S> WriteBatch<S> {
             capacity,
         }
     }
-
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
 }
 
 impl<S: AsyncWrite + Unpin> WriteBatch<S> {

@@ -126,11 +126,7 @@ pub(super) fn upstream_request(req: &RequestHead<'_>, upstream: SocketAddr, rout
 }
 
 /// The response headers the client sees.
-pub(super) fn downstream_response(
-    from: &HeaderMap,
-    upstream_version: Version,
-    _client: Version,
-) -> HeaderMap {
+pub(super) fn downstream_response(from: &HeaderMap, upstream_version: Version) -> HeaderMap {
     let mut out = end_to_end(from);
     let via = format!("{} webship", version_token(upstream_version));
     append(&mut out, header::VIA, from.get(header::VIA), &via);

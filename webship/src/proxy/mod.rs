@@ -203,7 +203,7 @@ impl RouteState {
             tried.push(upstream.to_string());
             let sent = tokio::time::timeout(self.route.read_timeout, self.client.request(request)).await;
             match sent {
-                Ok(Ok(resp)) => return relay(resp, req.version, self.route.read_timeout),
+                Ok(Ok(resp)) => return relay(resp, self.route.read_timeout),
                 Ok(Err(e)) if e.is_connect() => {
                     tracing::warn!(target: "proxy", %domain, %upstream, error = %chain(&e), "upstream unreachable; ejected");
                     self.eject(i);
@@ -329,13 +329,9 @@ fn build_request(
 }
 
 /// Turns the upstream's response into ours, relaying the body as it arrives.
-fn relay(
-    resp: http::Response<hyper::body::Incoming>,
-    client_version: http::Version,
-    idle: Duration,
-) -> Response {
+fn relay(resp: http::Response<hyper::body::Incoming>, idle: Duration) -> Response {
     let (parts, body) = resp.into_parts();
-    let headers = headers::downstream_response(&parts.headers, parts.version, client_version);
+    let headers = headers::downstream_response(&parts.headers, parts.version);
     let body = IdleTimeout {
         inner: body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync(),
         idle,
