@@ -1,7 +1,7 @@
 //! The 99,943,778-byte fixture over h1 and h2, by curl and by a rustls/hyper client,
 //! each checked for exact length and SHA-256.
 
-use webship_tests::client::{curl, fetch, hex, Proto};
+use webship_tests::client::{curl, hex, Proto};
 use webship_tests::fixture::sha256_file;
 use webship_tests::{fixture, FIXTURE_LEN};
 
@@ -14,16 +14,7 @@ async fn fixture_with_rustls_client_over_h1_and_h2() {
     fx.place(&env.root, "fixture.bin");
     let server = env.start("");
     for proto in [Proto::H1, Proto::H2] {
-        let got = fetch(
-            proto,
-            server.addr(),
-            HOST,
-            env.client(proto.alpn()),
-            "GET",
-            "/fixture.bin",
-            &[],
-        )
-        .await;
+        let got = env.get(proto, &server, "/fixture.bin", &[]).await;
         assert_eq!(got.status, 200, "{proto:?}");
         assert_eq!(got.header("content-length"), FIXTURE_LEN.to_string(), "{proto:?}");
         assert_eq!(got.len, FIXTURE_LEN, "{proto:?}: body length");

@@ -5,7 +5,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use webship_tests::client::{fetch, fetch_h3, hex, H3Client, Proto};
+use webship_tests::client::{fetch_h3, hex, H3Client, Proto};
 use webship_tests::server::eventually;
 use webship_tests::{fixture, FIXTURE_LEN};
 
@@ -262,16 +262,7 @@ async fn alt_svc_advertises_h3_only_for_h3_sites() {
     env.write("small.txt", b"small");
     let server = env.start("");
     for proto in [Proto::H1, Proto::H2] {
-        let got = fetch(
-            proto,
-            server.addr(),
-            HOST,
-            env.client(proto.alpn()),
-            "GET",
-            "/small.txt",
-            &[],
-        )
-        .await;
+        let got = env.get(proto, &server, "/small.txt", &[]).await;
         assert_eq!(
             got.header("alt-svc"),
             format!("h3=\":{}\"; ma=86400", server.port),
@@ -285,16 +276,7 @@ async fn alt_svc_advertises_h3_only_for_h3_sites() {
         .replace("[sites.tls]", "[sites.protocols]\nh3 = false\n[sites.tls]");
     let server = webship_tests::Server::start(env.dir.path(), &config);
     for proto in [Proto::H1, Proto::H2] {
-        let got = fetch(
-            proto,
-            server.addr(),
-            HOST,
-            env.client(proto.alpn()),
-            "GET",
-            "/small.txt",
-            &[],
-        )
-        .await;
+        let got = env.get(proto, &server, "/small.txt", &[]).await;
         assert!(got.headers.get("alt-svc").is_none(), "{proto:?}");
     }
     assert!(

@@ -32,16 +32,9 @@ fn get_request(path: &str) -> String {
 /// Warm the server up (TLS, both drivers, the blocking pool) so RSS has a baseline.
 async fn baseline(env: &Env, server: &Server) -> u64 {
     for proto in [Proto::H1, Proto::H2] {
-        let got = fetch(
-            proto,
-            server.addr(),
-            HOST,
-            env.client(proto.alpn()),
-            "GET",
-            "/fixture.bin",
-            &[("range", "bytes=0-4194303")],
-        )
-        .await;
+        let got = env
+            .get(proto, server, "/fixture.bin", &[("range", "bytes=0-4194303")])
+            .await;
         assert_eq!(got.len, 4 * MIB);
     }
     server.rss()
@@ -329,16 +322,7 @@ async fn access_log_is_off_by_default_and_on_by_switch() {
         env.write("small.txt", b"small");
         let server = env.start(extra);
         for proto in [Proto::H1, Proto::H2] {
-            let got = fetch(
-                proto,
-                server.addr(),
-                HOST,
-                env.client(proto.alpn()),
-                "GET",
-                "/small.txt",
-                &[],
-            )
-            .await;
+            let got = env.get(proto, &server, "/small.txt", &[]).await;
             assert_eq!(got.status, 200);
         }
         let ok = eventually(Duration::from_secs(2), || {

@@ -79,29 +79,11 @@ async fn symlinks_leaving_the_root_are_refused() {
     let (env, server) = setup();
     for proto in [Proto::H1, Proto::H2] {
         for path in ["/leak.txt", "/parent/secret.txt", "/etc/passwd"] {
-            let got = fetch(
-                proto,
-                server.addr(),
-                HOST,
-                env.client(proto.alpn()),
-                "GET",
-                path,
-                &[],
-            )
-            .await;
+            let got = env.get(proto, &server, path, &[]).await;
             assert_eq!(got.status, 403, "{proto:?} {path}");
             assert!(!contains(&got.body, SECRET));
         }
-        let got = fetch(
-            proto,
-            server.addr(),
-            HOST,
-            env.client(proto.alpn()),
-            "GET",
-            "/inside.txt",
-            &[],
-        )
-        .await;
+        let got = env.get(proto, &server, "/inside.txt", &[]).await;
         assert_eq!(
             got.status, 200,
             "{proto:?}: a symlink within the root is followed"

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use rustls::ClientConfig;
+use webship_tests::client::{fetch, Fetched, Proto};
 use webship_tests::{Pki, Server};
 
 pub const HOST: &str = "files.test";
@@ -48,6 +49,20 @@ impl Env {
 
     pub fn client(&self, alpn: &[u8]) -> Arc<ClientConfig> {
         self.pki.client(&[alpn])
+    }
+
+    /// One GET to `server` for `HOST` over `proto`, verified against this PKI.
+    pub async fn get(&self, proto: Proto, server: &Server, path: &str, headers: &[(&str, &str)]) -> Fetched {
+        fetch(
+            proto,
+            server.addr(),
+            HOST,
+            self.client(proto.alpn()),
+            "GET",
+            path,
+            headers,
+        )
+        .await
     }
 
     pub fn write(&self, name: &str, contents: &[u8]) -> PathBuf {
