@@ -6,6 +6,7 @@
 #![deny(unsafe_code)]
 
 pub mod config;
+pub mod ebpf;
 pub mod files;
 pub mod h3;
 pub mod http;

@@ -7,11 +7,15 @@
 //! - `cargo xtask vm-test [--release]`: the kTLS promotion path inside user-mode
 //!   Linux, whose kernel has kTLS (this host's does not); part of `test`.
 //! - `cargo xtask bench [ARGS]`: the benchmark runner in `benches/` (release build).
+//! - `cargo xtask build-ebpf`: the eBPF programs, embedded by the next daemon build.
+//! - `cargo xtask run [ARGS]`: builds everything (eBPF included) in release mode and
+//!   starts the daemon with the privileges eBPF and port binding need.
 
 use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context};
 
+mod ebpf;
 mod vm;
 
 /// Debian packages the tests or benchmarks drive: (command that proves it, package).
@@ -31,10 +35,12 @@ fn main() -> ExitCode {
         Some("test") => test(&args[1..]),
         Some("bench") => bench(&args[1..]),
         Some("deps") => install_deps(),
+        Some("build-ebpf") => ebpf::build_ebpf().map(drop),
+        Some("run") => run_daemon(&args[1..]),
         Some("vm-test") => vm::vm_test(args.iter().any(|a| a == "--release")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <test [-- CARGO TEST ARGS] | vm-test [--release] | bench [ARGS] | deps>"
+                "usage: cargo xtask <test [-- CARGO TEST ARGS] | build-ebpf | run [SERVE ARGS] | vm-test [--release] | bench [ARGS] | deps>"
             );
             return ExitCode::from(2);
         }
@@ -71,6 +77,13 @@ fn have(command: &str) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+pub(crate) fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
+}
+
 /// Installs the missing Debian packages; without root it says what to install.
 fn install_deps() -> anyhow::Result<()> {
     let missing: Vec<&str> = APT
@@ -81,11 +94,7 @@ fn install_deps() -> anyhow::Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    let root = Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.starts_with(b"0"));
-    if !root {
+    if !is_root() {
         bail!(
             "missing packages: {}; install them with `sudo apt-get install {}`",
             missing.join(" "),
@@ -104,6 +113,8 @@ fn install_deps() -> anyhow::Result<()> {
 fn test(extra: &[String]) -> anyhow::Result<()> {
     install_deps()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    // First, so that every build below embeds the programs.
+    ebpf::build_ebpf()?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
     // The end-to-end suite drives the real binary; build it first.
     run(cargo().args(["build", "-p", "webship", "--bin", "webship"]))?;
@@ -114,8 +125,25 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     bench(&["download".into(), "--smoke".into()])
 }
 
+fn run_daemon(extra: &[String]) -> anyhow::Result<()> {
+    ebpf::build_ebpf()?;
+    run(cargo().args(["build", "--release", "-p", "webship", "--bin", "webship"]))?;
+    let binary = ebpf::workspace_root()?.join("target/release/webship");
+    let mut cmd = if is_root() {
+        Command::new(&binary)
+    } else {
+        eprintln!("xtask: eBPF and kernel offloads need root; starting through sudo");
+        let mut sudo = Command::new("sudo");
+        sudo.arg(&binary);
+        sudo
+    };
+    cmd.args(extra);
+    run(&mut cmd)
+}
+
 fn bench(extra: &[String]) -> anyhow::Result<()> {
     install_deps()?;
+    ebpf::build_ebpf()?;
     run(cargo().args(["build", "--release", "-p", "webship", "--bin", "webship"]))?;
     run(cargo()
         .args(["run", "--release", "-p", "webship-benches", "--"])

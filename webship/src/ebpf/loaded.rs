@@ -1,0 +1,354 @@
+//! The real implementation (Linux, feature `ebpf`), on aya.
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
+use aya::programs::SkSkb;
+use aya::{Ebpf, EbpfLoader};
+use webship_ebpf_common::{
+    Link, COUNTERS, DIRECTION_DOWN, DIRECTION_UP, KERNEL_COUNTERS_MAP, LINKS_MAP, SOCKS_MAP,
+    USER_COUNTERS_MAP, VERDICT_PROGRAM,
+};
+
+use super::{pin_paths, EbpfError, Snapshot, Values};
+
+#[cfg(webship_bpf_object)]
+static OBJECT: Option<&[u8]> = Some(aya::include_bytes_aligned!(env!("WEBSHIP_EBPF_OBJECT_PATH")));
+#[cfg(not(webship_bpf_object))]
+static OBJECT: Option<&[u8]> = None;
+
+/// The magic number of the BPF filesystem (`statfs`).
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+
+/// Whether this binary carries the eBPF object.
+pub fn embedded() -> bool {
+    OBJECT.is_some()
+}
+
+/// The loaded programs and their maps. Dropping it detaches the programs and
+/// removes the pins.
+pub struct Programs {
+    socks: Mutex<SockHash<MapData, u64>>,
+    links: Mutex<HashMap<MapData, u64, Link>>,
+    kernel_counters: PerCpuArray<MapData, u64>,
+    user_counters: Mutex<Array<MapData, u64>>,
+    pin_dir: PathBuf,
+    // Keeps the program and its attachment alive.
+    _ebpf: Ebpf,
+}
+
+impl std::fmt::Debug for Programs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Programs").field("pin_dir", &self.pin_dir).finish_non_exhaustive()
+    }
+}
+
+impl Programs {
+    /// Loads and attaches the programs and pins the counter maps under `pin_dir`
+    /// (mounting the BPF filesystem on /sys/fs/bpf when it is not there yet). Log
+    /// records from the programs go to tracing under the `webship::ebpf` target.
+    pub fn load(pin_dir: &Path) -> Result<Arc<Self>, EbpfError> {
+        let debug = tracing::enabled!(target: "webship::ebpf", tracing::Level::DEBUG);
+        let level = if debug {
+            aya_log::Level::Debug
+        } else {
+            aya_log::Level::Info
+        } as u8;
+        let mut ebpf = load_object(level)?;
+        match aya_log::EbpfLogger::init_with_logger(&mut ebpf, TracingLog) {
+            Ok(logger) => spawn_logger(logger),
+            Err(e) => tracing::debug!(error = %e, "eBPF log records are not forwarded"),
+        }
+        let socks: SockHash<MapData, u64> = typed(take(&mut ebpf, SOCKS_MAP)?)?;
+        let links: HashMap<MapData, u64, Link> = typed(take(&mut ebpf, LINKS_MAP)?)?;
+        let kernel_map = take(&mut ebpf, KERNEL_COUNTERS_MAP)?;
+        let user_map = take(&mut ebpf, USER_COUNTERS_MAP)?;
+        attach_verdict(&mut ebpf, &socks)?;
+
+        prepare_pin_dir(pin_dir)?;
+        let (kernel_pin, user_pin) = pin_paths(pin_dir);
+        for (map, path) in [(&kernel_map, &kernel_pin), (&user_map, &user_pin)] {
+            if path.exists() {
+                tracing::warn!(path = %path.display(), "replacing a stale pinned map (a previous daemon did not stop cleanly?)");
+                let _ = std::fs::remove_file(path);
+            }
+            map.pin(path).map_err(|e| EbpfError::Pin {
+                what: "cannot pin a counter map at",
+                path: path.clone(),
+                source: io::Error::other(e),
+            })?;
+        }
+        Ok(Arc::new(Self {
+            socks: Mutex::new(socks),
+            links: Mutex::new(links),
+            kernel_counters: typed(kernel_map)?,
+            user_counters: Mutex::new(typed(user_map)?),
+            pin_dir: pin_dir.to_owned(),
+            _ebpf: ebpf,
+        }))
+    }
+
+    /// Links a client socket and its upstream: from now on the kernel moves every
+    /// byte either one receives to the other. Bytes queued before this call stay in
+    /// the sockets (the kernel only redirects what arrives later).
+    pub fn link(self: &Arc<Self>, client: BorrowedFd<'_>, upstream: BorrowedFd<'_>) -> io::Result<SocketLink> {
+        let c = rustix::net::sockopt::socket_cookie(client)?;
+        let u = rustix::net::sockopt::socket_cookie(upstream)?;
+        let link = SocketLink {
+            programs: self.clone(),
+            client: c,
+            upstream: u,
+        };
+        {
+            let mut links = lock(&self.links);
+            let up = Link {
+                peer: u,
+                direction: DIRECTION_UP,
+                ..Link::default()
+            };
+            let down = Link {
+                peer: c,
+                direction: DIRECTION_DOWN,
+                ..Link::default()
+            };
+            links.insert(c, up, 0).map_err(io::Error::other)?;
+            links.insert(u, down, 0).map_err(io::Error::other)?;
+        }
+        let mut socks = lock(&self.socks);
+        socks.insert(u, upstream.as_raw_fd(), 0).map_err(io::Error::other)?;
+        socks.insert(c, client.as_raw_fd(), 0).map_err(io::Error::other)?;
+        drop(socks);
+        Ok(link)
+    }
+
+    /// Publishes the daemon's own counters for `webship stats`.
+    pub fn publish(&self, values: &Values) {
+        let mut map = lock(&self.user_counters);
+        for (i, v) in (0..COUNTERS).zip(values) {
+            if let Err(e) = map.set(i, v, 0) {
+                tracing::debug!(error = %e, "cannot publish a counter");
+                return;
+            }
+        }
+    }
+
+    /// The programs' counters, summed over CPUs.
+    pub fn kernel_counters(&self) -> Values {
+        sum_per_cpu(&self.kernel_counters)
+    }
+}
+
+impl Drop for Programs {
+    fn drop(&mut self) {
+        let (kernel, user) = pin_paths(&self.pin_dir);
+        for path in [kernel, user] {
+            if let Err(e) = std::fs::remove_file(&path) {
+                if e.kind() != io::ErrorKind::NotFound {
+                    tracing::warn!(path = %path.display(), error = %e, "cannot remove a pinned map");
+                }
+            }
+        }
+        // Only removes the folder when nothing else is pinned there.
+        let _ = std::fs::remove_dir(&self.pin_dir);
+    }
+}
+
+/// A linked socket pair; dropping it unlinks both sockets.
+pub struct SocketLink {
+    programs: Arc<Programs>,
+    client: u64,
+    upstream: u64,
+}
+
+impl std::fmt::Debug for SocketLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SocketLink")
+            .field("client", &self.client)
+            .field("upstream", &self.upstream)
+            .finish()
+    }
+}
+
+impl SocketLink {
+    /// Bytes the kernel moved client → upstream and upstream → client so far.
+    pub fn redirected(&self) -> (u64, u64) {
+        let links = lock(&self.programs.links);
+        let get = |cookie| links.get(&cookie, 0).map(|l| l.redirected).unwrap_or(0);
+        (get(self.client), get(self.upstream))
+    }
+}
+
+impl Drop for SocketLink {
+    fn drop(&mut self) {
+        let mut socks = lock(&self.programs.socks);
+        let _ = socks.remove(&self.client);
+        let _ = socks.remove(&self.upstream);
+        drop(socks);
+        let mut links = lock(&self.programs.links);
+        let _ = links.remove(&self.client);
+        let _ = links.remove(&self.upstream);
+    }
+}
+
+/// Loads the object and attaches the verdict program to a fresh map, then inserts
+/// a connected loopback socket: what the `sockmap` engine needs, checked without
+/// pinning anything. Returns what was verified.
+pub fn probe() -> Result<String, EbpfError> {
+    let mut ebpf = load_object(aya_log::Level::Info as u8)?;
+    let mut socks: SockHash<MapData, u64> = typed(take(&mut ebpf, SOCKS_MAP)?)?;
+    attach_verdict(&mut ebpf, &socks)?;
+    let (a, _b) = crate::sys::loopback_pair().map_err(|e| EbpfError::Load(format!("loopback pair: {e}")))?;
+    socks
+        .insert(1, a.as_raw_fd(), 0)
+        .map_err(|e| EbpfError::Load(format!("SOCKHASH insert of a TCP socket: {}", chain(&e))))?;
+    let _ = socks.remove(&1);
+    Ok("sk_skb stream verdict on a SOCKHASH, per-CPU counters".into())
+}
+
+/// Reads the pinned counters of a running daemon.
+pub fn read_pinned(dir: &Path) -> Result<Snapshot, EbpfError> {
+    let (kernel_pin, user_pin) = pin_paths(dir);
+    if !kernel_pin.exists() || !user_pin.exists() {
+        return Err(EbpfError::NotRunning(dir.to_owned()));
+    }
+    let open = |path: &Path| {
+        MapData::from_pin(path).map_err(|e| EbpfError::Pin {
+            what: "cannot open the pinned map",
+            path: path.to_owned(),
+            source: io::Error::other(chain(&e)),
+        })
+    };
+    let kernel: PerCpuArray<MapData, u64> = typed(Map::PerCpuArray(open(&kernel_pin)?))?;
+    let user: Array<MapData, u64> = typed(Map::Array(open(&user_pin)?))?;
+    let mut snapshot = Snapshot {
+        kernel: sum_per_cpu(&kernel),
+        user: [0; COUNTERS as usize],
+    };
+    for (i, slot) in (0..COUNTERS).zip(snapshot.user.iter_mut()) {
+        *slot = user.get(&i, 0).unwrap_or(0);
+    }
+    Ok(snapshot)
+}
+
+fn load_object(log_level: u8) -> Result<Ebpf, EbpfError> {
+    let object = OBJECT.ok_or(EbpfError::NotBuilt)?;
+    EbpfLoader::new()
+        .override_global(aya_log::LEVEL, &log_level, false)
+        .load(object)
+        .map_err(|e| EbpfError::Load(chain(&e)))
+}
+
+fn attach_verdict(ebpf: &mut Ebpf, socks: &SockHash<MapData, u64>) -> Result<(), EbpfError> {
+    let program: &mut SkSkb = ebpf
+        .program_mut(VERDICT_PROGRAM)
+        .ok_or_else(|| EbpfError::Load(format!("the object has no program `{VERDICT_PROGRAM}`")))?
+        .try_into()
+        .map_err(|e| EbpfError::Load(chain(&e)))?;
+    program.load().map_err(|e| EbpfError::Load(chain(&e)))?;
+    program
+        .attach(socks.fd())
+        .map_err(|e| EbpfError::Load(chain(&e)))?;
+    Ok(())
+}
+
+fn take(ebpf: &mut Ebpf, name: &str) -> Result<Map, EbpfError> {
+    ebpf.take_map(name)
+        .ok_or_else(|| EbpfError::Load(format!("the object has no map `{name}`")))
+}
+
+fn typed<T>(map: Map) -> Result<T, EbpfError>
+where
+    T: TryFrom<Map, Error = aya::maps::MapError>,
+{
+    T::try_from(map).map_err(|e| EbpfError::Load(chain(&e)))
+}
+
+fn sum_per_cpu(map: &PerCpuArray<MapData, u64>) -> Values {
+    let mut out = [0; COUNTERS as usize];
+    for (i, slot) in (0..COUNTERS).zip(out.iter_mut()) {
+        *slot = map
+            .get(&i, 0)
+            .map(|per_cpu| per_cpu.iter().copied().fold(0u64, u64::wrapping_add))
+            .unwrap_or(0);
+    }
+    out
+}
+
+/// Mounts the BPF filesystem on /sys/fs/bpf when the pin folder is under it and it
+/// is not mounted, then creates the folder.
+fn prepare_pin_dir(dir: &Path) -> Result<(), EbpfError> {
+    let root = Path::new("/sys/fs/bpf");
+    let is_bpffs = |p: &Path| rustix::fs::statfs(p).is_ok_and(|s| s.f_type == BPF_FS_MAGIC);
+    if dir.starts_with(root) && !is_bpffs(root) {
+        rustix::mount::mount("bpf", root, "bpf", rustix::mount::MountFlags::empty(), None)
+            .map_err(|e| EbpfError::Pin {
+                what: "cannot mount the BPF filesystem on",
+                path: root.to_owned(),
+                source: e.into(),
+            })?;
+        tracing::info!("mounted the BPF filesystem on /sys/fs/bpf");
+    }
+    std::fs::create_dir_all(dir).map_err(|source| EbpfError::Pin {
+        what: "cannot create the pin folder",
+        path: dir.to_owned(),
+        source,
+    })
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A map handle has no invariant a panicking holder could break.
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// Forwards aya-log records from the programs to tracing.
+struct TracingLog;
+
+impl log::Log for TracingLog {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        let message = record.args();
+        match record.level() {
+            log::Level::Error => tracing::error!(target: "webship::ebpf", "{message}"),
+            log::Level::Warn => tracing::warn!(target: "webship::ebpf", "{message}"),
+            log::Level::Info => tracing::info!(target: "webship::ebpf", "{message}"),
+            log::Level::Debug => tracing::debug!(target: "webship::ebpf", "{message}"),
+            log::Level::Trace => tracing::trace!(target: "webship::ebpf", "{message}"),
+        }
+    }
+
+    fn flush(&self) {}
+}
+
+/// Drains the programs' log ring buffer a few times a second. (Waiting on the ring
+/// buffer's fd would need tokio's `unsafe` registration; records are rare and
+/// only for failures, so a short timer costs less than that.)
+fn spawn_logger(mut logger: aya_log::EbpfLogger<TracingLog>) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    runtime.spawn(async move {
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(250));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            logger.flush();
+        }
+    });
+}

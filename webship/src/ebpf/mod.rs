@@ -1,0 +1,74 @@
+//! Webship's eBPF programs, from the daemon's side: load them, link spliced socket
+//! pairs, mirror the daemon's counters, and read everything back for
+//! `webship stats`.
+//!
+//! The object is built by `cargo xtask build-ebpf` and embedded at compile time when
+//! the `ebpf` feature is on (see `build.rs`); a binary without it reports
+//! [`EbpfError::NotBuilt`] and passthrough uses a userspace engine.
+//!
+//! Counters live in two pinned maps under the pin folder (default
+//! [`DEFAULT_PIN_DIR`]): `kernel_counters` (per-CPU, written by the programs) and
+//! `user_counters` (written by the daemon once a second and at shutdown). Both pins
+//! are removed when the daemon stops.
+
+use std::path::{Path, PathBuf};
+
+pub use webship_ebpf_common::{Counter, COUNTERS};
+
+/// Where the counter maps are pinned unless `[kernel] bpf_pin_dir` says otherwise.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/webship";
+const KERNEL_PIN: &str = "kernel_counters";
+const USER_PIN: &str = "user_counters";
+
+#[derive(Debug, thiserror::Error)]
+pub enum EbpfError {
+    #[error(
+        "this binary carries no eBPF programs (built without the `ebpf` feature, or before \
+         `cargo xtask build-ebpf`)"
+    )]
+    NotBuilt,
+    #[error("the kernel refused the eBPF programs or maps: {0}")]
+    Load(String),
+    #[error("{what} {}: {source}", path.display())]
+    Pin {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("no Webship counters are pinned under {}: is the daemon running, with passthrough and eBPF (`[kernel] ebpf`)?", .0.display())]
+    NotRunning(PathBuf),
+}
+
+/// Counter values, indexed by [`Counter`].
+pub type Values = [u64; COUNTERS as usize];
+
+/// What `webship stats` reads from the pinned maps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Summed over CPUs, as the programs counted them.
+    pub kernel: Values,
+    /// As the daemon last published them.
+    pub user: Values,
+}
+
+impl Snapshot {
+    pub fn total(&self, counter: Counter) -> u64 {
+        let i = counter as usize;
+        self.kernel[i].saturating_add(self.user[i])
+    }
+}
+
+fn pin_paths(dir: &Path) -> (PathBuf, PathBuf) {
+    (dir.join(KERNEL_PIN), dir.join(USER_PIN))
+}
+
+#[cfg(all(target_os = "linux", feature = "ebpf"))]
+mod loaded;
+#[cfg(all(target_os = "linux", feature = "ebpf"))]
+pub use loaded::{embedded, probe, read_pinned, Programs, SocketLink};
+
+#[cfg(not(all(target_os = "linux", feature = "ebpf")))]
+mod absent;
+#[cfg(not(all(target_os = "linux", feature = "ebpf")))]
+pub use absent::{embedded, probe, read_pinned, Programs, SocketLink};
