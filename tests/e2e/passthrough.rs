@@ -24,8 +24,15 @@ struct World {
 }
 
 /// Origins `a.pass` (serving the fixture) and `b.pass` (serving "b"), each with its
-/// own certificate; webship in front, optionally with a direct site too.
+/// own certificate; webship in front, optionally with a direct site too, with the
+/// default engine.
 fn world(with_site: bool) -> World {
+    world_with(with_site, "auto")
+}
+
+/// As [`world`], with the given passthrough engine. The counter maps are pinned
+/// in a folder of this server's own, so tests can run side by side.
+fn world_with(with_site: bool, engine: &str) -> World {
     let env = Env::new();
     fixture().place(&env.root, "fixture.bin");
     let a_root = env.dir.path().join("a");
@@ -41,9 +48,13 @@ fn world(with_site: bool) -> World {
     let b = Nginx::start_tls(&b_root, &b_cert, &b_key);
     let passthrough = format!(
         r#"
+[kernel]
+bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
+
 [reverse_proxy]
 enabled = true
 tls_termination = false
+passthrough_engine = "{engine}"
 [reverse_proxy.protocols]
 h1 = true
 h2 = true
@@ -61,7 +72,7 @@ upstreams = ["{}"]
         a.addr, b.addr, b.addr
     );
     let config = if with_site {
-        env.config(&passthrough.replace("[reverse_proxy]", "[protocols]\nh3 = false\n\n[reverse_proxy]"))
+        env.config(&passthrough.replace("[kernel]", "[protocols]\nh3 = false\n\n[kernel]"))
     } else {
         format!("listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{passthrough}")
     };
@@ -75,8 +86,31 @@ upstreams = ["{}"]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_origin_terminates_tls_and_the_bytes_are_exact() {
-    let w = world(false);
+async fn sockmap_engine_moves_exact_bytes() {
+    exact_bytes_with("sockmap").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn splice_engine_moves_exact_bytes() {
+    exact_bytes_with("splice").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_engine_moves_exact_bytes() {
+    exact_bytes_with("copy").await;
+}
+
+/// The fixture over h1 and h2 through `engine`, exact and from the origin; then the
+/// counters in `webship stats --json` account for it.
+async fn exact_bytes_with(engine: &str) {
+    let w = world_with(false, engine);
+    assert!(
+        w.server
+            .log()
+            .contains(&format!("passthrough engine engine={engine}")),
+        "{}",
+        w.server.log()
+    );
     for proto in [Proto::H1, Proto::H2] {
         // The client verifies the chain for a.pass: only the origin holds that key.
         let got = fetch(
@@ -119,6 +153,48 @@ async fn the_origin_terminates_tls_and_the_bytes_are_exact() {
         .await;
         assert_eq!(got.status, 200, "wildcard route");
     }
+    let pins = format!("/sys/fs/bpf/webship-e2e-{}", w.server.port);
+    // Six connections; the userspace counters are published twice a second.
+    let mut stats = String::new();
+    let published = webship_tests::server::eventually(Duration::from_secs(5), || {
+        stats = stats_json(&pins);
+        counter(&stats, "connections_steered", "total") == 6
+    });
+    assert!(published, "{stats}");
+    let down = counter(&stats, "bytes_down", "total");
+    assert!(
+        down > 2 * FIXTURE_LEN && down < 2 * FIXTURE_LEN + 1_000_000,
+        "two fixtures and TLS overhead went down: {stats}"
+    );
+    let up = counter(&stats, "bytes_up", "total");
+    assert!(up > 6 * 200 && up < 100_000, "requests went up: {stats}");
+    if engine == "sockmap" {
+        // The kernel moved the payload; userspace only the ClientHellos.
+        assert!(counter(&stats, "bytes_down", "kernel") == down, "{stats}");
+        assert!(counter(&stats, "bytes_down", "userspace") == 0, "{stats}");
+    } else {
+        assert_eq!(counter(&stats, "bytes_down", "kernel"), 0, "{stats}");
+    }
+    let mut server = w.server;
+    server.terminate();
+    assert!(server.wait_exit(Duration::from_secs(20)).is_some());
+    assert!(
+        !std::path::Path::new(&pins).exists(),
+        "pinned maps left behind after shutdown"
+    );
+}
+
+fn stats_json(pins: &str) -> String {
+    let out =
+        webship_tests::server::webship(&["stats", "--json", "--pin-dir", pins], std::path::Path::new("/"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `counters.<name>.<part>` from `webship stats --json`.
+fn counter(json: &str, name: &str, part: &str) -> u64 {
+    let value: serde_json::Value = serde_json::from_str(json).unwrap();
+    value["counters"][name][part].as_u64().unwrap()
 }
 
 #[test]

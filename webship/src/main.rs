@@ -13,7 +13,7 @@ use webship::{preflight, server, tls};
 #[command(
     name = "webship",
     version,
-    about = "Streams large payloads over HTTP/1.1 and HTTP/2 with TLS"
+    about = "Streams large payloads over HTTP/1.1, HTTP/2 and HTTP/3 with TLS"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -38,6 +38,19 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
+    /// Print the passthrough counters of the running daemon (kernel and userspace),
+    /// read from its pinned bpf maps.
+    Stats {
+        /// Read the pin folder from this configuration (`[kernel] bpf_pin_dir`).
+        #[arg(long, short, conflicts_with = "pin_dir")]
+        config: Option<PathBuf>,
+        /// The pin folder [default: /sys/fs/bpf/webship].
+        #[arg(long)]
+        pin_dir: Option<PathBuf>,
+        /// One JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -47,6 +60,11 @@ fn main() -> ExitCode {
         Command::Serve { config } => serve(config.as_deref()),
         Command::Check { config } => check(&config),
         Command::Preflight { config } => run_preflight(config.as_deref()),
+        Command::Stats {
+            config,
+            pin_dir,
+            json,
+        } => stats(config.as_deref(), pin_dir, json),
     };
     match result {
         Ok(code) => code,
@@ -79,7 +97,7 @@ fn load(path: Option<&Path>) -> anyhow::Result<Config> {
 
 fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
     let config = load(path)?;
-    let report = preflight::run(&config.kernel);
+    let report = preflight::run(&config.kernel, !config.passthrough.is_empty());
     let missing = report.missing_required();
     if !missing.is_empty() {
         for finding in missing {
@@ -87,7 +105,7 @@ fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
         }
         anyhow::bail!("required kernel features are missing; nothing was bound (see `webship preflight`)");
     }
-    for finding in [&report.ktls, &report.bbr] {
+    for finding in [&report.ktls, &report.bbr, &report.ebpf] {
         tracing::info!("preflight: {finding}");
     }
     if path.is_none() {
@@ -141,17 +159,93 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
     for site in &config.sites {
         println!("  site     {} → {} [{}]", site.domain, site.serve, site.protocols);
     }
-    println!("  kernel   ktls={} bbr={}", config.kernel.ktls, config.kernel.bbr);
+    println!(
+        "  kernel   ktls={} bbr={} ebpf={}",
+        config.kernel.ktls, config.kernel.bbr, config.kernel.ebpf
+    );
+    for route in &config.passthrough {
+        let upstreams: Vec<String> = route.upstreams.iter().map(ToString::to_string).collect();
+        println!(
+            "  pass     {} → {} [engine {}]",
+            route.domain,
+            upstreams.join(", "),
+            config.passthrough_engine
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 
 fn run_preflight(path: Option<&Path>) -> anyhow::Result<ExitCode> {
     let config = load(path)?;
-    let report = preflight::run(&config.kernel);
+    // Everything not `off`, whether or not this configuration would use it.
+    let report = preflight::run(&config.kernel, true);
     println!("{report}");
     Ok(if report.missing_required().is_empty() {
         ExitCode::SUCCESS
     } else {
         ExitCode::FAILURE
     })
+}
+
+fn stats(config: Option<&Path>, pin_dir: Option<PathBuf>, json: bool) -> anyhow::Result<ExitCode> {
+    use webship::ebpf::{self, Counter};
+
+    let dir = match (config, pin_dir) {
+        (Some(path), _) => config::load(path)?.kernel.bpf_pin_dir,
+        (None, Some(dir)) => dir,
+        (None, None) => PathBuf::from(ebpf::DEFAULT_PIN_DIR),
+    };
+    let snapshot = ebpf::read_pinned(&dir)?;
+    if json {
+        let fields: Vec<String> = Counter::ALL
+            .iter()
+            .map(|&c| {
+                let i = c as usize;
+                format!(
+                    "\"{}\":{{\"kernel\":{},\"userspace\":{},\"total\":{}}}",
+                    c.name(),
+                    snapshot.kernel[i],
+                    snapshot.user[i],
+                    snapshot.total(c)
+                )
+            })
+            .collect();
+        println!(
+            "{{\"pin_dir\":{},\"counters\":{{{}}}}}",
+            json_string(&dir.display().to_string()),
+            fields.join(",")
+        );
+    } else {
+        println!("passthrough counters (pinned under {})", dir.display());
+        println!(
+            "{:<22} {:>16} {:>16} {:>16}",
+            "counter", "kernel", "userspace", "total"
+        );
+        for c in Counter::ALL {
+            let i = c as usize;
+            println!(
+                "{:<22} {:>16} {:>16} {:>16}",
+                c.name(),
+                snapshot.kernel[i],
+                snapshot.user[i],
+                snapshot.total(c)
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for ch in s.chars() {
+        match ch {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }

@@ -52,7 +52,11 @@ pub fn build_ebpf() -> anyhow::Result<PathBuf> {
         std::fs::write(&tmp, &bytes)?;
         std::fs::rename(&tmp, &object)?;
     }
-    eprintln!("xtask: eBPF object at {} ({} bytes)", object.display(), bytes.len());
+    eprintln!(
+        "xtask: eBPF object at {} ({} bytes)",
+        object.display(),
+        bytes.len()
+    );
     Ok(object)
 }
 
@@ -91,7 +95,11 @@ fn install_toolchain() -> anyhow::Result<()> {
         eprintln!("xtask: building bpf-linker {BPF_LINKER} against {LLVM_PREFIX} (a few minutes, once)");
         run(cargo()
             .args(["install", &format!("bpf-linker@{BPF_LINKER}"), "--locked"])
-            .args(["--no-default-features", "--features", &format!("llvm-{LLVM_MAJOR}")])
+            .args([
+                "--no-default-features",
+                "--features",
+                &format!("llvm-{LLVM_MAJOR}"),
+            ])
             .env("LLVM_PREFIX", LLVM_PREFIX))?;
     }
     Ok(())

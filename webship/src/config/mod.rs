@@ -37,6 +37,7 @@ pub struct Config {
     pub proxy_h2: ProxyH2Settings,
     /// Domains whose TLS connections go to upstreams untouched (never decrypted).
     pub passthrough: Vec<PassthroughRoute>,
+    pub passthrough_engine: Engine,
     pub access_log: bool,
 }
 
@@ -215,10 +216,41 @@ impl fmt::Display for Policy {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Kernel {
     pub ktls: Policy,
     pub bbr: Policy,
+    /// eBPF programs (the `sockmap` passthrough engine, kernel counters).
+    pub ebpf: Policy,
+    /// Where the counter maps are pinned for `webship stats`.
+    pub bpf_pin_dir: PathBuf,
+}
+
+/// How passthrough moves bytes between the client and the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Engine {
+    /// The measured best on this kind of host (see `passthrough::AUTO_ENGINE`).
+    #[default]
+    Auto,
+    /// eBPF `sk_skb` redirection between the two sockets: bytes never reach
+    /// userspace.
+    Sockmap,
+    /// `splice(2)` through a pipe: no copy into userspace buffers.
+    Splice,
+    /// Userspace reads and writes with large reused buffers.
+    Copy,
+}
+
+impl fmt::Display for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Sockmap => "sockmap",
+            Self::Splice => "splice",
+            Self::Copy => "copy",
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -427,12 +459,15 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         kernel: Kernel {
             ktls: Policy::Auto,
             bbr: Policy::Auto,
+            ebpf: Policy::Auto,
+            bpf_pin_dir: PathBuf::from(crate::ebpf::DEFAULT_PIN_DIR),
         },
         limits: Limits::default(),
         h2: H2Settings::default(),
         h3: H3Settings::default(),
         proxy_h2: ProxyH2Settings::default(),
         passthrough: Vec::new(),
+        passthrough_engine: Engine::Auto,
         access_log: false,
     })
 }
@@ -574,10 +609,26 @@ impl Validator<'_> {
         }
 
         let kernel = raw.kernel.unwrap_or_default();
-        let kernel = Kernel {
+        let mut kernel = Kernel {
             ktls: kernel.ktls.unwrap_or(Policy::Auto),
             bbr: kernel.bbr.unwrap_or(Policy::Auto),
+            ebpf: kernel.ebpf.unwrap_or(Policy::Auto),
+            bpf_pin_dir: kernel
+                .bpf_pin_dir
+                .unwrap_or_else(|| PathBuf::from(crate::ebpf::DEFAULT_PIN_DIR)),
         };
+        if !kernel.bpf_pin_dir.is_absolute() {
+            self.problem(
+                "kernel.bpf_pin_dir",
+                format!("`{}` is not an absolute path", kernel.bpf_pin_dir.display()),
+                "use a folder under the BPF filesystem, such as \"/sys/fs/bpf/webship\"",
+            );
+        }
+        let passthrough_engine = self.passthrough_engine(&raw.reverse_proxy, &kernel);
+        if passthrough_engine == Engine::Sockmap && kernel.ebpf == Policy::Auto {
+            // Asking for the eBPF engine by name is asking for eBPF.
+            kernel.ebpf = Policy::Required;
+        }
         let limits = self.limits(raw.limits.unwrap_or_default());
         let settings = raw.runtime.unwrap_or_default().settings;
         let (h2, h3, proxy_h2) = self.settings(&settings);
@@ -594,6 +645,7 @@ impl Validator<'_> {
                 h3,
                 proxy_h2,
                 passthrough,
+                passthrough_engine,
                 access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
             })
         } else {
@@ -692,6 +744,30 @@ impl Validator<'_> {
             });
         }
         Vec::new()
+    }
+
+    fn passthrough_engine(&mut self, raw: &Option<raw::RawReverseProxy>, kernel: &Kernel) -> Engine {
+        let Some(raw) = raw else {
+            return Engine::Auto;
+        };
+        let Some(engine) = raw.passthrough_engine else {
+            return Engine::Auto;
+        };
+        if raw.tls_termination != Some(false) {
+            self.problem(
+                "reverse_proxy.passthrough_engine",
+                "only TLS passthrough splices connections",
+                "remove `passthrough_engine`, or set `tls_termination = false`",
+            );
+        }
+        if engine == Engine::Sockmap && kernel.ebpf == Policy::Off {
+            self.problem(
+                "reverse_proxy.passthrough_engine",
+                "the `sockmap` engine is eBPF, which `[kernel] ebpf = \"off\"` forbids",
+                "set `[kernel] ebpf = \"auto\"` or `\"required\"`, or choose `splice` or `copy`",
+            );
+        }
+        engine
     }
 
     /// `tls_termination = false`: routes by SNI only; nothing about HTTP applies.

@@ -30,8 +30,9 @@ pub(super) struct RawReverseProxy {
     pub tls_termination: Option<bool>,
     pub protocols: Option<RawProtocols>,
     pub tls: Option<RawTls>,
-    /// Reserved for passthrough's shared QUIC origin.
+    /// Passthrough's shared QUIC origin.
     pub udp_upstream: Option<String>,
+    pub passthrough_engine: Option<super::Engine>,
     #[serde(default)]
     pub routes: Vec<RawRoute>,
 }
@@ -92,6 +93,8 @@ pub(super) struct RawTls {
 pub(super) struct RawKernel {
     pub ktls: Option<super::Policy>,
     pub bbr: Option<super::Policy>,
+    pub ebpf: Option<super::Policy>,
+    pub bpf_pin_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]

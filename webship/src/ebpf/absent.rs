@@ -47,6 +47,10 @@ impl Programs {
 pub enum SocketLink {}
 
 impl SocketLink {
+    pub fn open_client(&self) -> io::Result<()> {
+        match *self {}
+    }
+
     pub fn redirected(&self) -> (u64, u64) {
         match *self {}
     }

@@ -42,7 +42,9 @@ pub struct Programs {
 
 impl std::fmt::Debug for Programs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Programs").field("pin_dir", &self.pin_dir).finish_non_exhaustive()
+        f.debug_struct("Programs")
+            .field("pin_dir", &self.pin_dir)
+            .finish_non_exhaustive()
     }
 }
 
@@ -91,10 +93,16 @@ impl Programs {
         }))
     }
 
-    /// Links a client socket and its upstream: from now on the kernel moves every
-    /// byte either one receives to the other. Bytes queued before this call stay in
-    /// the sockets (the kernel only redirects what arrives later).
-    pub fn link(self: &Arc<Self>, client: BorrowedFd<'_>, upstream: BorrowedFd<'_>) -> io::Result<SocketLink> {
+    /// Links a client socket and its upstream, half-way: from now on the kernel
+    /// moves every byte the upstream receives to the client, while the client's own
+    /// bytes stay in its socket until [`SocketLink::open_client`] (so the daemon can
+    /// first forward the ClientHello it peeked, in order). Bytes queued before
+    /// linking stay in the sockets: the kernel only redirects what arrives later.
+    pub fn link(
+        self: &Arc<Self>,
+        client: BorrowedFd<'_>,
+        upstream: BorrowedFd<'_>,
+    ) -> io::Result<SocketLink> {
         let c = rustix::net::sockopt::socket_cookie(client)?;
         let u = rustix::net::sockopt::socket_cookie(upstream)?;
         let link = SocketLink {
@@ -102,23 +110,16 @@ impl Programs {
             client: c,
             upstream: u,
         };
-        {
-            let mut links = lock(&self.links);
-            let up = Link {
-                peer: u,
-                direction: DIRECTION_UP,
-                ..Link::default()
-            };
-            let down = Link {
-                peer: c,
-                direction: DIRECTION_DOWN,
-                ..Link::default()
-            };
-            links.insert(c, up, 0).map_err(io::Error::other)?;
-            links.insert(u, down, 0).map_err(io::Error::other)?;
-        }
+        let down = Link {
+            peer: c,
+            direction: DIRECTION_DOWN,
+            ..Link::default()
+        };
+        lock(&self.links).insert(u, down, 0).map_err(io::Error::other)?;
         let mut socks = lock(&self.socks);
-        socks.insert(u, upstream.as_raw_fd(), 0).map_err(io::Error::other)?;
+        socks
+            .insert(u, upstream.as_raw_fd(), 0)
+            .map_err(io::Error::other)?;
         socks.insert(c, client.as_raw_fd(), 0).map_err(io::Error::other)?;
         drop(socks);
         Ok(link)
@@ -173,6 +174,18 @@ impl std::fmt::Debug for SocketLink {
 }
 
 impl SocketLink {
+    /// Starts redirecting what the client sends to the upstream.
+    pub fn open_client(&self) -> io::Result<()> {
+        let up = Link {
+            peer: self.upstream,
+            direction: DIRECTION_UP,
+            ..Link::default()
+        };
+        lock(&self.programs.links)
+            .insert(self.client, up, 0)
+            .map_err(io::Error::other)
+    }
+
     /// Bytes the kernel moved client → upstream and upstream → client so far.
     pub fn redirected(&self) -> (u64, u64) {
         let links = lock(&self.programs.links);
@@ -283,12 +296,13 @@ fn prepare_pin_dir(dir: &Path) -> Result<(), EbpfError> {
     let root = Path::new("/sys/fs/bpf");
     let is_bpffs = |p: &Path| rustix::fs::statfs(p).is_ok_and(|s| s.f_type == BPF_FS_MAGIC);
     if dir.starts_with(root) && !is_bpffs(root) {
-        rustix::mount::mount("bpf", root, "bpf", rustix::mount::MountFlags::empty(), None)
-            .map_err(|e| EbpfError::Pin {
+        rustix::mount::mount("bpf", root, "bpf", rustix::mount::MountFlags::empty(), None).map_err(|e| {
+            EbpfError::Pin {
                 what: "cannot mount the BPF filesystem on",
                 path: root.to_owned(),
                 source: e.into(),
-            })?;
+            }
+        })?;
         tracing::info!("mounted the BPF filesystem on /sys/fs/bpf");
     }
     std::fs::create_dir_all(dir).map_err(|source| EbpfError::Pin {

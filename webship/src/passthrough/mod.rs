@@ -4,51 +4,53 @@
 //! it, the same bytes are still in the socket for the TLS acceptor of direct and
 //! proxy sites on the shared listener.
 //!
-//! Splicing engine today: `copy` (userspace, two 256 KiB buffers per connection, FIN
-//! forwarded as a half-close). The eBPF sockmap and `splice(2)` engines arrive with
-//! their issue, behind the same interface.
+//! Three engines move the bytes once the upstream is connected, behind one
+//! interface ([`Passthrough::forward`]):
+//! - `copy`: userspace reads and writes with two 256 KiB buffers per connection;
+//! - `splice`: `splice(2)` through a pipe per direction, so payload pages go from
+//!   one socket to the other without a copy into userspace ([`splice`]);
+//! - `sockmap`: the eBPF stream verdict redirects every segment in the kernel, and
+//!   the daemon only watches for the ends ([`sockmap`]).
+//!
+//! Every engine forwards a FIN as a half-close and waits for the other direction,
+//! so an origin that half-closes still gets the client's remaining bytes.
 
 pub mod client_hello;
+mod sockmap;
+mod splice;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpStream;
 
-use crate::config::{Config, DomainPattern, PassthroughRoute};
+use crate::config::{Config, DomainPattern, Engine, PassthroughRoute};
+use crate::ebpf::{Counter, Programs, Values, COUNTERS};
 use client_hello::{Hello, HelloError, MAX_HELLO};
 
 /// Per-direction copy buffer of the `copy` engine.
 const COPY_BUFFER: usize = 256 * 1024;
 
-static STEERED: AtomicU64 = AtomicU64::new(0);
-static BYTES_UP: AtomicU64 = AtomicU64::new(0);
-static BYTES_DOWN: AtomicU64 = AtomicU64::new(0);
-static SNI_MISSES: AtomicU64 = AtomicU64::new(0);
-static BAD_HELLOS: AtomicU64 = AtomicU64::new(0);
-static UPSTREAM_FAILURES: AtomicU64 = AtomicU64::new(0);
+/// What `engine = "auto"` runs, chosen by measurement on this project's reference
+/// host (see docs/benchmarks.md, "Passthrough engines").
+pub const AUTO_ENGINE: Engine = Engine::Splice;
 
-/// Process-wide passthrough counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Counters {
-    pub steered: u64,
-    pub bytes_up: u64,
-    pub bytes_down: u64,
-    pub sni_misses: u64,
-    pub bad_hellos: u64,
-    pub upstream_failures: u64,
+static COUNTS: [AtomicU64; COUNTERS as usize] = [const { AtomicU64::new(0) }; COUNTERS as usize];
+
+fn count(counter: Counter, n: u64) {
+    COUNTS[counter as usize].fetch_add(n, Ordering::Relaxed);
 }
 
-pub fn counters() -> Counters {
-    Counters {
-        steered: STEERED.load(Ordering::Relaxed),
-        bytes_up: BYTES_UP.load(Ordering::Relaxed),
-        bytes_down: BYTES_DOWN.load(Ordering::Relaxed),
-        sni_misses: SNI_MISSES.load(Ordering::Relaxed),
-        bad_hellos: BAD_HELLOS.load(Ordering::Relaxed),
-        upstream_failures: UPSTREAM_FAILURES.load(Ordering::Relaxed),
+/// The daemon's own passthrough counters (userspace engines and decisions; the
+/// sockmap engine's kernel-side bytes are in the eBPF per-CPU map).
+pub fn counters() -> Values {
+    let mut out = [0; COUNTERS as usize];
+    for (slot, count) in out.iter_mut().zip(&COUNTS) {
+        *slot = count.load(Ordering::Relaxed);
     }
+    out
 }
 
 /// What to do with a new connection.
@@ -68,11 +70,17 @@ pub struct Passthrough {
     routes: Vec<(PassthroughRoute, AtomicUsize)>,
     /// Whether direct or proxy sites share the listener (else a miss is closed).
     has_sites: bool,
+    engine: Engine,
+    /// Loaded when the engine is `sockmap`.
+    programs: Option<Arc<Programs>>,
+    /// How long a finished direction may wait for the receiver to take the rest.
+    drain_timeout: Duration,
 }
 
 impl Passthrough {
-    /// `None` when the configuration has no passthrough routes.
-    pub fn new(config: &Config) -> Option<Self> {
+    /// `None` when the configuration has no passthrough routes. `programs` are the
+    /// loaded eBPF programs, if any; `engine` must not be `Auto` (see [`resolve`]).
+    pub fn new(config: &Config, engine: Engine, programs: Option<Arc<Programs>>) -> Option<Self> {
         (!config.passthrough.is_empty()).then(|| Self {
             routes: config
                 .passthrough
@@ -80,7 +88,14 @@ impl Passthrough {
                 .map(|r| (r.clone(), AtomicUsize::new(0)))
                 .collect(),
             has_sites: !config.sites.is_empty(),
+            engine,
+            programs,
+            drain_timeout: config.limits.send_timeout,
         })
+    }
+
+    pub fn engine(&self) -> Engine {
+        self.engine
     }
 
     fn lookup(&self, sni: &str) -> Option<usize> {
@@ -108,13 +123,13 @@ impl Passthrough {
                 Some(route) => Decision::Forward(route),
                 None if self.has_sites => Decision::Terminate,
                 None => {
-                    SNI_MISSES.fetch_add(1, Ordering::Relaxed);
+                    count(Counter::SniMisses, 1);
                     Decision::Close("no passthrough route for this SNI")
                 }
             },
             Ok(Ok(_)) if self.has_sites => Decision::Terminate,
             Ok(Ok(_)) => {
-                SNI_MISSES.fetch_add(1, Ordering::Relaxed);
+                count(Counter::SniMisses, 1);
                 Decision::Close("ClientHello without SNI")
             }
             // The client left before sending anything (a TCP health check): no hello.
@@ -122,7 +137,7 @@ impl Passthrough {
             // Not TLS, or malformed: with sites, rustls gives the precise alert.
             Ok(Err(Some(_))) if self.has_sites => Decision::Terminate,
             Ok(Err(Some(_))) | Err(_) => {
-                BAD_HELLOS.fetch_add(1, Ordering::Relaxed);
+                count(Counter::BadHellos, 1);
                 Decision::Close("malformed, oversized or too slow ClientHello")
             }
         }
@@ -155,8 +170,9 @@ impl Passthrough {
     }
 
     /// Connects to the route's next upstream (round-robin, falling through on
-    /// failure) and copies both ways until both sides are done.
-    pub async fn forward(&self, route: usize, mut client: TcpStream, peer: SocketAddr) {
+    /// failure) and moves bytes both ways with the configured engine until both
+    /// sides are done.
+    pub async fn forward(&self, route: usize, client: TcpStream, peer: SocketAddr) {
         let (r, next) = &self.routes[route];
         let n = r.upstreams.len();
         let start = next.fetch_add(1, Ordering::Relaxed);
@@ -175,19 +191,41 @@ impl Passthrough {
                 Err(_) => tracing::warn!(%peer, upstream = %addr, "passthrough: upstream connect timed out"),
             }
         }
-        let Some((mut tcp, addr)) = upstream else {
-            UPSTREAM_FAILURES.fetch_add(1, Ordering::Relaxed);
+        let Some((tcp, addr)) = upstream else {
+            count(Counter::UpstreamFailures, 1);
             return;
         };
-        STEERED.fetch_add(1, Ordering::Relaxed);
-        tracing::debug!(%peer, upstream = %addr, domain = %r.domain, "passthrough: steered");
-        match tokio::io::copy_bidirectional_with_sizes(&mut client, &mut tcp, COPY_BUFFER, COPY_BUFFER).await
-        {
-            Ok((up, down)) => {
-                BYTES_UP.fetch_add(up, Ordering::Relaxed);
-                BYTES_DOWN.fetch_add(down, Ordering::Relaxed);
+        count(Counter::Steered, 1);
+        tracing::debug!(%peer, upstream = %addr, domain = %r.domain, engine = %self.engine, "passthrough: steered");
+        let result = match (self.engine, &self.programs) {
+            (Engine::Sockmap, Some(programs)) => {
+                sockmap::run(programs, client, tcp, self.drain_timeout).await
             }
-            Err(e) => tracing::debug!(%peer, upstream = %addr, error = %e, "passthrough: connection ended"),
+            (Engine::Splice, _) => splice::run(client, tcp).await,
+            _ => copy(client, tcp).await,
+        };
+        if let Err(e) = result {
+            tracing::debug!(%peer, upstream = %addr, error = %e, "passthrough: connection ended");
         }
+    }
+}
+
+/// The `copy` engine.
+async fn copy(mut client: TcpStream, mut upstream: TcpStream) -> std::io::Result<()> {
+    let (up, down) =
+        tokio::io::copy_bidirectional_with_sizes(&mut client, &mut upstream, COPY_BUFFER, COPY_BUFFER)
+            .await?;
+    count(Counter::BytesUp, up);
+    count(Counter::BytesDown, down);
+    Ok(())
+}
+
+/// The engine to run for `configured`: `auto` becomes [`AUTO_ENGINE`] when that
+/// engine can run here, else the best userspace one.
+pub fn resolve(configured: Engine, ebpf_usable: bool) -> Engine {
+    match configured {
+        Engine::Auto if AUTO_ENGINE == Engine::Sockmap && !ebpf_usable => Engine::Splice,
+        Engine::Auto => AUTO_ENGINE,
+        other => other,
     }
 }

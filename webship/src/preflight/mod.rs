@@ -16,6 +16,7 @@ use crate::sys::{self, KtlsCipher, KtlsVersion};
 pub struct Report {
     pub ktls: Finding,
     pub bbr: Finding,
+    pub ebpf: Finding,
     /// Suites whose TX and RX keys the kernel accepted; empty unless kTLS is usable.
     pub ktls_suites: Vec<(KtlsVersion, KtlsCipher)>,
 }
@@ -31,9 +32,14 @@ impl Report {
         self.ktls.policy != Policy::Off && self.ktls.available()
     }
 
+    /// Whether the eBPF programs should be loaded.
+    pub fn use_ebpf(&self) -> bool {
+        self.ebpf.policy != Policy::Off && self.ebpf.available()
+    }
+
     /// The features that are required but missing.
     pub fn missing_required(&self) -> Vec<&Finding> {
-        [&self.ktls, &self.bbr]
+        [&self.ktls, &self.bbr, &self.ebpf]
             .into_iter()
             .filter(|f| f.policy == Policy::Required && !f.available())
             .collect()
@@ -41,14 +47,20 @@ impl Report {
 
     /// One line for the start-up log.
     pub fn summary(&self) -> String {
-        format!("ktls={} bbr={}", self.ktls.short(), self.bbr.short())
+        format!(
+            "ktls={} bbr={} ebpf={}",
+            self.ktls.short(),
+            self.bbr.short(),
+            self.ebpf.short()
+        )
     }
 }
 
 impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{}", self.ktls)?;
-        write!(f, "{}", self.bbr)
+        writeln!(f, "{}", self.bbr)?;
+        write!(f, "{}", self.ebpf)
     }
 }
 
@@ -96,8 +108,10 @@ impl fmt::Display for Finding {
 }
 
 /// Probes what `kernel` asks for. Never binds a public port: probes use an ephemeral
-/// loopback pair that is closed before this returns.
-pub fn run(kernel: &Kernel) -> Report {
+/// loopback pair that is closed before this returns. eBPF is probed when it is
+/// required, or when it is `auto` and something would use it (`wants_ebpf`:
+/// passthrough routes).
+pub fn run(kernel: &Kernel, wants_ebpf: bool) -> Report {
     let (ktls, ktls_suites) = if kernel.ktls == Policy::Off {
         (Outcome::NotProbed, Vec::new())
     } else {
@@ -119,6 +133,39 @@ pub fn run(kernel: &Kernel) -> Report {
                 probe_bbr()
             },
         },
+        ebpf: Finding {
+            feature: "ebpf",
+            policy: kernel.ebpf,
+            outcome: match kernel.ebpf {
+                Policy::Required => probe_ebpf(),
+                Policy::Auto if wants_ebpf => probe_ebpf(),
+                _ => Outcome::NotProbed,
+            },
+        },
+    }
+}
+
+/// Loads the embedded programs, attaches the verdict program to a SOCKHASH and
+/// inserts a loopback socket: exactly what the `sockmap` engine does later.
+fn probe_ebpf() -> Outcome {
+    match crate::ebpf::probe() {
+        Ok(detail) => Outcome::Available { detail },
+        Err(e) => {
+            let fix = match e {
+                crate::ebpf::EbpfError::NotBuilt => {
+                    "build with `cargo xtask build-ebpf` before the daemon (or `cargo xtask run`), \
+                     or set `[kernel] ebpf = \"off\"`"
+                }
+                _ => {
+                    "run as root (CAP_BPF and CAP_NET_ADMIN) on a kernel with BPF sockmap support \
+                      (CONFIG_BPF_SYSCALL, CONFIG_BPF_STREAM_PARSER), or set `[kernel] ebpf = \"off\"`"
+                }
+            };
+            Outcome::Missing {
+                reason: e.to_string(),
+                fix: fix.into(),
+            }
+        }
     }
 }
 

@@ -29,6 +29,8 @@ pub enum ServerError {
     H3(#[from] crate::h3::H3Error),
     #[error(transparent)]
     Proxy(#[from] crate::proxy::ProxyError),
+    #[error("eBPF is required but could not be loaded: {0}")]
+    Ebpf(#[from] crate::ebpf::EbpfError),
     #[error(
         "cannot listen on {addr}: {source} (fix: choose a free port, or run with the privilege to bind it)"
     )]
@@ -66,7 +68,13 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     let acceptor = Arc::new(Acceptor::build(&config)?);
     let service = Arc::new(Service::new(&config)?);
-    let passthrough = Passthrough::new(&config).map(Arc::new);
+    let programs = load_programs(&config, &report)?;
+    let engine = crate::passthrough::resolve(config.passthrough_engine, programs.is_some());
+    let passthrough = Passthrough::new(&config, engine, programs.clone()).map(Arc::new);
+    if let Some(pt) = &passthrough {
+        tracing::info!(engine = %pt.engine(), configured = %config.passthrough_engine, "passthrough engine");
+    }
+    let publisher = programs.clone().map(|p| tokio::spawn(publish_counters(p)));
     let listener = listener::bind(config.listen).map_err(|source| ServerError::Bind {
         addr: config.listen,
         source,
@@ -151,18 +159,27 @@ pub async fn run(
     if let Some(task) = h3_task {
         task.abort();
     }
-    if passthrough.is_some() {
-        let c = crate::passthrough::counters();
-        tracing::info!(
-            steered = c.steered,
-            bytes_up = c.bytes_up,
-            bytes_down = c.bytes_down,
-            sni_misses = c.sni_misses,
-            bad_hellos = c.bad_hellos,
-            upstream_failures = c.upstream_failures,
-            "passthrough counters"
-        );
+    if let Some(task) = publisher {
+        task.abort();
     }
+    if passthrough.is_some() {
+        let user = crate::passthrough::counters();
+        let kernel = programs.as_ref().map(|p| p.kernel_counters());
+        if let Some(p) = &programs {
+            p.publish(&user);
+        }
+        let line: Vec<String> = crate::ebpf::Counter::ALL
+            .iter()
+            .map(|&c| {
+                let k = kernel.map_or(0, |k| k[c as usize]);
+                format!("{}={}", c.name(), user[c as usize] + k)
+            })
+            .collect();
+        tracing::info!("passthrough counters: {}", line.join(" "));
+    }
+    // The last reference: detaches the programs and removes the pinned maps.
+    drop(passthrough);
+    drop(programs);
     if ktls.is_some() {
         let c = crate::ktls::counters();
         tracing::info!(
@@ -173,6 +190,39 @@ pub async fn run(
         );
     }
     Ok(())
+}
+
+/// Loads the eBPF programs when passthrough would use them and preflight found
+/// eBPF usable. A `required` eBPF that fails to load stops startup; `auto` logs why
+/// and carries on with a userspace engine.
+fn load_programs(
+    config: &Config,
+    report: &Report,
+) -> Result<Option<Arc<crate::ebpf::Programs>>, ServerError> {
+    if config.passthrough.is_empty() || !report.use_ebpf() {
+        return Ok(None);
+    }
+    match crate::ebpf::Programs::load(&config.kernel.bpf_pin_dir) {
+        Ok(programs) => {
+            tracing::info!(pins = %config.kernel.bpf_pin_dir.display(), "eBPF programs loaded; counters pinned for `webship stats`");
+            Ok(Some(programs))
+        }
+        Err(e) if config.kernel.ebpf == crate::config::Policy::Required => Err(e.into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "eBPF not used: passthrough runs a userspace engine");
+            Ok(None)
+        }
+    }
+}
+
+/// Mirrors the daemon's passthrough counters into the pinned map twice a second.
+async fn publish_counters(programs: Arc<crate::ebpf::Programs>) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        programs.publish(&crate::passthrough::counters());
+    }
 }
 
 async fn connection(

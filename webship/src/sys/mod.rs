@@ -35,6 +35,53 @@ pub fn set_congestion<S: std::os::fd::AsFd>(sock: &S, name: &str) -> io::Result<
     }
 }
 
+/// Cumulative byte counts of one TCP connection, from `TCP_INFO`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TcpBytes {
+    /// Bytes this side sent that the peer acknowledged (`tcpi_bytes_acked`).
+    pub acked: u64,
+    /// Sequence space received from the peer (`tcpi_bytes_received`; a FIN counts one).
+    pub received: u64,
+}
+
+/// Reads [`TcpBytes`] of a connected TCP socket.
+pub fn tcp_bytes<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<TcpBytes> {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: `tcp_info` is plain old data, so all-zeroes is a valid value.
+        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+        // SAFETY: `info` is writable for `len` bytes, and the kernel writes at most
+        // `len` bytes and updates `len`; the fd is borrowed for the call.
+        let rc = unsafe {
+            libc::getsockopt(
+                sock.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                std::ptr::from_mut(&mut info).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // Both fields exist since Linux 4.1 / 4.2; an older kernel writes fewer bytes.
+        let needed = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_received) + 8;
+        if (len as usize) < needed {
+            return Err(io::ErrorKind::Unsupported.into());
+        }
+        Ok(TcpBytes {
+            acked: info.tcpi_bytes_acked,
+            received: info.tcpi_bytes_received,
+        })
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = sock;
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
 /// Reads back the congestion-control algorithm of one TCP socket.
 pub fn congestion<S: std::os::fd::AsFd>(sock: &S) -> io::Result<String> {
     #[cfg(target_os = "linux")]

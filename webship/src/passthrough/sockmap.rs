@@ -1,0 +1,213 @@
+//! The `sockmap` engine: the eBPF stream verdict (webship-ebpf) redirects every
+//! segment one socket receives to the other's transmit queue, so payload never
+//! reaches userspace. The daemon sets the link up and watches for the ends.
+//!
+//! Three kernel behaviours shape it (measured on Linux 6.x):
+//! - bytes already queued when a socket is linked are not redirected: the peeked
+//!   ClientHello is read and written to the upstream from userspace, before the
+//!   client's direction is opened (the upstream's is open first, so its reply can
+//!   never be left behind);
+//! - a FIN does not travel through the redirect: when one side's read half closes,
+//!   the daemon waits until everything that side received was redirected *and*
+//!   acknowledged by the other side's peer (`TCP_INFO` byte counts), then
+//!   half-closes the other side itself;
+//! - map entries outlive nothing: the link is removed when the connection ends,
+//!   whichever way it ends.
+//!
+//! A segment the program leaves in a socket (none are expected once both
+//! directions are open) is read and forwarded from userspace, so no byte is lost.
+
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::net::TcpStream;
+
+use super::{count, Counter};
+use crate::ebpf::{Programs, SocketLink};
+use crate::sys::{self, TcpBytes};
+
+/// Userspace read size for the rare bytes the kernel did not redirect.
+const FALLBACK_BUFFER: usize = 64 * 1024;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    Up,
+    Down,
+}
+
+pub(super) async fn run(
+    programs: &Arc<Programs>,
+    client: TcpStream,
+    upstream: TcpStream,
+    drain_timeout: Duration,
+) -> io::Result<()> {
+    use std::os::fd::AsFd;
+
+    // Baselines first: every byte counted after them is the link's to deliver.
+    let base_client = Baseline::take(&client)?;
+    let base_upstream = Baseline::take(&upstream)?;
+    let link = programs.link(client.as_fd(), upstream.as_fd())?;
+    // The ClientHello (and anything queued behind it) goes first, from userspace.
+    let mut buf = vec![0u8; FALLBACK_BUFFER];
+    let mut hello = 0u64;
+    loop {
+        match client.try_read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                write_all(&upstream, &buf[..n]).await?;
+                hello += n as u64;
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        }
+    }
+    link.open_client()?;
+    count(Counter::BytesUp, hello);
+    let up = Watch {
+        link: &link,
+        direction: Direction::Up,
+        from: &client,
+        to: &upstream,
+        base_from: base_client,
+        base_to: base_upstream,
+        userspace: hello,
+        drain_timeout,
+    };
+    let down = Watch {
+        link: &link,
+        direction: Direction::Down,
+        from: &upstream,
+        to: &client,
+        base_from: base_upstream,
+        base_to: base_client,
+        userspace: 0,
+        drain_timeout,
+    };
+    let result = tokio::try_join!(up.run(), down.run()).map(drop);
+    let (redirected_up, redirected_down) = link.redirected();
+    tracing::trace!(redirected_up, redirected_down, "sockmap: connection done");
+    result
+}
+
+/// A socket's counters when the link was made.
+#[derive(Clone, Copy)]
+struct Baseline {
+    tcp: TcpBytes,
+    /// Bytes already waiting in its receive queue (received before the baseline).
+    queued: u64,
+}
+
+impl Baseline {
+    fn take(sock: &TcpStream) -> io::Result<Self> {
+        Ok(Self {
+            tcp: sys::tcp_bytes(sock)?,
+            queued: rustix::io::ioctl_fionread(sock)?,
+        })
+    }
+}
+
+/// One direction: bytes `from` receives go to `to`.
+struct Watch<'a> {
+    link: &'a SocketLink,
+    direction: Direction,
+    from: &'a TcpStream,
+    to: &'a TcpStream,
+    base_from: Baseline,
+    base_to: Baseline,
+    /// Bytes of this direction forwarded from userspace.
+    userspace: u64,
+    drain_timeout: Duration,
+}
+
+impl Watch<'_> {
+    async fn run(mut self) -> io::Result<()> {
+        let mut buf = Vec::new();
+        loop {
+            self.from.readable().await?;
+            if buf.is_empty() {
+                buf.resize(FALLBACK_BUFFER, 0);
+            }
+            match self.from.try_read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    // Left in the socket by the program: forward it ourselves.
+                    write_all(self.to, &buf[..n]).await?;
+                    self.userspace += n as u64;
+                    count(self.counter(), n as u64);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        self.delivered().await?;
+        let _ = rustix::net::shutdown(self.to, rustix::net::Shutdown::Write);
+        Ok(())
+    }
+
+    fn counter(&self) -> Counter {
+        match self.direction {
+            Direction::Up => Counter::BytesUp,
+            Direction::Down => Counter::BytesDown,
+        }
+    }
+
+    fn redirected(&self) -> u64 {
+        let (up, down) = self.link.redirected();
+        match self.direction {
+            Direction::Up => up,
+            Direction::Down => down,
+        }
+    }
+
+    /// Waits until `from`'s FIN is the only thing it received that was not passed
+    /// on, and `to`'s peer acknowledged all of it. Gives up after `drain_timeout`
+    /// without progress.
+    async fn delivered(&self) -> io::Result<()> {
+        let mut pause = Duration::from_micros(200);
+        let mut last_acked = 0;
+        let mut deadline = Instant::now() + self.drain_timeout;
+        // Bounded by the deadline, which only moves on acknowledged progress.
+        loop {
+            let redirected = self.redirected();
+            let received = sys::tcp_bytes(self.from)?
+                .received
+                .saturating_sub(self.base_from.tcp.received);
+            let acked = sys::tcp_bytes(self.to)?
+                .acked
+                .saturating_sub(self.base_to.tcp.acked);
+            // What we read ourselves includes the bytes queued before the baseline.
+            let passed_on = redirected + self.userspace.saturating_sub(self.base_from.queued);
+            if passed_on + 1 >= received && acked >= redirected + self.userspace {
+                return Ok(());
+            }
+            if acked > last_acked {
+                last_acked = acked;
+                deadline = Instant::now() + self.drain_timeout;
+            } else if Instant::now() >= deadline {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!(
+                        "receiver stalled: {acked} of {} bytes acknowledged",
+                        redirected + self.userspace
+                    ),
+                ));
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+}
+
+async fn write_all(sock: &TcpStream, mut data: &[u8]) -> io::Result<()> {
+    while !data.is_empty() {
+        sock.writable().await?;
+        match sock.try_write(data) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => data = &data[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
