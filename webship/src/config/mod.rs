@@ -38,6 +38,8 @@ pub struct Config {
     /// Domains whose TLS connections go to upstreams untouched (never decrypted).
     pub passthrough: Vec<PassthroughRoute>,
     pub passthrough_engine: Engine,
+    /// HTTP/3 passthrough: every QUIC datagram on the listen port goes to this origin.
+    pub passthrough_udp: Option<UdpPassthrough>,
     pub access_log: bool,
 }
 
@@ -47,6 +49,14 @@ pub struct PassthroughRoute {
     pub domain: DomainPattern,
     pub upstreams: Vec<SocketAddr>,
     pub connect_timeout: Duration,
+}
+
+/// The shared QUIC origin of HTTP/3 passthrough.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UdpPassthrough {
+    pub upstream: SocketAddr,
+    /// A client flow with no datagram either way for this long is forgotten.
+    pub flow_idle: Duration,
 }
 
 impl Config {
@@ -468,6 +478,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         proxy_h2: ProxyH2Settings::default(),
         passthrough: Vec::new(),
         passthrough_engine: Engine::Auto,
+        passthrough_udp: None,
         access_log: false,
     })
 }
@@ -577,9 +588,9 @@ impl Validator<'_> {
                 });
             }
         }
-        let passthrough = match &raw.reverse_proxy {
+        let (passthrough, passthrough_udp) = match &raw.reverse_proxy {
             Some(proxy) => self.reverse_proxy(proxy, &mut sites, &mut seen),
-            None => Vec::new(),
+            None => (Vec::new(), None),
         };
         if let Some(root) = top_root {
             let tls = match top_tls {
@@ -633,6 +644,13 @@ impl Validator<'_> {
         let settings = raw.runtime.unwrap_or_default().settings;
         let (h2, h3, proxy_h2) = self.settings(&settings);
 
+        if passthrough_udp.is_some() && sites.iter().any(|s| s.protocols.h3) {
+            self.problem(
+                "reverse_proxy.udp_upstream",
+                "HTTP/3 passthrough takes every datagram on the listen port, so no site can serve h3 there too",
+                "set `h3 = false` in the protocols of the sites (or of the top level)",
+            );
+        }
         if self.problems.is_empty() {
             Ok(Config {
                 source: source.to_owned(),
@@ -646,6 +664,7 @@ impl Validator<'_> {
                 proxy_h2,
                 passthrough,
                 passthrough_engine,
+                passthrough_udp,
                 access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
             })
         } else {
@@ -663,9 +682,9 @@ impl Validator<'_> {
         raw: &raw::RawReverseProxy,
         sites: &mut Vec<Site>,
         seen: &mut BTreeMap<String, usize>,
-    ) -> Vec<PassthroughRoute> {
+    ) -> (Vec<PassthroughRoute>, Option<UdpPassthrough>) {
         if raw.enabled == Some(false) {
-            return Vec::new();
+            return (Vec::new(), None);
         }
         if raw.tls_termination == Some(false) {
             return self.passthrough(raw, seen);
@@ -731,7 +750,7 @@ impl Validator<'_> {
             entry.1.push(route);
         }
         let Some(tls) = tls else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
         for (name, (domain, mut routes)) in by_domain {
             routes.sort_by_key(|r| std::cmp::Reverse(r.path_prefix.len()));
@@ -743,7 +762,7 @@ impl Validator<'_> {
                 tls: tls.clone(),
             });
         }
-        Vec::new()
+        (Vec::new(), None)
     }
 
     fn passthrough_engine(&mut self, raw: &Option<raw::RawReverseProxy>, kernel: &Kernel) -> Engine {
@@ -775,7 +794,7 @@ impl Validator<'_> {
         &mut self,
         raw: &raw::RawReverseProxy,
         seen: &mut BTreeMap<String, usize>,
-    ) -> Vec<PassthroughRoute> {
+    ) -> (Vec<PassthroughRoute>, Option<UdpPassthrough>) {
         if raw.tls.is_some() {
             self.problem(
                 "reverse_proxy.tls",
@@ -784,11 +803,44 @@ impl Validator<'_> {
             );
         }
         let protocols = self.protocols("reverse_proxy.protocols", raw.protocols);
-        if protocols.h3 || raw.udp_upstream.is_some() {
+        let udp = match (&raw.udp_upstream, protocols.h3) {
+            (Some(addr), true) => match addr.parse::<SocketAddr>() {
+                Ok(upstream) if upstream.port() != 0 => Some(UdpPassthrough {
+                    upstream,
+                    flow_idle: Duration::from_secs(raw.udp_flow_idle_secs.unwrap_or(30).max(1)),
+                }),
+                _ => {
+                    self.problem(
+                        "reverse_proxy.udp_upstream",
+                        format!("`{addr}` is not an IP address with a port"),
+                        "write it as \"10.0.0.20:443\" or \"[::1]:443\"",
+                    );
+                    None
+                }
+            },
+            (None, true) => {
+                self.problem(
+                    "reverse_proxy.udp_upstream",
+                    "HTTP/3 passthrough needs the QUIC origin every datagram goes to",
+                    "add `udp_upstream = \"host:port\"` to [reverse_proxy], or set `h3 = false` in its protocols",
+                );
+                None
+            }
+            (Some(_), false) => {
+                self.problem(
+                    "reverse_proxy.udp_upstream",
+                    "set, but HTTP/3 passthrough is off",
+                    "set `h3 = true` in [reverse_proxy.protocols], or remove `udp_upstream`",
+                );
+                None
+            }
+            (None, false) => None,
+        };
+        if raw.udp_flow_idle_secs.is_some() && raw.udp_upstream.is_none() {
             self.problem(
-                "reverse_proxy.protocols.h3",
-                "HTTP/3 passthrough (a shared `udp_upstream`) is not available in this build yet",
-                "set `h3 = false` in [reverse_proxy.protocols] and remove `udp_upstream`",
+                "reverse_proxy.udp_flow_idle_secs",
+                "applies to HTTP/3 passthrough, which is not configured",
+                "remove it, or add `udp_upstream`",
             );
         }
         if raw.routes.is_empty() {
@@ -852,7 +904,7 @@ impl Validator<'_> {
                 connect_timeout: Duration::from_millis(r.connect_timeout_ms.unwrap_or(3_000).max(1)),
             });
         }
-        out
+        (out, udp)
     }
 
     fn route(&mut self, key: &str, r: &raw::RawRoute) -> Option<Route> {

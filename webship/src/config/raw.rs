@@ -33,6 +33,7 @@ pub(super) struct RawReverseProxy {
     /// Passthrough's shared QUIC origin.
     pub udp_upstream: Option<String>,
     pub passthrough_engine: Option<super::Engine>,
+    pub udp_flow_idle_secs: Option<u64>,
     #[serde(default)]
     pub routes: Vec<RawRoute>,
 }

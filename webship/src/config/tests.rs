@@ -143,7 +143,7 @@ fn protocols_and_reverse_proxy() {
         "{base}[reverse_proxy]\nenabled = true\ntls_termination = false\n"
     ));
     let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
-    assert_eq!(keys, ["reverse_proxy.protocols.h3", "reverse_proxy.routes"]);
+    assert_eq!(keys, ["reverse_proxy.udp_upstream", "reverse_proxy.routes"]);
     assert!(f.parse(base).is_ok());
 }
 
@@ -273,4 +273,48 @@ fn passthrough_routes_by_sni_alone() {
             "reverse_proxy.routes[0].max_body_bytes"
         ]
     );
+}
+
+#[test]
+fn passthrough_engine_ebpf_and_udp_keys() {
+    let f = Files::new();
+    let route = "[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"10.0.0.20:443\"]\n";
+    let pass = |extra: &str, h3: bool| {
+        format!(
+            "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\ntls_termination = false\n{extra}[reverse_proxy.protocols]\nh3 = {h3}\n{route}"
+        )
+    };
+    let config = f
+        .parse(&pass("passthrough_engine = \"sockmap\"\nudp_upstream = \"127.0.0.1:9443\"\n", true))
+        .unwrap();
+    assert_eq!(config.passthrough_engine, Engine::Sockmap);
+    // Naming the eBPF engine makes eBPF required.
+    assert_eq!(config.kernel.ebpf, Policy::Required);
+    let udp = config.passthrough_udp.unwrap();
+    assert_eq!(udp.upstream, "127.0.0.1:9443".parse().unwrap());
+    assert_eq!(udp.flow_idle, Duration::from_secs(30));
+    assert_eq!(f.parse(&pass("", false)).unwrap().passthrough_engine, Engine::Auto);
+
+    let keys = |text: String| -> Vec<String> { f.problems(&text).into_iter().map(|p| p.key).collect() };
+    assert_eq!(keys(pass("", true)), ["reverse_proxy.udp_upstream"]);
+    assert_eq!(keys(pass("udp_upstream = \"127.0.0.1:9443\"\n", false)), ["reverse_proxy.udp_upstream"]);
+    assert_eq!(keys(pass("udp_upstream = \"origin:443\"\n", true)), ["reverse_proxy.udp_upstream"]);
+    assert_eq!(keys(pass("udp_flow_idle_secs = 5\n", false)), ["reverse_proxy.udp_flow_idle_secs"]);
+    match f.parse(&pass("passthrough_engine = \"turbo\"\n", false)) {
+        Err(ConfigError::Parse { message, .. }) => {
+            assert!(message.contains("turbo") && message.contains("sockmap"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        keys(format!("{}[kernel]\nebpf = \"off\"\n", pass("passthrough_engine = \"sockmap\"\n", false))),
+        ["reverse_proxy.passthrough_engine"]
+    );
+    assert_eq!(
+        keys(format!("{}[kernel]\nbpf_pin_dir = \"relative\"\n", pass("", false))),
+        ["kernel.bpf_pin_dir"]
+    );
+    // Termination does not splice.
+    let terminate = "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\npassthrough_engine = \"copy\"\n[reverse_proxy.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"10.0.0.20:80\"]\n";
+    assert_eq!(keys(terminate.into()), ["reverse_proxy.passthrough_engine"]);
 }
