@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use webship_tests::client::{connect, curl, fetch, hex, raw_status, Proto};
+use webship_tests::client::{connect, curl, fetch, fetch_h3, hex, raw_status, Proto};
 use webship_tests::fixture::sha256_file;
 use webship_tests::nginx::Nginx;
 use webship_tests::{fixture, Server, FIXTURE_LEN};
@@ -357,4 +357,118 @@ async fn direct_sites_share_the_listener() {
     .await;
     assert_eq!(got.body, b"origin a");
     assert!(got.header("server").starts_with("nginx"));
+}
+
+/// HTTP/3 through passthrough: the QUIC origin is a second webship serving
+/// `a.pass` directly (with its own certificate); the front only relays datagrams.
+/// The fixture arrives exact with quinn and with aioquic, and the UDP counters
+/// account for the flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h3_through_passthrough_reaches_the_quic_origin() {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("origin");
+    std::fs::create_dir(&origin_root).unwrap();
+    fixture().place(&origin_root, "fixture.bin");
+    let (cert, key) = env.pki.leaf("quic-origin", &["a.pass"]);
+    let origin = Server::start(
+        env.dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n[[sites]]\ndomain = \"a.pass\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            origin_root.display(),
+            cert.display(),
+            key.display()
+        ),
+    );
+    let front = Server::start(
+        env.dir.path(),
+        &format!(
+            r#"listen = "127.0.0.1:{{port}}"
+workers = 2
+[kernel]
+bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
+[reverse_proxy]
+enabled = true
+tls_termination = false
+udp_upstream = "{origin}"
+[reverse_proxy.protocols]
+h1 = true
+h2 = true
+h3 = true
+[[reverse_proxy.routes]]
+domain = "a.pass"
+upstreams = ["{origin}"]
+"#,
+            origin = origin.addr()
+        ),
+    );
+    let got = fetch_h3(
+        front.addr(),
+        "a.pass",
+        env.client(b"h3"),
+        "GET",
+        "/fixture.bin",
+        &[],
+    )
+    .await;
+    assert_eq!(got.status, 200, "{}", front.log());
+    assert_eq!(got.len, FIXTURE_LEN);
+    assert_eq!(hex(&got.sha256), hex(&fixture().sha256));
+
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/h3_fetch.py");
+    let ca = env.pki.ca_file();
+    let out = std::process::Command::new("python3")
+        .args([
+            script,
+            "127.0.0.1",
+            &front.port.to_string(),
+            "a.pass",
+            "/fixture.bin",
+            ca.to_str().unwrap(),
+        ])
+        .output()
+        .expect("python3 with aioquic is required; `cargo xtask test` installs it");
+    assert!(
+        out.status.success(),
+        "aioquic: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    let value: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    assert_eq!(value["status"], 200, "{line}");
+    assert_eq!(value["len"], FIXTURE_LEN, "{line}");
+    assert_eq!(value["sha256"], hex(&fixture().sha256), "{line}");
+
+    // Two client flows, each a real QUIC connection carried whole.
+    let pins = format!("/sys/fs/bpf/webship-e2e-{}", front.port);
+    let mut stats = String::new();
+    let counted = webship_tests::server::eventually(Duration::from_secs(5), || {
+        stats = stats_json(&pins);
+        counter(&stats, "udp_flows", "total") == 2
+    });
+    assert!(counted, "{stats}");
+    assert!(
+        counter(&stats, "bytes_down", "total") > 2 * FIXTURE_LEN,
+        "{stats}"
+    );
+    assert!(
+        counter(&stats, "udp_packets_down", "total") > 2 * FIXTURE_LEN / 1500,
+        "{stats}"
+    );
+    assert!(counter(&stats, "udp_packets_up", "total") > 10, "{stats}");
+    // The TCP side of the same route still works.
+    let got = fetch(
+        Proto::H2,
+        front.addr(),
+        "a.pass",
+        env.client(b"h2"),
+        "GET",
+        "/fixture.bin",
+        &[],
+    )
+    .await;
+    assert_eq!(got.len, FIXTURE_LEN);
+    assert!(
+        got.header("server").starts_with("webship"),
+        "served by the origin"
+    );
 }

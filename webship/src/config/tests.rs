@@ -285,7 +285,10 @@ fn passthrough_engine_ebpf_and_udp_keys() {
         )
     };
     let config = f
-        .parse(&pass("passthrough_engine = \"sockmap\"\nudp_upstream = \"127.0.0.1:9443\"\n", true))
+        .parse(&pass(
+            "passthrough_engine = \"sockmap\"\nudp_upstream = \"127.0.0.1:9443\"\n",
+            true,
+        ))
         .unwrap();
     assert_eq!(config.passthrough_engine, Engine::Sockmap);
     // Naming the eBPF engine makes eBPF required.
@@ -293,25 +296,46 @@ fn passthrough_engine_ebpf_and_udp_keys() {
     let udp = config.passthrough_udp.unwrap();
     assert_eq!(udp.upstream, "127.0.0.1:9443".parse().unwrap());
     assert_eq!(udp.flow_idle, Duration::from_secs(30));
-    assert_eq!(f.parse(&pass("", false)).unwrap().passthrough_engine, Engine::Auto);
+    assert_eq!(
+        f.parse(&pass("", false)).unwrap().passthrough_engine,
+        Engine::Auto
+    );
 
     let keys = |text: String| -> Vec<String> { f.problems(&text).into_iter().map(|p| p.key).collect() };
     assert_eq!(keys(pass("", true)), ["reverse_proxy.udp_upstream"]);
-    assert_eq!(keys(pass("udp_upstream = \"127.0.0.1:9443\"\n", false)), ["reverse_proxy.udp_upstream"]);
-    assert_eq!(keys(pass("udp_upstream = \"origin:443\"\n", true)), ["reverse_proxy.udp_upstream"]);
-    assert_eq!(keys(pass("udp_flow_idle_secs = 5\n", false)), ["reverse_proxy.udp_flow_idle_secs"]);
+    assert_eq!(
+        keys(pass("udp_upstream = \"127.0.0.1:9443\"\n", false)),
+        ["reverse_proxy.udp_upstream"]
+    );
+    assert_eq!(
+        keys(pass("udp_upstream = \"origin:443\"\n", true)),
+        ["reverse_proxy.udp_upstream"]
+    );
+    assert_eq!(
+        keys(pass("udp_flow_idle_secs = 5\n", false)),
+        ["reverse_proxy.udp_flow_idle_secs"]
+    );
     match f.parse(&pass("passthrough_engine = \"turbo\"\n", false)) {
         Err(ConfigError::Parse { message, .. }) => {
-            assert!(message.contains("turbo") && message.contains("sockmap"), "{message}")
+            assert!(
+                message.contains("turbo") && message.contains("sockmap"),
+                "{message}"
+            )
         }
         other => panic!("{other:?}"),
     }
     assert_eq!(
-        keys(format!("{}[kernel]\nebpf = \"off\"\n", pass("passthrough_engine = \"sockmap\"\n", false))),
+        keys(format!(
+            "{}[kernel]\nebpf = \"off\"\n",
+            pass("passthrough_engine = \"sockmap\"\n", false)
+        )),
         ["reverse_proxy.passthrough_engine"]
     );
     assert_eq!(
-        keys(format!("{}[kernel]\nbpf_pin_dir = \"relative\"\n", pass("", false))),
+        keys(format!(
+            "{}[kernel]\nbpf_pin_dir = \"relative\"\n",
+            pass("", false)
+        )),
         ["kernel.bpf_pin_dir"]
     );
     // Termination does not splice.

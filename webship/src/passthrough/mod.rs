@@ -18,6 +18,7 @@
 pub mod client_hello;
 mod sockmap;
 mod splice;
+pub mod udp;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -16,6 +16,7 @@ use crate::config::{Config, TlsSource};
 use crate::h3::{H3Context, H3Endpoint};
 use crate::http::{self, ConnContext};
 use crate::listener;
+use crate::passthrough::udp::UdpRelay;
 use crate::passthrough::{Decision, Passthrough};
 use crate::preflight::Report;
 use crate::service::Service;
@@ -84,6 +85,21 @@ pub async fn run(
         Some(tls) => Some(H3Endpoint::bind(local, tls, &config.h3, &config.limits)?),
         None => None,
     };
+    let udp_relay = match config.passthrough_udp {
+        Some(udp) => Some(
+            UdpRelay::bind(local, udp, config.limits.max_connections)
+                .map_err(|source| ServerError::Bind { addr: local, source })?,
+        ),
+        None => None,
+    };
+    if let (Some(relay), Some(udp)) = (&udp_relay, config.passthrough_udp) {
+        tracing::info!(
+            udp = %relay.local_addr().unwrap_or(local),
+            origin = %udp.upstream,
+            "HTTP/3 passthrough: every datagram goes to the QUIC origin"
+        );
+    }
+    let relay_task = udp_relay.map(|relay| tokio::spawn(relay.run()));
     announce(&config, &report, local, h3.is_some());
 
     let (tx, rx) = watch::channel(false);
@@ -160,6 +176,9 @@ pub async fn run(
         task.abort();
     }
     if let Some(task) = publisher {
+        task.abort();
+    }
+    if let Some(task) = relay_task {
         task.abort();
     }
     if passthrough.is_some() {
