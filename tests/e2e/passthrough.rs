@@ -472,3 +472,196 @@ upstreams = ["{origin}"]
         "served by the origin"
     );
 }
+
+/// A raw TCP origin for one connection: reads exactly `hello_len` bytes, answers
+/// `reply` and half-closes, then reads the client's remaining bytes to EOF and
+/// hands back (hello, tail).
+async fn half_closing_origin(
+    hello_len: usize,
+    reply: Vec<u8>,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<(Vec<u8>, Vec<u8>)>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        let (mut tcp, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+            .await
+            .unwrap()
+            .unwrap();
+        let mut hello = vec![0; hello_len];
+        tcp.read_exact(&mut hello).await.unwrap();
+        tcp.write_all(&reply).await.unwrap();
+        tcp.shutdown().await.unwrap();
+        let mut tail = Vec::new();
+        tokio::time::timeout(Duration::from_secs(20), tcp.read_to_end(&mut tail))
+            .await
+            .unwrap()
+            .unwrap();
+        (hello, tail)
+    });
+    (addr, task)
+}
+
+/// A real rustls ClientHello naming `sni`.
+fn client_hello(env: &Env, sni: &str) -> Vec<u8> {
+    let name = rustls::pki_types::ServerName::try_from(sni.to_owned()).unwrap();
+    let mut conn = rustls::ClientConnection::new(env.client(b"h2"), name).unwrap();
+    let mut hello = Vec::new();
+    conn.write_tls(&mut hello).unwrap();
+    hello
+}
+
+fn passthrough_only(origin: std::net::SocketAddr, engine: &str) -> String {
+    format!(
+        r#"listen = "127.0.0.1:{{port}}"
+workers = 2
+[kernel]
+bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
+[reverse_proxy]
+enabled = true
+tls_termination = false
+passthrough_engine = "{engine}"
+[reverse_proxy.protocols]
+h3 = false
+[[reverse_proxy.routes]]
+domain = "raw.pass"
+upstreams = ["{origin}"]
+"#
+    )
+}
+
+/// Sockets of the front connected to `origin` (its upstream side).
+fn upstream_sockets(origin: std::net::SocketAddr) -> usize {
+    let port_hex = format!(":{:04X}", origin.port());
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .map(|table| {
+            table
+                .lines()
+                .skip(1)
+                .filter(|l| {
+                    let cols: Vec<&str> = l.split_whitespace().collect();
+                    cols.len() > 3 && cols[2].ends_with(&port_hex) && cols[3] == "01"
+                })
+                .count()
+        })
+        .sum()
+}
+
+/// An origin that half-closes after its reply still receives everything the
+/// client sends afterwards, and the client sees the origin's FIN after exactly
+/// the reply: with every engine. Nothing stays open or linked afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_closed_origin_ends_both_sides_cleanly() {
+    let env = Env::new();
+    let hello = client_hello(&env, "raw.pass");
+    let reply = crate::support::pattern(16 << 20);
+    let tail = crate::support::pattern(700_000);
+    for engine in ["sockmap", "splice", "copy"] {
+        let (origin, task) = half_closing_origin(hello.len(), reply.clone()).await;
+        let front = Server::start(env.dir.path(), &passthrough_only(origin, engine));
+        let mut tcp = TcpStream::connect(front.addr()).await.unwrap();
+        tcp.write_all(&hello).await.unwrap();
+        // A slow start: the reply and the origin's FIN pile up inside webship (and
+        // for sockmap, in the kernel's redirect queue) before the client reads.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(20), tcp.read_to_end(&mut got))
+            .await
+            .unwrap_or_else(|_| panic!("{engine}: no FIN after the reply; log:\n{}", front.log()))
+            .unwrap();
+        assert!(
+            got == reply,
+            "{engine}: reply differs ({} of {} bytes)",
+            got.len(),
+            reply.len()
+        );
+        // The client keeps talking after the origin's half-close.
+        tcp.write_all(&tail).await.unwrap();
+        tcp.shutdown().await.unwrap();
+        let (seen_hello, seen_tail) = tokio::time::timeout(Duration::from_secs(20), task)
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{engine}: the origin never saw the client's FIN; log:\n{}",
+                    front.log()
+                )
+            })
+            .unwrap();
+        assert!(seen_hello == hello, "{engine}: hello altered");
+        assert!(
+            seen_tail == tail,
+            "{engine}: tail differs ({} of {} bytes)",
+            seen_tail.len(),
+            tail.len()
+        );
+        drop(tcp);
+        assert_nothing_left(&front, origin, engine);
+    }
+}
+
+/// A client that resets mid-download ends the upstream side too, with every engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_reset_ends_the_upstream_side() {
+    let env = Env::new();
+    let hello = client_hello(&env, "raw.pass");
+    for engine in ["sockmap", "splice", "copy"] {
+        // An origin that keeps sending until the peer goes away.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let origin = listener.local_addr().unwrap();
+        let hello_len = hello.len();
+        let task = tokio::spawn(async move {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            let mut seen = vec![0; hello_len];
+            tcp.read_exact(&mut seen).await.unwrap();
+            let chunk = vec![7u8; 64 * 1024];
+            // Bounded: 64 MiB at most, or until the write fails.
+            for _ in 0..1024 {
+                if tcp.write_all(&chunk).await.is_err() {
+                    return true;
+                }
+            }
+            false
+        });
+        let front = Server::start(env.dir.path(), &passthrough_only(origin, engine));
+        let tcp = TcpStream::connect(front.addr()).await.unwrap();
+        let mut tcp = tcp;
+        tcp.write_all(&hello).await.unwrap();
+        let mut buf = vec![0; 256 * 1024];
+        let mut got = 0;
+        while got < 1 << 20 {
+            got += tcp.read(&mut buf).await.unwrap();
+        }
+        // Reset, not FIN: linger 0 then close with unread data.
+        socket2::SockRef::from(&tcp)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(tcp);
+        let origin_saw_error = tokio::time::timeout(Duration::from_secs(20), task)
+            .await
+            .unwrap_or_else(|_| panic!("{engine}: the origin kept its connection; log:\n{}", front.log()))
+            .unwrap();
+        assert!(
+            origin_saw_error,
+            "{engine}: the origin sent 64 MiB to a reset client"
+        );
+        assert_nothing_left(&front, origin, engine);
+    }
+}
+
+/// No client or upstream socket left open, no sockmap link left behind.
+fn assert_nothing_left(front: &Server, origin: std::net::SocketAddr, engine: &str) {
+    let closed = webship_tests::server::eventually(Duration::from_secs(10), || {
+        front.established() == 0 && upstream_sockets(origin) == 0
+    });
+    assert!(
+        closed,
+        "{engine}: {} client and {} upstream sockets still open; log:\n{}",
+        front.established(),
+        upstream_sockets(origin),
+        front.log()
+    );
+    let stats = stats_json(&format!("/sys/fs/bpf/webship-e2e-{}", front.port));
+    let value: serde_json::Value = serde_json::from_str(&stats).unwrap();
+    assert_eq!(value["linked_sockets"], 0, "{engine}: {stats}");
+}

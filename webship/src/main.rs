@@ -211,12 +211,17 @@ fn stats(config: Option<&Path>, pin_dir: Option<PathBuf>, json: bool) -> anyhow:
             })
             .collect();
         println!(
-            "{{\"pin_dir\":{},\"counters\":{{{}}}}}",
+            "{{\"pin_dir\":{},\"linked_sockets\":{},\"counters\":{{{}}}}}",
             json_string(&dir.display().to_string()),
+            snapshot.linked_sockets,
             fields.join(",")
         );
     } else {
         println!("passthrough counters (pinned under {})", dir.display());
+        println!(
+            "linked sockets (sockmap engine, now): {}",
+            snapshot.linked_sockets
+        );
         println!(
             "{:<22} {:>16} {:>16} {:>16}",
             "counter", "kernel", "userspace", "total"

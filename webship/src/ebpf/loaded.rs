@@ -65,14 +65,18 @@ impl Programs {
             Err(e) => tracing::debug!(error = %e, "eBPF log records are not forwarded"),
         }
         let socks: SockHash<MapData, u64> = typed(take(&mut ebpf, SOCKS_MAP)?)?;
-        let links: HashMap<MapData, u64, Link> = typed(take(&mut ebpf, LINKS_MAP)?)?;
+        let links_map = take(&mut ebpf, LINKS_MAP)?;
         let kernel_map = take(&mut ebpf, KERNEL_COUNTERS_MAP)?;
         let user_map = take(&mut ebpf, USER_COUNTERS_MAP)?;
         attach_verdict(&mut ebpf, &socks)?;
 
         prepare_pin_dir(pin_dir)?;
-        let (kernel_pin, user_pin) = pin_paths(pin_dir);
-        for (map, path) in [(&kernel_map, &kernel_pin), (&user_map, &user_pin)] {
+        let [kernel_pin, user_pin, links_pin] = pin_paths(pin_dir);
+        for (map, path) in [
+            (&kernel_map, &kernel_pin),
+            (&user_map, &user_pin),
+            (&links_map, &links_pin),
+        ] {
             if path.exists() {
                 tracing::warn!(path = %path.display(), "replacing a stale pinned map (a previous daemon did not stop cleanly?)");
                 let _ = std::fs::remove_file(path);
@@ -85,7 +89,7 @@ impl Programs {
         }
         Ok(Arc::new(Self {
             socks: Mutex::new(socks),
-            links: Mutex::new(links),
+            links: Mutex::new(typed(links_map)?),
             kernel_counters: typed(kernel_map)?,
             user_counters: Mutex::new(typed(user_map)?),
             pin_dir: pin_dir.to_owned(),
@@ -144,8 +148,7 @@ impl Programs {
 
 impl Drop for Programs {
     fn drop(&mut self) {
-        let (kernel, user) = pin_paths(&self.pin_dir);
-        for path in [kernel, user] {
+        for path in pin_paths(&self.pin_dir) {
             if let Err(e) = std::fs::remove_file(&path) {
                 if e.kind() != io::ErrorKind::NotFound {
                     tracing::warn!(path = %path.display(), error = %e, "cannot remove a pinned map");
@@ -223,8 +226,8 @@ pub fn probe() -> Result<String, EbpfError> {
 
 /// Reads the pinned counters of a running daemon.
 pub fn read_pinned(dir: &Path) -> Result<Snapshot, EbpfError> {
-    let (kernel_pin, user_pin) = pin_paths(dir);
-    if !kernel_pin.exists() || !user_pin.exists() {
+    let [kernel_pin, user_pin, links_pin] = pin_paths(dir);
+    if !kernel_pin.exists() || !user_pin.exists() || !links_pin.exists() {
         return Err(EbpfError::NotRunning(dir.to_owned()));
     }
     let open = |path: &Path| {
@@ -236,9 +239,11 @@ pub fn read_pinned(dir: &Path) -> Result<Snapshot, EbpfError> {
     };
     let kernel: PerCpuArray<MapData, u64> = typed(Map::PerCpuArray(open(&kernel_pin)?))?;
     let user: Array<MapData, u64> = typed(Map::Array(open(&user_pin)?))?;
+    let links: HashMap<MapData, u64, Link> = typed(Map::HashMap(open(&links_pin)?))?;
     let mut snapshot = Snapshot {
         kernel: sum_per_cpu(&kernel),
         user: [0; COUNTERS as usize],
+        linked_sockets: links.keys().count() as u64,
     };
     for (i, slot) in (0..COUNTERS).zip(snapshot.user.iter_mut()) {
         *slot = user.get(&i, 0).unwrap_or(0);

@@ -19,6 +19,7 @@ pub use webship_ebpf_common::{Counter, COUNTERS};
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/webship";
 const KERNEL_PIN: &str = "kernel_counters";
 const USER_PIN: &str = "user_counters";
+const LINKS_PIN: &str = "links";
 
 #[derive(Debug, thiserror::Error)]
 pub enum EbpfError {
@@ -50,6 +51,8 @@ pub struct Snapshot {
     pub kernel: Values,
     /// As the daemon last published them.
     pub user: Values,
+    /// Sockets the `sockmap` engine has linked right now (two per connection).
+    pub linked_sockets: u64,
 }
 
 impl Snapshot {
@@ -59,8 +62,9 @@ impl Snapshot {
     }
 }
 
-fn pin_paths(dir: &Path) -> (PathBuf, PathBuf) {
-    (dir.join(KERNEL_PIN), dir.join(USER_PIN))
+/// The pinned maps: kernel counters, userspace counters, links.
+fn pin_paths(dir: &Path) -> [PathBuf; 3] {
+    [dir.join(KERNEL_PIN), dir.join(USER_PIN), dir.join(LINKS_PIN)]
 }
 
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
