@@ -10,6 +10,10 @@
 //! - `cargo xtask build-ebpf`: the eBPF programs, embedded by the next daemon build.
 //! - `cargo xtask run [ARGS]`: builds everything (eBPF included) in release mode and
 //!   starts the daemon with the privileges eBPF and port binding need.
+//! - `cargo xtask fuzz [SECONDS]`: libFuzzer (cargo-fuzz, rustup's nightly) on the
+//!   ClientHello parser, seeded with the hellos captured from curl and openssl;
+//!   60 seconds by default. Not part of `test` (an ASan build of the daemon's
+//!   dependencies takes minutes); the unit tests carry a bounded mutation fuzz.
 
 use std::process::{Command, ExitCode};
 
@@ -37,10 +41,11 @@ fn main() -> ExitCode {
         Some("deps") => install_deps(),
         Some("build-ebpf") => ebpf::build_ebpf().map(drop),
         Some("run") => run_daemon(&args[1..]),
+        Some("fuzz") => fuzz(args.get(1).map(String::as_str)),
         Some("vm-test") => vm::vm_test(args.iter().any(|a| a == "--release")),
         _ => {
             eprintln!(
-                "usage: cargo xtask <test [-- CARGO TEST ARGS] | build-ebpf | run [SERVE ARGS] | vm-test [--release] | bench [ARGS] | deps>"
+                "usage: cargo xtask <test [-- CARGO TEST ARGS] | build-ebpf | run [SERVE ARGS] | fuzz [SECONDS] | vm-test [--release] | bench [ARGS] | deps>"
             );
             return ExitCode::from(2);
         }
@@ -139,6 +144,35 @@ fn run_daemon(extra: &[String]) -> anyhow::Result<()> {
     };
     cmd.args(extra);
     run(&mut cmd)
+}
+
+fn fuzz(seconds: Option<&str>) -> anyhow::Result<()> {
+    let seconds: u64 = seconds.unwrap_or("60").parse().context("SECONDS must be a number")?;
+    let root = ebpf::workspace_root()?;
+    let have_fuzz = Command::new("cargo")
+        .args(["fuzz", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !have_fuzz {
+        run(cargo().args(["install", "cargo-fuzz", "--locked"]))?;
+    }
+    let corpus = root.join("target/fuzz-corpus/client_hello");
+    std::fs::create_dir_all(&corpus)?;
+    for seed in std::fs::read_dir(root.join("webship/src/passthrough/testdata"))? {
+        let seed = seed?.path();
+        if let Some(name) = seed.file_name() {
+            std::fs::copy(&seed, corpus.join(name))?;
+        }
+    }
+    run(Command::new("cargo")
+        .current_dir(root.join("fuzz"))
+        .args(["+nightly", "fuzz", "run", "--fuzz-dir", "."])
+        .arg("client_hello")
+        .arg(&corpus)
+        .arg("--")
+        .arg(format!("-max_total_time={seconds}"))
+        .env_remove("CARGO")
+        .env_remove("RUSTUP_TOOLCHAIN"))
 }
 
 fn bench(extra: &[String]) -> anyhow::Result<()> {

@@ -151,15 +151,18 @@ fn server_name(body: &[u8]) -> Result<Option<String>, HelloError> {
             let name = list.vec16().map_err(|_| HelloError::BadServerName)?;
             if name_type == NAME_TYPE_HOST {
                 let name = std::str::from_utf8(name).map_err(|_| HelloError::BadServerName)?;
-                let valid = !name.is_empty()
-                    && name.len() <= 253
-                    && name
+                // One trailing dot (the root) is allowed; the rest must be a name.
+                let trimmed = name.strip_suffix('.').unwrap_or(name);
+                let valid = !trimmed.is_empty()
+                    && trimmed.len() <= 253
+                    && trimmed.split('.').all(|label| !label.is_empty())
+                    && trimmed
                         .bytes()
                         .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
                 if !valid {
                     return Err(HelloError::BadServerName);
                 }
-                return Ok(Some(name.trim_end_matches('.').to_ascii_lowercase()));
+                return Ok(Some(trimmed.to_ascii_lowercase()));
             }
         }
         return Ok(None);
@@ -215,6 +218,34 @@ mod tests {
         );
     }
 
+    /// Hellos captured on loopback from the clients themselves (testdata/).
+    const CURL_HELLO: &[u8] = include_bytes!("testdata/curl-7.88-hello.bin");
+    const OPENSSL_HELLO: &[u8] = include_bytes!("testdata/openssl-3.0-hello.bin");
+
+    #[test]
+    fn finds_the_sni_of_captured_curl_and_openssl_hellos() {
+        // curl 7.88 (OpenSSL 3, TLS 1.3, ALPN h2) for https://media.example.com/.
+        assert_eq!(
+            parse(CURL_HELLO),
+            Ok(Hello::Complete {
+                sni: Some("media.example.com".into())
+            })
+        );
+        // `openssl s_client -servername files.example.org`.
+        assert_eq!(
+            parse(OPENSSL_HELLO),
+            Ok(Hello::Complete {
+                sni: Some("files.example.org".into())
+            })
+        );
+        for hello in [CURL_HELLO, OPENSSL_HELLO] {
+            for n in 0..hello.len() {
+                assert_eq!(parse(&hello[..n]), Ok(Hello::Incomplete), "prefix {n}");
+            }
+            assert!(matches!(parse(&fragment(hello, 3)), Ok(Hello::Complete { sni: Some(_) })));
+        }
+    }
+
     #[test]
     fn every_prefix_is_incomplete_never_wrong() {
         let hello = rustls_hello("a.example");
@@ -257,6 +288,30 @@ mod tests {
         let sid = RECORD_HEADER + 4 + 2 + 32;
         bad[sid] = 0xff; // session id length beyond the message
         assert_eq!(parse(&bad), Err(HelloError::Malformed));
+    }
+
+    #[test]
+    fn server_names_are_whole_dns_names() {
+        let hello = rustls_hello("abcd.ex");
+        let at = hello
+            .windows(7)
+            .position(|w| w == b"abcd.ex")
+            .expect("the name is in the hello");
+        let with = |name: &[u8; 7]| {
+            let mut h = hello.clone();
+            h[at..at + 7].copy_from_slice(name);
+            parse(&h)
+        };
+        let named = |n: &str| Ok(Hello::Complete { sni: Some(n.into()) });
+        assert_eq!(with(b"abcd.e."), named("abcd.e"), "the root dot is dropped");
+        for bad in [b".......", b"a..b.ex", b".abc.ex", b"ab.ex..", b"ab_c.ex", b"ab\0c.ex"] {
+            assert_eq!(
+                with(bad),
+                Err(HelloError::BadServerName),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]
