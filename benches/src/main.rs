@@ -84,8 +84,9 @@ pub struct DownloadArgs {
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
     /// Which cells to measure, comma-separated: `direct` (each server sends the
-    /// fixture from disk), `proxy` (each terminates TLS in front of a plain-HTTP nginx origin).
-    #[arg(long, value_delimiter = ',', default_value = "direct,proxy")]
+    /// fixture from disk), `proxy` (each terminates TLS in front of a plain-HTTP nginx origin),
+    /// `passthrough` (each routes TLS by SNI to a TLS origin without decrypting).
+    #[arg(long, value_delimiter = ',', default_value = "direct,proxy,passthrough")]
     pub modes: Vec<measure::Mode>,
     /// Also write the results as JSON to this file (they always go to target/bench/report.json).
     #[arg(long)]

@@ -33,6 +33,12 @@ use crate::DownloadArgs;
 
 pub const WEBSHIP: &str = "webship";
 pub const WEBSHIP_NO_GSO: &str = "webship gso=off";
+/// Passthrough with a named engine (plain `webship` runs `auto`).
+pub const WEBSHIP_SOCKMAP: &str = "webship sockmap";
+pub const WEBSHIP_SPLICE: &str = "webship splice";
+pub const WEBSHIP_COPY: &str = "webship copy";
+/// The passthrough origin: Webship serving the fixture directly over h1/h2/h3.
+pub const ORIGIN_WEBSHIP: &str = "origin webship";
 pub const NGINX: &str = "nginx";
 pub const LIGHTTPD: &str = "lighttpd";
 pub const HAPROXY: &str = "haproxy";
@@ -46,6 +52,9 @@ pub enum Mode {
     /// Each server terminates TLS and relays the fixture from a plain-HTTP origin
     /// (a separate nginx on loopback); only the proxy's CPU is its server CPU.
     Proxy,
+    /// Each server passes TLS through by SNI to one TLS origin (Webship serving
+    /// the fixture directly, h1/h2 over TCP and h3 over UDP); never decrypts.
+    Passthrough,
 }
 
 impl Mode {
@@ -53,6 +62,7 @@ impl Mode {
         match self {
             Mode::Direct => "direct",
             Mode::Proxy => "proxy",
+            Mode::Passthrough => "passthrough",
         }
     }
 }
@@ -73,6 +83,14 @@ pub const PEERS: [&str; 4] = [NGINX, LIGHTTPD, HAPROXY, CADDY];
 /// `nginx_version` is e.g. "nginx 1.22" (Debian's build has no HTTP/3 module).
 pub fn cell_gap(server: &str, mode: Mode, protocol: Protocol, nginx_version: &str) -> Option<String> {
     let reason = match (server, mode, protocol) {
+        (NGINX, Mode::Passthrough, _) if !Path::new(servers::NGINX_STREAM_MODULE).exists() => {
+            "nginx's stream module is missing (Debian package libnginx-mod-stream)"
+        }
+        (NGINX, Mode::Passthrough, _) => return None,
+        (LIGHTTPD, Mode::Passthrough, _) => "lighttpd has no TLS passthrough",
+        (CADDY, Mode::Passthrough, _) => "Caddy passes TLS through only with the layer4 plugin, not in its release build",
+        (HAPROXY, Mode::Passthrough, Protocol::H3) => "HAProxy does not forward UDP",
+        (HAPROXY, Mode::Passthrough, _) => return None,
         (NGINX, _, Protocol::H3) => return Some(format!("{nginx_version} has no HTTP/3")),
         (LIGHTTPD, Mode::Proxy, _) => "lighttpd is measured as a file server only",
         (LIGHTTPD, _, Protocol::H3) => "lighttpd has no HTTP/3",
@@ -108,7 +126,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
     modes.dedup();
     ensure!(
         !modes.is_empty(),
-        "--modes names no mode; use direct, proxy or both"
+        "--modes names no mode; use direct, proxy, passthrough or a list"
     );
     let target = if args.smoke { 1 } else { args.samples };
     let cache = args
@@ -185,29 +203,61 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         let origin = match mode {
             Mode::Direct => None,
             Mode::Proxy => Some(servers::start_origin(&args.nginx, root, &dir("origin-nginx")?)?),
+            Mode::Passthrough => {
+                let origin_dir = dir("origin-webship")?;
+                let origin = servers::start_webship(
+                    &webship_spec(args, ORIGIN_WEBSHIP, true),
+                    &Settings {
+                        dir: &origin_dir,
+                        ..base
+                    },
+                )?;
+                ensure_h3(&origin)?;
+                Some(origin)
+            }
         };
         let origin_port = origin.as_ref().map(|o| o.port);
         let webship_dir = dir(&format!("webship-{}", mode.label()))?;
         let spec = webship_spec(args, WEBSHIP, true);
-        let webship = match origin_port {
-            None => servers::start_webship(
-                &spec,
-                &Settings {
-                    dir: &webship_dir,
-                    ..base
-                },
-            )?,
-            Some(port) => servers::start_webship_proxy(
-                &spec,
-                &Settings {
-                    dir: &webship_dir,
-                    ..base
-                },
-                port,
-            )?,
+        let webship_settings = Settings {
+            dir: &webship_dir,
+            ..base
+        };
+        let webship = match (mode, origin_port) {
+            (Mode::Passthrough, Some(port)) => {
+                servers::start_webship_passthrough(&spec, &webship_settings, port, "auto")?
+            }
+            (_, None) => servers::start_webship(&spec, &webship_settings)?,
+            (_, Some(port)) => servers::start_webship_proxy(&spec, &webship_settings, port)?,
         };
         ensure_h3(&webship)?;
         let mut started = vec![webship];
+        // Passthrough: each engine by name too, beside the default (`auto`).
+        if let (Mode::Passthrough, Some(port)) = (mode, origin_port) {
+            for (name, engine) in [(WEBSHIP_SOCKMAP, "sockmap"), (WEBSHIP_SPLICE, "splice"), (WEBSHIP_COPY, "copy")] {
+                let engine_dir = dir(&format!("webship-passthrough-{engine}"))?;
+                let server = servers::start_webship_passthrough(
+                    &webship_spec(args, name, true),
+                    &Settings {
+                        dir: &engine_dir,
+                        ..base
+                    },
+                    port,
+                    engine,
+                );
+                match server {
+                    Ok(server) => started.push(server),
+                    // No eBPF here (not root, or a build without the object).
+                    Err(e) => {
+                        let reason = format!("failed to start: {}", short(&e));
+                        eprintln!("passthrough {name}: {reason}");
+                        for protocol in Protocol::ALL {
+                            gaps.push(Gap::new(mode, protocol, name, reason.clone()));
+                        }
+                    }
+                }
+            }
+        }
         for &peer in peers.iter().filter(|peer| in_mode(peer, mode)) {
             let peer_dir = dir(&format!("{peer}-{}", mode.label()))?;
             let s = Settings {
@@ -216,6 +266,12 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
             };
             let binary = peer_binary(args, peer);
             let server = match (peer, origin_port) {
+                (NGINX, Some(port)) if mode == Mode::Passthrough => {
+                    servers::start_nginx_passthrough(binary, &s, port)
+                }
+                (HAPROXY, Some(port)) if mode == Mode::Passthrough => {
+                    servers::start_haproxy_passthrough(binary, &s, port)
+                }
                 (NGINX, None) => servers::start_nginx(binary, &s),
                 (NGINX, Some(port)) => servers::start_nginx_proxy(binary, &s, port),
                 (LIGHTTPD, _) => servers::start_lighttpd(binary, &s),
@@ -252,7 +308,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         Ok(server)
     };
     let serves = |server: &str, mode: Mode, protocol: Protocol| match server {
-        WEBSHIP => true,
+        WEBSHIP | WEBSHIP_SOCKMAP | WEBSHIP_SPLICE | WEBSHIP_COPY => true,
         WEBSHIP_NO_GSO => protocol == Protocol::H3,
         peer => cell_gap(peer, mode, protocol, &nginx_version).is_none(),
     };
@@ -269,7 +325,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
                 }
                 match bench.verify(set.mode, server, protocol) {
                     Ok(entry) => series.push(entry),
-                    Err(e) if server.name == WEBSHIP => return Err(e),
+                    Err(e) if is_webship(server.name) => return Err(e),
                     Err(e) => {
                         let reason = format!("checked download failed: {}", short(&e));
                         eprintln!("{e:#}");
@@ -354,7 +410,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         }
         let last = s.rejected.last().map_or("", String::as_str);
         let reason = format!("0 of {} samples accepted (last: {last})", s.rejected.len());
-        if s.server == WEBSHIP || s.server == WEBSHIP_NO_GSO {
+        if is_webship(s.server) {
             failed_webship.push(format!(
                 "{} {} {}: {reason}",
                 s.mode.label(),
@@ -398,6 +454,11 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
 
 /// Where the report files go: the workspace's `target/bench`.
 pub const REPORT_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench");
+
+/// Webship under test, in any of its variants.
+pub fn is_webship(server: &str) -> bool {
+    [WEBSHIP, WEBSHIP_NO_GSO, WEBSHIP_SOCKMAP, WEBSHIP_SPLICE, WEBSHIP_COPY].contains(&server)
+}
 
 fn peer_binary<'a>(args: &'a DownloadArgs, peer: &str) -> &'a Path {
     match peer {

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::clients::{Protocol, Sample};
 use crate::fixture::FIXTURE_BYTES;
-use crate::measure::{Mode, WEBSHIP, WEBSHIP_NO_GSO};
+use crate::measure::{is_webship, Mode, WEBSHIP, WEBSHIP_NO_GSO};
 
 const MIB: f64 = 1_048_576.0;
 const GB: f64 = 1e9;
@@ -197,9 +197,6 @@ pub struct Report {
     pub smoke: bool,
 }
 
-fn is_webship(server: &str) -> bool {
-    server == WEBSHIP || server == WEBSHIP_NO_GSO
-}
 
 impl Report {
     fn find(&self, mode: Mode, server: &str, protocol: Protocol) -> Option<&Series> {
@@ -261,6 +258,7 @@ impl Report {
             let prefix = match mode {
                 Mode::Direct => "webship",
                 Mode::Proxy => "proxy: webship",
+                Mode::Passthrough => "passthrough: webship",
             };
             ratios.push(Ratio {
                 label: format!("{prefix} h3 / webship h2"),
@@ -283,13 +281,15 @@ impl Report {
     fn proxy_over_direct(&self) -> Vec<(&'static str, Ratio)> {
         self.series
             .iter()
-            .filter(|s| s.mode == Mode::Proxy)
+            .filter(|s| s.mode != Mode::Direct)
             .filter_map(|proxied| {
-                let direct = self.find(Mode::Direct, proxied.server, proxied.protocol)?;
+                // Passthrough engines compare with Webship's own direct delivery.
+                let server = if is_webship(proxied.server) { WEBSHIP } else { proxied.server };
+                let direct = self.find(Mode::Direct, server, proxied.protocol)?;
                 Some((
                     proxied.server,
                     Ratio {
-                        label: proxied.protocol.label().to_owned(),
+                        label: format!("{} {}", proxied.mode.label(), proxied.protocol.label()),
                         values: Some(self.ratio_of(proxied, direct)),
                     },
                 ))
@@ -303,6 +303,12 @@ impl Report {
             Mode::Proxy => {
                 "proxy: each server terminates TLS in front of one origin (nginx, plain HTTP on \
                  loopback, 1 worker); server CPU is the proxy's alone, the origin's is in its own column"
+            }
+            Mode::Passthrough => {
+                "passthrough: each server routes by SNI to one TLS origin (Webship direct: h1/h2 over \
+                 TCP, h3 over UDP) and never decrypts; `webship` runs the default engine. Server CPU is \
+                 the process's: the sockmap engine's redirection runs in kernel softirq and workqueue \
+                 context, which no process is charged for"
             }
         }
     }
@@ -333,7 +339,7 @@ impl Report {
             let _ = writeln!(out, "\npeers: {}", self.peers.join("; "));
         }
         for mode in self.modes() {
-            let proxy = mode == Mode::Proxy;
+            let proxy = mode != Mode::Direct;
             let _ = writeln!(out, "\n### {}\n", Self::mode_heading(mode));
             let _ = writeln!(
                 out,
@@ -424,7 +430,7 @@ impl Report {
         if !proxy_over_direct.is_empty() {
             let _ = writeln!(
                 out,
-                "\n| proxy / direct | protocol | throughput | server CPU-s/GB |"
+                "\n| proxy or passthrough / direct | protocol | throughput | server CPU-s/GB |"
             );
             let _ = writeln!(out, "|---|---|---:|---:|");
             for (server, ratio) in proxy_over_direct {
@@ -789,13 +795,13 @@ mod tests {
             md.contains("| webship | h2 | 1 | 0 | 50.0 | 0.0 | 50.0 | 50.0 | 10.006 | 0.000 | 1.001 |"),
             "{md}"
         );
-        assert!(md.contains("| webship | h2 | 0.500 | 2.000 |"), "{md}");
-        assert!(md.contains("| nginx | h2 | 0.125 | 8.000 |"), "{md}");
+        assert!(md.contains("| webship | proxy h2 | 0.500 | 2.000 |"), "{md}");
+        assert!(md.contains("| nginx | proxy h2 | 0.125 | 8.000 |"), "{md}");
         let json = report.json();
         assert!(json.contains("\"origin_cpu_s_per_gb\":1.0006"), "{json}");
         assert!(
             json.contains(
-                "{\"server\":\"webship\",\"protocol\":\"h2\",\"throughput\":0.5000,\"cpu_s_per_gb\":2.0000}"
+                "{\"server\":\"webship\",\"protocol\":\"proxy h2\",\"throughput\":0.5000,\"cpu_s_per_gb\":2.0000}"
             ),
             "{json}"
         );

@@ -205,6 +205,27 @@ pub fn start_webship_proxy(spec: &WebshipSpec<'_>, s: &Settings<'_>, origin_port
     Ok(server)
 }
 
+/// Webship passing TLS through, by SNI `localhost`, to the TLS origin on
+/// `origin_port` (TCP for h1/h2, UDP for h3), with the given engine ("auto",
+/// "sockmap", "splice" or "copy"). Its counter maps are pinned in a folder of its own.
+pub fn start_webship_passthrough(
+    spec: &WebshipSpec<'_>,
+    s: &Settings<'_>,
+    origin_port: u16,
+    engine: &str,
+) -> Result<Server> {
+    let port = free_port()?;
+    let serve = format!(
+        "[reverse_proxy]\nenabled = true\ntls_termination = false\npassthrough_engine = {engine:?}\n\
+         udp_upstream = \"127.0.0.1:{origin_port}\"\n\n\
+         [[reverse_proxy.routes]]\ndomain = \"localhost\"\n\
+         upstreams = [\"127.0.0.1:{origin_port}\"]\n",
+    );
+    let mut server = launch_webship(spec, s, port, &serve)?;
+    server.host = "localhost";
+    Ok(server)
+}
+
 fn launch_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &str) -> Result<Server> {
     let config = s.dir.join("webship.toml");
     fs::write(&config, webship_config(spec, s, port, serve))?;
@@ -223,7 +244,7 @@ fn launch_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &s
 fn webship_config(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &str) -> String {
     let mut config = format!(
         "listen = \"127.0.0.1:{port}\"\nworkers = {workers}\n{serve}\n\
-         [kernel]\nktls = {ktls:?}\nbbr = \"auto\"\n",
+         [kernel]\nktls = {ktls:?}\nbbr = \"auto\"\nbpf_pin_dir = \"/sys/fs/bpf/webship-bench-{port}\"\n",
         workers = s.workers,
         ktls = spec.ktls,
     );
@@ -337,6 +358,81 @@ fn launch_nginx(
         .arg(&config)
         .args(["-e", "stderr"]);
     spawn(name, command, port, dir.join("nginx.log"), None)
+}
+
+/// Where Debian's nginx keeps the dynamic `stream` module (package libnginx-mod-stream).
+pub const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
+
+/// nginx passing TLS through with its `stream` module: `ssl_preread` reads the SNI
+/// and a `map` picks the upstream (the documented recipe), plus a UDP server that
+/// forwards every datagram to the origin's QUIC port, one session per client
+/// address (nginx's UDP proxying, no QUIC awareness).
+pub fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+    let port = free_port()?;
+    let shown = s.dir.display();
+    let mut conf = String::new();
+    writeln!(conf, "load_module {NGINX_STREAM_MODULE};")?;
+    writeln!(conf, "daemon off;\nmaster_process on;\nworker_processes {};", s.workers)?;
+    writeln!(conf, "pid {shown}/nginx.pid;\nerror_log stderr warn;")?;
+    writeln!(conf, "events {{ worker_connections 1024; }}")?;
+    writeln!(conf, "stream {{")?;
+    writeln!(
+        conf,
+        "  map $ssl_preread_server_name $origin {{\n    localhost 127.0.0.1:{origin_port};\n    default 127.0.0.1:1;\n  }}"
+    )?;
+    writeln!(
+        conf,
+        "  server {{\n    listen 127.0.0.1:{port};\n    ssl_preread on;\n    proxy_pass $origin;\n    \
+         proxy_buffer_size 256k;\n  }}"
+    )?;
+    writeln!(
+        conf,
+        "  server {{\n    listen 127.0.0.1:{port} udp;\n    proxy_pass 127.0.0.1:{origin_port};\n    \
+         proxy_timeout 30s;\n  }}\n}}"
+    )?;
+    let config = s.dir.join("nginx.conf");
+    fs::write(&config, conf)?;
+    let mut command = Command::new(binary);
+    command
+        .arg("-p")
+        .arg(s.dir)
+        .arg("-c")
+        .arg(&config)
+        .args(["-e", "stderr"]);
+    let mut server = spawn("nginx", command, port, s.dir.join("nginx.log"), None)?;
+    server.host = "localhost";
+    Ok(server)
+}
+
+/// HAProxy passing TLS through: `mode tcp`, waiting for the ClientHello
+/// (`tcp-request inspect-delay` + `req.ssl_hello_type`) and routing on
+/// `req.ssl_sni`, as its documentation describes; one thread, 64k buffers.
+pub fn start_haproxy_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+    let port = free_port()?;
+    let mut conf = String::new();
+    writeln!(
+        conf,
+        "global\n  nbthread {}\n  maxconn 1024\n  tune.bufsize 65536",
+        s.workers
+    )?;
+    writeln!(
+        conf,
+        "defaults\n  mode tcp\n  timeout connect 5s\n  timeout client 150s\n  timeout server 150s"
+    )?;
+    writeln!(
+        conf,
+        "frontend fe\n  bind 127.0.0.1:{port}\n  tcp-request inspect-delay 5s\n  \
+         tcp-request content accept if {{ req.ssl_hello_type 1 }}\n  \
+         use_backend origin if {{ req.ssl_sni -i localhost }}"
+    )?;
+    writeln!(conf, "backend origin\n  server origin 127.0.0.1:{origin_port}")?;
+    let config = s.dir.join("haproxy.cfg");
+    fs::write(&config, conf)?;
+    let mut command = Command::new(binary);
+    command.arg("-db").arg("-f").arg(&config);
+    let mut server = spawn(HAPROXY, command, port, s.dir.join("haproxy.log"), None)?;
+    server.host = "localhost";
+    Ok(server)
 }
 
 /// "nginx 1.22" from `nginx -v`, for the cells nginx cannot serve.

@@ -91,9 +91,20 @@ pub(crate) fn is_root() -> bool {
 
 /// Installs the missing Debian packages; without root it says what to install.
 fn install_deps() -> anyhow::Result<()> {
-    let missing: Vec<&str> = APT
+    install_apt(APT)
+}
+
+/// Installs the packages whose command (or file, for an absolute path) is missing.
+fn install_apt(packages: &[(&str, &str)]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages
         .iter()
-        .filter(|(cmd, _)| !have(cmd))
+        .filter(|(cmd, _)| {
+            if cmd.starts_with('/') {
+                !std::path::Path::new(cmd).exists()
+            } else {
+                !have(cmd)
+            }
+        })
         .map(|(_, pkg)| *pkg)
         .collect();
     if missing.is_empty() {
@@ -175,8 +186,19 @@ fn fuzz(seconds: Option<&str>) -> anyhow::Result<()> {
         .env_remove("RUSTUP_TOOLCHAIN"))
 }
 
+/// The peers of a full benchmark run (Debian packages); `--smoke` runs none.
+const BENCH_APT: &[(&str, &str)] = &[
+    ("haproxy", "haproxy"),
+    ("lighttpd", "lighttpd"),
+    ("caddy", "caddy"),
+    ("/usr/lib/nginx/modules/ngx_stream_module.so", "libnginx-mod-stream"),
+];
+
 fn bench(extra: &[String]) -> anyhow::Result<()> {
     install_deps()?;
+    if !extra.iter().any(|a| a == "--smoke") {
+        install_apt(BENCH_APT)?;
+    }
     ebpf::build_ebpf()?;
     run(cargo().args(["build", "--release", "-p", "webship", "--bin", "webship"]))?;
     run(cargo()
