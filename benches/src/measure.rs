@@ -88,7 +88,9 @@ pub fn cell_gap(server: &str, mode: Mode, protocol: Protocol, nginx_version: &st
         }
         (NGINX, Mode::Passthrough, _) => return None,
         (LIGHTTPD, Mode::Passthrough, _) => "lighttpd has no TLS passthrough",
-        (CADDY, Mode::Passthrough, _) => "Caddy passes TLS through only with the layer4 plugin, not in its release build",
+        (CADDY, Mode::Passthrough, _) => {
+            "Caddy passes TLS through only with the layer4 plugin, not in its release build"
+        }
         (HAPROXY, Mode::Passthrough, Protocol::H3) => "HAProxy does not forward UDP",
         (HAPROXY, Mode::Passthrough, _) => return None,
         (NGINX, _, Protocol::H3) => return Some(format!("{nginx_version} has no HTTP/3")),
@@ -234,7 +236,11 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         let mut started = vec![webship];
         // Passthrough: each engine by name too, beside the default (`auto`).
         if let (Mode::Passthrough, Some(port)) = (mode, origin_port) {
-            for (name, engine) in [(WEBSHIP_SOCKMAP, "sockmap"), (WEBSHIP_SPLICE, "splice"), (WEBSHIP_COPY, "copy")] {
+            for (name, engine) in [
+                (WEBSHIP_SOCKMAP, "sockmap"),
+                (WEBSHIP_SPLICE, "splice"),
+                (WEBSHIP_COPY, "copy"),
+            ] {
                 let engine_dir = dir(&format!("webship-passthrough-{engine}"))?;
                 let server = servers::start_webship_passthrough(
                     &webship_spec(args, name, true),
@@ -457,7 +463,14 @@ pub const REPORT_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/ben
 
 /// Webship under test, in any of its variants.
 pub fn is_webship(server: &str) -> bool {
-    [WEBSHIP, WEBSHIP_NO_GSO, WEBSHIP_SOCKMAP, WEBSHIP_SPLICE, WEBSHIP_COPY].contains(&server)
+    [
+        WEBSHIP,
+        WEBSHIP_NO_GSO,
+        WEBSHIP_SOCKMAP,
+        WEBSHIP_SPLICE,
+        WEBSHIP_COPY,
+    ]
+    .contains(&server)
 }
 
 fn peer_binary<'a>(args: &'a DownloadArgs, peer: &str) -> &'a Path {

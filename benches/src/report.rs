@@ -197,7 +197,6 @@ pub struct Report {
     pub smoke: bool,
 }
 
-
 impl Report {
     fn find(&self, mode: Mode, server: &str, protocol: Protocol) -> Option<&Series> {
         self.series
@@ -284,7 +283,11 @@ impl Report {
             .filter(|s| s.mode != Mode::Direct)
             .filter_map(|proxied| {
                 // Passthrough engines compare with Webship's own direct delivery.
-                let server = if is_webship(proxied.server) { WEBSHIP } else { proxied.server };
+                let server = if is_webship(proxied.server) {
+                    WEBSHIP
+                } else {
+                    proxied.server
+                };
                 let direct = self.find(Mode::Direct, server, proxied.protocol)?;
                 Some((
                     proxied.server,

@@ -372,7 +372,11 @@ pub fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16
     let shown = s.dir.display();
     let mut conf = String::new();
     writeln!(conf, "load_module {NGINX_STREAM_MODULE};")?;
-    writeln!(conf, "daemon off;\nmaster_process on;\nworker_processes {};", s.workers)?;
+    writeln!(
+        conf,
+        "daemon off;\nmaster_process on;\nworker_processes {};",
+        s.workers
+    )?;
     writeln!(conf, "pid {shown}/nginx.pid;\nerror_log stderr warn;")?;
     writeln!(conf, "events {{ worker_connections 1024; }}")?;
     writeln!(conf, "stream {{")?;

@@ -364,7 +364,16 @@ async fn direct_sites_share_the_listener() {
 /// The fixture arrives exact with quinn and with aioquic, and the UDP counters
 /// account for the flows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn h3_through_passthrough_reaches_the_quic_origin() {
+async fn h3_through_passthrough_in_userspace() {
+    h3_through_passthrough("userspace").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h3_through_passthrough_redirected_by_ebpf() {
+    h3_through_passthrough("ebpf").await;
+}
+
+async fn h3_through_passthrough(udp_engine: &str) {
     let env = Env::new();
     let origin_root = env.dir.path().join("origin");
     std::fs::create_dir(&origin_root).unwrap();
@@ -379,10 +388,11 @@ async fn h3_through_passthrough_reaches_the_quic_origin() {
             key.display()
         ),
     );
-    let front = Server::start(
-        env.dir.path(),
-        &format!(
-            r#"listen = "127.0.0.1:{{port}}"
+    let start_front = || {
+        Server::start(
+            env.dir.path(),
+            &format!(
+                r#"listen = "127.0.0.1:{{port}}"
 workers = 2
 [kernel]
 bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
@@ -390,6 +400,7 @@ bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
 enabled = true
 tls_termination = false
 udp_upstream = "{origin}"
+udp_engine = "{udp_engine}"
 [reverse_proxy.protocols]
 h1 = true
 h2 = true
@@ -398,9 +409,14 @@ h3 = true
 domain = "a.pass"
 upstreams = ["{origin}"]
 "#,
-            origin = origin.addr()
-        ),
-    );
+                origin = origin.addr()
+            ),
+        )
+    };
+    // With eBPF, another front's classifier attaches first on the same hook:
+    // it must pass every packet on, not end the chain.
+    let _decoy = (udp_engine == "ebpf").then(&start_front);
+    let front = start_front();
     let got = fetch_h3(
         front.addr(),
         "a.pass",
@@ -455,6 +471,21 @@ upstreams = ["{origin}"]
         "{stats}"
     );
     assert!(counter(&stats, "udp_packets_up", "total") > 10, "{stats}");
+    // Exactly one side carried the datagrams: the kernel or the daemon.
+    let (carrier, idle) = if udp_engine == "ebpf" {
+        ("kernel", "userspace")
+    } else {
+        ("userspace", "kernel")
+    };
+    assert_eq!(counter(&stats, "udp_flows", carrier), 2, "{stats}");
+    assert_eq!(counter(&stats, "udp_packets_down", idle), 0, "{stats}");
+    assert!(
+        front
+            .log()
+            .contains(&format!("HTTP/3 passthrough engine engine=\"{udp_engine}\"")),
+        "{}",
+        front.log()
+    );
     // The TCP side of the same route still works.
     let got = fetch(
         Proto::H2,

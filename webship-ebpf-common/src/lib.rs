@@ -19,6 +19,35 @@ pub const USER_COUNTERS_MAP: &str = "USER_COUNTERS";
 /// The stream-verdict program that redirects between linked sockets.
 pub const VERDICT_PROGRAM: &str = "webship_splice";
 
+/// The tc classifier that redirects HTTP/3 passthrough datagrams.
+pub const UDP_PROGRAM: &str = "webship_udp";
+/// ARRAY with one [`UdpRedirect`]: what the classifier rewrites.
+pub const UDP_CONFIG_MAP: &str = "UDP_CONFIG";
+/// LRU_HASH of client flows ([`flow_key`] → unused `u64`).
+pub const UDP_FLOWS_MAP: &str = "UDP_FLOWS";
+/// Client flows the kernel tracks at most (least recently used go first).
+pub const MAX_UDP_FLOWS: u32 = 65_536;
+
+/// The addresses the UDP classifier rewrites between, all in network byte order
+/// exactly as they sit in the packet headers (IPv4).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct UdpRedirect {
+    /// Where clients send (Webship's listen address).
+    pub listen_ip: u32,
+    /// The QUIC origin.
+    pub origin_ip: u32,
+    pub listen_port: u16,
+    pub origin_port: u16,
+    /// 0 until the daemon has written the rest.
+    pub enabled: u32,
+}
+
+/// The `UDP_FLOWS` key of a client address (IPv4 and port, network byte order).
+pub const fn flow_key(ip: u32, port: u16) -> u64 {
+    ((ip as u64) << 16) | port as u64
+}
+
 /// How many sockets the SOCKHASH holds: two per spliced connection.
 pub const MAX_SPLICED_SOCKETS: u32 = 65_536;
 
@@ -45,6 +74,12 @@ pub struct Link {
 #[cfg(feature = "user")]
 #[allow(unsafe_code)]
 unsafe impl aya::Pod for Link {}
+
+// SAFETY: `repr(C)`, fields fill it without padding (4 + 4 + 2 + 2 + 4 bytes), and
+// every bit pattern is a valid value.
+#[cfg(feature = "user")]
+#[allow(unsafe_code)]
+unsafe impl aya::Pod for UdpRedirect {}
 
 /// Every counter, in the order of the counter arrays.
 #[repr(u32)]

@@ -158,7 +158,10 @@ fn run_daemon(extra: &[String]) -> anyhow::Result<()> {
 }
 
 fn fuzz(seconds: Option<&str>) -> anyhow::Result<()> {
-    let seconds: u64 = seconds.unwrap_or("60").parse().context("SECONDS must be a number")?;
+    let seconds: u64 = seconds
+        .unwrap_or("60")
+        .parse()
+        .context("SECONDS must be a number")?;
     let root = ebpf::workspace_root()?;
     let have_fuzz = Command::new("cargo")
         .args(["fuzz", "--version"])
@@ -191,7 +194,10 @@ const BENCH_APT: &[(&str, &str)] = &[
     ("haproxy", "haproxy"),
     ("lighttpd", "lighttpd"),
     ("caddy", "caddy"),
-    ("/usr/lib/nginx/modules/ngx_stream_module.so", "libnginx-mod-stream"),
+    (
+        "/usr/lib/nginx/modules/ngx_stream_module.so",
+        "libnginx-mod-stream",
+    ),
 ];
 
 fn bench(extra: &[String]) -> anyhow::Result<()> {

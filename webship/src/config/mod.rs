@@ -57,6 +57,39 @@ pub struct UdpPassthrough {
     pub upstream: SocketAddr,
     /// A client flow with no datagram either way for this long is forgotten.
     pub flow_idle: Duration,
+    pub engine: UdpEngine,
+}
+
+/// How HTTP/3 passthrough datagrams travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UdpEngine {
+    /// eBPF where it applies (listen address and origin on IPv4 loopback, eBPF
+    /// usable), else userspace.
+    #[default]
+    Auto,
+    /// The tc classifier rewrites datagrams in the kernel.
+    Ebpf,
+    /// The daemon relays every datagram (GRO/GSO batches, one socket per flow).
+    Userspace,
+}
+
+impl UdpEngine {
+    /// Whether the eBPF redirect can carry traffic between these addresses: it
+    /// rewrites on the loopback interface and keeps the client's address.
+    pub fn ebpf_applies(listen: SocketAddr, upstream: SocketAddr) -> bool {
+        matches!((listen, upstream), (SocketAddr::V4(l), SocketAddr::V4(u)) if l.ip().is_loopback() && u.ip().is_loopback())
+    }
+}
+
+impl fmt::Display for UdpEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Ebpf => "ebpf",
+            Self::Userspace => "userspace",
+        })
+    }
 }
 
 impl Config {
@@ -644,6 +677,25 @@ impl Validator<'_> {
         let settings = raw.runtime.unwrap_or_default().settings;
         let (h2, h3, proxy_h2) = self.settings(&settings);
 
+        if let Some(udp) = passthrough_udp {
+            if udp.engine == UdpEngine::Ebpf && !UdpEngine::ebpf_applies(listen, udp.upstream) {
+                self.problem(
+                    "reverse_proxy.udp_engine",
+                    "the eBPF UDP redirect rewrites datagrams on the loopback interface, so the listen \
+                     address and `udp_upstream` must both be IPv4 loopback addresses",
+                    "use `udp_engine = \"userspace\"` (or \"auto\"), which relays to any origin",
+                );
+            }
+            if udp.engine == UdpEngine::Ebpf && kernel.ebpf == Policy::Off {
+                self.problem(
+                    "reverse_proxy.udp_engine",
+                    "`ebpf` needs eBPF, which `[kernel] ebpf = \"off\"` forbids",
+                    "set `[kernel] ebpf = \"auto\"`, or `udp_engine = \"userspace\"`",
+                );
+            } else if udp.engine == UdpEngine::Ebpf && kernel.ebpf == Policy::Auto {
+                kernel.ebpf = Policy::Required;
+            }
+        }
         if passthrough_udp.is_some() && sites.iter().any(|s| s.protocols.h3) {
             self.problem(
                 "reverse_proxy.udp_upstream",
@@ -808,6 +860,7 @@ impl Validator<'_> {
                 Ok(upstream) if upstream.port() != 0 => Some(UdpPassthrough {
                     upstream,
                     flow_idle: Duration::from_secs(raw.udp_flow_idle_secs.unwrap_or(30).max(1)),
+                    engine: raw.udp_engine.unwrap_or_default(),
                 }),
                 _ => {
                     self.problem(
@@ -836,12 +889,17 @@ impl Validator<'_> {
             }
             (None, false) => None,
         };
-        if raw.udp_flow_idle_secs.is_some() && raw.udp_upstream.is_none() {
-            self.problem(
-                "reverse_proxy.udp_flow_idle_secs",
-                "applies to HTTP/3 passthrough, which is not configured",
-                "remove it, or add `udp_upstream`",
-            );
+        for (name, present) in [
+            ("udp_flow_idle_secs", raw.udp_flow_idle_secs.is_some()),
+            ("udp_engine", raw.udp_engine.is_some()),
+        ] {
+            if present && raw.udp_upstream.is_none() {
+                self.problem(
+                    format!("reverse_proxy.{name}"),
+                    "applies to HTTP/3 passthrough, which is not configured",
+                    "remove it, or add `udp_upstream`",
+                );
+            }
         }
         if raw.routes.is_empty() {
             self.problem(

@@ -34,6 +34,7 @@ pub(super) struct RawReverseProxy {
     pub udp_upstream: Option<String>,
     pub passthrough_engine: Option<super::Engine>,
     pub udp_flow_idle_secs: Option<u64>,
+    pub udp_engine: Option<super::UdpEngine>,
     #[serde(default)]
     pub routes: Vec<RawRoute>,
 }

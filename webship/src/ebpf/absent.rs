@@ -33,6 +33,14 @@ impl Programs {
         match **self {}
     }
 
+    pub fn redirect_udp(
+        &self,
+        _: std::net::SocketAddrV4,
+        _: std::net::SocketAddrV4,
+    ) -> Result<(), EbpfError> {
+        match *self {}
+    }
+
     pub fn publish(&self, _: &Values) {
         match *self {}
     }

@@ -5,12 +5,14 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use std::net::SocketAddrV4;
+
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
-use aya::programs::SkSkb;
+use aya::programs::{SchedClassifier, SkSkb, TcAttachType};
 use aya::{Ebpf, EbpfLoader};
 use webship_ebpf_common::{
-    Link, COUNTERS, DIRECTION_DOWN, DIRECTION_UP, KERNEL_COUNTERS_MAP, LINKS_MAP, SOCKS_MAP,
-    USER_COUNTERS_MAP, VERDICT_PROGRAM,
+    Link, UdpRedirect, COUNTERS, DIRECTION_DOWN, DIRECTION_UP, KERNEL_COUNTERS_MAP, LINKS_MAP, SOCKS_MAP,
+    UDP_CONFIG_MAP, UDP_PROGRAM, USER_COUNTERS_MAP, VERDICT_PROGRAM,
 };
 
 use super::{pin_paths, EbpfError, Snapshot, Values};
@@ -35,9 +37,10 @@ pub struct Programs {
     links: Mutex<HashMap<MapData, u64, Link>>,
     kernel_counters: PerCpuArray<MapData, u64>,
     user_counters: Mutex<Array<MapData, u64>>,
+    udp_config: Mutex<Array<MapData, UdpRedirect>>,
     pin_dir: PathBuf,
-    // Keeps the program and its attachment alive.
-    _ebpf: Ebpf,
+    // Keeps the programs and their attachments alive.
+    ebpf: Mutex<Ebpf>,
 }
 
 impl std::fmt::Debug for Programs {
@@ -68,6 +71,7 @@ impl Programs {
         let links_map = take(&mut ebpf, LINKS_MAP)?;
         let kernel_map = take(&mut ebpf, KERNEL_COUNTERS_MAP)?;
         let user_map = take(&mut ebpf, USER_COUNTERS_MAP)?;
+        let udp_config = typed(take(&mut ebpf, UDP_CONFIG_MAP)?)?;
         attach_verdict(&mut ebpf, &socks)?;
 
         prepare_pin_dir(pin_dir)?;
@@ -92,9 +96,42 @@ impl Programs {
             links: Mutex::new(typed(links_map)?),
             kernel_counters: typed(kernel_map)?,
             user_counters: Mutex::new(typed(user_map)?),
+            udp_config: Mutex::new(udp_config),
             pin_dir: pin_dir.to_owned(),
-            _ebpf: ebpf,
+            ebpf: Mutex::new(ebpf),
         }))
+    }
+
+    /// Starts the kernel's UDP redirection for HTTP/3 passthrough: the tc
+    /// classifier on the loopback interface's ingress rewrites datagrams for
+    /// `listen` to `origin` and the origin's replies back, so both directions
+    /// bypass the daemon. Both addresses must be on loopback (the rewrite keeps the
+    /// client's address, so the origin's replies must come back through this host's
+    /// loopback). Detached when the programs are dropped.
+    pub fn redirect_udp(&self, listen: SocketAddrV4, origin: SocketAddrV4) -> Result<(), EbpfError> {
+        let mut ebpf = lock(&self.ebpf);
+        let program: &mut SchedClassifier = ebpf
+            .program_mut(UDP_PROGRAM)
+            .ok_or_else(|| EbpfError::Load(format!("the object has no program `{UDP_PROGRAM}`")))?
+            .try_into()
+            .map_err(|e| EbpfError::Load(chain(&e)))?;
+        program.load().map_err(|e| EbpfError::Load(chain(&e)))?;
+        // On kernels with TCX (6.6+) this is a link that goes with the program; on
+        // older ones aya needs the clsact qdisc, which may already exist.
+        let _ = aya::programs::tc::qdisc_add_clsact("lo");
+        program
+            .attach("lo", TcAttachType::Ingress)
+            .map_err(|e| EbpfError::Load(format!("attaching to lo ingress: {}", chain(&e))))?;
+        let redirect = UdpRedirect {
+            listen_ip: u32::from_ne_bytes(listen.ip().octets()),
+            origin_ip: u32::from_ne_bytes(origin.ip().octets()),
+            listen_port: listen.port().to_be(),
+            origin_port: origin.port().to_be(),
+            enabled: 1,
+        };
+        lock(&self.udp_config)
+            .set(0, redirect, 0)
+            .map_err(|e| EbpfError::Load(chain(&e)))
     }
 
     /// Links a client socket and its upstream, half-way: from now on the kernel

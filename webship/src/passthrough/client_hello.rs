@@ -242,7 +242,10 @@ mod tests {
             for n in 0..hello.len() {
                 assert_eq!(parse(&hello[..n]), Ok(Hello::Incomplete), "prefix {n}");
             }
-            assert!(matches!(parse(&fragment(hello, 3)), Ok(Hello::Complete { sni: Some(_) })));
+            assert!(matches!(
+                parse(&fragment(hello, 3)),
+                Ok(Hello::Complete { sni: Some(_) })
+            ));
         }
     }
 
@@ -304,7 +307,14 @@ mod tests {
         };
         let named = |n: &str| Ok(Hello::Complete { sni: Some(n.into()) });
         assert_eq!(with(b"abcd.e."), named("abcd.e"), "the root dot is dropped");
-        for bad in [b".......", b"a..b.ex", b".abc.ex", b"ab.ex..", b"ab_c.ex", b"ab\0c.ex"] {
+        for bad in [
+            b".......",
+            b"a..b.ex",
+            b".abc.ex",
+            b"ab.ex..",
+            b"ab_c.ex",
+            b"ab\0c.ex",
+        ] {
             assert_eq!(
                 with(bad),
                 Err(HelloError::BadServerName),

@@ -98,9 +98,20 @@ pub async fn run(
             origin = %udp.upstream,
             "HTTP/3 passthrough: every datagram goes to the QUIC origin"
         );
+        redirect_udp_in_kernel(
+            &config,
+            udp,
+            relay.local_addr().unwrap_or(local),
+            programs.as_deref(),
+        )?;
     }
+    let udp = match (&h3, &udp_relay) {
+        (Some(_), _) => " + udp for h3",
+        (None, Some(_)) => " + udp for h3 passthrough",
+        (None, None) => "",
+    };
     let relay_task = udp_relay.map(|relay| tokio::spawn(relay.run()));
-    announce(&config, &report, local, h3.is_some());
+    announce(&config, &report, local, udp);
 
     let (tx, rx) = watch::channel(false);
     let shutdown = Shutdown { rx };
@@ -234,6 +245,47 @@ fn load_programs(
     }
 }
 
+/// Hands HTTP/3 passthrough to the kernel when the UDP engine asks for eBPF (or
+/// `auto` finds it applicable and loaded). The userspace relay stays bound either
+/// way: it owns the port and carries whatever the classifier lets through.
+fn redirect_udp_in_kernel(
+    config: &Config,
+    udp: crate::config::UdpPassthrough,
+    listen: SocketAddr,
+    programs: Option<&crate::ebpf::Programs>,
+) -> Result<(), ServerError> {
+    use crate::config::UdpEngine;
+    let applies = UdpEngine::ebpf_applies(listen, udp.upstream);
+    let (Some(programs), SocketAddr::V4(listen), SocketAddr::V4(origin)) = (programs, listen, udp.upstream)
+    else {
+        if udp.engine == UdpEngine::Ebpf {
+            return Err(crate::ebpf::EbpfError::Load(
+                "the eBPF UDP redirect needs the programs loaded and IPv4 loopback addresses".into(),
+            )
+            .into());
+        }
+        tracing::info!(engine = "userspace", "HTTP/3 passthrough engine");
+        return Ok(());
+    };
+    if udp.engine == UdpEngine::Userspace || !applies {
+        tracing::info!(engine = "userspace", configured = %udp.engine, "HTTP/3 passthrough engine");
+        return Ok(());
+    }
+    match programs.redirect_udp(listen, origin) {
+        Ok(()) => {
+            tracing::info!(engine = "ebpf", configured = %udp.engine, "HTTP/3 passthrough engine");
+            Ok(())
+        }
+        Err(e) if udp.engine == UdpEngine::Ebpf || config.kernel.ebpf == crate::config::Policy::Required => {
+            Err(e.into())
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "eBPF UDP redirect not used: HTTP/3 passthrough is relayed in userspace");
+            Ok(())
+        }
+    }
+}
+
 /// Mirrors the daemon's passthrough counters into the pinned map twice a second.
 async fn publish_counters(programs: Arc<crate::ebpf::Programs>) {
     let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
@@ -291,7 +343,7 @@ async fn connection(
     }
 }
 
-fn announce(config: &Config, report: &Report, local: SocketAddr, h3: bool) {
+fn announce(config: &Config, report: &Report, local: SocketAddr, udp: &str) {
     let sites: Vec<String> = config
         .sites
         .iter()
@@ -300,7 +352,7 @@ fn announce(config: &Config, report: &Report, local: SocketAddr, h3: bool) {
     tracing::info!(
         "webship {} listening on https://{local} (tcp{}; workers {}; sites: {}; preflight: {})",
         env!("CARGO_PKG_VERSION"),
-        if h3 { " + udp for h3" } else { "" },
+        udp,
         config.workers,
         sites.join(", "),
         report.summary(),
