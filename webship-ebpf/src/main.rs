@@ -58,7 +58,10 @@ pub fn webship_splice(ctx: SkBuffContext) -> u32 {
         // Not linked (being set up or torn down): leave the bytes in the socket,
         // where the daemon reads them.
         count(Counter::RedirectFailures, 1);
-        debug!(&ctx, "splice: socket {} has no link, {} bytes left for userspace", cookie, len);
+        debug!(
+            &ctx,
+            "splice: socket {} has no link, {} bytes left for userspace", cookie, len
+        );
         return SK_PASS;
     };
     // SAFETY: `link` points into the map value for this socket, which only this

@@ -129,6 +129,10 @@ fn install_apt(packages: &[(&str, &str)]) -> anyhow::Result<()> {
 fn test(extra: &[String]) -> anyhow::Result<()> {
     install_deps()?;
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+    // The crates outside the workspace (their own toolchains build them).
+    for manifest in ["webship-ebpf/Cargo.toml", "fuzz/Cargo.toml"] {
+        run(cargo().args(["fmt", "--manifest-path", manifest, "--", "--check"]))?;
+    }
     // First, so that every build below embeds the programs.
     ebpf::build_ebpf()?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;

@@ -338,6 +338,28 @@ fn passthrough_engine_ebpf_and_udp_keys() {
         )),
         ["kernel.bpf_pin_dir"]
     );
+    // The eBPF UDP redirect needs loopback on both ends; naming it requires eBPF.
+    let config = f
+        .parse(&pass("udp_upstream = \"127.0.0.2:9443\"\nudp_engine = \"ebpf\"\n", true))
+        .unwrap();
+    assert_eq!(config.passthrough_udp.unwrap().engine, UdpEngine::Ebpf);
+    assert_eq!(config.kernel.ebpf, Policy::Required);
+    assert_eq!(
+        keys(pass("udp_upstream = \"10.0.0.20:443\"\nudp_engine = \"ebpf\"\n", true)),
+        ["reverse_proxy.udp_engine"]
+    );
+    assert_eq!(
+        keys(pass("udp_engine = \"userspace\"\n", false)),
+        ["reverse_proxy.udp_engine"]
+    );
+    assert!(UdpEngine::ebpf_applies(
+        "127.0.0.1:443".parse().unwrap(),
+        "127.0.0.5:8443".parse().unwrap()
+    ));
+    assert!(!UdpEngine::ebpf_applies(
+        "[::1]:443".parse().unwrap(),
+        "127.0.0.1:8443".parse().unwrap()
+    ));
     // Termination does not splice.
     let terminate = "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\npassthrough_engine = \"copy\"\n[reverse_proxy.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"10.0.0.20:80\"]\n";
     assert_eq!(keys(terminate.into()), ["reverse_proxy.passthrough_engine"]);
