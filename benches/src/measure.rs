@@ -26,7 +26,9 @@ use anyhow::{ensure, Context, Result};
 
 use crate::clients::{Clients, Protocol, Sample};
 use crate::fixture::{self, Fixture};
-use crate::proc::{clock_ticks_per_second, cpu_ticks, major_faults, udp_socket_drops, RssWatch};
+use crate::proc::{
+    clock_ticks_per_second, cpu_ticks, host_busy_ticks, major_faults, udp_socket_drops, RssWatch,
+};
 use crate::report::{Gap, Report, Series};
 use crate::servers::{self, Server, Settings, WebshipSpec};
 use crate::DownloadArgs;
@@ -37,6 +39,9 @@ pub const WEBSHIP_NO_GSO: &str = "webship gso=off";
 pub const WEBSHIP_SOCKMAP: &str = "webship sockmap";
 pub const WEBSHIP_SPLICE: &str = "webship splice";
 pub const WEBSHIP_COPY: &str = "webship copy";
+/// Passthrough h3 relayed by the daemon (plain `webship` uses the eBPF redirect
+/// where it applies, as it does here on loopback).
+pub const WEBSHIP_UDP_RELAY: &str = "webship udp=userspace";
 /// The passthrough origin: Webship serving the fixture directly over h1/h2/h3.
 pub const ORIGIN_WEBSHIP: &str = "origin webship";
 pub const NGINX: &str = "nginx";
@@ -240,6 +245,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
                 (WEBSHIP_SOCKMAP, "sockmap"),
                 (WEBSHIP_SPLICE, "splice"),
                 (WEBSHIP_COPY, "copy"),
+                (WEBSHIP_UDP_RELAY, "udp=userspace"),
             ] {
                 let engine_dir = dir(&format!("webship-passthrough-{engine}"))?;
                 let server = servers::start_webship_passthrough(
@@ -314,7 +320,9 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         Ok(server)
     };
     let serves = |server: &str, mode: Mode, protocol: Protocol| match server {
-        WEBSHIP | WEBSHIP_SOCKMAP | WEBSHIP_SPLICE | WEBSHIP_COPY => true,
+        WEBSHIP => true,
+        WEBSHIP_SOCKMAP | WEBSHIP_SPLICE | WEBSHIP_COPY => protocol != Protocol::H3,
+        WEBSHIP_UDP_RELAY => protocol == Protocol::H3,
         WEBSHIP_NO_GSO => protocol == Protocol::H3,
         peer => cell_gap(peer, mode, protocol, &nginx_version).is_none(),
     };
@@ -469,6 +477,7 @@ pub fn is_webship(server: &str) -> bool {
         WEBSHIP_SOCKMAP,
         WEBSHIP_SPLICE,
         WEBSHIP_COPY,
+        WEBSHIP_UDP_RELAY,
     ]
     .contains(&server)
 }
@@ -569,6 +578,7 @@ impl Bench<'_> {
         let origin_before = origin.map(|o| cpu_ticks(o.pid()));
         let faults_before = major_faults(server.pid());
         let before = cpu_ticks(server.pid());
+        let host_before = host_busy_ticks();
         let rss = RssWatch::start(server.pid());
         let timed = || -> Result<Sample> {
             let sample = self
@@ -581,6 +591,7 @@ impl Bench<'_> {
         };
         let result = timed();
         let after = cpu_ticks(server.pid());
+        let host = host_busy_ticks().saturating_sub(host_before);
         let peak_kib = rss.finish();
         let faults = major_faults(server.pid()).saturating_sub(faults_before);
         let origin_ticks = origin
@@ -593,7 +604,7 @@ impl Bench<'_> {
             }
             Ok(sample) => sample,
         };
-        series.add(&sample, after.saturating_sub(before), origin_ticks);
+        series.add(&sample, after.saturating_sub(before), origin_ticks, host);
         series.peak_rss_kib = series.peak_rss_kib.max(peak_kib);
         if protocol == Protocol::H3 {
             // The server's UDP socket lives across samples, so its counter is read as a difference.

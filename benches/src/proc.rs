@@ -20,6 +20,25 @@ pub fn cpu_ticks(pid: u32) -> u64 {
     total
 }
 
+/// Busy clock ticks of the whole host (every CPU's user, nice, system, irq and
+/// softirq time from /proc/stat): what a sample cost everyone, including kernel work
+/// no process is charged for (softirq, workqueues), such as sockmap redirection.
+pub fn host_busy_ticks() -> u64 {
+    std::fs::read_to_string("/proc/stat")
+        .ok()
+        .and_then(|stat| {
+            let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+            let fields: Vec<u64> = line
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|f| f.parse().ok())
+                .collect();
+            // user nice system idle iowait irq softirq steal ...
+            Some([0, 1, 2, 5, 6].iter().filter_map(|&i| fields.get(i)).sum())
+        })
+        .unwrap_or(0)
+}
+
 /// Major page faults (field 12 of proc(5) stat) of `pid` and every process below it.
 /// A sample during which this grows had the server wait on the disk, so it is rejected.
 pub fn major_faults(pid: u32) -> u64 {

@@ -27,6 +27,9 @@ pub struct Series {
     pub cpu_ticks: u64,
     /// The client's CPU (curl or h3-get), summed the same way.
     pub client_ticks: u64,
+    /// The whole host's busy CPU over the same samples (client, server, origin and
+    /// kernel work no process is charged for).
+    pub host_ticks: u64,
     /// Proxy mode: the origin's CPU over the same samples (None in direct mode).
     pub origin_ticks: Option<u64>,
     pub bytes: u64,
@@ -71,6 +74,7 @@ impl Series {
             mib_s: Vec::new(),
             cpu_ticks: 0,
             client_ticks: 0,
+            host_ticks: 0,
             origin_ticks: None,
             bytes: 0,
             udp_drops: None,
@@ -131,9 +135,10 @@ impl Series {
         )
     }
 
-    pub fn add(&mut self, sample: &Sample, server_ticks: u64, origin_ticks: Option<u64>) {
+    pub fn add(&mut self, sample: &Sample, server_ticks: u64, origin_ticks: Option<u64>, host_ticks: u64) {
         self.mib_s.push(sample.size as f64 / sample.seconds / MIB);
         self.cpu_ticks += server_ticks;
+        self.host_ticks += host_ticks;
         if let Some(ticks) = origin_ticks {
             *self.origin_ticks.get_or_insert(0) += ticks;
         }
@@ -347,12 +352,12 @@ impl Report {
             let _ = writeln!(
                 out,
                 "| server | protocol | accepted | rejected | median MiB/s | CV % | min | max | server CPU-s/GB | \
-                 client CPU-s/GB |{} peak RSS MiB | TLS / transport (checked download) |",
+                 client CPU-s/GB |{} host CPU-s/GB | peak RSS MiB | TLS / transport (checked download) |",
                 if proxy { " origin CPU-s/GB |" } else { "" }
             );
             let _ = writeln!(
                 out,
-                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|{}---:|---|",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|{}---:|---:|---|",
                 if proxy { "---:|" } else { "" }
             );
             for s in self.series.iter().filter(|s| s.mode == mode) {
@@ -365,7 +370,7 @@ impl Report {
                 };
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {} | {:.1} | {:.1} | {min:.1} | {max:.1} | {:.3} | {:.3} |{origin} {:.1} | {} |",
+                    "| {} | {} | {} | {} | {:.1} | {:.1} | {min:.1} | {max:.1} | {:.3} | {:.3} |{origin} {:.3} | {:.1} | {} |",
                     s.server,
                     s.protocol.label(),
                     s.accepted(),
@@ -374,6 +379,7 @@ impl Report {
                     s.cv_percent(),
                     s.per_gb(s.cpu_ticks, self.ticks_per_s),
                     s.per_gb(s.client_ticks, self.ticks_per_s),
+                    s.per_gb(s.host_ticks, self.ticks_per_s),
                     s.peak_rss_mib(),
                     s.transport()
                 );

@@ -207,7 +207,8 @@ pub fn start_webship_proxy(spec: &WebshipSpec<'_>, s: &Settings<'_>, origin_port
 
 /// Webship passing TLS through, by SNI `localhost`, to the TLS origin on
 /// `origin_port` (TCP for h1/h2, UDP for h3), with the given engine ("auto",
-/// "sockmap", "splice" or "copy"). Its counter maps are pinned in a folder of its own.
+/// "sockmap", "splice", "copy", or "udp=userspace" for the userspace UDP relay).
+/// Its counter maps are pinned in a folder of its own.
 pub fn start_webship_passthrough(
     spec: &WebshipSpec<'_>,
     s: &Settings<'_>,
@@ -215,9 +216,14 @@ pub fn start_webship_passthrough(
     engine: &str,
 ) -> Result<Server> {
     let port = free_port()?;
+    // "udp=userspace": the default TCP engine, HTTP/3 relayed by the daemon.
+    let (engine, udp_engine) = match engine {
+        "udp=userspace" => ("auto", "userspace"),
+        tcp => (tcp, "auto"),
+    };
     let serve = format!(
         "[reverse_proxy]\nenabled = true\ntls_termination = false\npassthrough_engine = {engine:?}\n\
-         udp_upstream = \"127.0.0.1:{origin_port}\"\n\n\
+         udp_upstream = \"127.0.0.1:{origin_port}\"\nudp_engine = {udp_engine:?}\n\n\
          [[reverse_proxy.routes]]\ndomain = \"localhost\"\n\
          upstreams = [\"127.0.0.1:{origin_port}\"]\n",
     );

@@ -340,12 +340,18 @@ fn passthrough_engine_ebpf_and_udp_keys() {
     );
     // The eBPF UDP redirect needs loopback on both ends; naming it requires eBPF.
     let config = f
-        .parse(&pass("udp_upstream = \"127.0.0.2:9443\"\nudp_engine = \"ebpf\"\n", true))
+        .parse(&pass(
+            "udp_upstream = \"127.0.0.2:9443\"\nudp_engine = \"ebpf\"\n",
+            true,
+        ))
         .unwrap();
     assert_eq!(config.passthrough_udp.unwrap().engine, UdpEngine::Ebpf);
     assert_eq!(config.kernel.ebpf, Policy::Required);
     assert_eq!(
-        keys(pass("udp_upstream = \"10.0.0.20:443\"\nudp_engine = \"ebpf\"\n", true)),
+        keys(pass(
+            "udp_upstream = \"10.0.0.20:443\"\nudp_engine = \"ebpf\"\n",
+            true
+        )),
         ["reverse_proxy.udp_engine"]
     );
     assert_eq!(
