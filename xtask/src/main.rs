@@ -197,6 +197,7 @@ fn fuzz(seconds: Option<&str>) -> anyhow::Result<()> {
 const BENCH_APT: &[(&str, &str)] = &[
     ("haproxy", "haproxy"),
     ("lighttpd", "lighttpd"),
+    ("/usr/lib/lighttpd/mod_openssl.so", "lighttpd-mod-openssl"),
     ("caddy", "caddy"),
     (
         "/usr/lib/nginx/modules/ngx_stream_module.so",
