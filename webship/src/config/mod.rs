@@ -273,7 +273,7 @@ pub struct Kernel {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Engine {
-    /// The measured best on this kind of host (see `passthrough::AUTO_ENGINE`).
+    /// Each direction copies its first MiB, then splices (see `passthrough::resolve`).
     #[default]
     Auto,
     /// eBPF `sk_skb` redirection between the two sockets: bytes never reach

@@ -6,6 +6,7 @@
 //!
 //! Three engines move the bytes once the upstream is connected, behind one
 //! interface ([`Passthrough::forward`]):
+//! - `auto` (the default): `copy` for each direction's first MiB, then `splice`;
 //! - `copy`: userspace reads and writes with two 256 KiB buffers per connection;
 //! - `splice`: `splice(2)` through a pipe per direction, so payload pages go from
 //!   one socket to the other without a copy into userspace ([`splice`]);
@@ -33,10 +34,6 @@ use client_hello::{Hello, HelloError, MAX_HELLO};
 
 /// Per-direction copy buffer of the `copy` engine.
 const COPY_BUFFER: usize = 256 * 1024;
-
-/// What `engine = "auto"` runs, chosen by measurement on this project's reference
-/// host (see docs/benchmarks.md, "Passthrough engines").
-pub const AUTO_ENGINE: Engine = Engine::Splice;
 
 static COUNTS: [AtomicU64; COUNTERS as usize] = [const { AtomicU64::new(0) }; COUNTERS as usize];
 
@@ -202,7 +199,8 @@ impl Passthrough {
             (Engine::Sockmap, Some(programs)) => {
                 sockmap::run(programs, client, tcp, self.drain_timeout).await
             }
-            (Engine::Splice, _) => splice::run(client, tcp).await,
+            (Engine::Splice, _) => splice::run(client, tcp, 0).await,
+            (Engine::Auto, _) => splice::run(client, tcp, splice::ADAPTIVE_COPY_BYTES).await,
             _ => copy(client, tcp).await,
         };
         if let Err(e) = result {
@@ -221,12 +219,14 @@ async fn copy(mut client: TcpStream, mut upstream: TcpStream) -> std::io::Result
     Ok(())
 }
 
-/// The engine to run for `configured`: `auto` becomes [`AUTO_ENGINE`] when that
-/// engine can run here, else the best userspace one.
+/// The engine to run for `configured`. `auto` stays itself: each direction copies
+/// its first [`splice::ADAPTIVE_COPY_BYTES`], then splices — chosen by measurement
+/// (docs/benchmarks.md, "TLS passthrough"): `sockmap` was slower than both userspace
+/// engines here for bulk and for small messages, `splice` matches `copy` on bulk
+/// with less CPU, and `copy` wins on small messages.
 pub fn resolve(configured: Engine, ebpf_usable: bool) -> Engine {
     match configured {
-        Engine::Auto if AUTO_ENGINE == Engine::Sockmap && !ebpf_usable => Engine::Splice,
-        Engine::Auto => AUTO_ENGINE,
+        Engine::Sockmap if !ebpf_usable => Engine::Auto,
         other => other,
     }
 }

@@ -2,6 +2,12 @@
 //! `splice(2)`, so payload pages are handed between the two sockets inside the
 //! kernel and never copied into a userspace buffer. One pipe per direction, sized
 //! [`PIPE_BYTES`].
+//!
+//! It also runs the `auto` engine, which copies a direction's first
+//! [`ADAPTIVE_COPY_BYTES`] through a small userspace buffer and only then switches
+//! that direction to `splice`: for small messages two splices and a pipe cost more
+//! than one read and one write (measured: 200 connections of 1 KiB requests ran
+//! 25 % faster copied), while bulk transfers spend less CPU spliced.
 
 use std::io;
 
@@ -13,23 +19,35 @@ use super::{count, Counter};
 /// Pipe capacity per direction: as much as one splice moves.
 const PIPE_BYTES: usize = 1024 * 1024;
 
+/// `auto`: bytes of a direction copied before it switches to `splice`.
+pub const ADAPTIVE_COPY_BYTES: u64 = 1024 * 1024;
+/// `auto`: the copy buffer of a direction, freed when it switches.
+const ADAPTIVE_BUFFER: usize = 64 * 1024;
+
+/// Splices both directions; with `copy_first`, each direction copies that many
+/// bytes first (the `auto` engine).
 #[cfg(target_os = "linux")]
-pub(super) async fn run(client: TcpStream, upstream: TcpStream) -> io::Result<()> {
-    let up = one_way(&client, &upstream, Counter::BytesUp);
-    let down = one_way(&upstream, &client, Counter::BytesDown);
+pub(super) async fn run(client: TcpStream, upstream: TcpStream, copy_first: u64) -> io::Result<()> {
+    let up = one_way(&client, &upstream, Counter::BytesUp, copy_first);
+    let down = one_way(&upstream, &client, Counter::BytesDown, copy_first);
     tokio::try_join!(up, down).map(drop)
 }
 
 #[cfg(not(target_os = "linux"))]
-pub(super) async fn run(client: TcpStream, upstream: TcpStream) -> io::Result<()> {
+pub(super) async fn run(client: TcpStream, upstream: TcpStream, _copy_first: u64) -> io::Result<()> {
     super::copy(client, upstream).await
 }
 
 /// Moves everything `from` receives to `to` until `from`'s FIN, then half-closes
 /// `to`. An error (a reset on either side) ends it, and `try_join!` the other way.
 #[cfg(target_os = "linux")]
-async fn one_way(from: &TcpStream, to: &TcpStream, counter: Counter) -> io::Result<()> {
+async fn one_way(from: &TcpStream, to: &TcpStream, counter: Counter, copy_first: u64) -> io::Result<()> {
     use rustix::pipe::{fcntl_setpipe_size, pipe_with, splice, PipeFlags, SpliceFlags};
+
+    if copy_first > 0 && !copy_some(from, to, counter, copy_first).await? {
+        let _ = rustix::net::shutdown(to, rustix::net::Shutdown::Write);
+        return Ok(());
+    }
 
     let (pipe_out, pipe_in) = pipe_with(PipeFlags::CLOEXEC | PipeFlags::NONBLOCK)?;
     // Above /proc/sys/fs/pipe-max-size only with CAP_SYS_RESOURCE: then keep the
@@ -66,4 +84,34 @@ async fn one_way(from: &TcpStream, to: &TcpStream, counter: Counter) -> io::Resu
         }
         count(counter, filled as u64);
     }
+}
+
+/// Copies until `limit` bytes have moved (`true`: switch to splicing) or `from`
+/// ends first (`false`).
+#[cfg(target_os = "linux")]
+async fn copy_some(from: &TcpStream, to: &TcpStream, counter: Counter, limit: u64) -> io::Result<bool> {
+    let mut buf = vec![0u8; ADAPTIVE_BUFFER];
+    let mut moved = 0u64;
+    while moved < limit {
+        from.readable().await?;
+        let n = match from.try_read(&mut buf) {
+            Ok(0) => return Ok(false),
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        let mut data = &buf[..n];
+        while !data.is_empty() {
+            to.writable().await?;
+            match to.try_write(data) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(w) => data = &data[w..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        moved += n as u64;
+        count(counter, n as u64);
+    }
+    Ok(true)
 }
