@@ -588,7 +588,7 @@ async fn a_half_closed_origin_ends_both_sides_cleanly() {
     let hello = client_hello(&env, "raw.pass");
     let reply = crate::support::pattern(16 << 20);
     let tail = crate::support::pattern(700_000);
-    for engine in ["sockmap", "splice", "copy"] {
+    for engine in ["auto", "sockmap", "splice", "copy"] {
         let (origin, task) = half_closing_origin(hello.len(), reply.clone()).await;
         let front = Server::start(env.dir.path(), &passthrough_only(origin, engine));
         let mut tcp = TcpStream::connect(front.addr()).await.unwrap();
@@ -636,7 +636,7 @@ async fn a_half_closed_origin_ends_both_sides_cleanly() {
 async fn a_client_reset_ends_the_upstream_side() {
     let env = Env::new();
     let hello = client_hello(&env, "raw.pass");
-    for engine in ["sockmap", "splice", "copy"] {
+    for engine in ["auto", "sockmap", "splice", "copy"] {
         // An origin that keeps sending until the peer goes away.
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let origin = listener.local_addr().unwrap();
