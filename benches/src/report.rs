@@ -152,7 +152,7 @@ impl Series {
         let mid = sorted.len() / 2;
         if sorted.is_empty() {
             0.0
-        } else if sorted.len() % 2 == 0 {
+        } else if sorted.len().is_multiple_of(2) {
             (sorted[mid - 1] + sorted[mid]) / 2.0
         } else {
             sorted[mid]
