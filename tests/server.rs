@@ -82,10 +82,12 @@ impl Server {
     }
 
     /// Like [`Server::wait_listening`], but `false` when the process exited instead.
+    /// "Listening" also needs the start-up line, which webship logs once its UDP
+    /// side (h3, or passthrough's redirect) is ready too, after TCP accepts.
     fn try_wait_listening(&mut self) -> bool {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
-            if listening(self.port) {
+            if listening(self.port) && self.log().contains("listening on") {
                 return true;
             }
             if let Ok(Some(_)) = self.child.try_wait() {
@@ -119,7 +121,7 @@ impl Server {
     pub fn wait_listening(&mut self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
-            if listening(self.port) {
+            if listening(self.port) && self.log().contains("listening on") {
                 return;
             }
             if let Ok(Some(status)) = self.child.try_wait() {

@@ -417,15 +417,13 @@ upstreams = ["{origin}"]
     // it must pass every packet on, not end the chain.
     let _decoy = (udp_engine == "ebpf").then(&start_front);
     let front = start_front();
-    let got = fetch_h3(
-        front.addr(),
-        "a.pass",
-        env.client(b"h3"),
-        "GET",
-        "/fixture.bin",
-        &[],
-    )
-    .await;
+    let (addr, client) = (front.addr(), env.client(b"h3"));
+    let fetched =
+        tokio::spawn(async move { fetch_h3(addr, "a.pass", client, "GET", "/fixture.bin", &[]).await });
+    let got = match fetched.await {
+        Ok(got) => got,
+        Err(e) => panic!("{e}\nFRONT:\n{}\nORIGIN:\n{}", front.log(), origin.log()),
+    };
     assert_eq!(got.status, 200, "{}", front.log());
     assert_eq!(got.len, FIXTURE_LEN);
     assert_eq!(hex(&got.sha256), hex(&fixture().sha256));

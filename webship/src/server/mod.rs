@@ -85,6 +85,12 @@ pub async fn run(
         Some(tls) => Some(H3Endpoint::bind(local, tls, &config.h3, &config.limits)?),
         None => None,
     };
+    // The kernel redirect goes in before the relay socket exists: a datagram the
+    // relay took first would start that client's flow on the other path, and the
+    // rest of the flow, redirected, would reach the origin from another address.
+    if let Some(udp) = config.passthrough_udp {
+        redirect_udp_in_kernel(&config, udp, local, programs.as_deref())?;
+    }
     let udp_relay = match config.passthrough_udp {
         Some(udp) => Some(
             UdpRelay::bind(local, udp, config.limits.max_connections)
@@ -98,12 +104,6 @@ pub async fn run(
             origin = %udp.upstream,
             "HTTP/3 passthrough: every datagram goes to the QUIC origin"
         );
-        redirect_udp_in_kernel(
-            &config,
-            udp,
-            relay.local_addr().unwrap_or(local),
-            programs.as_deref(),
-        )?;
     }
     let udp = match (&h3, &udp_relay) {
         (Some(_), _) => " + udp for h3",
