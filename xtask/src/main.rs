@@ -89,9 +89,40 @@ pub(crate) fn is_root() -> bool {
         .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
 }
 
-/// Installs the missing Debian packages; without root it says what to install.
+/// PyPI packages the tests drive: (module that proves it, pinned requirement).
+const PYPI: &[(&str, &str)] = &[("aioquic", "aioquic==1.7.2")];
+
+/// Installs the missing Debian and PyPI packages; without root it says what to
+/// install.
 fn install_deps() -> anyhow::Result<()> {
-    install_apt(APT)
+    install_apt(APT)?;
+    install_pypi(PYPI)
+}
+
+/// Installs the PyPI packages whose module `python3` cannot import, for the same
+/// `python3` the tests run (Debian's marks itself externally managed: then pip needs
+/// `--break-system-packages`).
+fn install_pypi(packages: &[(&str, &str)]) -> anyhow::Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .filter(|(module, _)| {
+            !Command::new("python3")
+                .args(["-c", &format!("import {module}")])
+                .status()
+                .is_ok_and(|s| s.success())
+        })
+        .map(|(_, requirement)| *requirement)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let pip = |extra: &[&str]| {
+        run(Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args(extra)
+            .args(&missing))
+    };
+    pip(&[]).or_else(|_| pip(&["--break-system-packages"]))
 }
 
 /// Installs the packages whose command (or file, for an absolute path) is missing.
