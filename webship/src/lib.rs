@@ -19,3 +19,4 @@ pub mod server;
 pub mod service;
 pub mod sys;
 pub mod tls;
+pub mod webtransport;

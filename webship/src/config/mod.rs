@@ -109,6 +109,60 @@ pub struct Site {
     pub serve: Serve,
     pub protocols: Protocols,
     pub tls: TlsSource,
+    /// The diagnostic WebTransport endpoint, when the site enables one.
+    pub webtransport: Option<WebTransport>,
+}
+
+/// A site's bounded WebTransport diagnostic endpoint (`[sites.webtransport]`).
+///
+/// Every limit closes the offending session with its own WebTransport error code and
+/// counts it; none of them is unbounded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebTransport {
+    /// The path of the extended CONNECT (a GET there returns the endpoint's counters).
+    pub path: String,
+    /// Exact `Origin` values a session may come from; `"*"` admits any, and requests
+    /// without an `Origin` (non-browser clients) only then.
+    pub allowed_origins: Vec<String>,
+    /// Which of echo, sink and source clients may ask for (`?mode=`).
+    pub modes: Vec<WtMode>,
+    /// Concurrent sessions on this site.
+    pub max_sessions: usize,
+    /// Concurrent streams the client has open in one session.
+    pub max_streams_per_session: usize,
+    /// The largest capsule accepted (HTTP/3 session control; HTTP/2 carries streams
+    /// and datagrams in capsules too).
+    pub max_capsule_bytes: usize,
+    /// The largest datagram payload accepted or sent.
+    pub max_datagram_bytes: usize,
+    /// Datagrams a session may send us per second (a one-second token bucket).
+    pub max_datagrams_per_sec: u32,
+    /// Bytes a session may move, both ways, streams and datagrams together.
+    pub max_session_bytes: u64,
+    /// A session with no stream or datagram activity for this long is closed.
+    pub idle_timeout: Duration,
+}
+
+/// What the diagnostic endpoint does with a session's traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WtMode {
+    /// Streams and datagrams come back as they arrive.
+    Echo,
+    /// Everything is counted and discarded; a stream's reply is the session's totals.
+    Sink,
+    /// Bytes or datagrams are generated on request (see `webtransport::diag`).
+    Source,
+}
+
+impl WtMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Echo => "echo",
+            Self::Sink => "sink",
+            Self::Source => "source",
+        }
+    }
 }
 
 /// What a site does with a request.
@@ -498,6 +552,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
             tls: TlsSource::SelfSigned {
                 names: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
             },
+            webtransport: None,
         }],
         kernel: Kernel {
             ktls: Policy::Auto,
@@ -612,12 +667,17 @@ impl Validator<'_> {
                 Some(p) => self.protocols(&format!("{key}.protocols"), Some(p)),
                 None => top_protocols,
             };
+            let webtransport = site
+                .webtransport
+                .as_ref()
+                .and_then(|w| self.webtransport(&format!("{key}.webtransport"), w, protocols));
             if let (Some(root), Some(tls)) = (root, tls) {
                 sites.push(Site {
                     domain,
                     serve: Serve::Files(root),
                     protocols,
                     tls,
+                    webtransport,
                 });
             }
         }
@@ -638,11 +698,16 @@ impl Validator<'_> {
                     TlsSource::SelfSigned { names: Vec::new() }
                 }
             };
+            let webtransport = raw
+                .webtransport
+                .as_ref()
+                .and_then(|w| self.webtransport("webtransport", w, top_protocols));
             sites.push(Site {
                 domain: DomainPattern::Any,
                 serve: Serve::Files(root),
                 protocols: top_protocols,
                 tls,
+                webtransport,
             });
         } else if sites.is_empty() && passthrough.is_empty() && self.problems.is_empty() {
             self.problem(
@@ -812,6 +877,7 @@ impl Validator<'_> {
                 serve: Serve::Proxy(routes),
                 protocols,
                 tls: tls.clone(),
+                webtransport: None,
             });
         }
         (Vec::new(), None)
@@ -1177,6 +1243,119 @@ impl Validator<'_> {
             );
         }
         p
+    }
+
+    fn webtransport(
+        &mut self,
+        key: &str,
+        raw: &raw::RawWebTransport,
+        protocols: Protocols,
+    ) -> Option<WebTransport> {
+        let problems = self.problems.len();
+        if !protocols.h3 && !protocols.h2 {
+            self.problem(
+                key,
+                "WebTransport needs HTTP/3 or HTTP/2, and the site serves neither",
+                "enable h3 (and h2 for the older clients) in the site's protocols",
+            );
+        }
+        let path = raw.path.clone().unwrap_or_else(|| "/webtransport".into());
+        if !path.starts_with('/') || path.contains(['?', '#']) || path.contains(char::is_whitespace) {
+            self.problem(
+                format!("{key}.path"),
+                format!("`{path}` is not a plain absolute path"),
+                "use a path such as \"/webtransport\" (no query, no spaces)",
+            );
+        }
+        let allowed_origins = raw.allowed_origins.clone().unwrap_or_default();
+        if allowed_origins.is_empty() {
+            self.problem(
+                format!("{key}.allowed_origins"),
+                "no origin may open a session",
+                "list the origins, such as [\"https://app.example.com\"], or [\"*\"] for any",
+            );
+        }
+        for origin in &allowed_origins {
+            let ok = origin == "*"
+                || http::Uri::try_from(origin.as_str()).is_ok_and(|u| {
+                    u.scheme().is_some() && u.host().is_some() && u.path() == "/" && !origin.ends_with('/')
+                });
+            if !ok {
+                self.problem(
+                    format!("{key}.allowed_origins"),
+                    format!("`{origin}` is not an origin"),
+                    "write scheme://host[:port] with no path, as browsers send it, or \"*\"",
+                );
+            }
+        }
+        let modes = raw
+            .modes
+            .clone()
+            .unwrap_or_else(|| vec![WtMode::Echo, WtMode::Sink, WtMode::Source]);
+        if modes.is_empty() {
+            self.problem(
+                format!("{key}.modes"),
+                "no mode is allowed",
+                "allow at least one of \"echo\", \"sink\", \"source\"",
+            );
+        }
+        let mut range = |name: &str, v: Option<u64>, default: u64, lo: u64, hi: u64| -> u64 {
+            match v {
+                None => default,
+                Some(v) if (lo..=hi).contains(&v) => v,
+                Some(v) => {
+                    self.problem(
+                        format!("{key}.{name}"),
+                        format!("{v} is out of range"),
+                        format!("use {lo} to {hi}"),
+                    );
+                    default
+                }
+            }
+        };
+        let wt = WebTransport {
+            path,
+            allowed_origins,
+            modes,
+            max_sessions: range("max_sessions", raw.max_sessions.map(|v| v as u64), 16, 1, 100_000) as usize,
+            max_streams_per_session: range(
+                "max_streams_per_session",
+                raw.max_streams_per_session.map(|v| v as u64),
+                32,
+                1,
+                10_000,
+            ) as usize,
+            max_capsule_bytes: range(
+                "max_capsule_bytes",
+                raw.max_capsule_bytes.map(|v| v as u64),
+                64 * 1024,
+                1024,
+                16 * 1024 * 1024,
+            ) as usize,
+            max_datagram_bytes: range(
+                "max_datagram_bytes",
+                raw.max_datagram_bytes.map(|v| v as u64),
+                1200,
+                16,
+                65_535,
+            ) as usize,
+            max_datagrams_per_sec: range(
+                "max_datagrams_per_sec",
+                raw.max_datagrams_per_sec.map(u64::from),
+                100_000,
+                1,
+                10_000_000,
+            ) as u32,
+            max_session_bytes: range("max_session_bytes", raw.max_session_bytes, 1 << 30, 1, u64::MAX),
+            idle_timeout: Duration::from_secs(range(
+                "idle_timeout_secs",
+                raw.idle_timeout_secs,
+                30,
+                1,
+                86_400,
+            )),
+        };
+        (self.problems.len() == problems).then_some(wt)
     }
 
     fn limits(&mut self, raw: raw::RawLimits) -> Limits {

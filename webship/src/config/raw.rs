@@ -21,6 +21,8 @@ pub(super) struct RawConfig {
     pub log: Option<RawLog>,
     pub runtime: Option<RawRuntime>,
     pub reverse_proxy: Option<RawReverseProxy>,
+    /// The diagnostic WebTransport endpoint of the top-level `root` site.
+    pub webtransport: Option<RawWebTransport>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -73,6 +75,23 @@ pub(super) struct RawSite {
     pub root: Option<PathBuf>,
     pub protocols: Option<RawProtocols>,
     pub tls: Option<RawTls>,
+    pub webtransport: Option<RawWebTransport>,
+}
+
+/// `[sites.webtransport]`: the bounded diagnostic endpoint; absent means off.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawWebTransport {
+    pub path: Option<String>,
+    pub allowed_origins: Option<Vec<String>>,
+    pub modes: Option<Vec<super::WtMode>>,
+    pub max_sessions: Option<usize>,
+    pub max_streams_per_session: Option<usize>,
+    pub max_capsule_bytes: Option<usize>,
+    pub max_datagram_bytes: Option<usize>,
+    pub max_datagrams_per_sec: Option<u32>,
+    pub max_session_bytes: Option<u64>,
+    pub idle_timeout_secs: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy, Deserialize)]

@@ -23,6 +23,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::config::{Config, H3Settings, Limits, Policy};
 use crate::server::Shutdown;
 use crate::service::{Body, RequestHead, Segment, Service};
+use crate::webtransport::h3::WtConn;
 use congestion::{BulkSignal, SwitchingFactory};
 
 /// File bytes per DATA frame production step.
@@ -30,6 +31,8 @@ pub const FILE_CHUNK: usize = 128 * 1024;
 /// Kernel socket buffers for the UDP socket; bulk QUIC needs far more than the
 /// defaults to absorb bursts (best effort: capped by net.core.{r,w}mem_max).
 const UDP_BUFFER_BYTES: usize = 8 * 1024 * 1024;
+/// QUIC datagrams queued per connection each way (WebTransport only).
+const DATAGRAM_BUFFER_BYTES: usize = 2 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum H3Error {
@@ -55,6 +58,9 @@ pub struct H3Context {
     pub bbr: bool,
     pub access_log: bool,
     pub shutdown: Shutdown,
+    /// Sessions one connection may hold when some site has a WebTransport
+    /// endpoint; 0 when none does (then nothing WebTransport is offered).
+    pub webtransport_sessions: usize,
 }
 
 impl H3Context {
@@ -66,6 +72,13 @@ impl H3Context {
             bbr: config.kernel.bbr != Policy::Off,
             access_log: config.access_log,
             shutdown,
+            webtransport_sessions: config
+                .sites
+                .iter()
+                .filter_map(|s| s.webtransport.as_ref().filter(|_| s.protocols.h3))
+                .map(|w| w.max_sessions)
+                .max()
+                .unwrap_or(0),
         }
     }
 }
@@ -87,7 +100,12 @@ impl H3Endpoint {
     ) -> Result<Self, H3Error> {
         let crypto = QuicServerConfig::try_from(tls).map_err(|e| H3Error::Crypto(e.to_string()))?;
         let mut base = quinn::ServerConfig::with_crypto(Arc::new(crypto));
-        base.transport_config(Arc::new(transport(settings, limits, BulkSignal::default())));
+        base.transport_config(Arc::new(transport(
+            settings,
+            limits,
+            false,
+            BulkSignal::default(),
+        )));
         let socket = udp_socket(addr).map_err(|source| H3Error::Bind { addr, source })?;
         let endpoint = quinn::Endpoint::new(
             quinn::EndpointConfig::default(),
@@ -135,7 +153,13 @@ impl H3Endpoint {
             // One controller factory per connection carries that connection's signal.
             let signal = BulkSignal::default();
             let mut config = self.base.clone();
-            config.transport_config(Arc::new(transport(&ctx.settings, &ctx.limits, signal.clone())));
+            let webtransport = ctx.webtransport_sessions > 0;
+            config.transport_config(Arc::new(transport(
+                &ctx.settings,
+                &ctx.limits,
+                webtransport,
+                signal.clone(),
+            )));
             let peer = incoming.remote_address();
             match incoming.accept_with(Arc::new(config)) {
                 Ok(connecting) => {
@@ -168,11 +192,25 @@ fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
     Ok(socket.into())
 }
 
-fn transport(settings: &H3Settings, limits: &Limits, signal: BulkSignal) -> quinn::TransportConfig {
+fn transport(
+    settings: &H3Settings,
+    limits: &Limits,
+    webtransport: bool,
+    signal: BulkSignal,
+) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
+    // Control and two QPACK streams, plus headroom for extensions; WebTransport
+    // sessions open unidirectional streams of their own.
+    let uni = if webtransport {
+        settings.max_concurrent_streams.max(8)
+    } else {
+        8
+    };
     t.max_concurrent_bidi_streams(settings.max_concurrent_streams.into())
-        // Control and two QPACK streams, plus headroom for extensions.
-        .max_concurrent_uni_streams(8u32.into())
+        .max_concurrent_uni_streams(uni.into())
+        // QUIC datagrams only carry WebTransport's; without it none are accepted.
+        .datagram_receive_buffer_size(webtransport.then_some(DATAGRAM_BUFFER_BYTES))
+        .datagram_send_buffer_size(DATAGRAM_BUFFER_BYTES)
         .stream_receive_window(settings.stream_receive_window_bytes.into())
         .receive_window(settings.receive_window_bytes.into())
         .send_window(settings.send_window_bytes)
@@ -206,20 +244,39 @@ async fn connection(
         .as_deref()
         .and_then(|name| sites.lookup(name))
         .unwrap_or_else(|| ctx.service.default_site());
-    let mut h3 = match h3::server::builder()
-        .max_field_section_size(ctx.limits.max_header_bytes as u64)
-        .build::<_, Bytes>(h3_quinn::Connection::new(conn))
-        .await
-    {
+    let quic = conn.clone();
+    let mut builder = h3::server::builder();
+    builder.max_field_section_size(ctx.limits.max_header_bytes as u64);
+    if ctx.webtransport_sessions > 0 {
+        // draft-02's ENABLE_WEBTRANSPORT (what Chromium and aioquic check) and the
+        // later WEBTRANSPORT_MAX_SESSIONS both go out.
+        builder
+            .enable_webtransport(true)
+            .enable_extended_connect(true)
+            .enable_datagram(true)
+            .max_webtransport_sessions(ctx.webtransport_sessions as u64);
+    }
+    let mut h3 = match builder.build::<_, Bytes>(h3_quinn::Connection::new(conn)).await {
         Ok(h3) => h3,
         Err(e) => return tracing::debug!(%peer, error = %e, "h3: connection setup failed"),
     };
     let permit = Arc::new(permit);
+    let wt = (ctx.webtransport_sessions > 0).then(|| WtConn::new(quic));
     let mut shutdown = ctx.shutdown.clone();
     let mut closing = false;
     loop {
+        let accept = std::future::poll_fn(|cx| {
+            let polled = h3.poll_accept_request_stream(cx);
+            // Polling also accepts unidirectional streams: WebTransport's wait here.
+            if let Some(wt) = &wt {
+                for (session, stream) in h3.inner.accepted_streams_mut().wt_uni_streams.drain(..) {
+                    wt.route_uni(session, stream);
+                }
+            }
+            polled
+        });
         let accepted = tokio::select! {
-            accepted = h3.accept() => accepted,
+            accepted = accept => accepted.map(|s| s.map(|s| h3.create_resolver(h3::frame::FrameStream::new(h3::stream::BufRecvStream::new(s))))),
             () = shutdown.requested(), if !closing => {
                 closing = true;
                 // GOAWAY: no new requests; those in flight finish.
@@ -235,8 +292,9 @@ async fn connection(
                 let signal = signal.clone();
                 // Each request keeps the connection's permit alive until it is done.
                 let permit = permit.clone();
+                let wt = wt.clone();
                 tokio::spawn(async move {
-                    request(resolver, &ctx, &signal, peer, tls_site).await;
+                    request(resolver, &ctx, &signal, peer, tls_site, wt).await;
                     drop(permit);
                 });
             }
@@ -346,13 +404,23 @@ impl http_body::Body for H3Body {
 }
 
 async fn request(
-    resolver: Resolver,
+    mut resolver: Resolver,
     ctx: &H3Context,
     signal: &BulkSignal,
     peer: SocketAddr,
     tls_site: usize,
+    wt: Option<Arc<WtConn>>,
 ) {
-    let (req, stream) = match resolver.resolve_request().await {
+    let first = std::future::poll_fn(|cx| resolver.frame_stream.poll_next(cx)).await;
+    if let (Some(wt), Ok(Some(h3::proto::frame::Frame::WebTransportStream(session)))) = (&wt, &first) {
+        wt.route_bidi(*session, resolver.frame_stream.into_inner());
+        return;
+    }
+    let resolved = match resolver.accept_with_frame(first) {
+        Ok(resolved) => resolved.resolve().await,
+        Err(e) => Err(e),
+    };
+    let (req, mut stream) = match resolved {
         Ok(r) => r,
         Err(e) => return tracing::debug!(%peer, error = %e, "h3: bad request"),
     };
@@ -366,6 +434,41 @@ async fn request(
         peer,
         body_forwardable: true,
     };
+    let webtransport = parts.method == http::Method::CONNECT
+        && parts.extensions.get::<h3::ext::Protocol>() == Some(&h3::ext::Protocol::WEB_TRANSPORT);
+    if let (true, Some(wt)) = (webtransport, wt) {
+        let admitted = match ctx.service.webtransport(&head) {
+            Some(endpoint) => endpoint.admit(&parts.uri, &parts.headers),
+            None => Err(crate::webtransport::Refusal {
+                status: http::StatusCode::NOT_FOUND,
+                reason: "no WebTransport endpoint here",
+            }),
+        };
+        if ctx.access_log {
+            let status = admitted.as_ref().map_or_else(|r| r.status.as_u16(), |_| 200);
+            tracing::info!(target: "access", %peer, proto = "h3", method = "CONNECT",
+                protocol = "webtransport", uri = %parts.uri, status);
+        }
+        match admitted {
+            Ok(admission) => {
+                let on_bulk = || {
+                    if ctx.bbr && signal.raise() {
+                        tracing::info!(%peer, "h3: WebTransport session, connection switches to BBR");
+                    }
+                };
+                crate::webtransport::h3::run(wt, admission, stream, on_bulk, ctx.shutdown.clone()).await;
+            }
+            Err(refusal) => {
+                let mut resp = http::Response::new(());
+                *resp.status_mut() = refusal.status;
+                tracing::debug!(%peer, reason = refusal.reason, "h3: WebTransport session refused");
+                if stream.send_response(resp).await.is_ok() {
+                    let _ = stream.finish().await;
+                }
+            }
+        }
+        return;
+    }
     let (mut stream, recv) = stream.split();
     let (park, mut parked) = tokio::sync::oneshot::channel();
     let body = http_body_util::BodyExt::boxed_unsync(H3Body {

@@ -179,6 +179,8 @@ pub struct Service {
     serve: Vec<Handler>,
     /// `Alt-Svc` for h1/h2 responses of sites that also serve HTTP/3.
     alt_svc: Vec<Option<HeaderValue>>,
+    /// Each site's WebTransport diagnostic endpoint, if it has one.
+    webtransport: Vec<Option<Arc<crate::webtransport::Endpoint>>>,
     default_site: usize,
 }
 
@@ -208,6 +210,15 @@ impl Service {
                     })
                 })
                 .collect(),
+            webtransport: config
+                .sites
+                .iter()
+                .map(|s| {
+                    s.webtransport
+                        .clone()
+                        .map(|w| Arc::new(crate::webtransport::Endpoint::new(w)))
+                })
+                .collect(),
             default_site: config.default_site(),
         })
     }
@@ -227,17 +238,40 @@ impl Service {
         matches!(self.serve.get(site), Some(Handler::Proxy(_)))
     }
 
-    pub async fn handle(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
-        let site = match host_of(req) {
-            Ok(Some(host)) => match self.sites.lookup(host) {
-                Some(site) => site,
-                // Not ours: RFC 9110 §15.5.20, the client may retry on another connection.
-                None => return Response::status(StatusCode::MISDIRECTED_REQUEST),
-            },
+    /// The site a request is for, or the status that refuses it.
+    fn site_of(&self, req: &RequestHead<'_>) -> Result<usize, StatusCode> {
+        match host_of(req)? {
+            // Not ours: RFC 9110 §15.5.20, the client may retry on another connection.
+            Some(host) => self.sites.lookup(host).ok_or(StatusCode::MISDIRECTED_REQUEST),
             // HTTP/1.0 may omit Host: the certificate's site answers.
-            Ok(None) => req.tls_site,
+            None => Ok(req.tls_site),
+        }
+    }
+
+    /// The WebTransport endpoint an extended CONNECT is for, if its site has one at
+    /// that path.
+    pub fn webtransport(&self, req: &RequestHead<'_>) -> Option<Arc<crate::webtransport::Endpoint>> {
+        let site = self.site_of(req).ok()?;
+        self.webtransport[site].clone().filter(|w| w.matches(req.uri))
+    }
+
+    pub async fn handle(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
+        let site = match self.site_of(req) {
+            Ok(site) => site,
             Err(status) => return Response::status(status),
         };
+        if let Some(wt) = self.webtransport[site].as_ref().filter(|w| w.matches(req.uri)) {
+            // The endpoint's own path: its counters, or a hint for a plain CONNECT.
+            return match *req.method {
+                Method::GET | Method::HEAD => wt.stats_response(),
+                _ => {
+                    let mut resp = Response::status(StatusCode::METHOD_NOT_ALLOWED);
+                    resp.headers
+                        .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD, CONNECT"));
+                    resp
+                }
+            };
+        }
         let mut resp = match &self.serve[site] {
             Handler::Files(root) => {
                 crate::files::serve(root.clone(), req.method, req.uri.path(), req.headers).await

@@ -1,0 +1,360 @@
+//! WebTransport over HTTP/3 (draft-02, which Chromium and aioquic speak).
+//!
+//! The h3 connection stays in charge of its streams: the request loop in
+//! [`crate::h3`] hands every bidirectional stream whose first frame is
+//! WEBTRANSPORT_STREAM, and every unidirectional stream of type 0x54, to the
+//! connection's [`WtConn`], which routes them to their session by session id. One
+//! task per connection reads QUIC datagrams and routes them by quarter stream id.
+//! Each session runs [`run`]: its CONNECT stream carries capsules (the client's
+//! CLOSE_WEBTRANSPORT_SESSION, ours when a limit trips), and its streams and
+//! datagrams go to [`super::diag`].
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use h3::quic::RecvStream as _;
+use h3::stream::BufRecvStream;
+use tokio::sync::mpsc;
+
+use super::{capsule, diag, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionState, Transport};
+use crate::server::Shutdown;
+
+/// A client bidirectional stream after its WEBTRANSPORT_STREAM header.
+pub type WtBidi = BufRecvStream<h3_quinn::BidiStream<Bytes>, Bytes>;
+/// A client unidirectional stream after its type and session id.
+pub type WtUni = BufRecvStream<h3_quinn::RecvStream, Bytes>;
+/// The CONNECT request's stream.
+pub type ConnectStream = h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>;
+
+/// Unidirectional stream type of WebTransport (draft-02 §4.1).
+const UNI_STREAM_TYPE: u64 = 0x54;
+/// Streams waiting for their session's task; more means the session is not keeping up.
+const STREAM_QUEUE: usize = 64;
+/// Received datagrams waiting for their session's task; beyond this they are dropped.
+const DATAGRAM_QUEUE: usize = 1024;
+
+enum Incoming {
+    Bidi(WtBidi),
+    Uni(WtUni),
+}
+
+struct Route {
+    streams: mpsc::Sender<Incoming>,
+    datagrams: mpsc::Sender<Bytes>,
+    state: Arc<SessionState>,
+}
+
+/// The WebTransport sessions of one QUIC connection.
+pub struct WtConn {
+    quic: quinn::Connection,
+    sessions: Mutex<HashMap<u64, Route>>,
+    datagram_reader: std::sync::Once,
+}
+
+impl std::fmt::Debug for WtConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WtConn")
+            .field("peer", &self.quic.remote_address())
+            .field("sessions", &self.sessions().len())
+            .finish()
+    }
+}
+
+impl WtConn {
+    pub fn new(quic: quinn::Connection) -> Arc<Self> {
+        Arc::new(Self {
+            quic,
+            sessions: Mutex::new(HashMap::new()),
+            datagram_reader: std::sync::Once::new(),
+        })
+    }
+
+    fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Route>> {
+        self.sessions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Hands a client bidirectional stream to its session (dropped, which stops it,
+    /// when the session is unknown or gone).
+    pub fn route_bidi(&self, session: h3::webtransport::SessionId, stream: WtBidi) {
+        self.route(session, Incoming::Bidi(stream));
+    }
+
+    pub fn route_uni(&self, session: h3::webtransport::SessionId, stream: WtUni) {
+        self.route(session, Incoming::Uni(stream));
+    }
+
+    fn route(&self, session: h3::webtransport::SessionId, stream: Incoming) {
+        let id = h3::quic::StreamId::from(session).into_inner();
+        let sessions = self.sessions();
+        let Some(route) = sessions.get(&id) else {
+            tracing::debug!(session = id, "webtransport: stream for no session, dropped");
+            return;
+        };
+        if route.streams.try_send(stream).is_err() {
+            route.state.fail(
+                Code::TooManyStreams,
+                "streams arrive faster than the session takes them",
+            );
+        }
+    }
+
+    fn register(self: &Arc<Self>, id: u64, route: Route) {
+        self.sessions().insert(id, route);
+        let conn = self.clone();
+        self.datagram_reader.call_once(|| {
+            tokio::spawn(read_datagrams(Arc::downgrade(&conn), conn.quic.clone()));
+        });
+    }
+
+    fn unregister(&self, id: u64) {
+        self.sessions().remove(&id);
+    }
+}
+
+/// Routes the connection's datagrams until it closes: a quarter-stream-id varint
+/// names the session (RFC 9297 §2.1).
+async fn read_datagrams(conn: std::sync::Weak<WtConn>, quic: quinn::Connection) {
+    while let Ok(datagram) = quic.read_datagram().await {
+        let Some(conn) = conn.upgrade() else { return };
+        let Some((quarter, n)) = capsule::read_varint(&datagram) else {
+            continue;
+        };
+        let sessions = conn.sessions();
+        let Some(route) = quarter.checked_mul(4).and_then(|id| sessions.get(&id)) else {
+            continue;
+        };
+        if route.datagrams.try_send(datagram.slice(n..)).is_err() {
+            route
+                .state
+                .counters()
+                .datagrams_dropped
+                .fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+struct H3Transport {
+    quic: quinn::Connection,
+    session: u64,
+    /// The datagram prefix: the session's quarter stream id.
+    prefix: Bytes,
+}
+
+impl H3Transport {
+    fn frame(&self, payload: &[u8]) -> Bytes {
+        let mut d = BytesMut::with_capacity(self.prefix.len() + payload.len());
+        d.extend_from_slice(&self.prefix);
+        d.extend_from_slice(payload);
+        d.freeze()
+    }
+}
+
+impl Transport for H3Transport {
+    fn open_uni(&self) -> BoxFuture<'_, std::io::Result<Box<dyn SendHalf>>> {
+        Box::pin(async move {
+            let mut send = self.quic.open_uni().await.map_err(std::io::Error::other)?;
+            let mut header = BytesMut::with_capacity(16);
+            capsule::put_varint(&mut header, UNI_STREAM_TYPE);
+            capsule::put_varint(&mut header, self.session);
+            send.write_all(&header).await?;
+            Ok(Box::new(send) as Box<dyn SendHalf>)
+        })
+    }
+
+    fn send_datagram(&self, payload: Bytes) -> BoxFuture<'_, std::io::Result<()>> {
+        Box::pin(async move {
+            self.quic
+                .send_datagram_wait(self.frame(&payload))
+                .await
+                .map_err(std::io::Error::other)
+        })
+    }
+
+    fn try_send_datagram(&self, payload: Bytes) -> bool {
+        self.quic.send_datagram(self.frame(&payload)).is_ok()
+    }
+
+    fn max_datagram(&self) -> usize {
+        self.quic
+            .max_datagram_size()
+            .unwrap_or(0)
+            .saturating_sub(self.prefix.len())
+    }
+}
+
+impl SendHalf for quinn::SendStream {
+    fn reset(&mut self, code: u32) {
+        let code = quinn::VarInt::from_u64(super::stream_error_code(code)).unwrap_or(quinn::VarInt::MAX);
+        let _ = quinn::SendStream::reset(self, code);
+    }
+}
+
+impl SendHalf for BufRecvStream<h3_quinn::SendStream<Bytes>, Bytes> {
+    fn reset(&mut self, code: u32) {
+        h3::quic::SendStream::<Bytes>::reset(self, super::stream_error_code(code));
+    }
+}
+
+impl RecvHalf for BufRecvStream<h3_quinn::RecvStream, Bytes> {
+    fn stop(&mut self, code: u32) {
+        self.stop_sending(super::stream_error_code(code));
+    }
+}
+
+/// The response that accepts a draft-02 session.
+pub fn accepted_response() -> http::Response<()> {
+    let mut resp = http::Response::new(());
+    resp.headers_mut().insert(
+        "sec-webtransport-http3-draft",
+        http::HeaderValue::from_static("draft02"),
+    );
+    resp
+}
+
+/// Runs one admitted session on its CONNECT stream until the client closes it, a
+/// limit ends it, or the server shuts down.
+pub async fn run(
+    conn: Arc<WtConn>,
+    admission: Admission,
+    mut stream: ConnectStream,
+    on_bulk: impl Fn() + Send,
+    mut shutdown: Shutdown,
+) {
+    let id = stream.id().into_inner();
+    let state = admission.start();
+    let (stream_tx, mut streams) = mpsc::channel(STREAM_QUEUE);
+    let (datagram_tx, mut datagrams) = mpsc::channel(DATAGRAM_QUEUE);
+    // Registered before the client learns the session exists: its first streams
+    // and datagrams may overtake our response.
+    conn.register(
+        id,
+        Route {
+            streams: stream_tx,
+            datagrams: datagram_tx,
+            state: state.clone(),
+        },
+    );
+    if let Err(e) = stream.send_response(accepted_response()).await {
+        conn.unregister(id);
+        return tracing::debug!(error = %e, "webtransport: CONNECT response failed");
+    }
+    // An accepted session is bulk by nature: it moves to BBR.
+    on_bulk();
+    state.touch();
+    let mut prefix = BytesMut::new();
+    capsule::put_varint(&mut prefix, id / 4);
+    let transport: Arc<dyn Transport> = Arc::new(H3Transport {
+        quic: conn.quic.clone(),
+        session: id,
+        prefix: prefix.freeze(),
+    });
+    let (mut send, mut recv) = stream.split();
+    let mut capsules = capsule::Reader::new(state.config().max_capsule_bytes);
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut idle = tokio::time::interval(Duration::from_secs(1));
+    let mut connect_open = true;
+    loop {
+        tokio::select! {
+            () = state.ended() => break,
+            Some(incoming) = streams.recv() => {
+                let Some(slot) = state.stream_slot() else { continue };
+                let (state, transport) = (state.clone(), transport.clone());
+                match incoming {
+                    Incoming::Bidi(stream) => {
+                        let (send, recv) = h3::quic::BidiStream::split(stream);
+                        tasks.spawn(async move {
+                            diag::bidi(state, transport, Box::new(recv), Box::new(send)).await;
+                            drop(slot);
+                        });
+                    }
+                    Incoming::Uni(recv) => {
+                        tasks.spawn(async move {
+                            diag::uni(state, transport, Box::new(recv)).await;
+                            drop(slot);
+                        });
+                    }
+                }
+            }
+            Some(datagram) = datagrams.recv() => {
+                if state.datagram_in(datagram.len()) {
+                    diag::datagram(&state, &*transport, datagram);
+                }
+            }
+            data = recv.recv_data(), if connect_open => match data {
+                Ok(Some(mut data)) => {
+                    while data.has_remaining() {
+                        let chunk = data.chunk();
+                        let n = chunk.len().min(capsules.room().max(1));
+                        capsules.push(&chunk[..n]);
+                        data.advance(n);
+                        if !session_capsules(&state, &mut capsules) {
+                            break;
+                        }
+                    }
+                }
+                Ok(None) => {
+                    // The client finished the CONNECT stream: the session is over.
+                    connect_open = false;
+                    state.end(Code::Done, "the client closed the session", true);
+                }
+                Err(e) => {
+                    connect_open = false;
+                    state.end(Code::Done, format!("the CONNECT stream failed: {e}"), true);
+                }
+            },
+            Some(_) = tasks.join_next() => {}
+            _ = idle.tick() => {
+                let limit = state.config().idle_timeout;
+                if state.idle_for() >= limit && tasks.is_empty() {
+                    state.fail(Code::IdleTimeout, format!("no traffic for {} s", limit.as_secs()));
+                }
+            }
+            () = shutdown.requested() => state.fail(Code::Shutdown, "the server is shutting down"),
+        }
+    }
+    conn.unregister(id);
+    let end = state.ending().cloned();
+    if let Some(end) = end.filter(|e| !e.by_client) {
+        let _ = send
+            .send_data(capsule::close_session(end.code as u32, &end.reason))
+            .await;
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(1), send.finish()).await;
+    // Streams reset themselves on the session's end; give them a moment to say so.
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        while tasks.join_next().await.is_some() {}
+    })
+    .await;
+}
+
+/// Handles the complete capsules on the CONNECT stream; `false` once the session ended.
+fn session_capsules(state: &SessionState, capsules: &mut capsule::Reader) -> bool {
+    loop {
+        match capsules.next() {
+            Ok(Some((capsule::CLOSE_SESSION, payload))) => {
+                let reason = match capsule::parse_close(&payload) {
+                    Ok((code, reason)) => format!("the client closed the session ({code}: {reason})"),
+                    Err(e) => e.to_string(),
+                };
+                state.end(Code::Done, reason, true);
+                return false;
+            }
+            // DRAIN and anything unknown: ignored (RFC 9297 §3.2).
+            Ok(Some(_)) => state.touch(),
+            Ok(None) => return true,
+            Err(e @ capsule::CapsuleError::TooLarge { .. }) => {
+                state.fail(Code::CapsuleTooLarge, e.to_string());
+                return false;
+            }
+            Err(e) => {
+                state.fail(Code::Protocol, e.to_string());
+                return false;
+            }
+        }
+    }
+}
