@@ -16,3 +16,4 @@ mod proxy;
 mod sites;
 mod support;
 mod tls;
+mod webtransport;

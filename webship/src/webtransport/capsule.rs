@@ -117,7 +117,7 @@ impl Reader {
         }
     }
 
-    /// Bytes the reader can take before it must be drained by [`Reader::next`].
+    /// Bytes the reader can take before it must be drained by [`Reader::next_capsule`].
     pub fn room(&self) -> usize {
         (self.max + 16).saturating_sub(self.buf.len())
     }
@@ -127,7 +127,7 @@ impl Reader {
     }
 
     /// The next complete capsule: `(type, payload)`.
-    pub fn next(&mut self) -> Result<Option<(u64, Bytes)>, CapsuleError> {
+    pub fn next_capsule(&mut self) -> Result<Option<(u64, Bytes)>, CapsuleError> {
         let Some(h) = read_header(&self.buf, self.max)? else {
             return Ok(None);
         };
@@ -254,11 +254,14 @@ mod tests {
             assert!(r.room() > 0);
             r.push(std::slice::from_ref(b));
         }
-        let (kind, payload) = r.next().unwrap().unwrap();
+        let (kind, payload) = r.next_capsule().unwrap().unwrap();
         assert_eq!(kind, CLOSE_SESSION);
         assert_eq!(parse_close(&payload).unwrap(), (7, "bye".into()));
-        assert_eq!(r.next().unwrap(), Some((DATAGRAM, Bytes::from_static(b"hello"))));
-        assert_eq!(r.next().unwrap(), None);
+        assert_eq!(
+            r.next_capsule().unwrap(),
+            Some((DATAGRAM, Bytes::from_static(b"hello")))
+        );
+        assert_eq!(r.next_capsule().unwrap(), None);
         assert!(r.is_empty());
     }
 
@@ -269,7 +272,7 @@ mod tests {
         put_header(&mut header, WT_STREAM, 1 << 20);
         r.push(&header);
         assert_eq!(
-            r.next(),
+            r.next_capsule(),
             Err(CapsuleError::TooLarge {
                 kind: WT_STREAM,
                 len: 1 << 20,
@@ -284,7 +287,7 @@ mod tests {
         let capsule = close_session(1, &long);
         let mut r = Reader::new(4096);
         r.push(&capsule);
-        let (_, payload) = r.next().unwrap().unwrap();
+        let (_, payload) = r.next_capsule().unwrap().unwrap();
         let (code, reason) = parse_close(&payload).unwrap();
         assert_eq!(code, 1);
         assert_eq!(reason.len(), MAX_REASON);
@@ -304,7 +307,7 @@ mod tests {
         let reset = varints(WT_RESET_STREAM, &[8, 300]);
         let mut r = Reader::new(64);
         r.push(&reset);
-        let (kind, p) = r.next().unwrap().unwrap();
+        let (kind, p) = r.next_capsule().unwrap().unwrap();
         assert_eq!(kind, WT_RESET_STREAM);
         assert_eq!(parse_stream_code(&p).unwrap(), (8, 300));
         assert!(parse_stream_code(&p[..1]).is_err());

@@ -37,8 +37,8 @@ const STREAM_QUEUE: usize = 64;
 const DATAGRAM_QUEUE: usize = 1024;
 
 enum Incoming {
-    Bidi(WtBidi),
-    Uni(WtUni),
+    Bidi(Box<WtBidi>),
+    Uni(Box<WtUni>),
 }
 
 struct Route {
@@ -81,11 +81,11 @@ impl WtConn {
     /// Hands a client bidirectional stream to its session (dropped, which stops it,
     /// when the session is unknown or gone).
     pub fn route_bidi(&self, session: h3::webtransport::SessionId, stream: WtBidi) {
-        self.route(session, Incoming::Bidi(stream));
+        self.route(session, Incoming::Bidi(Box::new(stream)));
     }
 
     pub fn route_uni(&self, session: h3::webtransport::SessionId, stream: WtUni) {
-        self.route(session, Incoming::Uni(stream));
+        self.route(session, Incoming::Uni(Box::new(stream)));
     }
 
     fn route(&self, session: h3::webtransport::SessionId, stream: Incoming) {
@@ -266,7 +266,7 @@ pub async fn run(
                 let (state, transport) = (state.clone(), transport.clone());
                 match incoming {
                     Incoming::Bidi(stream) => {
-                        let (send, recv) = h3::quic::BidiStream::split(stream);
+                        let (send, recv) = h3::quic::BidiStream::split(*stream);
                         tasks.spawn(async move {
                             diag::bidi(state, transport, Box::new(recv), Box::new(send)).await;
                             drop(slot);
@@ -274,7 +274,7 @@ pub async fn run(
                     }
                     Incoming::Uni(recv) => {
                         tasks.spawn(async move {
-                            diag::uni(state, transport, Box::new(recv)).await;
+                            diag::uni(state, transport, recv).await;
                             drop(slot);
                         });
                     }
@@ -335,7 +335,7 @@ pub async fn run(
 /// Handles the complete capsules on the CONNECT stream; `false` once the session ended.
 fn session_capsules(state: &SessionState, capsules: &mut capsule::Reader) -> bool {
     loop {
-        match capsules.next() {
+        match capsules.next_capsule() {
             Ok(Some((capsule::CLOSE_SESSION, payload))) => {
                 let reason = match capsule::parse_close(&payload) {
                     Ok((code, reason)) => format!("the client closed the session ({code}: {reason})"),

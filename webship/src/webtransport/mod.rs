@@ -222,7 +222,10 @@ impl Endpoint {
             http::header::CACHE_CONTROL,
             http::HeaderValue::from_static("no-store"),
         );
-        resp.body = crate::service::Body::Bytes(Bytes::from(self.counters.json()));
+        let json = Bytes::from(self.counters.json());
+        resp.headers
+            .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(json.len()));
+        resp.body = crate::service::Body::Bytes(json);
         resp
     }
 }

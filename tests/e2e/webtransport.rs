@@ -1,0 +1,301 @@
+//! WebTransport's diagnostic endpoint against aioquic (an independent QUIC, HTTP/3
+//! and WebTransport implementation, driven by `tests/clients/wt_client.py`): echo,
+//! sink and source with exact bytes, every limit closing the session with its code,
+//! the counters that report it, and sessions that leave nothing behind.
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::Value;
+use webship_tests::client::{hex, Proto};
+use webship_tests::{fixture, Server, FIXTURE_LEN};
+
+use crate::support::{Env, HOST};
+
+const ORIGIN: &str = "https://app.test";
+const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/wt_client.py");
+
+/// The endpoint's session close codes (`webtransport::Code`).
+const TOO_MANY_STREAMS: u64 = 0x5701;
+const DATAGRAM_TOO_LARGE: u64 = 0x5703;
+const DATAGRAM_RATE: u64 = 0x5704;
+const SESSION_BYTES: u64 = 0x5705;
+const IDLE_TIMEOUT: u64 = 0x5706;
+const BAD_COMMAND: u64 = 0x5707;
+const SHUTDOWN: u64 = 0x5709;
+
+/// A server whose one site has the diagnostic endpoint at `/wt` with `limits`.
+pub fn start_wt(env: &Env, limits: &str) -> Server {
+    Server::start(
+        env.dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n[kernel]\nebpf = \"off\"\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n[sites.webtransport]\npath = \"/wt\"\nallowed_origins = [\"{ORIGIN}\"]\n{limits}\n",
+            env.root.display(),
+            env.cert.display(),
+            env.key.display()
+        ),
+    )
+}
+
+/// Runs one aioquic scenario against `addr` and returns its JSON report.
+pub fn wt(env: &Env, addr: SocketAddr, sni: &str, path: &str, origin: &str, scenario: &[&str]) -> Value {
+    let out = Command::new("timeout")
+        .arg("300")
+        .arg("python3")
+        .args([
+            SCRIPT,
+            &addr.ip().to_string(),
+            &addr.port().to_string(),
+            sni,
+            path,
+            env.pki.ca_file().to_str().unwrap(),
+            origin,
+        ])
+        .args(scenario)
+        .output()
+        .expect("python3 with aioquic is required; `cargo xtask test` installs it");
+    assert!(
+        out.status.success(),
+        "aioquic {scenario:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// The endpoint's counters, from a GET on its path over HTTP/2.
+async fn counters(env: &Env, server: &Server) -> Value {
+    let got = env.get(Proto::H2, server, "/wt", &[]).await;
+    assert_eq!(got.status, 200);
+    serde_json::from_slice(&got.body).unwrap()
+}
+
+fn n(v: &Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("{key} missing in {v}"))
+}
+
+#[tokio::test]
+async fn echo_sink_and_source_deliver_exact_bytes() {
+    let env = Env::new();
+    let server = start_wt(&env, "max_session_bytes = 1000000000");
+    let at = |mode: &str| format!("/wt?mode={mode}");
+
+    let echo = wt(
+        &env,
+        server.addr(),
+        HOST,
+        &at("echo"),
+        ORIGIN,
+        &["echo", "1048576", "200"],
+    );
+    assert_eq!(echo["status"], 200, "{echo}");
+    assert_eq!(
+        (n(&echo, "bidi_len"), n(&echo, "uni_len")),
+        (1 << 20, 1 << 20),
+        "{echo}"
+    );
+    assert_eq!(
+        (&echo["bidi_equal"], &echo["uni_equal"]),
+        (&Value::Bool(true), &Value::Bool(true))
+    );
+    // Datagrams are unreliable: on loopback nearly all come back; the count is the
+    // loss measurement, and it must see some.
+    assert!(n(&echo, "datagrams_back") > 0, "{echo}");
+    println!("echo: {echo}");
+
+    let source = wt(
+        &env,
+        server.addr(),
+        HOST,
+        &at("source"),
+        ORIGIN,
+        &["source", &FIXTURE_LEN.to_string()],
+    );
+    assert_eq!(n(&source, "len"), FIXTURE_LEN, "{source}");
+    assert_eq!(source["sha256"].as_str().unwrap(), hex(&fixture().sha256));
+    println!("source stream: {source}");
+
+    let datagrams = wt(
+        &env,
+        server.addr(),
+        HOST,
+        &at("source"),
+        ORIGIN,
+        &["source-datagrams", "500", "1000"],
+    );
+    assert_eq!(datagrams["reply"], "sent 500", "{datagrams}");
+    assert!(n(&datagrams, "datagrams_received") > 0, "{datagrams}");
+    assert_eq!(datagrams["first_payload_ok"], true, "{datagrams}");
+    println!("source datagrams: {datagrams}");
+
+    let sink = wt(
+        &env,
+        server.addr(),
+        HOST,
+        &at("sink"),
+        ORIGIN,
+        &["sink", "300000", "50"],
+    );
+    let totals = &sink["totals"];
+    assert_eq!(n(totals, "stream_bytes"), 300_000, "{sink}");
+    let got = n(totals, "datagrams");
+    assert!((1..=50).contains(&got), "{sink}");
+    assert_eq!(n(totals, "datagram_bytes"), got * 108, "{sink}");
+
+    let c = counters(&env, &server).await;
+    assert_eq!(n(&c, "sessions_accepted"), 4, "{c}");
+    assert_eq!(n(&c, "closed_done"), 4, "{c}");
+    assert_eq!(n(&c, "sessions_active"), 0, "{c}");
+    assert!(n(&c, "stream_bytes_out") >= FIXTURE_LEN + 2 * (1 << 20), "{c}");
+    assert!(n(&c, "datagrams_out") >= 500 + n(&echo, "datagrams_back"), "{c}");
+}
+
+#[tokio::test]
+async fn every_limit_closes_the_session_with_its_code_and_counts_it() {
+    let env = Env::new();
+    let server = start_wt(
+        &env,
+        "modes = [\"echo\", \"source\"]\nmax_sessions = 1\nmax_streams_per_session = 3\nmax_datagram_bytes = 200\nmax_datagrams_per_sec = 50\nmax_session_bytes = 100000\nidle_timeout_secs = 2",
+    );
+    let run = |mode: &str, origin: &str, scenario: &[&str]| {
+        wt(
+            &env,
+            server.addr(),
+            HOST,
+            &format!("/wt?mode={mode}"),
+            origin,
+            scenario,
+        )
+    };
+    assert_eq!(run("echo", "https://evil.test", &["idle"])["status"], 403);
+    assert_eq!(run("echo", "-", &["idle"])["status"], 403);
+    assert_eq!(run("sink", ORIGIN, &["idle"])["status"], 400);
+
+    let closed = |v: Value, code: u64| {
+        assert_eq!(v["status"], 200, "{v}");
+        assert_eq!(v["close_code"].as_u64(), Some(code), "{v}");
+        assert!(!v["close_reason"].as_str().unwrap().is_empty(), "{v}");
+        v
+    };
+    closed(run("echo", ORIGIN, &["streams", "5"]), TOO_MANY_STREAMS);
+    closed(run("echo", ORIGIN, &["datagram", "500"]), DATAGRAM_TOO_LARGE);
+    closed(run("echo", ORIGIN, &["flood", "2000"]), DATAGRAM_RATE);
+    let bytes = closed(run("source", ORIGIN, &["source", "200000"]), SESSION_BYTES);
+    // The stream was reset, not finished short.
+    assert!(
+        bytes["stream_resets"].as_array().is_some_and(|r| !r.is_empty()),
+        "{bytes}"
+    );
+    let started = std::time::Instant::now();
+    closed(run("echo", ORIGIN, &["idle"]), IDLE_TIMEOUT);
+    assert!(started.elapsed() < Duration::from_secs(15));
+    closed(run("source", ORIGIN, &["bad-command"]), BAD_COMMAND);
+
+    // One session at a time: a second one is refused while the first idles.
+    let (addr, ca) = (server.addr(), env.pki.ca_file());
+    let first = std::thread::spawn(move || {
+        Command::new("python3")
+            .args([
+                SCRIPT,
+                "127.0.0.1",
+                &addr.port().to_string(),
+                HOST,
+                "/wt",
+                ca.to_str().unwrap(),
+                ORIGIN,
+                "idle",
+            ])
+            .output()
+            .unwrap()
+    });
+    let mut active = false;
+    for _ in 0..100 {
+        if n(&counters(&env, &server).await, "sessions_active") == 1 {
+            active = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(active, "the first session never started: {}", server.log());
+    assert_eq!(run("echo", ORIGIN, &["idle"])["status"], 429);
+    assert!(first.join().unwrap().status.success());
+
+    let c = counters(&env, &server).await;
+    for key in [
+        "closed_too_many_streams",
+        "closed_datagram_too_large",
+        "closed_datagram_rate",
+        "closed_session_bytes",
+        "closed_bad_command",
+    ] {
+        assert_eq!(n(&c, key), 1, "{key}: {c}");
+    }
+    assert_eq!(n(&c, "closed_idle_timeout"), 2, "{c}");
+    assert_eq!(
+        (
+            n(&c, "refused_origin"),
+            n(&c, "refused_mode"),
+            n(&c, "refused_capacity")
+        ),
+        (2, 1, 1),
+        "{c}"
+    );
+    assert_eq!(n(&c, "sessions_active"), 0, "{c}");
+}
+
+#[tokio::test]
+async fn a_hundred_sessions_leave_no_memory_behind_and_shutdown_closes_sessions() {
+    let env = Env::new();
+    let mut server = start_wt(&env, "max_sessions = 4\nidle_timeout_secs = 60");
+    let warm = wt(&env, server.addr(), HOST, "/wt", ORIGIN, &["churn", "10"]);
+    assert_eq!(n(&warm, "sessions_ok"), 10, "{warm}");
+    let before = server.rss();
+    let churn = wt(&env, server.addr(), HOST, "/wt", ORIGIN, &["churn", "100"]);
+    assert_eq!(n(&churn, "sessions_ok"), 100, "{churn}");
+    let c = counters(&env, &server).await;
+    assert_eq!(
+        (n(&c, "sessions_accepted"), n(&c, "closed_done")),
+        (110, 110),
+        "{c}"
+    );
+    assert_eq!(n(&c, "sessions_active"), 0, "{c}");
+    let after = server.rss();
+    assert!(
+        after < before + 8 * 1024 * 1024,
+        "RSS grew from {before} to {after} bytes over 100 sessions"
+    );
+
+    // A session open at shutdown is closed with the shutdown code.
+    let (addr, ca) = (server.addr(), env.pki.ca_file());
+    let open = std::thread::spawn(move || {
+        Command::new("python3")
+            .args([
+                SCRIPT,
+                "127.0.0.1",
+                &addr.port().to_string(),
+                HOST,
+                "/wt",
+                ca.to_str().unwrap(),
+                ORIGIN,
+                "idle",
+            ])
+            .output()
+            .unwrap()
+    });
+    let mut active = false;
+    for _ in 0..200 {
+        if n(&counters(&env, &server).await, "sessions_active") == 1 {
+            active = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(active, "the session never started: {}", server.log());
+    server.terminate();
+    let out = open.join().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["close_code"].as_u64(), Some(SHUTDOWN), "{v}");
+    assert!(server.wait_exit(Duration::from_secs(10)).is_some());
+}
