@@ -299,3 +299,93 @@ async fn a_hundred_sessions_leave_no_memory_behind_and_shutdown_closes_sessions(
     assert_eq!(v["close_code"].as_u64(), Some(SHUTDOWN), "{v}");
     assert!(server.wait_exit(Duration::from_secs(10)).is_some());
 }
+
+/// WebTransport to an origin behind HTTP/3 passthrough is just QUIC to the origin:
+/// the front never decrypts, whichever engine carries the datagrams.
+async fn through_passthrough(udp_engine: &str) {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("origin");
+    std::fs::create_dir(&origin_root).unwrap();
+    let (cert, key) = env.pki.leaf("wt-origin", &["a.pass"]);
+    let origin = Server::start(
+        env.dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n[kernel]\nebpf = \"off\"\n[[sites]]\ndomain = \"a.pass\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n[sites.webtransport]\npath = \"/wt\"\nallowed_origins = [\"{ORIGIN}\"]\n",
+            origin_root.display(),
+            cert.display(),
+            key.display()
+        ),
+    );
+    let front = Server::start(
+        env.dir.path(),
+        &format!(
+            r#"listen = "127.0.0.1:{{port}}"
+workers = 2
+[kernel]
+bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
+[reverse_proxy]
+enabled = true
+tls_termination = false
+udp_upstream = "{origin}"
+udp_engine = "{udp_engine}"
+[reverse_proxy.protocols]
+h1 = true
+h2 = true
+h3 = true
+[[reverse_proxy.routes]]
+domain = "a.pass"
+upstreams = ["{origin}"]
+"#,
+            origin = origin.addr()
+        ),
+    );
+    let echo = wt(
+        &env,
+        front.addr(),
+        "a.pass",
+        "/wt",
+        ORIGIN,
+        &["echo", "1048576", "200"],
+    );
+    assert_eq!(echo["status"], 200, "{echo}\nFRONT:\n{}", front.log());
+    assert_eq!(
+        (&echo["bidi_equal"], &echo["uni_equal"]),
+        (&Value::Bool(true), &Value::Bool(true)),
+        "{echo}"
+    );
+    assert!(n(&echo, "datagrams_back") > 0, "{echo}");
+    let source = wt(
+        &env,
+        front.addr(),
+        "a.pass",
+        "/wt?mode=source",
+        ORIGIN,
+        &["source", &FIXTURE_LEN.to_string()],
+    );
+    assert_eq!(n(&source, "len"), FIXTURE_LEN, "{source}");
+    assert_eq!(source["sha256"].as_str().unwrap(), hex(&fixture().sha256));
+    println!("{udp_engine}: echo {echo}; source {source}");
+    // The front relayed both sessions as UDP flows of its own engine.
+    let pins = format!("/sys/fs/bpf/webship-e2e-{}", front.port);
+    let out = webship_tests::webship(
+        &["stats", "--json", "--pin-dir", &pins],
+        std::path::Path::new("/"),
+    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stats: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        stats["counters"]["udp_flows"]["total"].as_u64(),
+        Some(2),
+        "{stats}"
+    );
+}
+
+#[tokio::test]
+async fn through_h3_passthrough_in_userspace() {
+    through_passthrough("userspace").await;
+}
+
+#[tokio::test]
+async fn through_h3_passthrough_redirected_by_ebpf() {
+    through_passthrough("ebpf").await;
+}
