@@ -389,3 +389,178 @@ async fn through_h3_passthrough_in_userspace() {
 async fn through_h3_passthrough_redirected_by_ebpf() {
     through_passthrough("ebpf").await;
 }
+
+/// A WebTransport session over HTTP/2 from the `h2` crate's client: capsules out on
+/// the CONNECT stream's send half, capsules in from its receive half.
+struct H2Session {
+    send: h2::SendStream<bytes::Bytes>,
+    capsules: tokio::sync::mpsc::Receiver<(u64, bytes::Bytes)>,
+    _conn: tokio::task::JoinHandle<()>,
+}
+
+impl H2Session {
+    async fn open(env: &Env, server: &Server, path: &str) -> Result<Self, http::StatusCode> {
+        let tls = webship_tests::client::connect(server.addr(), HOST, env.client(b"h2"))
+            .await
+            .unwrap();
+        let (mut client, conn) = h2::client::handshake(tls).await.unwrap();
+        let conn = tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        client = client.ready().await.unwrap();
+        // Extended CONNECT may be used once the server's SETTINGS said so.
+        for _ in 0..100 {
+            if client.is_extended_connect_protocol_enabled() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(
+            client.is_extended_connect_protocol_enabled(),
+            "no SETTINGS_ENABLE_CONNECT_PROTOCOL"
+        );
+        let mut req = http::Request::builder()
+            .method(http::Method::CONNECT)
+            .uri(format!("https://{HOST}:{}{path}", server.port))
+            .header("origin", ORIGIN)
+            .body(())
+            .unwrap();
+        req.extensions_mut()
+            .insert(h2::ext::Protocol::from_static("webtransport"));
+        let (response, send) = client.send_request(req, false).unwrap();
+        let response = response.await.unwrap();
+        if response.status() != http::StatusCode::OK {
+            return Err(response.status());
+        }
+        let mut body = response.into_body();
+        let (tx, capsules) = tokio::sync::mpsc::channel(1024);
+        let conn_reader = tokio::spawn(async move {
+            let mut reader = webship::webtransport::capsule::Reader::new(1 << 20);
+            while let Some(Ok(data)) = body.data().await {
+                let _ = body.flow_control().release_capacity(data.len());
+                reader.push(&data);
+                while let Ok(Some(c)) = reader.next_capsule() {
+                    if tx.send(c).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            drop(conn);
+        });
+        Ok(Self {
+            send,
+            capsules,
+            _conn: conn_reader,
+        })
+    }
+
+    /// Sends a capsule, waiting for HTTP/2 flow control to take it.
+    async fn capsule(&mut self, c: bytes::Bytes) {
+        let mut c = c;
+        while !c.is_empty() {
+            self.send.reserve_capacity(c.len());
+            let granted = std::future::poll_fn(|cx| self.send.poll_capacity(cx))
+                .await
+                .expect("stream open")
+                .unwrap();
+            let part = c.split_to(granted.min(c.len()));
+            self.send.send_data(part, false).unwrap();
+        }
+    }
+
+    /// The next capsule, skipping the flow-control ones; `None` at the session's end.
+    async fn next(&mut self) -> Option<(u64, bytes::Bytes)> {
+        use webship::webtransport::capsule as c;
+        loop {
+            let got = tokio::time::timeout(Duration::from_secs(20), self.capsules.recv())
+                .await
+                .expect("a capsule within 20 s")?;
+            if !matches!(
+                got.0,
+                c::WT_MAX_DATA | c::WT_MAX_STREAMS_BIDI | c::WT_MAX_STREAMS_UNI
+            ) {
+                return Some(got);
+            }
+        }
+    }
+}
+
+fn wt_stream(id: u64, data: &[u8], fin: bool) -> bytes::Bytes {
+    use webship::webtransport::capsule as c;
+    let mut payload = bytes::BytesMut::new();
+    c::put_varint(&mut payload, id);
+    payload.extend_from_slice(data);
+    c::encode(if fin { c::WT_STREAM_FIN } else { c::WT_STREAM }, &payload)
+}
+
+#[tokio::test]
+async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
+    use webship::webtransport::capsule as c;
+    let env = Env::new();
+    let server = start_wt(&env, "max_streams_per_session = 2");
+
+    let mut s = H2Session::open(&env, &server, "/wt?mode=echo").await.unwrap();
+    // A 1 MiB bidirectional stream, sent while its echo is read back.
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    let mut back = Vec::new();
+    let mut fin = false;
+    let mut datagram = None;
+    for (i, chunk) in data.chunks(16 * 1024).enumerate() {
+        s.capsule(wt_stream(0, chunk, i == 63)).await;
+    }
+    s.capsule(c::encode(c::DATAGRAM, b"ping over h2")).await;
+    // A unidirectional stream comes back on the server's first one (id 3).
+    s.capsule(wt_stream(2, b"one way", true)).await;
+    let mut uni = Vec::new();
+    let mut uni_fin = false;
+    while !(fin && uni_fin && datagram.is_some()) {
+        let (kind, payload) = s.next().await.expect("session open");
+        match kind {
+            c::WT_STREAM | c::WT_STREAM_FIN => {
+                let (id, bytes) = c::parse_stream(&payload).unwrap();
+                let (buf, done) = match id {
+                    0 => (&mut back, &mut fin),
+                    3 => (&mut uni, &mut uni_fin),
+                    other => panic!("data on stream {other}"),
+                };
+                buf.extend_from_slice(&bytes);
+                *done |= kind == c::WT_STREAM_FIN;
+            }
+            c::DATAGRAM => datagram = Some(payload),
+            other => panic!("unexpected capsule {other:#x}"),
+        }
+    }
+    assert_eq!(back.len(), data.len());
+    assert!(back == data, "echoed bytes differ");
+    assert_eq!(uni, b"one way");
+    assert_eq!(datagram.unwrap(), &b"ping over h2"[..]);
+    // A clean close: the server ends the CONNECT stream.
+    s.capsule(c::close_session(0, "done")).await;
+    assert!(s.next().await.is_none());
+
+    // Three streams at once in a two-stream session: closed with the code.
+    let mut s = H2Session::open(&env, &server, "/wt?mode=echo").await.unwrap();
+    for id in [0, 4, 8] {
+        s.capsule(wt_stream(id, b"held open", false)).await;
+    }
+    let close = loop {
+        let (kind, payload) = s.next().await.expect("a close capsule");
+        if kind == c::CLOSE_SESSION {
+            break c::parse_close(&payload).unwrap();
+        }
+    };
+    assert_eq!(u64::from(close.0), TOO_MANY_STREAMS, "{close:?}");
+
+    // Refusals are plain statuses, as over HTTP/3.
+    assert_eq!(
+        H2Session::open(&env, &server, "/wt?mode=nonsense").await.err(),
+        Some(http::StatusCode::BAD_REQUEST)
+    );
+    let c = counters(&env, &server).await;
+    assert_eq!(
+        (n(&c, "closed_done"), n(&c, "closed_too_many_streams")),
+        (1, 1),
+        "{c}"
+    );
+    assert_eq!(n(&c, "sessions_active"), 0, "{c}");
+}

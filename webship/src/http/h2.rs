@@ -55,6 +55,10 @@ pub async fn serve(mut stream: RustlsStream, ctx: ConnContext) -> Result<(), H2E
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
         .keep_alive_interval(Some(limits.idle_timeout / 2))
         .keep_alive_timeout(Duration::from_secs(20));
+    if ctx.service.webtransport_h2() {
+        // RFC 8441 extended CONNECT, which WebTransport over HTTP/2 opens sessions with.
+        builder.enable_connect_protocol();
+    }
 
     // A proxy site's streams relay upstream bodies: the proxy budget bounds them, and
     // the connection's total (`proxy_h2_tls_connection_send_buffer_bytes`) caps how
@@ -155,10 +159,19 @@ where
 }
 
 async fn handle(
-    req: http::Request<hyper::body::Incoming>,
+    mut req: http::Request<hyper::body::Incoming>,
     ctx: &ConnContext,
     guard: InFlight,
 ) -> http::Response<ResponseBody> {
+    let webtransport = req.method() == http::Method::CONNECT
+        && req
+            .extensions()
+            .get::<hyper::ext::Protocol>()
+            .is_some_and(|p| p.as_str() == "webtransport");
+    if webtransport {
+        let upgrade = hyper::upgrade::on(&mut req);
+        return webtransport_connect(req, upgrade, ctx, guard);
+    }
     let (parts, body) = req.into_parts();
     let head = RequestHead {
         method: &parts.method,
@@ -180,6 +193,62 @@ async fn handle(
         tracing::info!(target: "access", peer = %ctx.peer, proto,
             method = %parts.method, uri = %parts.uri, status = resp.status.as_u16(),
             bytes = resp.body.len());
+    }
+    into_hyper(resp, guard)
+}
+
+/// A WebTransport extended CONNECT: admitted, the session runs on the stream's bytes
+/// (hyper's upgrade) in its own task, counted as a request in flight meanwhile.
+fn webtransport_connect(
+    req: http::Request<hyper::body::Incoming>,
+    upgrade: hyper::upgrade::OnUpgrade,
+    ctx: &ConnContext,
+    guard: InFlight,
+) -> http::Response<ResponseBody> {
+    let (parts, _body) = req.into_parts();
+    let head = RequestHead {
+        method: &parts.method,
+        uri: &parts.uri,
+        version: parts.version,
+        headers: &parts.headers,
+        tls_site: ctx.tls_site,
+        peer: ctx.peer,
+        body_forwardable: false,
+    };
+    let admitted = match ctx.service.webtransport(&head) {
+        Some(endpoint) => endpoint.admit(&parts.uri, &parts.headers),
+        None => Err(crate::webtransport::Refusal {
+            status: http::StatusCode::NOT_FOUND,
+            reason: "no WebTransport endpoint here",
+        }),
+    };
+    let status = admitted
+        .as_ref()
+        .map_or_else(|r| r.status, |_| http::StatusCode::OK);
+    if ctx.access_log {
+        tracing::info!(target: "access", peer = %ctx.peer, proto = "h2", method = "CONNECT",
+            protocol = "webtransport", uri = %parts.uri, status = status.as_u16());
+    }
+    let mut resp = Response::status(status);
+    match admitted {
+        Ok(admission) => {
+            // A 2xx answer to CONNECT has no content-length (RFC 9110 §9.3.6).
+            resp.headers.remove(http::header::CONTENT_LENGTH);
+            let session_guard = InFlight::new(guard.0.clone());
+            let (shutdown, peer) = (ctx.shutdown.clone(), ctx.peer);
+            tokio::spawn(async move {
+                match upgrade.await {
+                    Ok(upgraded) => {
+                        crate::webtransport::h2::run(TokioIo::new(upgraded), admission, shutdown).await
+                    }
+                    Err(e) => tracing::debug!(%peer, error = %e, "h2: WebTransport upgrade failed"),
+                }
+                drop(session_guard);
+            });
+        }
+        Err(refusal) => {
+            tracing::debug!(peer = %ctx.peer, reason = refusal.reason, "h2: WebTransport session refused")
+        }
     }
     into_hyper(resp, guard)
 }

@@ -181,6 +181,9 @@ pub struct Service {
     alt_svc: Vec<Option<HeaderValue>>,
     /// Each site's WebTransport diagnostic endpoint, if it has one.
     webtransport: Vec<Option<Arc<crate::webtransport::Endpoint>>>,
+    /// Whether some site offers WebTransport over HTTP/2 (extended CONNECT is then
+    /// announced in HTTP/2 SETTINGS).
+    webtransport_h2: bool,
     default_site: usize,
 }
 
@@ -219,6 +222,10 @@ impl Service {
                         .map(|w| Arc::new(crate::webtransport::Endpoint::new(w)))
                 })
                 .collect(),
+            webtransport_h2: config
+                .sites
+                .iter()
+                .any(|s| s.webtransport.is_some() && s.protocols.h2),
             default_site: config.default_site(),
         })
     }
@@ -246,6 +253,10 @@ impl Service {
             // HTTP/1.0 may omit Host: the certificate's site answers.
             None => Ok(req.tls_site),
         }
+    }
+
+    pub fn webtransport_h2(&self) -> bool {
+        self.webtransport_h2
     }
 
     /// The WebTransport endpoint an extended CONNECT is for, if its site has one at

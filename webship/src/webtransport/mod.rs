@@ -9,7 +9,7 @@
 
 pub mod capsule;
 pub mod diag;
-// pub mod h2;
+pub mod h2;
 pub mod h3;
 
 use std::future::Future;
