@@ -42,6 +42,23 @@ impl Pki {
         (cert_path, key_path)
     }
 
+    /// Like [`Pki::leaf`], but ECDSA P-256 and valid for 10 days, as WebTransport's
+    /// `serverCertificateHashes` requires; also returns the certificate's DER.
+    pub fn short_lived_leaf(&self, name: &str, names: &[&str]) -> (PathBuf, PathBuf, Vec<u8>) {
+        let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let mut params =
+            CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>()).unwrap();
+        let now = time::OffsetDateTime::now_utc();
+        params.not_before = now - time::Duration::hours(1);
+        params.not_after = now + time::Duration::days(10);
+        let cert = params.signed_by(&key, &self.ca, &self.ca_key).unwrap();
+        let cert_path = self.dir.join(format!("{name}.crt"));
+        let key_path = self.dir.join(format!("{name}.key"));
+        std::fs::write(&cert_path, cert.pem()).unwrap();
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        (cert_path, key_path, cert.der().to_vec())
+    }
+
     /// The CA certificate as a PEM file (for curl --cacert).
     pub fn ca_file(&self) -> PathBuf {
         let path = self.dir.join("ca.crt");

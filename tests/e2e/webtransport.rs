@@ -564,3 +564,72 @@ async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
     );
     assert_eq!(n(&c, "sessions_active"), 0, "{c}");
 }
+
+/// A real browser: headless Chromium (QUIC on) opens a session with
+/// `serverCertificateHashes` — an ECDSA P-256 certificate valid for under 14 days,
+/// as that API requires — from an allowed page origin, and echoes a stream and a
+/// datagram (`tests/clients/wt_chromium.py` drives it over WebDriver).
+#[tokio::test]
+async fn chromium_echoes_a_stream_and_a_datagram() {
+    use sha2::Digest;
+    let env = Env::new();
+    let (cert_path, key_path, der) = env
+        .pki
+        .short_lived_leaf("short", &[HOST, "localhost", "127.0.0.1"]);
+    let hash = base64(&sha2::Sha256::digest(&der));
+    let page_port = webship_tests::server::free_port();
+    let server = Server::start(
+        env.dir.path(),
+        &format!(
+            // The top-level site (any host), with the top-level [webtransport] table.
+            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\nroot = \"{}\"\n[tls]\ncert = \"{}\"\nkey = \"{}\"\n[kernel]\nebpf = \"off\"\n[webtransport]\npath = \"/wt\"\nallowed_origins = [\"http://127.0.0.1:{page_port}\"]\n",
+            env.root.display(),
+            cert_path.display(),
+            key_path.display()
+        ),
+    );
+    let out = Command::new("timeout")
+        .args([
+            "180",
+            "python3",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/clients/wt_chromium.py"),
+        ])
+        .arg(format!("https://127.0.0.1:{}/wt?mode=echo", server.port))
+        .arg(&hash)
+        .arg(page_port.to_string())
+        .arg(webship_tests::server::free_port().to_string())
+        .output()
+        .expect("python3 and chromium-driver are required; `cargo xtask test` installs them");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)));
+    assert_eq!(v["ok"], true, "{v}\n{}", server.log());
+    assert_eq!(v["stream"], "hello from chromium", "{v}");
+    assert!(
+        v["datagram"].as_str().is_some_and(|d| d.starts_with("datagram ")),
+        "{v}"
+    );
+    let c = counters(&env, &server).await;
+    assert_eq!(
+        (n(&c, "sessions_accepted"), n(&c, "sessions_active")),
+        (1, 0),
+        "{c}"
+    );
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let b = [chunk[0], *chunk.get(1).unwrap_or(&0), *chunk.get(2).unwrap_or(&0)];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(ALPHABET[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}

@@ -1,7 +1,8 @@
 //! `cargo xtask`: the project's own commands.
 //!
 //! - `cargo xtask test`: install what the suite needs when missing (Debian packages:
-//!   curl, nginx, nghttp2-client, ngtcp2-client, python3; PyPI: aioquic; only what is absent), build, then run
+//!   curl, nginx, nghttp2-client, ngtcp2-client, python3, chromium + chromium-driver; PyPI:
+//!   aioquic; only what is absent), build, then run
 //!   every test: formatting, clippy, unit tests, the end-to-end suite, the kTLS VM
 //!   test and a smoke run of the benchmark harness.
 //! - `cargo xtask vm-test [--release]`: the kTLS promotion path inside user-mode
@@ -31,6 +32,9 @@ const APT: &[(&str, &str)] = &[
     ("openssl", "openssl"),
     ("python3", "python3"),
     ("pip3", "python3-pip"),
+    // A real browser for WebTransport, driven over WebDriver.
+    ("chromium", "chromium"),
+    ("chromedriver", "chromium-driver"),
 ];
 
 fn main() -> ExitCode {
