@@ -95,7 +95,7 @@ pub fn run(args: &H3GetArgs) -> Result<()> {
 }
 
 async fn get(args: &H3GetArgs) -> Result<Download> {
-    let (endpoint, rcvbuf) = endpoint(args.addr, &args.ca)?;
+    let (endpoint, rcvbuf) = endpoint(args.addr, &args.ca, |_| {})?;
     let authority = format!("{}:{}", args.sni, args.addr.port());
     let request = http::Request::get(format!("https://{authority}{}", args.path))
         .body(())
@@ -169,7 +169,11 @@ async fn get(args: &H3GetArgs) -> Result<Download> {
 
 /// A client endpoint on a socket with large kernel buffers, configured to trust
 /// only the bench certificate. Returns the receive buffer the kernel granted.
-fn endpoint(server: SocketAddr, ca: &Path) -> Result<(quinn::Endpoint, usize)> {
+fn endpoint(
+    server: SocketAddr,
+    ca: &Path,
+    tweak: impl FnOnce(&mut quinn::TransportConfig),
+) -> Result<(quinn::Endpoint, usize)> {
     let (domain, local) = if server.is_ipv4() {
         (Domain::IPV4, SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
     } else {
@@ -191,12 +195,22 @@ fn endpoint(server: SocketAddr, ca: &Path) -> Result<(quinn::Endpoint, usize)> {
         .map_err(|e| anyhow!("max_udp_payload_size: {e}"))?;
     let mut endpoint = quinn::Endpoint::new(config, None, socket, Arc::new(quinn::TokioRuntime))
         .context("creating the QUIC endpoint")?;
-    endpoint.set_default_client_config(client_config(ca)?);
+    endpoint.set_default_client_config(client_config(ca, tweak)?);
     Ok((endpoint, rcvbuf))
 }
 
+/// The same client endpoint for other QUIC clients of the bench (WebTransport),
+/// with their transport settings applied on top.
+pub fn endpoint_for(
+    server: SocketAddr,
+    ca: &Path,
+    tweak: impl FnOnce(&mut quinn::TransportConfig),
+) -> Result<quinn::Endpoint> {
+    endpoint(server, ca, tweak).map(|(endpoint, _)| endpoint)
+}
+
 /// TLS 1.3 only, ALPN `h3`, the certificates in `ca` as the only roots.
-fn client_config(ca: &Path) -> Result<quinn::ClientConfig> {
+fn client_config(ca: &Path, tweak: impl FnOnce(&mut quinn::TransportConfig)) -> Result<quinn::ClientConfig> {
     let mut roots = rustls::RootCertStore::empty();
     for cert in CertificateDer::pem_file_iter(ca).with_context(|| format!("reading {}", ca.display()))? {
         let cert = cert.with_context(|| format!("parsing {}", ca.display()))?;
@@ -228,6 +242,7 @@ fn client_config(ca: &Path) -> Result<quinn::ClientConfig> {
                 .try_into()
                 .map_err(|e| anyhow!("idle timeout: {e}"))?,
         ));
+    tweak(&mut transport);
     let mut client = quinn::ClientConfig::new(Arc::new(crypto));
     client.transport_config(Arc::new(transport));
     Ok(client)

@@ -16,6 +16,7 @@ mod measure;
 mod proc;
 mod report;
 mod servers;
+mod wtclient;
 
 use std::path::PathBuf;
 
@@ -44,6 +45,10 @@ enum Command {
     /// One HTTP/3 GET, body hashed and dropped: the h3 cells' client (run by `download`).
     #[command(name = "h3-get", hide = true)]
     H3Get(h3client::H3GetArgs),
+    /// A WebTransport session to a diagnostic endpoint in source mode: one stream
+    /// or a run of datagrams, received and counted (the WebTransport cells' client).
+    #[command(name = "wt-get", hide = true)]
+    WtGet(wtclient::WtGetArgs),
 }
 
 #[derive(Debug, Args)]
@@ -103,5 +108,6 @@ fn main() -> Result<()> {
         Command::Aead => aead::run(),
         Command::Download(args) => measure::run(&args),
         Command::H3Get(args) => h3client::run(&args),
+        Command::WtGet(args) => wtclient::run(&args),
     }
 }
