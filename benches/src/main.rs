@@ -16,6 +16,7 @@ mod measure;
 mod proc;
 mod report;
 mod servers;
+mod wtbench;
 mod wtclient;
 
 use std::path::PathBuf;
@@ -47,6 +48,9 @@ enum Command {
     H3Get(h3client::H3GetArgs),
     /// A WebTransport session to a diagnostic endpoint in source mode: one stream
     /// or a run of datagrams, received and counted (the WebTransport cells' client).
+    /// WebTransport from the diagnostic endpoint (one stream, datagrams) directly and
+    /// through HTTP/3 passthrough, next to an h3 download of the fixture.
+    Webtransport(wtbench::WtBenchArgs),
     #[command(name = "wt-get", hide = true)]
     WtGet(wtclient::WtGetArgs),
 }
@@ -109,5 +113,6 @@ fn main() -> Result<()> {
         Command::Download(args) => measure::run(&args),
         Command::H3Get(args) => h3client::run(&args),
         Command::WtGet(args) => wtclient::run(&args),
+        Command::Webtransport(args) => wtbench::run(&args),
     }
 }

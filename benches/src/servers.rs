@@ -187,6 +187,22 @@ pub fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server>
     launch_webship(spec, s, port, &serve)
 }
 
+/// Webship serving the fixture directly and the WebTransport diagnostic endpoint at
+/// `/wt` (origin `https://bench.webship`), with limits far above what a run moves.
+pub fn start_webship_webtransport(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
+    let port = free_port()?;
+    let serve = format!(
+        "root = {root:?}\n\n[tls]\ncert = {cert:?}\nkey = {key:?}\n\n\
+         [webtransport]\npath = \"/wt\"\nallowed_origins = [\"https://bench.webship\"]\n\
+         modes = [\"source\"]\nmax_sessions = 64\nmax_datagram_bytes = 1400\n\
+         max_datagrams_per_sec = 10000000\nmax_session_bytes = 17179869184\n",
+        root = s.root,
+        cert = s.identity.cert,
+        key = s.identity.key,
+    );
+    launch_webship(spec, s, port, &serve)
+}
+
 /// Webship as a TLS-terminating reverse proxy for `localhost`, every path forwarded
 /// to the plain-HTTP origin on `origin_port`. The proxy site speaks h1 (through
 /// hyper), h2 and h3 on one port, like the direct site.

@@ -177,7 +177,8 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     // The kTLS promotion path, in a kernel that has kTLS.
     vm::vm_test(false)?;
     // The benchmark harness, one sample per webship cell, so it cannot rot.
-    bench(&["download".into(), "--smoke".into()])
+    bench(&["download".into(), "--smoke".into()])?;
+    bench(&["webtransport", "--samples", "1", "--datagrams", "2000"].map(String::from))
 }
 
 fn run_daemon(extra: &[String]) -> anyhow::Result<()> {
