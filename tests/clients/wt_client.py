@@ -42,6 +42,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.events import StreamDataReceived, StreamReset
 
 CLOSE_SESSION = 0x2843
+DRAIN_SESSION = 0x78AE
 DEADLINE = 300
 
 
@@ -106,6 +107,7 @@ class Client(QuicConnectionProtocol):
         self.headers_done = None
         self.capsules = bytearray()
         self.close_info = None
+        self.capsule_kinds = []
         self.closed = None
         self.streams = {}
         self.datagrams = []
@@ -158,6 +160,7 @@ class Client(QuicConnectionProtocol):
                 return
             payload = bytes(self.capsules[at2 : at2 + length])
             del self.capsules[: at2 + length]
+            self.capsule_kinds.append(kind)
             if kind == CLOSE_SESSION:
                 code = struct.unpack(">I", payload[:4])[0]
                 self.close_info = (code, payload[4:].decode())
@@ -340,6 +343,7 @@ async def main():
         out["status"] = await client.open_session(authority, path, origin)
         if out["status"] == 200:
             await scenario(client, name, args, out)
+        out["drained"] = DRAIN_SESSION in client.capsule_kinds
         if client.close_info is not None:
             out["close_code"], out["close_reason"] = client.close_info
         resets = [s.reset for s in client.streams.values() if s.reset is not None]

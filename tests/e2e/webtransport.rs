@@ -18,6 +18,7 @@ const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/wt_client.py"
 
 /// The endpoint's session close codes (`webtransport::Code`).
 const TOO_MANY_STREAMS: u64 = 0x5701;
+const CAPSULE_TOO_LARGE: u64 = 0x5702;
 const DATAGRAM_TOO_LARGE: u64 = 0x5703;
 const DATAGRAM_RATE: u64 = 0x5704;
 const SESSION_BYTES: u64 = 0x5705;
@@ -103,6 +104,13 @@ async fn echo_sink_and_source_deliver_exact_bytes() {
     // loss measurement, and it must see some.
     assert!(n(&echo, "datagrams_back") > 0, "{echo}");
     println!("echo: {echo}");
+    assert!(
+        server
+            .log()
+            .contains("WebTransport session, connection switches to BBR"),
+        "an accepted session moves its connection to BBR: {}",
+        server.log()
+    );
 
     let source = wt(
         &env,
@@ -296,6 +304,8 @@ async fn a_hundred_sessions_leave_no_memory_behind_and_shutdown_closes_sessions(
     let out = open.join().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // First asked to drain, then closed once the drain time is over.
+    assert_eq!(v["drained"], true, "{v}");
     assert_eq!(v["close_code"].as_u64(), Some(SHUTDOWN), "{v}");
     assert!(server.wait_exit(Duration::from_secs(10)).is_some());
 }
@@ -497,7 +507,7 @@ fn wt_stream(id: u64, data: &[u8], fin: bool) -> bytes::Bytes {
 async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
     use webship::webtransport::capsule as c;
     let env = Env::new();
-    let server = start_wt(&env, "max_streams_per_session = 2");
+    let server = start_wt(&env, "max_streams_per_session = 2\nmax_capsule_bytes = 32768");
 
     let mut s = H2Session::open(&env, &server, "/wt?mode=echo").await.unwrap();
     // A 1 MiB bidirectional stream, sent while its echo is read back.
@@ -551,6 +561,17 @@ async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
     };
     assert_eq!(u64::from(close.0), TOO_MANY_STREAMS, "{close:?}");
 
+    // A capsule over max_capsule_bytes ends the session before it is buffered.
+    let mut s = H2Session::open(&env, &server, "/wt?mode=echo").await.unwrap();
+    s.capsule(wt_stream(0, &[7u8; 40_000], false)).await;
+    let close = loop {
+        let (kind, payload) = s.next().await.expect("a close capsule");
+        if kind == c::CLOSE_SESSION {
+            break c::parse_close(&payload).unwrap();
+        }
+    };
+    assert_eq!(u64::from(close.0), CAPSULE_TOO_LARGE, "{close:?}");
+
     // Refusals are plain statuses, as over HTTP/3.
     assert_eq!(
         H2Session::open(&env, &server, "/wt?mode=nonsense").await.err(),
@@ -558,8 +579,12 @@ async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
     );
     let c = counters(&env, &server).await;
     assert_eq!(
-        (n(&c, "closed_done"), n(&c, "closed_too_many_streams")),
-        (1, 1),
+        (
+            n(&c, "closed_done"),
+            n(&c, "closed_too_many_streams"),
+            n(&c, "closed_capsule_too_large")
+        ),
+        (1, 1, 1),
         "{c}"
     );
     assert_eq!(n(&c, "sessions_active"), 0, "{c}");

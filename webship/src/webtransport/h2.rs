@@ -235,6 +235,7 @@ where
     let mut capsules = capsule::Reader::new(config.max_capsule_bytes);
     let mut buf = vec![0u8; READ_CHUNK];
     let mut idle = tokio::time::interval(Duration::from_secs(1));
+    let mut draining: Option<tokio::time::Instant> = None;
     loop {
         let n = tokio::select! {
             () = state.ended() => break,
@@ -250,11 +251,15 @@ where
                 if state.idle_for() >= config.idle_timeout && session.tasks.is_empty() {
                     state.fail(Code::IdleTimeout, format!("no traffic for {} s", config.idle_timeout.as_secs()));
                 }
+                if draining.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
+                    state.fail(Code::Shutdown, "the server is shutting down");
+                }
                 continue;
             }
-            () = shutdown.requested() => {
-                state.fail(Code::Shutdown, "the server is shutting down");
-                break;
+            () = shutdown.requested(), if draining.is_none() => {
+                let _ = out.try_send(capsule::encode(capsule::DRAIN_SESSION, &[]));
+                draining = Some(tokio::time::Instant::now() + super::DRAIN_TIME);
+                continue;
             }
         };
         capsules.push(&buf[..n]);

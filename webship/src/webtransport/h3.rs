@@ -258,6 +258,7 @@ pub async fn run(
     let mut tasks = tokio::task::JoinSet::new();
     let mut idle = tokio::time::interval(Duration::from_secs(1));
     let mut connect_open = true;
+    let mut draining: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             () = state.ended() => break,
@@ -313,8 +314,15 @@ pub async fn run(
                 if state.idle_for() >= limit && tasks.is_empty() {
                     state.fail(Code::IdleTimeout, format!("no traffic for {} s", limit.as_secs()));
                 }
+                if draining.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
+                    state.fail(Code::Shutdown, "the server is shutting down");
+                }
             }
-            () = shutdown.requested() => state.fail(Code::Shutdown, "the server is shutting down"),
+            () = shutdown.requested(), if draining.is_none() => {
+                // Ask the client to wind down; what is still open after DRAIN_TIME closes.
+                let _ = send.send_data(capsule::encode(capsule::DRAIN_SESSION, &[])).await;
+                draining = Some(tokio::time::Instant::now() + super::DRAIN_TIME);
+            }
         }
     }
     conn.unregister(id);

@@ -25,6 +25,10 @@ use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{WebTransport, WtMode};
 
+/// How long a session may run on after the server starts shutting down and sends
+/// DRAIN_WEBTRANSPORT_SESSION; then it is closed with [`Code::Shutdown`].
+pub const DRAIN_TIME: Duration = Duration::from_secs(2);
+
 /// Why a session ended: the code goes in CLOSE_WEBTRANSPORT_SESSION.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
