@@ -12,8 +12,8 @@
 //! - `cargo xtask run [ARGS]`: builds everything (eBPF included) in release mode and
 //!   starts the daemon with the privileges eBPF and port binding need.
 //! - `cargo xtask fuzz [SECONDS]`: libFuzzer (cargo-fuzz, rustup's nightly) on the
-//!   ClientHello parser, seeded with the hellos captured from curl and openssl;
-//!   60 seconds by default. Not part of `test` (an ASan build of the daemon's
+//!   ClientHello parser, seeded with the hellos captured from curl and openssl, and
+//!   on the WebTransport capsule reader; 60 seconds each by default. Not part of `test` (an ASan build of the daemon's
 //!   dependencies takes minutes); the unit tests carry a bounded mutation fuzz.
 
 use std::process::{Command, ExitCode};
@@ -218,15 +218,20 @@ fn fuzz(seconds: Option<&str>) -> anyhow::Result<()> {
             std::fs::copy(&seed, corpus.join(name))?;
         }
     }
-    run(Command::new("cargo")
-        .current_dir(root.join("fuzz"))
-        .args(["+nightly", "fuzz", "run", "--fuzz-dir", "."])
-        .arg("client_hello")
-        .arg(&corpus)
-        .arg("--")
-        .arg(format!("-max_total_time={seconds}"))
-        .env_remove("CARGO")
-        .env_remove("RUSTUP_TOOLCHAIN"))
+    let capsules = root.join("target/fuzz-corpus/capsules");
+    std::fs::create_dir_all(&capsules)?;
+    for target in [("client_hello", corpus), ("capsules", capsules)] {
+        run(Command::new("cargo")
+            .current_dir(root.join("fuzz"))
+            .args(["+nightly", "fuzz", "run", "--fuzz-dir", "."])
+            .arg(target.0)
+            .arg(&target.1)
+            .arg("--")
+            .arg(format!("-max_total_time={seconds}"))
+            .env_remove("CARGO")
+            .env_remove("RUSTUP_TOOLCHAIN"))?;
+    }
+    Ok(())
 }
 
 /// The peers of a full benchmark run (Debian packages); `--smoke` runs none.
