@@ -487,7 +487,7 @@ impl H2Session {
                 .expect("a capsule within 20 s")?;
             if !matches!(
                 got.0,
-                c::WT_MAX_DATA | c::WT_MAX_STREAMS_BIDI | c::WT_MAX_STREAMS_UNI
+                c::WT_MAX_DATA | c::WT_MAX_STREAM_DATA | c::WT_MAX_STREAMS_BIDI | c::WT_MAX_STREAMS_UNI
             ) {
                 return Some(got);
             }
@@ -544,7 +544,54 @@ async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
     assert!(back == data, "echoed bytes differ");
     assert_eq!(uni, b"one way");
     assert_eq!(datagram.unwrap(), &b"ping over h2"[..]);
+    // Streams come and go: more in sequence than may be open at once.
+    for id in [4u64, 8, 12, 16] {
+        s.capsule(wt_stream(id, b"again", true)).await;
+        let mut got = Vec::new();
+        loop {
+            let (kind, payload) = s.next().await.expect("session open");
+            if kind == c::DATAGRAM {
+                continue;
+            }
+            let (sid, bytes) = c::parse_stream(&payload).unwrap();
+            assert_eq!(sid, id, "capsule {kind:#x}");
+            got.extend_from_slice(&bytes);
+            if kind == c::WT_STREAM_FIN {
+                break;
+            }
+        }
+        assert_eq!(got, b"again");
+    }
+    // The client resets a stream it was sending on: the echo is reset too, not
+    // finished, and the session goes on.
+    s.capsule(wt_stream(20, b"half a message", false)).await;
+    s.capsule(c::varints(c::WT_RESET_STREAM, &[20, 7])).await;
+    loop {
+        let (kind, payload) = s.next().await.expect("session open");
+        assert_ne!(kind, c::WT_STREAM_FIN, "a reset stream must not end cleanly");
+        if kind == c::WT_RESET_STREAM {
+            assert_eq!(c::parse_stream_code(&payload).unwrap().0, 20);
+            break;
+        }
+    }
     // A clean close: the server ends the CONNECT stream.
+    s.capsule(c::close_session(0, "done")).await;
+    assert!(s.next().await.is_none());
+
+    // STOP_SENDING on a source stream stops it with a reset.
+    let mut s = H2Session::open(&env, &server, "/wt?mode=source").await.unwrap();
+    s.capsule(wt_stream(0, b"stream 50000000\n", true)).await;
+    let (kind, _) = s.next().await.expect("source data");
+    assert_eq!(kind, c::WT_STREAM);
+    s.capsule(c::varints(c::WT_STOP_SENDING, &[0, 9])).await;
+    loop {
+        let (kind, payload) = s.next().await.expect("session open");
+        assert_ne!(kind, c::WT_STREAM_FIN, "a stopped stream must not end cleanly");
+        if kind == c::WT_RESET_STREAM {
+            assert_eq!(c::parse_stream_code(&payload).unwrap(), (0, 9));
+            break;
+        }
+    }
     s.capsule(c::close_session(0, "done")).await;
     assert!(s.next().await.is_none());
 
@@ -584,7 +631,7 @@ async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
             n(&c, "closed_too_many_streams"),
             n(&c, "closed_capsule_too_large")
         ),
-        (1, 1, 1),
+        (2, 1, 1),
         "{c}"
     );
     assert_eq!(n(&c, "sessions_active"), 0, "{c}");

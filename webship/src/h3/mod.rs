@@ -264,6 +264,7 @@ async fn connection(
     let wt = (ctx.webtransport_sessions > 0).then(|| WtConn::new(quic));
     let mut shutdown = ctx.shutdown.clone();
     let mut closing = false;
+    let mut check = tokio::time::interval(Duration::from_millis(100));
     loop {
         let accept = std::future::poll_fn(|cx| {
             let polled = h3.poll_accept_request_stream(cx);
@@ -282,6 +283,14 @@ async fn connection(
                 // GOAWAY: no new requests; those in flight finish.
                 if let Err(e) = h3.shutdown(0).await {
                     tracing::debug!(%peer, error = %e, "h3: goaway");
+                }
+                continue;
+            }
+            // h3 waits for every stream it accepted, WebTransport ones included, which
+            // it never sees end: once no request task holds the connection, it is done.
+            _ = check.tick(), if closing && wt.is_some() => {
+                if Arc::strong_count(&permit) == 1 {
+                    break;
                 }
                 continue;
             }
@@ -304,6 +313,10 @@ async fn connection(
                 break;
             }
         }
+    }
+    if let Some(wt) = wt {
+        // Its datagram reader holds the connection open otherwise.
+        wt.close();
     }
 }
 

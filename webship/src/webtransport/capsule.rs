@@ -16,6 +16,7 @@ pub const WT_STOP_SENDING: u64 = 0x190b_4d3a;
 pub const WT_STREAM: u64 = 0x190b_4d3b;
 pub const WT_STREAM_FIN: u64 = 0x190b_4d3c;
 pub const WT_MAX_DATA: u64 = 0x190b_4d3d;
+pub const WT_MAX_STREAM_DATA: u64 = 0x190b_4d3e;
 pub const WT_MAX_STREAMS_BIDI: u64 = 0x190b_4d3f;
 pub const WT_MAX_STREAMS_UNI: u64 = 0x190b_4d40;
 

@@ -174,10 +174,11 @@ fn settle(
         tracing::debug!(error = %e, "webtransport: stream ended early");
     }
     let code = state.ending().map_or(Code::Done, |e| e.code) as u32;
-    recv.stop(code);
+    // The send half first: whatever happens after, the peer must not see a FIN.
     if let Some(send) = send {
         send.reset(code);
     }
+    recv.stop(code);
 }
 
 fn over_budget() -> std::io::Error {

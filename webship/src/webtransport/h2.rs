@@ -6,24 +6,24 @@
 //! through a bounded in-memory pipe to [`super::diag`]; what the streams send goes
 //! through a pipe to a pump task that frames it as capsules into the one writer.
 //! Backpressure is the pipes' and the writer queue's bound, then HTTP/2's flow
-//! control: a slow stream stalls the session's reading, never buffers more.
+//! control. A pipe closes when either end is dropped, so a stream that ends on one
+//! side never leaves the other waiting.
 //!
-//! The stream flow-control capsules of the draft are announced once, at the
-//! session's limits (WT_MAX_STREAMS, WT_MAX_DATA), and not tracked further: the
-//! session's own limits bound what a client may send.
+//! Flow control: the server grants the session's limits (WT_MAX_DATA, per-stream
+//! WT_MAX_STREAM_DATA) and keeps WT_MAX_STREAMS `max_streams_per_session` above the
+//! streams that have ended; it does not track the client's grants to it (the session
+//! limits bound what it sends).
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{
-    AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, SimplexStream, WriteHalf,
-};
-use tokio::sync::mpsc;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
+use tokio::sync::{mpsc, Notify};
 
 use super::{capsule, diag, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionState, Transport};
 use crate::server::Shutdown;
@@ -36,11 +36,50 @@ const WRITE_QUEUE: usize = 64;
 const READ_CHUNK: usize = 64 * 1024;
 /// No reset requested (the flag's resting value).
 const NO_RESET: u64 = u64::MAX;
+/// How long the close capsule and the stream's end may wait for the client.
+const CLOSE_TIME: Duration = Duration::from_secs(2);
+
+/// How a stream's send side ends: its pump sends FIN only after a clean finish,
+/// WT_RESET_STREAM otherwise (a reset, the client's STOP_SENDING, or a drop).
+#[derive(Debug)]
+struct SendFlags {
+    reset: AtomicU64,
+    finished: AtomicBool,
+    /// Wakes the pump when a reset should go out now.
+    wake: Notify,
+}
+
+impl SendFlags {
+    fn new() -> Arc<Self> {
+        Arc::new(Self {
+            reset: AtomicU64::new(NO_RESET),
+            finished: AtomicBool::new(false),
+            wake: Notify::new(),
+        })
+    }
+
+    fn reset(&self, code: u64) {
+        let _ = self.reset.compare_exchange(
+            NO_RESET,
+            code.min(NO_RESET - 1),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+        self.wake.notify_one();
+    }
+}
+
+/// The send sides whose pumps still run, by stream id (for WT_STOP_SENDING).
+type Senders = Arc<Mutex<HashMap<u64, Arc<SendFlags>>>>;
+
+fn senders(map: &Senders) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<SendFlags>>> {
+    map.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 /// A stream's send half: bytes go into a pipe that a pump frames as capsules.
 struct H2Send {
-    pipe: WriteHalf<SimplexStream>,
-    reset: Arc<AtomicU64>,
+    pipe: DuplexStream,
+    flags: Arc<SendFlags>,
 }
 
 impl AsyncWrite for H2Send {
@@ -49,7 +88,7 @@ impl AsyncWrite for H2Send {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        if self.reset.load(Ordering::Acquire) != NO_RESET {
+        if self.flags.reset.load(Ordering::Acquire) != NO_RESET {
             return Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()));
         }
         Pin::new(&mut self.pipe).poll_write(cx, buf)
@@ -60,20 +99,20 @@ impl AsyncWrite for H2Send {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        self.flags.finished.store(true, Ordering::Release);
         Pin::new(&mut self.pipe).poll_shutdown(cx)
     }
 }
 
 impl SendHalf for H2Send {
     fn reset(&mut self, code: u32) {
-        // The pump sends WT_RESET_STREAM instead of a FIN once the pipe drains.
-        self.reset.store(u64::from(code), Ordering::Release);
+        self.flags.reset(u64::from(code));
     }
 }
 
 /// A stream's receive half: the reader task writes the client's bytes into a pipe.
 struct H2Recv {
-    pipe: ReadHalf<SimplexStream>,
+    pipe: DuplexStream,
     /// Set when the client reset the stream: its end is then an error, not EOF.
     reset: Arc<AtomicU64>,
     id: u64,
@@ -97,6 +136,7 @@ impl AsyncRead for H2Recv {
 
 impl RecvHalf for H2Recv {
     fn stop(&mut self, code: u32) {
+        // Best effort: dropping the half closes the pipe, which discards the rest.
         let _ = self.out.try_send(capsule::varints(
             capsule::WT_STOP_SENDING,
             &[self.id, u64::from(code)],
@@ -104,23 +144,38 @@ impl RecvHalf for H2Recv {
     }
 }
 
-/// Frames what a stream's send half writes as WT_STREAM capsules, then a FIN (or
-/// WT_RESET_STREAM when the half was reset).
-async fn pump(id: u64, mut pipe: ReadHalf<SimplexStream>, reset: Arc<AtomicU64>, out: mpsc::Sender<Bytes>) {
+/// Frames what a stream's send half writes as WT_STREAM capsules, then FIN after a
+/// clean finish, or WT_RESET_STREAM.
+async fn pump(
+    id: u64,
+    mut pipe: DuplexStream,
+    flags: Arc<SendFlags>,
+    out: mpsc::Sender<Bytes>,
+    map: Senders,
+) {
     let mut buf = vec![0u8; PIPE];
     loop {
-        // A failed read ends the stream like EOF (then the reset flag decides how).
-        let n = pipe.read(&mut buf).await.unwrap_or_default();
-        let code = reset.load(Ordering::Acquire);
+        let n = tokio::select! {
+            // A failed read ends the stream like EOF; the flags decide how.
+            n = pipe.read(&mut buf) => n.unwrap_or_default(),
+            () = flags.wake.notified() => 0,
+        };
+        let code = flags.reset.load(Ordering::Acquire);
         let capsule = if code != NO_RESET {
             capsule::varints(capsule::WT_RESET_STREAM, &[id, code])
+        } else if n > 0 {
+            stream_capsule(id, &buf[..n], false)
+        } else if flags.finished.load(Ordering::Acquire) {
+            stream_capsule(id, &[], true)
         } else {
-            stream_capsule(id, &buf[..n], n == 0)
+            // Dropped without a finish: never let that look complete.
+            capsule::varints(capsule::WT_RESET_STREAM, &[id, 0])
         };
         if out.send(capsule).await.is_err() || n == 0 || code != NO_RESET {
-            return;
+            break;
         }
     }
+    senders(&map).remove(&id);
 }
 
 fn stream_capsule(id: u64, data: &[u8], fin: bool) -> Bytes {
@@ -136,8 +191,22 @@ fn stream_capsule(id: u64, data: &[u8], fin: bool) -> Bytes {
     out.freeze()
 }
 
+/// A send half and the pump behind it, registered for WT_STOP_SENDING.
+fn send_half(
+    id: u64,
+    out: &mpsc::Sender<Bytes>,
+    map: &Senders,
+) -> (H2Send, impl std::future::Future<Output = ()>) {
+    let (ours, theirs) = tokio::io::duplex(PIPE);
+    let flags = SendFlags::new();
+    senders(map).insert(id, flags.clone());
+    let pump = pump(id, theirs, flags.clone(), out.clone(), map.clone());
+    (H2Send { pipe: ours, flags }, pump)
+}
+
 struct H2Transport {
     out: mpsc::Sender<Bytes>,
+    senders: Senders,
     /// The next server-initiated unidirectional stream id (3, 7, 11, …).
     next_uni: AtomicU64,
     max_datagram: usize,
@@ -146,10 +215,10 @@ struct H2Transport {
 impl Transport for H2Transport {
     fn open_uni(&self) -> BoxFuture<'_, std::io::Result<Box<dyn SendHalf>>> {
         let id = self.next_uni.fetch_add(4, Ordering::Relaxed);
-        let (rx, tx) = tokio::io::simplex(PIPE);
-        let reset = Arc::new(AtomicU64::new(NO_RESET));
-        tokio::spawn(pump(id, rx, reset.clone(), self.out.clone()));
-        Box::pin(async move { Ok(Box::new(H2Send { pipe: tx, reset }) as Box<dyn SendHalf>) })
+        let (send, pump) = send_half(id, &self.out, &self.senders);
+        // The pump ends with its send half (the pipe closes on drop).
+        tokio::spawn(pump);
+        Box::pin(async move { Ok(Box::new(send) as Box<dyn SendHalf>) })
     }
 
     fn send_datagram(&self, payload: Bytes) -> BoxFuture<'_, std::io::Result<()>> {
@@ -174,11 +243,9 @@ impl Transport for H2Transport {
 
 /// What the reader keeps per open client stream: where its bytes go.
 struct Inbound {
-    pipe: Option<WriteHalf<SimplexStream>>,
+    pipe: Option<DuplexStream>,
     /// The client reset it (its receive half reports an error).
     recv_reset: Arc<AtomicU64>,
-    /// Our send half, which WT_STOP_SENDING resets (bidirectional streams only).
-    send_reset: Option<Arc<AtomicU64>>,
 }
 
 /// Runs an admitted session over the CONNECT stream's bytes (`io`, hyper's upgrade)
@@ -191,7 +258,7 @@ where
     state.touch();
     let (mut rd, mut wr) = tokio::io::split(io);
     let (out, mut queue) = mpsc::channel::<Bytes>(WRITE_QUEUE);
-    let writer = tokio::spawn(async move {
+    let mut writer = tokio::spawn(async move {
         while let Some(capsule) = queue.recv().await {
             if wr.write_all(&capsule).await.is_err() {
                 return;
@@ -200,36 +267,35 @@ where
         let _ = wr.shutdown().await;
     });
     let config = state.config().clone();
-    // The draft's initial flow-control limits are zero: open them to the session's.
-    let limits = [
-        capsule::varints(
-            capsule::WT_MAX_STREAMS_BIDI,
-            &[config.max_streams_per_session as u64],
-        ),
-        capsule::varints(
-            capsule::WT_MAX_STREAMS_UNI,
-            &[config.max_streams_per_session as u64],
-        ),
+    let max_streams = config.max_streams_per_session as u64;
+    // The draft's initial limits are zero: open them to the session's.
+    for c in [
+        capsule::varints(capsule::WT_MAX_STREAMS_BIDI, &[max_streams]),
+        capsule::varints(capsule::WT_MAX_STREAMS_UNI, &[max_streams]),
         capsule::varints(
             capsule::WT_MAX_DATA,
             &[config.max_session_bytes.min(capsule::VARINT_MAX)],
         ),
-    ];
-    for c in limits {
+    ] {
         let _ = out.send(c).await;
     }
+    let senders: Senders = Arc::default();
     let transport: Arc<dyn Transport> = Arc::new(H2Transport {
         out: out.clone(),
+        senders: senders.clone(),
         next_uni: AtomicU64::new(3),
-        max_datagram: config.max_datagram_bytes,
+        max_datagram: config.max_datagram_bytes.min(config.max_capsule_bytes),
     });
     let mut session = Session {
         state: state.clone(),
         transport,
         out: out.clone(),
+        senders,
         streams: HashMap::new(),
         next_bidi: 0,
         next_uni: 2,
+        ended_bidi: 0,
+        ended_uni: 0,
         tasks: tokio::task::JoinSet::new(),
     };
     let mut capsules = capsule::Reader::new(config.max_capsule_bytes);
@@ -246,9 +312,14 @@ where
                 }
                 Ok(n) => n,
             },
-            Some(_) = session.tasks.join_next() => continue,
+            Some(done) = session.tasks.join_next() => {
+                if let Ok(Some(id)) = done {
+                    session.stream_ended(id).await;
+                }
+                continue;
+            }
             _ = idle.tick() => {
-                if state.idle_for() >= config.idle_timeout && session.tasks.is_empty() {
+                if state.idle_for() >= config.idle_timeout {
                     state.fail(Code::IdleTimeout, format!("no traffic for {} s", config.idle_timeout.as_secs()));
                 }
                 if draining.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
@@ -287,29 +358,38 @@ where
         }
     }
     // Streams reset themselves on the session's end; their pumps then say so.
+    session.streams.clear();
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         while session.tasks.join_next().await.is_some() {}
     })
     .await;
     if let Some(end) = state.ending().filter(|e| !e.by_client) {
-        let _ = out.try_send(capsule::close_session(end.code as u32, &end.reason));
+        let close = out.send(capsule::close_session(end.code as u32, &end.reason));
+        let _ = tokio::time::timeout(CLOSE_TIME, close).await;
     }
     drop(session);
     drop(out);
     // The writer ends once every sender is gone: the close capsule, then END_STREAM.
-    let _ = tokio::time::timeout(Duration::from_secs(2), writer).await;
+    if tokio::time::timeout(CLOSE_TIME, &mut writer).await.is_err() {
+        writer.abort();
+    }
 }
 
 struct Session {
     state: Arc<SessionState>,
     transport: Arc<dyn Transport>,
     out: mpsc::Sender<Bytes>,
+    senders: Senders,
     streams: HashMap<u64, Inbound>,
     /// The lowest id a new client stream of each kind may have: lower ones not in
     /// `streams` are finished, and their late capsules are ignored.
     next_bidi: u64,
     next_uni: u64,
-    tasks: tokio::task::JoinSet<()>,
+    /// Client streams whose work is over, which WT_MAX_STREAMS gives back.
+    ended_bidi: u64,
+    ended_uni: u64,
+    /// Stream work (yielding the stream's id) and pumps (yielding `None`).
+    tasks: tokio::task::JoinSet<Option<u64>>,
 }
 
 impl Session {
@@ -323,15 +403,18 @@ impl Session {
                     return false;
                 };
                 state.touch();
-                if !self.streams.contains_key(&id) && !self.open(id) {
+                if !self.streams.contains_key(&id) && !self.open(id).await {
                     return state.ending().is_none();
                 }
                 let Some(stream) = self.streams.get_mut(&id) else {
                     return true;
                 };
-                if let Some(pipe) = stream.pipe.as_mut() {
-                    if !data.is_empty() && pipe.write_all(&data).await.is_err() {
-                        // The stream's reader is gone (it finished or was reset).
+                if let (Some(pipe), false) = (stream.pipe.as_mut(), data.is_empty()) {
+                    // The stream's work takes its bytes within the idle time, or they
+                    // are dropped with the pipe (it stopped reading: a source command
+                    // followed by more data, say).
+                    let write = tokio::time::timeout(state.config().idle_timeout, pipe.write_all(&data));
+                    if !matches!(write.await, Ok(Ok(()))) {
                         stream.pipe = None;
                     }
                 }
@@ -339,22 +422,25 @@ impl Session {
                     if let Some(mut pipe) = stream.pipe.take() {
                         let _ = pipe.shutdown().await;
                     }
-                    self.streams.remove(&id);
                 }
             }
-            capsule::WT_RESET_STREAM | capsule::WT_STOP_SENDING => {
+            capsule::WT_RESET_STREAM => {
                 let Ok((id, code)) = capsule::parse_stream_code(&payload) else {
-                    state.fail(Code::Protocol, "malformed stream capsule");
+                    state.fail(Code::Protocol, "malformed WT_RESET_STREAM capsule");
                     return false;
                 };
                 if let Some(stream) = self.streams.get_mut(&id) {
-                    if kind == capsule::WT_RESET_STREAM {
-                        stream.recv_reset.store(code.min(NO_RESET - 1), Ordering::Release);
-                        stream.pipe = None;
-                        self.streams.remove(&id);
-                    } else if let Some(send) = &stream.send_reset {
-                        send.store(code.min(NO_RESET - 1), Ordering::Release);
-                    }
+                    stream.recv_reset.store(code.min(NO_RESET - 1), Ordering::Release);
+                    stream.pipe = None;
+                }
+            }
+            capsule::WT_STOP_SENDING => {
+                let Ok((id, code)) = capsule::parse_stream_code(&payload) else {
+                    state.fail(Code::Protocol, "malformed WT_STOP_SENDING capsule");
+                    return false;
+                };
+                if let Some(flags) = senders(&self.senders).get(&id) {
+                    flags.reset(code);
                 }
             }
             capsule::DATAGRAM => {
@@ -376,9 +462,23 @@ impl Session {
         true
     }
 
+    /// A client stream's work is over: forget it, and let the client open another.
+    async fn stream_ended(&mut self, id: u64) {
+        self.streams.remove(&id);
+        let (kind, ended) = if id.is_multiple_of(4) {
+            self.ended_bidi += 1;
+            (capsule::WT_MAX_STREAMS_BIDI, self.ended_bidi)
+        } else {
+            self.ended_uni += 1;
+            (capsule::WT_MAX_STREAMS_UNI, self.ended_uni)
+        };
+        let limit = ended + self.state.config().max_streams_per_session as u64;
+        let _ = self.out.send(capsule::varints(kind, &[limit])).await;
+    }
+
     /// Opens the client stream `id` for its first capsule; `false` when the id is
     /// not a new client stream (or the session has no room for it).
-    fn open(&mut self, id: u64) -> bool {
+    async fn open(&mut self, id: u64) -> bool {
         let bidi = match id % 4 {
             0 => true,
             2 => false,
@@ -400,44 +500,46 @@ impl Session {
         let Some(slot) = self.state.stream_slot() else {
             return false;
         };
-        let (in_rx, in_tx) = tokio::io::simplex(PIPE);
+        let (ours, theirs) = tokio::io::duplex(PIPE);
         let recv_reset = Arc::new(AtomicU64::new(NO_RESET));
         let recv = Box::new(H2Recv {
-            pipe: in_rx,
+            pipe: theirs,
             reset: recv_reset.clone(),
             id,
             out: self.out.clone(),
         });
         let (state, transport) = (self.state.clone(), self.transport.clone());
-        let send_reset = if bidi {
-            let (out_rx, out_tx) = tokio::io::simplex(PIPE);
-            let reset = Arc::new(AtomicU64::new(NO_RESET));
-            self.tasks
-                .spawn(pump(id, out_rx, reset.clone(), self.out.clone()));
-            let send = Box::new(H2Send {
-                pipe: out_tx,
-                reset: reset.clone(),
+        if bidi {
+            let (send, pump) = send_half(id, &self.out, &self.senders);
+            self.tasks.spawn(async move {
+                pump.await;
+                None
             });
             self.tasks.spawn(async move {
-                diag::bidi(state, transport, recv, send).await;
+                diag::bidi(state, transport, recv, Box::new(send)).await;
                 drop(slot);
+                Some(id)
             });
-            Some(reset)
         } else {
             self.tasks.spawn(async move {
                 diag::uni(state, transport, recv).await;
                 drop(slot);
+                Some(id)
             });
-            None
-        };
+        }
         self.streams.insert(
             id,
             Inbound {
-                pipe: Some(in_tx),
+                pipe: Some(ours),
                 recv_reset,
-                send_reset,
             },
         );
+        // Let the client send on it up to the session's budget.
+        let grant = self.state.config().max_session_bytes.min(capsule::VARINT_MAX);
+        let _ = self
+            .out
+            .send(capsule::varints(capsule::WT_MAX_STREAM_DATA, &[id, grant]))
+            .await;
         true
     }
 }

@@ -15,7 +15,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
-use h3::quic::RecvStream as _;
 use h3::stream::BufRecvStream;
 use tokio::sync::mpsc;
 
@@ -35,6 +34,11 @@ const UNI_STREAM_TYPE: u64 = 0x54;
 const STREAM_QUEUE: usize = 64;
 /// Received datagrams waiting for their session's task; beyond this they are dropped.
 const DATAGRAM_QUEUE: usize = 1024;
+/// WebTransport streams one connection may carry in its life (h3 keeps a few bytes
+/// per stream until the connection ends).
+const MAX_STREAMS_PER_CONNECTION: u64 = 100_000;
+/// How long a capsule we send may wait for the client's flow control.
+const CAPSULE_SEND_TIME: Duration = Duration::from_secs(1);
 
 enum Incoming {
     Bidi(Box<WtBidi>),
@@ -52,6 +56,8 @@ pub struct WtConn {
     quic: quinn::Connection,
     sessions: Mutex<HashMap<u64, Route>>,
     datagram_reader: std::sync::Once,
+    /// WebTransport streams this connection has carried.
+    streams: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for WtConn {
@@ -69,7 +75,13 @@ impl WtConn {
             quic,
             sessions: Mutex::new(HashMap::new()),
             datagram_reader: std::sync::Once::new(),
+            streams: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Closes the QUIC connection (H3_NO_ERROR) once its h3 driver is done.
+    pub fn close(&self) {
+        self.quic.close(quinn::VarInt::from_u32(0x100), b"");
     }
 
     fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Route>> {
@@ -92,14 +104,26 @@ impl WtConn {
         let id = h3::quic::StreamId::from(session).into_inner();
         let sessions = self.sessions();
         let Some(route) = sessions.get(&id) else {
-            tracing::debug!(session = id, "webtransport: stream for no session, dropped");
-            return;
+            tracing::debug!(session = id, "webtransport: stream for no session, refused");
+            return refuse(stream, Code::Protocol);
         };
-        if route.streams.try_send(stream).is_err() {
+        // h3 remembers every bidirectional stream of a connection (it never learns
+        // that a WebTransport one ended): bound what one connection may open.
+        let total = self.streams.fetch_add(1, Ordering::Relaxed) + 1;
+        if total > MAX_STREAMS_PER_CONNECTION {
+            route.state.fail(
+                Code::TooManyStreams,
+                format!("this connection carried {MAX_STREAMS_PER_CONNECTION} WebTransport streams; open a new one"),
+            );
+            return refuse(stream, Code::TooManyStreams);
+        }
+        if let Err(e) = route.streams.try_send(stream) {
             route.state.fail(
                 Code::TooManyStreams,
                 "streams arrive faster than the session takes them",
             );
+            let (mpsc::error::TrySendError::Full(stream) | mpsc::error::TrySendError::Closed(stream)) = e;
+            refuse(stream, Code::TooManyStreams);
         }
     }
 
@@ -201,8 +225,19 @@ impl SendHalf for BufRecvStream<h3_quinn::SendStream<Bytes>, Bytes> {
 }
 
 impl RecvHalf for BufRecvStream<h3_quinn::RecvStream, Bytes> {
-    fn stop(&mut self, code: u32) {
-        self.stop_sending(super::stream_error_code(code));
+    /// Left to the drop, which stops the stream (code 0): h3-quinn's `stop_sending`
+    /// panics when a cancelled read still holds the stream, which is exactly when a
+    /// session end stops one.
+    fn stop(&mut self, _code: u32) {}
+}
+
+/// Turns away a stream the session cannot take: a bidirectional one is reset (a
+/// dropped send half would finish, and look like a complete, empty reply); both
+/// kinds stop on drop.
+fn refuse(stream: Incoming, code: Code) {
+    if let Incoming::Bidi(stream) = stream {
+        let (mut send, _recv) = h3::quic::BidiStream::split(*stream);
+        SendHalf::reset(&mut send, code as u32);
     }
 }
 
@@ -263,7 +298,10 @@ pub async fn run(
         tokio::select! {
             () = state.ended() => break,
             Some(incoming) = streams.recv() => {
-                let Some(slot) = state.stream_slot() else { continue };
+                let Some(slot) = state.stream_slot() else {
+                    refuse(incoming, Code::TooManyStreams);
+                    continue;
+                };
                 let (state, transport) = (state.clone(), transport.clone());
                 match incoming {
                     Incoming::Bidi(stream) => {
@@ -311,7 +349,7 @@ pub async fn run(
             Some(_) = tasks.join_next() => {}
             _ = idle.tick() => {
                 let limit = state.config().idle_timeout;
-                if state.idle_for() >= limit && tasks.is_empty() {
+                if state.idle_for() >= limit {
                     state.fail(Code::IdleTimeout, format!("no traffic for {} s", limit.as_secs()));
                 }
                 if draining.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
@@ -320,19 +358,24 @@ pub async fn run(
             }
             () = shutdown.requested(), if draining.is_none() => {
                 // Ask the client to wind down; what is still open after DRAIN_TIME closes.
-                let _ = send.send_data(capsule::encode(capsule::DRAIN_SESSION, &[])).await;
+                let drain = send.send_data(capsule::encode(capsule::DRAIN_SESSION, &[]));
+                let _ = tokio::time::timeout(CAPSULE_SEND_TIME, drain).await;
                 draining = Some(tokio::time::Instant::now() + super::DRAIN_TIME);
             }
         }
     }
     conn.unregister(id);
+    // Streams that arrived but were never taken.
+    streams.close();
+    while let Ok(stream) = streams.try_recv() {
+        refuse(stream, state.ending().map_or(Code::Done, |e| e.code));
+    }
     let end = state.ending().cloned();
     if let Some(end) = end.filter(|e| !e.by_client) {
-        let _ = send
-            .send_data(capsule::close_session(end.code as u32, &end.reason))
-            .await;
+        let close = send.send_data(capsule::close_session(end.code as u32, &end.reason));
+        let _ = tokio::time::timeout(CAPSULE_SEND_TIME, close).await;
     }
-    let _ = tokio::time::timeout(Duration::from_secs(1), send.finish()).await;
+    let _ = tokio::time::timeout(CAPSULE_SEND_TIME, send.finish()).await;
     // Streams reset themselves on the session's end; give them a moment to say so.
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
         while tasks.join_next().await.is_some() {}
