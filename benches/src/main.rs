@@ -3,7 +3,7 @@
 //! Absolute numbers depend on the host, so every comparison here is made
 //! within one run: `aead` picks the rustls crypto provider by measuring both
 //! on this CPU, and `download` (the default) serves one fixture from Webship
-//! and from its peers (nginx, lighttpd, HAProxy, Caddy) side by side,
+//! and from its peers (nginx, lighttpd, HAProxy, Caddy, h2o) side by side,
 //! directly and through each as a TLS-terminating reverse proxy, and reports
 //! the ratios. The hidden `h3-get` is
 //! the HTTP/3 client `download` runs as a child process (curl here has no h3).
@@ -40,7 +40,7 @@ enum Command {
     /// AES-GCM seal throughput and in-memory rustls throughput, aws-lc-rs vs ring.
     Aead,
     /// Download a ~100 MB fixture over h1, h2 and h3 from Webship and its peers
-    /// (nginx, lighttpd, HAProxy, Caddy), directly and through each as a
+    /// (nginx, lighttpd, HAProxy, Caddy, h2o), directly and through each as a
     /// TLS-terminating proxy (default).
     Download(DownloadArgs),
     /// One HTTP/3 GET, body hashed and dropped: the h3 cells' client (run by `download`).
@@ -75,8 +75,15 @@ pub struct DownloadArgs {
     /// The Caddy binary (a peer in both modes; skipped if missing).
     #[arg(long, default_value = "/usr/bin/caddy")]
     pub caddy: PathBuf,
+    /// The h2o binary (a peer for files and as a proxy; skipped if missing).
+    #[arg(long, default_value = "/usr/bin/h2o")]
+    pub h2o: PathBuf,
     /// Which peers to run, comma-separated (each is skipped if its binary is missing).
-    #[arg(long, value_delimiter = ',', default_value = "nginx,lighttpd,haproxy,caddy")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "nginx,lighttpd,haproxy,caddy,h2o"
+    )]
     pub peers: Vec<String>,
     /// CI's check that the harness works: one accepted sample per Webship cell,
     /// no peers, no GSO-off comparison; fails if any Webship cell has none.

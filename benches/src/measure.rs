@@ -48,6 +48,7 @@ pub const NGINX: &str = "nginx";
 pub const LIGHTTPD: &str = "lighttpd";
 pub const HAPROXY: &str = "haproxy";
 pub const CADDY: &str = "caddy";
+pub const H2O: &str = "h2o";
 
 /// What the servers under test do with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -82,7 +83,7 @@ struct ModeServers {
 }
 
 /// The peers this runner knows, in table order.
-pub const PEERS: [&str; 4] = [NGINX, LIGHTTPD, HAPROXY, CADDY];
+pub const PEERS: [&str; 5] = [NGINX, LIGHTTPD, HAPROXY, CADDY, H2O];
 
 /// Why `server` has no cell for (`mode`, `protocol`); None where it has one.
 /// `nginx_version` is e.g. "nginx 1.22" (Debian's build has no HTTP/3 module).
@@ -97,6 +98,8 @@ pub fn cell_gap(server: &str, mode: Mode, protocol: Protocol, nginx_version: &st
             "Caddy passes TLS through only with the layer4 plugin, not in its release build"
         }
         (HAPROXY, Mode::Passthrough, Protocol::H3) => "HAProxy does not forward UDP",
+        (H2O, Mode::Passthrough, _) => "h2o has no TLS passthrough",
+        (H2O, _, Protocol::H3) => "Debian's h2o 2.2.5 has no HTTP/3 (QUIC came with 2.3, unreleased)",
         (HAPROXY, Mode::Passthrough, _) => return None,
         (NGINX, _, Protocol::H3) => return Some(format!("{nginx_version} has no HTTP/3")),
         (LIGHTTPD, Mode::Proxy, _) => "lighttpd is measured as a file server only",
@@ -289,6 +292,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
                 (LIGHTTPD, _) => servers::start_lighttpd(binary, &s),
                 (HAPROXY, Some(port)) => servers::start_haproxy(binary, &s, port),
                 (CADDY, port) => servers::start_caddy(binary, &s, port),
+                (H2O, port) => servers::start_h2o(binary, &s, port),
                 _ => continue,
             };
             match server {
@@ -487,6 +491,7 @@ fn peer_binary<'a>(args: &'a DownloadArgs, peer: &str) -> &'a Path {
         LIGHTTPD => &args.lighttpd,
         HAPROXY => &args.haproxy,
         CADDY => &args.caddy,
+        H2O => &args.h2o,
         _ => &args.nginx,
     }
 }

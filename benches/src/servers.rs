@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 use crate::fixture::Identity;
-use crate::measure::{CADDY, HAPROXY, LIGHTTPD};
+use crate::measure::{CADDY, H2O, HAPROXY, LIGHTTPD};
 use crate::proc::descendants;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
@@ -588,6 +588,56 @@ pub fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) ->
         s.dir.join("caddy.log"),
         Some("serving initial configuration"),
     )?;
+    if origin_port.is_some() {
+        server.host = "localhost";
+    }
+    Ok(server)
+}
+
+/// h2o serving `root` (`file.dir`) or proxying to the origin (`proxy.reverse.url`)
+/// over TLS, h1 and h2 by ALPN, with `num-threads` = workers and its temporary
+/// buffers in memory. h2o 2.2 has no other large-file switches (it streams files
+/// through its buffers); `proxy.preserve-host` keeps the client's Host, as the
+/// other proxies do.
+pub fn start_h2o(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> Result<Server> {
+    let port = free_port()?;
+    let mut conf = String::new();
+    // Started as root, h2o drops to `nobody` unless told otherwise, and could then
+    // not read the scratch directory.
+    writeln!(conf, "user: root\nnum-threads: {}", s.workers)?;
+    // Responses bigger than its buffer go to mmap'ed temporary files (the proxy's
+    // case here): on a disk-backed /tmp every sample then takes major page faults.
+    if Path::new("/dev/shm").is_dir() {
+        writeln!(conf, "temp-buffer-path: /dev/shm")?;
+    }
+    writeln!(
+        conf,
+        "pid-file: {:?}",
+        s.dir.join("h2o.pid").display().to_string()
+    )?;
+    writeln!(
+        conf,
+        "hosts:\n  default:\n    listen:\n      host: 127.0.0.1\n      port: {port}"
+    )?;
+    writeln!(
+        conf,
+        "      ssl:\n        certificate-file: {:?}\n        key-file: {:?}\n        minimum-version: TLSv1.2",
+        s.identity.cert.display().to_string(),
+        s.identity.key.display().to_string()
+    )?;
+    writeln!(conf, "    paths:\n      \"/\":")?;
+    match origin_port {
+        Some(origin) => writeln!(
+            conf,
+            "        proxy.reverse.url: \"http://127.0.0.1:{origin}/\"\n        proxy.preserve-host: ON"
+        )?,
+        None => writeln!(conf, "        file.dir: {:?}", s.root.display().to_string())?,
+    }
+    let config = s.dir.join("h2o.conf");
+    fs::write(&config, conf)?;
+    let mut command = Command::new(binary);
+    command.arg("-c").arg(&config);
+    let mut server = spawn(H2O, command, port, s.dir.join("h2o.log"), None)?;
     if origin_port.is_some() {
         server.host = "localhost";
     }

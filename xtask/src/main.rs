@@ -240,6 +240,7 @@ const BENCH_APT: &[(&str, &str)] = &[
     ("lighttpd", "lighttpd"),
     ("/usr/lib/lighttpd/mod_openssl.so", "lighttpd-mod-openssl"),
     ("caddy", "caddy"),
+    ("h2o", "h2o"),
     (
         "/usr/lib/nginx/modules/ngx_stream_module.so",
         "libnginx-mod-stream",
