@@ -10,6 +10,7 @@
 
 mod aead;
 mod clients;
+mod concurrency;
 mod fixture;
 mod h3client;
 mod measure;
@@ -48,6 +49,10 @@ enum Command {
     H3Get(h3client::H3GetArgs),
     /// A WebTransport session to a diagnostic endpoint in source mode: one stream
     /// or a run of datagrams, received and counted (the WebTransport cells' client).
+    /// 1, 16 and 256 concurrent downloads over one h2 and one h3 connection, and
+    /// over 256 h1 connections: aggregate throughput, p50/p99 time to last byte,
+    /// server peak RSS.
+    Concurrency(concurrency::ConcurrencyArgs),
     /// WebTransport from the diagnostic endpoint (one stream, datagrams) directly and
     /// through HTTP/3 passthrough, next to an h3 download of the fixture.
     Webtransport(wtbench::WtBenchArgs),
@@ -121,5 +126,6 @@ fn main() -> Result<()> {
         Command::H3Get(args) => h3client::run(&args),
         Command::WtGet(args) => wtclient::run(&args),
         Command::Webtransport(args) => wtbench::run(&args),
+        Command::Concurrency(args) => concurrency::run(&args),
     }
 }

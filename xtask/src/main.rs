@@ -178,7 +178,8 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     vm::vm_test(false)?;
     // The benchmark harness, one sample per webship cell, so it cannot rot.
     bench(&["download".into(), "--smoke".into()])?;
-    bench(&["webtransport", "--samples", "1", "--datagrams", "2000"].map(String::from))
+    bench(&["webtransport", "--samples", "1", "--datagrams", "2000"].map(String::from))?;
+    bench(&["concurrency", "--levels", "1,16", "--mib", "1"].map(String::from))
 }
 
 fn run_daemon(extra: &[String]) -> anyhow::Result<()> {

@@ -261,7 +261,7 @@ async fn connection(
         Err(e) => return tracing::debug!(%peer, error = %e, "h3: connection setup failed"),
     };
     let permit = Arc::new(permit);
-    let wt = (ctx.webtransport_sessions > 0).then(|| WtConn::new(quic));
+    let wt = (ctx.webtransport_sessions > 0).then(|| WtConn::new(quic.clone()));
     let mut shutdown = ctx.shutdown.clone();
     let mut closing = false;
     let mut check = tokio::time::interval(Duration::from_millis(100));
@@ -286,9 +286,10 @@ async fn connection(
                 }
                 continue;
             }
-            // h3 waits for every stream it accepted, WebTransport ones included, which
-            // it never sees end: once no request task holds the connection, it is done.
-            _ = check.tick(), if closing && wt.is_some() => {
+            // After GOAWAY h3 waits for the client to close (or, for WebTransport
+            // streams, for ends it never sees): once no request task holds the
+            // connection, it is done, and shutdown need not wait for the client.
+            _ = check.tick(), if closing => {
                 if Arc::strong_count(&permit) == 1 {
                     break;
                 }
@@ -314,10 +315,8 @@ async fn connection(
             }
         }
     }
-    if let Some(wt) = wt {
-        // Its datagram reader holds the connection open otherwise.
-        wt.close();
-    }
+    // H3_NO_ERROR; also ends the WebTransport datagram reader, which holds a handle.
+    quic.close(quinn::VarInt::from_u32(0x100), b"");
 }
 
 type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;

@@ -79,11 +79,6 @@ impl WtConn {
         })
     }
 
-    /// Closes the QUIC connection (H3_NO_ERROR) once its h3 driver is done.
-    pub fn close(&self) {
-        self.quic.close(quinn::VarInt::from_u32(0x100), b"");
-    }
-
     fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Route>> {
         self.sessions
             .lock()
