@@ -171,6 +171,16 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     // First, so that every build below embeds the programs.
     ebpf::build_ebpf()?;
     run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+    // The daemon without eBPF (userspace engines only) must stay clean too.
+    run(cargo().args([
+        "clippy",
+        "-p",
+        "webship",
+        "--no-default-features",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     // The end-to-end suite drives the real binary; build it first.
     run(cargo().args(["build", "-p", "webship", "--bin", "webship"]))?;
     run(cargo().args(["test", "--workspace"]).args(extra))?;

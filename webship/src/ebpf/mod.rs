@@ -17,8 +17,12 @@ pub use webship_ebpf_common::{Counter, COUNTERS};
 
 /// Where the counter maps are pinned unless `[kernel] bpf_pin_dir` says otherwise.
 pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/webship";
+// The pins only the loader touches; a build without eBPF has none.
+#[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
 const KERNEL_PIN: &str = "kernel_counters";
+#[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
 const USER_PIN: &str = "user_counters";
+#[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
 const LINKS_PIN: &str = "links";
 
 #[derive(Debug, thiserror::Error)]
@@ -63,6 +67,7 @@ impl Snapshot {
 }
 
 /// The pinned maps: kernel counters, userspace counters, links.
+#[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
 fn pin_paths(dir: &Path) -> [PathBuf; 3] {
     [dir.join(KERNEL_PIN), dir.join(USER_PIN), dir.join(LINKS_PIN)]
 }
