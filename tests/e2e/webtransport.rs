@@ -24,6 +24,7 @@ const DATAGRAM_RATE: u64 = 0x5704;
 const SESSION_BYTES: u64 = 0x5705;
 const IDLE_TIMEOUT: u64 = 0x5706;
 const BAD_COMMAND: u64 = 0x5707;
+const PROTOCOL_ERROR: u64 = 0x5708;
 const SHUTDOWN: u64 = 0x5709;
 
 /// A server whose one site has the diagnostic endpoint at `/wt` with `limits`.
@@ -63,6 +64,34 @@ pub fn wt(env: &Env, addr: SocketAddr, sni: &str, path: &str, origin: &str, scen
     );
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// An aioquic session on `/wt` that only idles, in a thread, returned once the
+/// server counts it as active.
+async fn idle_session(env: &Env, server: &Server) -> std::thread::JoinHandle<std::process::Output> {
+    let (port, ca) = (server.port, env.pki.ca_file());
+    let session = std::thread::spawn(move || {
+        Command::new("python3")
+            .args([
+                SCRIPT,
+                "127.0.0.1",
+                &port.to_string(),
+                HOST,
+                "/wt",
+                ca.to_str().unwrap(),
+                ORIGIN,
+                "idle",
+            ])
+            .output()
+            .unwrap()
+    });
+    for _ in 0..200 {
+        if n(&counters(env, server).await, "sessions_active") == 1 {
+            return session;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the idle session never started: {}", server.log());
 }
 
 /// The endpoint's counters, from a GET on its path over HTTP/2.
@@ -201,31 +230,7 @@ async fn every_limit_closes_the_session_with_its_code_and_counts_it() {
     closed(run("source", ORIGIN, &["bad-command"]), BAD_COMMAND);
 
     // One session at a time: a second one is refused while the first idles.
-    let (addr, ca) = (server.addr(), env.pki.ca_file());
-    let first = std::thread::spawn(move || {
-        Command::new("python3")
-            .args([
-                SCRIPT,
-                "127.0.0.1",
-                &addr.port().to_string(),
-                HOST,
-                "/wt",
-                ca.to_str().unwrap(),
-                ORIGIN,
-                "idle",
-            ])
-            .output()
-            .unwrap()
-    });
-    let mut active = false;
-    for _ in 0..100 {
-        if n(&counters(&env, &server).await, "sessions_active") == 1 {
-            active = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(active, "the first session never started: {}", server.log());
+    let first = idle_session(&env, &server).await;
     assert_eq!(run("echo", ORIGIN, &["idle"])["status"], 429);
     assert!(first.join().unwrap().status.success());
 
@@ -275,31 +280,7 @@ async fn a_hundred_sessions_leave_no_memory_behind_and_shutdown_closes_sessions(
     );
 
     // A session open at shutdown is closed with the shutdown code.
-    let (addr, ca) = (server.addr(), env.pki.ca_file());
-    let open = std::thread::spawn(move || {
-        Command::new("python3")
-            .args([
-                SCRIPT,
-                "127.0.0.1",
-                &addr.port().to_string(),
-                HOST,
-                "/wt",
-                ca.to_str().unwrap(),
-                ORIGIN,
-                "idle",
-            ])
-            .output()
-            .unwrap()
-    });
-    let mut active = false;
-    for _ in 0..200 {
-        if n(&counters(&env, &server).await, "sessions_active") == 1 {
-            active = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(active, "the session never started: {}", server.log());
+    let open = idle_session(&env, &server).await;
     server.terminate();
     let out = open.join().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
@@ -619,6 +600,17 @@ async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
     };
     assert_eq!(u64::from(close.0), CAPSULE_TOO_LARGE, "{close:?}");
 
+    // Data on a stream id only the server may open is a protocol error.
+    let mut s = H2Session::open(&env, &server, "/wt?mode=echo").await.unwrap();
+    s.capsule(wt_stream(3, b"not yours", false)).await;
+    let close = loop {
+        let (kind, payload) = s.next().await.expect("a close capsule");
+        if kind == c::CLOSE_SESSION {
+            break c::parse_close(&payload).unwrap();
+        }
+    };
+    assert_eq!(u64::from(close.0), PROTOCOL_ERROR, "{close:?}");
+
     // Refusals are plain statuses, as over HTTP/3.
     assert_eq!(
         H2Session::open(&env, &server, "/wt?mode=nonsense").await.err(),
@@ -629,9 +621,10 @@ async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
         (
             n(&c, "closed_done"),
             n(&c, "closed_too_many_streams"),
-            n(&c, "closed_capsule_too_large")
+            n(&c, "closed_capsule_too_large"),
+            n(&c, "closed_protocol_error")
         ),
-        (2, 1, 1),
+        (2, 1, 1, 1),
         "{c}"
     );
     assert_eq!(n(&c, "sessions_active"), 0, "{c}");

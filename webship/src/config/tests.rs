@@ -370,3 +370,60 @@ fn passthrough_engine_ebpf_and_udp_keys() {
     let terminate = "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\npassthrough_engine = \"copy\"\n[reverse_proxy.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"10.0.0.20:80\"]\n";
     assert_eq!(keys(terminate.into()), ["reverse_proxy.passthrough_engine"]);
 }
+
+#[test]
+fn webtransport_endpoints_are_validated() {
+    let f = Files::new();
+    let site = |wt: &str| {
+        format!(
+            "[[sites]]\ndomain = \"a.test\"\nroot = \"media\"\n[sites.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[sites.webtransport]\n{wt}\n"
+        )
+    };
+    let config = f
+        .parse(&site(
+            "allowed_origins = [\"https://app.test\"]\nmodes = [\"echo\"]\nmax_sessions = 3",
+        ))
+        .unwrap();
+    let wt = config.sites[0].webtransport.as_ref().unwrap();
+    assert_eq!(wt.path, "/webtransport");
+    assert_eq!((wt.max_sessions, wt.modes.clone()), (3, vec![WtMode::Echo]));
+    assert_eq!(wt.idle_timeout, Duration::from_secs(30));
+
+    let keys = |wt: &str| -> Vec<String> { f.problems(&site(wt)).into_iter().map(|p| p.key).collect() };
+    assert_eq!(keys(""), ["sites[0].webtransport.allowed_origins"]);
+    assert_eq!(
+        keys("allowed_origins = [\"https://app.test/x\"]"),
+        ["sites[0].webtransport.allowed_origins"]
+    );
+    assert_eq!(
+        keys("allowed_origins = [\"*\"]\npath = \"wt?x\""),
+        ["sites[0].webtransport.path"]
+    );
+    assert_eq!(
+        keys("allowed_origins = [\"*\"]\nmax_datagram_bytes = 70000\nmax_sessions = 0"),
+        [
+            "sites[0].webtransport.max_sessions",
+            "sites[0].webtransport.max_datagram_bytes"
+        ]
+    );
+    assert_eq!(
+        keys("allowed_origins = [\"*\"]\nmodes = []"),
+        ["sites[0].webtransport.modes"]
+    );
+    // A typo is an error, not a silently weaker limit.
+    assert!(matches!(
+        f.parse(&site("allowed_origins = [\"*\"]\nmax_sesions = 1")),
+        Err(ConfigError::Parse { .. })
+    ));
+    let no_http23 = format!(
+        "{}[sites.protocols]\nh1 = true\nh2 = false\nh3 = false\n",
+        "[[sites]]\ndomain = \"a.test\"\nroot = \"media\"\n[sites.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[sites.webtransport]\nallowed_origins = [\"*\"]\n"
+    );
+    assert_eq!(
+        f.problems(&no_http23)
+            .into_iter()
+            .map(|p| p.key)
+            .collect::<Vec<_>>(),
+        ["sites[0].webtransport"]
+    );
+}

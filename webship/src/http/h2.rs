@@ -173,15 +173,7 @@ async fn handle(
         return webtransport_connect(req, upgrade, ctx, guard);
     }
     let (parts, body) = req.into_parts();
-    let head = RequestHead {
-        method: &parts.method,
-        uri: &parts.uri,
-        version: parts.version,
-        headers: &parts.headers,
-        tls_site: ctx.tls_site,
-        peer: ctx.peer,
-        body_forwardable: true,
-    };
+    let head = request_head(&parts, ctx);
     let body = body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
     let resp = ctx.service.handle(&head, body).await;
     if ctx.access_log {
@@ -197,6 +189,18 @@ async fn handle(
     into_hyper(resp, guard)
 }
 
+fn request_head<'a>(parts: &'a http::request::Parts, ctx: &ConnContext) -> RequestHead<'a> {
+    RequestHead {
+        method: &parts.method,
+        uri: &parts.uri,
+        version: parts.version,
+        headers: &parts.headers,
+        tls_site: ctx.tls_site,
+        peer: ctx.peer,
+        body_forwardable: true,
+    }
+}
+
 /// A WebTransport extended CONNECT: admitted, the session runs on the stream's bytes
 /// (hyper's upgrade) in its own task, counted as a request in flight meanwhile.
 fn webtransport_connect(
@@ -206,15 +210,7 @@ fn webtransport_connect(
     guard: InFlight,
 ) -> http::Response<ResponseBody> {
     let (parts, _body) = req.into_parts();
-    let head = RequestHead {
-        method: &parts.method,
-        uri: &parts.uri,
-        version: parts.version,
-        headers: &parts.headers,
-        tls_site: ctx.tls_site,
-        peer: ctx.peer,
-        body_forwardable: false,
-    };
+    let head = request_head(&parts, ctx);
     let admitted = match ctx.service.webtransport(&head) {
         Some(endpoint) => endpoint.admit(&parts.uri, &parts.headers),
         None => Err(crate::webtransport::Refusal {
