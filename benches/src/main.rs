@@ -5,8 +5,10 @@
 //! on this CPU, and `download` (the default) serves one fixture from Webship
 //! and from its peers (nginx, lighttpd, HAProxy, Caddy, h2o) side by side,
 //! directly and through each as a TLS-terminating reverse proxy, and reports
-//! the ratios. The hidden `h3-get` is
-//! the HTTP/3 client `download` runs as a child process (curl here has no h3).
+//! the ratios, beside the limit of the machine (the client against a plain-HTTP
+//! sendfile server and against a TLS server sending from memory). The hidden
+//! `get`, `h3-get` and `wt-get` are the clients `download` runs as child
+//! processes, and the hidden `tls-source` is the memory-to-memory TLS baseline.
 
 mod aead;
 mod clients;
@@ -17,6 +19,8 @@ mod measure;
 mod proc;
 mod report;
 mod servers;
+mod tcpclient;
+mod tlssource;
 mod wtbench;
 mod wtclient;
 
@@ -44,11 +48,15 @@ enum Command {
     /// (nginx, lighttpd, HAProxy, Caddy, h2o), directly and through each as a
     /// TLS-terminating proxy (default).
     Download(DownloadArgs),
+    /// One HTTP/1.1 or HTTP/2 GET, body hashed and dropped: the h1/h2 cells' client.
+    #[command(hide = true)]
+    Get(tcpclient::GetArgs),
     /// One HTTP/3 GET, body hashed and dropped: the h3 cells' client (run by `download`).
     #[command(name = "h3-get", hide = true)]
     H3Get(h3client::H3GetArgs),
-    /// A WebTransport session to a diagnostic endpoint in source mode: one stream
-    /// or a run of datagrams, received and counted (the WebTransport cells' client).
+    /// The memory-to-memory TLS baseline's server (run by `download`).
+    #[command(name = "tls-source", hide = true)]
+    TlsSource(tlssource::TlsSourceArgs),
     /// 1, 16 and 256 concurrent downloads over one h2 and one h3 connection, and
     /// over 256 h1 connections: aggregate throughput, p50/p99 time to last byte,
     /// server peak RSS.
@@ -56,6 +64,8 @@ enum Command {
     /// WebTransport from the diagnostic endpoint (one stream, datagrams) directly and
     /// through HTTP/3 passthrough, next to an h3 download of the fixture.
     Webtransport(wtbench::WtBenchArgs),
+    /// A WebTransport session to a diagnostic endpoint in source mode: one stream
+    /// or a run of datagrams, received and counted (the WebTransport cells' client).
     #[command(name = "wt-get", hide = true)]
     WtGet(wtclient::WtGetArgs),
 }
@@ -95,7 +105,7 @@ pub struct DownloadArgs {
     #[arg(long)]
     pub smoke: bool,
     /// Worker count for every server. The default of 1 gives each server one core and
-    /// leaves the other core of a two-core host to curl, so neither side starves.
+    /// leaves the other core of a two-core host to the client, so neither side starves.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub workers: u32,
     /// Webship's `[kernel] ktls` policy: auto, required or off.
@@ -123,7 +133,9 @@ fn main() -> Result<()> {
     match cli.command.unwrap_or(Command::Download(cli.download)) {
         Command::Aead => aead::run(),
         Command::Download(args) => measure::run(&args),
+        Command::Get(args) => tcpclient::run(&args),
         Command::H3Get(args) => h3client::run(&args),
+        Command::TlsSource(args) => tlssource::run(&args),
         Command::WtGet(args) => wtclient::run(&args),
         Command::Webtransport(args) => wtbench::run(&args),
         Command::Concurrency(args) => concurrency::run(&args),

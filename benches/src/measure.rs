@@ -24,10 +24,10 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
 
-use crate::clients::{Clients, Protocol, Sample};
-use crate::fixture::{self, Fixture};
+use crate::clients::{Clients, Protocol};
+use crate::fixture;
 use crate::proc::{
-    clock_ticks_per_second, cpu_ticks, host_busy_ticks, major_faults, udp_socket_drops, RssWatch,
+    clock_ticks_per_second, cpu_ticks, host_busy_ticks, major_faults, udp_socket_drops, Loss, RssWatch,
 };
 use crate::report::{Gap, Report, Series};
 use crate::servers::{self, Server, Settings, WebshipSpec};
@@ -44,6 +44,9 @@ pub const WEBSHIP_COPY: &str = "webship copy";
 pub const WEBSHIP_UDP_RELAY: &str = "webship udp=userspace";
 /// The passthrough origin: Webship serving the fixture directly over h1/h2/h3.
 pub const ORIGIN_WEBSHIP: &str = "origin webship";
+/// The baselines of [`Mode::Limit`].
+pub const LIMIT_PLAIN: &str = "plain HTTP/1.1, nginx sendfile";
+pub const LIMIT_TLS: &str = "TLS 1.3 from memory, rustls";
 pub const NGINX: &str = "nginx";
 pub const LIGHTTPD: &str = "lighttpd";
 pub const HAPROXY: &str = "haproxy";
@@ -53,6 +56,11 @@ pub const H2O: &str = "h2o";
 /// What the servers under test do with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
 pub enum Mode {
+    /// The machine's limit, measured in every run: the client against a plain-HTTP
+    /// sendfile server (nginx without TLS) and against a TLS server that sends
+    /// from memory (`tls-source`). Not a `--modes` choice.
+    #[value(skip)]
+    Limit,
     /// Each server sends the fixture from its own disk.
     Direct,
     /// Each server terminates TLS and relays the fixture from a plain-HTTP origin
@@ -66,6 +74,7 @@ pub enum Mode {
 impl Mode {
     pub fn label(self) -> &'static str {
         match self {
+            Mode::Limit => "limit",
             Mode::Direct => "direct",
             Mode::Proxy => "proxy",
             Mode::Passthrough => "passthrough",
@@ -149,12 +158,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
     let scratch = tempfile::Builder::new().prefix("webship-bench-").tempdir()?;
     let identity = fixture::write_identity(scratch.path())?;
     let clients = Clients::new(&identity.cert)?;
-    let bench = Bench {
-        args,
-        fixture: &fixture,
-        clients: &clients,
-        scratch: scratch.path(),
-    };
+    let bench = Bench { clients: &clients };
     let dir = |name: &str| -> Result<PathBuf> {
         let dir = scratch.path().join(name);
         fs::create_dir(&dir)?;
@@ -208,11 +212,31 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         }
     }
 
-    let mut sets = Vec::new();
+    // The limit on this machine, measured beside everything else.
+    let mut sets = vec![ModeServers {
+        mode: Mode::Limit,
+        servers: vec![
+            servers::start_origin(LIMIT_PLAIN, &args.nginx, root, &dir("limit-plain")?)?,
+            servers::start_tls_source(
+                LIMIT_TLS,
+                &Settings {
+                    dir: &dir("limit-tls")?,
+                    ..base
+                },
+                &fixture.path,
+            )?,
+        ],
+        origin: None,
+    }];
     for &mode in &modes {
         let origin = match mode {
-            Mode::Direct => None,
-            Mode::Proxy => Some(servers::start_origin(&args.nginx, root, &dir("origin-nginx")?)?),
+            Mode::Limit | Mode::Direct => None,
+            Mode::Proxy => Some(servers::start_origin(
+                "origin nginx",
+                &args.nginx,
+                root,
+                &dir("origin-nginx")?,
+            )?),
             Mode::Passthrough => {
                 let origin_dir = dir("origin-webship")?;
                 let origin = servers::start_webship(
@@ -328,6 +352,8 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         WEBSHIP_SOCKMAP | WEBSHIP_SPLICE | WEBSHIP_COPY => protocol != Protocol::H3,
         WEBSHIP_UDP_RELAY => protocol == Protocol::H3,
         WEBSHIP_NO_GSO => protocol == Protocol::H3,
+        LIMIT_PLAIN => protocol == Protocol::H1,
+        LIMIT_TLS => protocol != Protocol::H3,
         peer => cell_gap(peer, mode, protocol, &nginx_version).is_none(),
     };
 
@@ -343,7 +369,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
                 }
                 match bench.verify(set.mode, server, protocol) {
                     Ok(entry) => series.push(entry),
-                    Err(e) if is_webship(server.name) => return Err(e),
+                    Err(e) if is_webship(server.name) || is_limit(server.name) => return Err(e),
                     Err(e) => {
                         let reason = format!("checked download failed: {}", short(&e));
                         eprintln!("{e:#}");
@@ -428,7 +454,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         }
         let last = s.rejected.last().map_or("", String::as_str);
         let reason = format!("0 of {} samples accepted (last: {last})", s.rejected.len());
-        if is_webship(s.server) {
+        if is_webship(s.server) || is_limit(s.server) {
             failed_webship.push(format!(
                 "{} {} {}: {reason}",
                 s.mode.label(),
@@ -472,6 +498,11 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
 
 /// Where the report files go: the workspace's `target/bench`.
 pub const REPORT_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench");
+
+/// A baseline of the machine's limit.
+pub fn is_limit(server: &str) -> bool {
+    [LIMIT_PLAIN, LIMIT_TLS].contains(&server)
+}
 
 /// Webship under test, in any of its variants.
 pub fn is_webship(server: &str) -> bool {
@@ -537,40 +568,25 @@ fn webship_spec<'a>(args: &'a DownloadArgs, name: &'static str, gso: bool) -> We
 }
 
 struct Bench<'a> {
-    args: &'a DownloadArgs,
-    fixture: &'a Fixture,
     clients: &'a Clients,
-    scratch: &'a Path,
 }
 
 impl Bench<'_> {
-    /// Downloads the fixture once, untimed, and compares digests: size and status
-    /// alone would miss a server that sends the right number of wrong bytes.
+    /// Downloads the fixture once, untimed, and checks it like every sample:
+    /// warms the page cache and the server, and records the TLS parameters.
     fn verify(&self, mode: Mode, server: &Server, protocol: Protocol) -> Result<Series> {
-        let to = self
-            .scratch
-            .join(format!("check-{}-{}.bin", server.port, protocol.label()));
-        let checked = || -> Result<Sample> {
-            let sample = self.clients.download(server, protocol, &to, true)?;
-            let digest = match &sample.sha256 {
-                Some(digest) => digest.clone(),
-                None => {
-                    let digest = fixture::file_digest(&to)?;
-                    fs::remove_file(&to)?;
-                    fixture::hex(&digest)
-                }
-            };
-            self.check_digest(server, protocol, &digest)?;
-            Ok(sample)
-        };
-        let sample = checked().with_context(|| failed(mode, server, protocol))?;
+        let sample = self
+            .clients
+            .download(server, protocol)
+            .with_context(|| failed(mode, server, protocol))?;
         Ok(Series::new(mode, server.name, protocol, sample.notes))
     }
 
     /// One timed download, its server CPU (the proxy's alone in proxy mode), the
     /// origin's CPU and the client's CPU added to `series` if the sample is
-    /// accepted: exact size, status 200, the fixture's SHA-256 where the client
-    /// hashes (h3), and no major page fault in the server's process tree.
+    /// accepted: status 200, exactly the fixture's bytes, no packet loss on
+    /// the host (no TCP retransmission, no UDP receive error) and no major page
+    /// fault in the server's process tree.
     /// Returns the reason for a rejected sample, which is counted in `series`.
     fn sample(
         &self,
@@ -584,17 +600,12 @@ impl Bench<'_> {
         let faults_before = major_faults(server.pid());
         let before = cpu_ticks(server.pid());
         let host_before = host_busy_ticks();
+        let loss_before = Loss::read();
         let rss = RssWatch::start(server.pid());
-        let timed = || -> Result<Sample> {
-            let sample = self
-                .clients
-                .download(server, protocol, Path::new("/dev/null"), false)?;
-            if let Some(digest) = &sample.sha256 {
-                self.check_digest(server, protocol, digest)?;
-            }
-            Ok(sample)
-        };
-        let result = timed();
+        let result = self.clients.download(server, protocol);
+        let loss = Loss::read()
+            .zip(loss_before)
+            .and_then(|(after, before)| after.since(before));
         let after = cpu_ticks(server.pid());
         let host = host_busy_ticks().saturating_sub(host_before);
         let peak_kib = rss.finish();
@@ -607,7 +618,10 @@ impl Bench<'_> {
             Ok(_) if faults > 0 => {
                 return Some(series.reject(format!("{faults} major page fault(s) in the server")))
             }
-            Ok(sample) => sample,
+            Ok(sample) => match loss {
+                Some(reason) => return Some(series.reject(reason)),
+                None => sample,
+            },
         };
         series.add(&sample, after.saturating_sub(before), origin_ticks, host);
         series.peak_rss_kib = series.peak_rss_kib.max(peak_kib);
@@ -619,18 +633,6 @@ impl Bench<'_> {
             series.add_udp_drops(sample.client_drops, server_drops);
         }
         None
-    }
-
-    fn check_digest(&self, server: &Server, protocol: Protocol, digest: &str) -> Result<()> {
-        let expected = fixture::hex(&self.fixture.sha256);
-        ensure!(
-            digest == expected,
-            "{} {} (workers {}): body SHA-256 {digest} differs from fixture {expected}",
-            server.name,
-            protocol.label(),
-            self.args.workers,
-        );
-        Ok(())
     }
 }
 

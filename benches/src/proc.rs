@@ -157,6 +157,81 @@ pub fn udp_socket_drops(port: u16) -> Option<u64> {
     })
 }
 
+/// The host's packet-loss counters so far, for the sample gate: TCP segments the
+/// kernel dropped on receipt (the drop and prune counters of `TcpExt` in
+/// /proc/net/netstat: backlog, receive queue, out-of-order queue, zero window,
+/// memory pruning) and UDP datagrams dropped on receipt (`Udp: InErrors` of
+/// /proc/net/snmp plus `Udp6InErrors`; they include receive-buffer overflows at
+/// any socket: client, server, relay or origin). On loopback nothing else loses
+/// packets, so a sample during which either grows saw packet loss.
+///
+/// TCP retransmissions are not counted: on this two-core loopback, segments
+/// processed on different CPUs arrive reordered, and the sender's fast
+/// retransmits that follow are spurious (undone by D-SACK), not loss.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Loss {
+    pub tcp_drops: u64,
+    pub udp_receive_errors: u64,
+}
+
+/// The `TcpExt` counters of segments dropped on receipt.
+const TCP_DROPS: [&str; 6] = [
+    "TCPBacklogDrop",
+    "TCPRcvQDrop",
+    "TCPOFODrop",
+    "TCPZeroWindowDrop",
+    "RcvPruned",
+    "OfoPruned",
+];
+
+impl Loss {
+    pub fn read() -> Option<Self> {
+        let snmp = fs::read_to_string("/proc/net/snmp").ok()?;
+        let netstat = fs::read_to_string("/proc/net/netstat").ok()?;
+        let snmp6 = fs::read_to_string("/proc/net/snmp6").unwrap_or_default();
+        parse_loss(&snmp, &netstat, &snmp6)
+    }
+
+    /// What grew since `before`, as a rejection reason; None when nothing did.
+    pub fn since(self, before: Self) -> Option<String> {
+        let tcp = self.tcp_drops.saturating_sub(before.tcp_drops);
+        let udp = self.udp_receive_errors.saturating_sub(before.udp_receive_errors);
+        match (tcp, udp) {
+            (0, 0) => None,
+            (tcp, 0) => Some(format!("packet loss: {tcp} TCP segment(s) dropped on the host")),
+            (0, udp) => Some(format!("packet loss: {udp} UDP receive error(s) on the host")),
+            (tcp, udp) => Some(format!(
+                "packet loss: {tcp} TCP segment(s) dropped and {udp} UDP receive error(s) on the host"
+            )),
+        }
+    }
+}
+
+/// The value under `name` in the two-line `Prefix: names` / `Prefix: values` table.
+fn snmp_field(snmp: &str, prefix: &str, name: &str) -> Option<u64> {
+    let mut rows = snmp.lines().filter(|line| line.starts_with(prefix));
+    let (names, values) = (rows.next()?, rows.next()?);
+    let at = names.split_whitespace().position(|n| n == name)?;
+    values.split_whitespace().nth(at)?.parse().ok()
+}
+
+fn parse_loss(snmp: &str, netstat: &str, snmp6: &str) -> Option<Loss> {
+    let udp6 = snmp6
+        .lines()
+        .find_map(|line| line.strip_prefix("Udp6InErrors"))
+        .and_then(|n| n.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    // Older kernels lack some of the counters; the ones present are summed.
+    let tcp_drops = TCP_DROPS
+        .iter()
+        .filter_map(|name| snmp_field(netstat, "TcpExt:", name))
+        .sum();
+    Some(Loss {
+        tcp_drops,
+        udp_receive_errors: snmp_field(snmp, "Udp:", "InErrors")? + udp6,
+    })
+}
+
 /// USER_HZ, which is 100 on every mainstream Linux build; asked of getconf to be sure.
 pub fn clock_ticks_per_second() -> f64 {
     Command::new("getconf")
@@ -217,6 +292,36 @@ mod tests {
             ),
             (7, 3, 123, 45, 6, 7)
         );
+    }
+
+    #[test]
+    fn loss_counters() {
+        let snmp = "Udp: InDatagrams NoPorts InErrors OutDatagrams RcvbufErrors\n\
+                    Udp: 10 0 7 9 7\n";
+        let netstat = "TcpExt: SyncookiesSent RcvPruned TCPBacklogDrop TCPRcvQDrop TCPSACKReorder\n\
+                       TcpExt: 4 1 2 30 99\n\
+                       IpExt: InNoRoutes\n\
+                       IpExt: 0\n";
+        let before = parse_loss(snmp, netstat, "Udp6InDatagrams 5\nUdp6InErrors 2\n").expect("parses");
+        assert_eq!(
+            before,
+            Loss {
+                tcp_drops: 33,
+                udp_receive_errors: 9
+            }
+        );
+        assert_eq!(before.since(before), None);
+        let after = Loss {
+            udp_receive_errors: 12,
+            ..before
+        };
+        assert_eq!(
+            after.since(before).as_deref(),
+            Some("packet loss: 3 UDP receive error(s) on the host")
+        );
+        assert_eq!(parse_loss("Tcp: RetransSegs\n", netstat, ""), None);
+        // This kernel's own tables parse.
+        assert!(Loss::read().is_some());
     }
 
     #[test]

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 
 use crate::clients::{Protocol, Sample};
 use crate::fixture::FIXTURE_BYTES;
-use crate::measure::{is_webship, Mode, WEBSHIP, WEBSHIP_NO_GSO};
+use crate::measure::{is_limit, is_webship, Mode, LIMIT_PLAIN, LIMIT_TLS, WEBSHIP, WEBSHIP_NO_GSO};
 
 const MIB: f64 = 1_048_576.0;
 const GB: f64 = 1e9;
@@ -209,6 +209,59 @@ impl Report {
             .find(|s| s.mode == mode && s.server == server && s.protocol == protocol)
     }
 
+    /// The TLS-from-memory baseline for `protocol` (h1, h2), the ceiling of a TLS cell.
+    fn tls_limit(&self, protocol: Protocol) -> Option<&Series> {
+        self.find(Mode::Limit, LIMIT_TLS, protocol)
+    }
+
+    /// `s`'s median as a share of the TLS limit of its protocol, in percent.
+    fn share_of_limit(&self, s: &Series) -> Option<f64> {
+        let limit = self.tls_limit(s.protocol)?;
+        (!is_limit(s.server)).then(|| 100.0 * s.median_mib_s() / limit.median_mib_s())
+    }
+
+    /// One sentence: the limit on this machine, from the baseline cells.
+    fn limit_line(&self) -> Option<String> {
+        let plain = self.find(Mode::Limit, LIMIT_PLAIN, Protocol::H1)?;
+        let h1 = self.tls_limit(Protocol::H1)?;
+        let h2 = self.tls_limit(Protocol::H2)?;
+        Some(format!(
+            "**The limit on this machine** (the client on one core): plain HTTP/1.1 with sendfile \
+             {:.1} MiB/s; TLS 1.3 from memory {:.1} MiB/s over h1 and {:.1} MiB/s over h2.",
+            plain.median_mib_s(),
+            h1.median_mib_s(),
+            h2.median_mib_s()
+        ))
+    }
+
+    /// Webship's cells ranked by how far they are behind the best peer of their
+    /// cell or the TLS limit of their protocol, whichever is further: (cell,
+    /// Webship's MiB/s, what it is compared with, that MiB/s, the ratio).
+    pub fn furthest_behind(&self) -> Vec<(String, f64, String, f64, f64)> {
+        let mut rows = Vec::new();
+        for mode in self.modes().into_iter().filter(|m| *m != Mode::Limit) {
+            for row in self.best_peers(mode) {
+                let Some(webship) = row.webship else { continue };
+                let mut against: Vec<(String, f64)> = Vec::new();
+                if let Some(best) = row.best {
+                    against.push((format!("best peer ({})", best.server), best.median_mib_s()));
+                }
+                if let Some(limit) = self.tls_limit(row.protocol) {
+                    against.push(("the TLS limit".to_owned(), limit.median_mib_s()));
+                }
+                let w = webship.median_mib_s();
+                if let Some((what, other)) =
+                    against.into_iter().min_by(|a, b| (w / a.1).total_cmp(&(w / b.1)))
+                {
+                    let cell = format!("{} {}", mode.label(), row.protocol.label());
+                    rows.push((cell, w, what, other, w / other));
+                }
+            }
+        }
+        rows.sort_by(|a, b| a.4.total_cmp(&b.4));
+        rows
+    }
+
     /// The modes measured, in a fixed order (direct first).
     fn modes(&self) -> Vec<Mode> {
         let mut modes: Vec<Mode> = self
@@ -260,6 +313,7 @@ impl Report {
         let mut ratios = Vec::new();
         for mode in self.modes() {
             let prefix = match mode {
+                Mode::Limit => continue,
                 Mode::Direct => "webship",
                 Mode::Proxy => "proxy: webship",
                 Mode::Passthrough => "passthrough: webship",
@@ -285,7 +339,7 @@ impl Report {
     fn proxy_over_direct(&self) -> Vec<(&'static str, Ratio)> {
         self.series
             .iter()
-            .filter(|s| s.mode != Mode::Direct)
+            .filter(|s| s.mode != Mode::Direct && s.mode != Mode::Limit)
             .filter_map(|proxied| {
                 // Passthrough engines compare with Webship's own direct delivery.
                 let server = if is_webship(proxied.server) {
@@ -307,6 +361,11 @@ impl Report {
 
     fn mode_heading(mode: Mode) -> &'static str {
         match mode {
+            Mode::Limit => {
+                "limit: the same client against servers that do the least: nginx over plain HTTP/1.1 \
+                 with sendfile (no TLS), and a rustls server sending the fixture from memory (TLS 1.3, \
+                 no disk, no file layer); no server under test can be measured above these"
+            }
             Mode::Direct => "direct: each server sends the fixture from its own disk",
             Mode::Proxy => {
                 "proxy: each server terminates TLS in front of one origin (nginx, plain HTTP on \
@@ -338,11 +397,16 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "\nA sample is accepted only with status 200, exactly {FIXTURE_BYTES} bytes, the fixture's \
-             SHA-256 (h1/h2: the checked download per cell; h3: every sample) and no major page fault \
-             in the server's process tree. CV: standard deviation / mean of the accepted MiB/s. \
-             Peak RSS: the server tree's summed VmRSS, read every 50 ms during the accepted samples."
+            "\nA sample is accepted only with status 200, exactly {FIXTURE_BYTES} bytes and the fixture's \
+             SHA-256 (the clients hash every body as they read it), no packet loss on the host during the \
+             sample (no TCP retransmission, no UDP receive error) and no major page fault in the server's \
+             process tree. CV: standard deviation / mean of the accepted MiB/s. Peak RSS: the server \
+             tree's summed VmRSS, read every 50 ms during the accepted samples. % of limit: the median \
+             over the TLS-from-memory limit of the same protocol."
         );
+        if let Some(line) = self.limit_line() {
+            let _ = writeln!(out, "\n{line}");
+        }
         if !self.peers.is_empty() {
             let _ = writeln!(out, "\npeers: {}", self.peers.join("; "));
         }
@@ -351,13 +415,13 @@ impl Report {
             let _ = writeln!(out, "\n### {}\n", Self::mode_heading(mode));
             let _ = writeln!(
                 out,
-                "| server | protocol | accepted | rejected | median MiB/s | CV % | min | max | server CPU-s/GB | \
-                 client CPU-s/GB |{} host CPU-s/GB | peak RSS MiB | TLS / transport (checked download) |",
+                "| server | protocol | accepted | rejected | median MiB/s | % of limit | CV % | min | max | \
+                 server CPU-s/GB | client CPU-s/GB |{} host CPU-s/GB | peak RSS MiB | TLS / transport (checked download) |",
                 if proxy { " origin CPU-s/GB |" } else { "" }
             );
             let _ = writeln!(
                 out,
-                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|{}---:|---:|---|",
+                "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|{}---:|---:|---|",
                 if proxy { "---:|" } else { "" }
             );
             for s in self.series.iter().filter(|s| s.mode == mode) {
@@ -368,9 +432,12 @@ impl Report {
                     _ if proxy => " ? |".to_owned(),
                     _ => String::new(),
                 };
+                let share = self
+                    .share_of_limit(s)
+                    .map_or_else(|| "-".to_owned(), |p| format!("{p:.0}"));
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {} | {:.1} | {:.1} | {min:.1} | {max:.1} | {:.3} | {:.3} |{origin} {:.3} | {:.1} | {} |",
+                    "| {} | {} | {} | {} | {:.1} | {share} | {:.1} | {min:.1} | {max:.1} | {:.3} | {:.3} |{origin} {:.3} | {:.1} | {} |",
                     s.server,
                     s.protocol.label(),
                     s.accepted(),
@@ -383,6 +450,9 @@ impl Report {
                     s.peak_rss_mib(),
                     s.transport()
                 );
+            }
+            if mode == Mode::Limit {
+                continue;
             }
             let _ = writeln!(
                 out,
@@ -423,6 +493,25 @@ impl Report {
                         b.map_or_else(|| "n/a".to_owned(), |b| format!("{:.1}", b.median_mib_s())),
                     ),
                 };
+            }
+        }
+        let behind = self.furthest_behind();
+        if !behind.is_empty() {
+            let _ = writeln!(
+                out,
+                "\n**Where Webship is furthest behind** (each Webship cell against the best peer of the cell \
+                 or the TLS limit of its protocol, whichever is further ahead; worst first):\n"
+            );
+            let _ = writeln!(
+                out,
+                "| cell | webship MiB/s | against | their MiB/s | webship / theirs |"
+            );
+            let _ = writeln!(out, "|---|---:|---|---:|---:|");
+            for (cell, webship, against, theirs, ratio) in behind {
+                let _ = writeln!(
+                    out,
+                    "| {cell} | {webship:.1} | {against} | {theirs:.1} | {ratio:.3} |"
+                );
             }
         }
         let _ = writeln!(out, "\n| h3 comparison | throughput | server CPU-s/GB |");
@@ -531,6 +620,7 @@ impl Report {
         let best: Vec<String> = self
             .modes()
             .into_iter()
+            .filter(|mode| *mode != Mode::Limit)
             .flat_map(|mode| self.best_peers(mode).into_iter().map(move |r| (mode, r)))
             .map(|(mode, row)| {
                 let values = row.webship.zip(row.best).map(|(w, b)| self.ratio_of(w, b));
@@ -591,16 +681,39 @@ impl Report {
             })
             .collect();
         let peers: Vec<String> = self.peers.iter().map(|p| json_string(p)).collect();
+        let limit = |server: &str, protocol: Protocol| {
+            self.find(Mode::Limit, server, protocol)
+                .map_or_else(|| "null".to_owned(), |s| format!("{:.3}", s.median_mib_s()))
+        };
+        let limit = format!(
+            "{{\"plain_sendfile_h1_mib_s\":{},\"tls_memory_h1_mib_s\":{},\"tls_memory_h2_mib_s\":{}}}",
+            limit(LIMIT_PLAIN, Protocol::H1),
+            limit(LIMIT_TLS, Protocol::H1),
+            limit(LIMIT_TLS, Protocol::H2)
+        );
+        let behind: Vec<String> = self
+            .furthest_behind()
+            .iter()
+            .map(|(cell, webship, against, theirs, ratio)| {
+                format!(
+                    "{{\"cell\":{},\"webship_mib_s\":{webship:.3},\"against\":{},\"their_mib_s\":{theirs:.3},\"ratio\":{ratio:.4}}}",
+                    json_string(cell),
+                    json_string(against)
+                )
+            })
+            .collect();
         let mtu = self.h3_mtu.map_or_else(|| "null".to_owned(), |m| m.to_string());
         format!(
             "{{\"fixture_bytes\":{FIXTURE_BYTES},\"samples\":{},\"smoke\":{},\"workers\":{},\"webship_preflight\":{},\
-             \"h3_mtu_upper_bound_bytes\":{mtu},\"peers\":[{}],\"results\":[{}],\"ratios_webship_over_best_peer\":[{}],\
+             \"h3_mtu_upper_bound_bytes\":{mtu},\"peers\":[{}],\"limit_on_this_machine\":{limit},\
+             \"furthest_behind\":[{}],\"results\":[{}],\"ratios_webship_over_best_peer\":[{}],\
              \"ratios_h3\":[{}],\"ratios_proxy_over_direct\":[{}],\"not_measured\":[{}]}}\n",
             self.samples,
             self.smoke,
             self.workers,
             json_string(&self.webship_kernel),
             peers.join(","),
+            behind.join(","),
             results.join(","),
             best.join(","),
             h3.join(","),
@@ -642,6 +755,8 @@ impl Report {
             let len = BAR_W * s.median_mib_s() / peak;
             let fill = if is_webship(s.server) {
                 "#2b6cb0"
+            } else if is_limit(s.server) {
+                "#2f855a"
             } else {
                 "#a0aec0"
             };
@@ -777,6 +892,51 @@ mod tests {
     }
 
     #[test]
+    fn limit_and_furthest_behind() {
+        let report = report(vec![
+            series(Mode::Limit, LIMIT_PLAIN, Protocol::H1, 1000.0, 10),
+            series(Mode::Limit, LIMIT_TLS, Protocol::H1, 800.0, 10),
+            series(Mode::Limit, LIMIT_TLS, Protocol::H2, 400.0, 10),
+            series(Mode::Direct, WEBSHIP, Protocol::H1, 600.0, 50),
+            series(Mode::Direct, NGINX, Protocol::H1, 500.0, 50),
+            series(Mode::Direct, WEBSHIP, Protocol::H2, 300.0, 50),
+            series(Mode::Direct, NGINX, Protocol::H2, 360.0, 50),
+        ]);
+        let md = report.markdown();
+        assert!(
+            md.contains(
+                "plain HTTP/1.1 with sendfile 1000.0 MiB/s; TLS 1.3 from memory 800.0 MiB/s over h1 and 400.0 MiB/s over h2."
+            ),
+            "{md}"
+        );
+        // 600 of the h1 limit's 800, and no share for the limit itself.
+        assert!(md.contains("| webship | h1 | 1 | 0 | 600.0 | 75 |"), "{md}");
+        assert!(
+            md.contains("| TLS 1.3 from memory, rustls | h1 | 1 | 0 | 800.0 | - |"),
+            "{md}"
+        );
+        // No best-peer table for the limit.
+        assert!(!md.contains("| limit protocol |"), "{md}");
+        // h1: 600 is 0.75 of the limit (800) and 1.2 of nginx; h2: 300 is 0.75 of the
+        // limit (400) and 0.83 of nginx. Each row names the one further ahead.
+        let behind = report.furthest_behind();
+        assert_eq!(behind.len(), 2);
+        assert!(behind.iter().all(|row| row.2 == "the TLS limit"), "{behind:?}");
+        assert!((behind[0].4 - 0.75).abs() < 1e-9);
+        let json = report.json();
+        assert!(
+            json.contains(
+                "\"limit_on_this_machine\":{\"plain_sendfile_h1_mib_s\":1000.000,\"tls_memory_h1_mib_s\":800.000,\"tls_memory_h2_mib_s\":400.000}"
+            ),
+            "{json}"
+        );
+        assert!(
+            json.contains("\"furthest_behind\":[{\"cell\":\"direct h"),
+            "{json}"
+        );
+    }
+
+    #[test]
     fn cv_of_samples() {
         let mut s = series(Mode::Direct, WEBSHIP, Protocol::H1, 90.0, 1);
         s.mib_s.push(110.0);
@@ -801,7 +961,7 @@ mod tests {
         );
         // Origin: 0.1 s over 0.0999 GB.
         assert!(
-            md.contains("| webship | h2 | 1 | 0 | 50.0 | 0.0 | 50.0 | 50.0 | 10.006 | 0.000 | 1.001 |"),
+            md.contains("| webship | h2 | 1 | 0 | 50.0 | - | 0.0 | 50.0 | 50.0 | 10.006 | 0.000 | 1.001 |"),
             "{md}"
         );
         assert!(md.contains("| webship | proxy h2 | 0.500 | 2.000 |"), "{md}");

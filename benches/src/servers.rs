@@ -29,6 +29,8 @@ pub struct Server {
     /// The host clients put in the URL (and so in SNI and `Host`): "127.0.0.1" for the
     /// direct cells, "localhost" for the proxies, whose route is for that domain.
     pub host: &'static str,
+    /// Plain HTTP, no TLS: the baseline origin.
+    pub plain: bool,
     child: Child,
     log: PathBuf,
     /// A log line fragment that appears once the server is fully up (Webship
@@ -149,6 +151,7 @@ fn spawn(
         name,
         port,
         host: "127.0.0.1",
+        plain: false,
         child,
         log,
         ready_line,
@@ -279,6 +282,27 @@ fn webship_config(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &s
     config
 }
 
+/// The memory-to-memory TLS baseline: this binary's `tls-source`, serving `file`
+/// from memory over TLS 1.3 (h1 and h2 by ALPN).
+pub fn start_tls_source(name: &'static str, s: &Settings<'_>, file: &Path) -> Result<Server> {
+    let port = free_port()?;
+    let mut command = Command::new(std::env::current_exe().context("locating this executable")?);
+    command
+        .args(["tls-source", "--port", &port.to_string(), "--cert"])
+        .arg(&s.identity.cert)
+        .arg("--key")
+        .arg(&s.identity.key)
+        .arg("--file")
+        .arg(file);
+    spawn(
+        name,
+        command,
+        port,
+        s.dir.join("tls-source.log"),
+        Some("from memory on"),
+    )
+}
+
 pub fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
     let port = free_port()?;
     let mut server = String::new();
@@ -289,13 +313,15 @@ pub fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
 
 /// The proxies' origin: nginx serving `root` over plain HTTP on loopback, one
 /// worker, keep-alive connections reused for as long as the proxies like.
-pub fn start_origin(binary: &Path, root: &Path, dir: &Path) -> Result<Server> {
+pub fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: &Path) -> Result<Server> {
     let port = free_port()?;
     let mut server = String::new();
     writeln!(server, "  keepalive_requests 100000;")?;
     writeln!(server, "  server {{\n    listen 127.0.0.1:{port};")?;
     writeln!(server, "    root {};\n  }}", root.display())?;
-    launch_nginx("origin nginx", binary, dir, 1, &server, port)
+    let mut origin = launch_nginx(name, binary, dir, 1, &server, port)?;
+    origin.plain = true;
+    Ok(origin)
 }
 
 /// nginx as the TLS-terminating proxy in front of the origin on `origin_port`,
