@@ -24,6 +24,7 @@ use sha2::{Digest, Sha256};
 
 use crate::fixture::{self, hex};
 use crate::proc::RssWatch;
+use crate::report::{json_string, Section};
 use crate::servers::{self, Settings, WebshipSpec};
 
 #[derive(Debug, Args)]
@@ -60,12 +61,31 @@ impl Proto {
             Self::H3 => "h3 (one connection)",
         }
     }
+
+    fn short(self) -> &'static str {
+        match self {
+            Self::H1 => "h1",
+            Self::H2 => "h2",
+            Self::H3 => "h3",
+        }
+    }
 }
 
 const FILE: &str = "concurrency.bin";
 const DEADLINE: Duration = Duration::from_secs(600);
 
+/// `concurrency` on its own: the table on stdout and in target/bench/concurrency.md.
 pub fn run(args: &ConcurrencyArgs) -> Result<()> {
+    let section = measure(args)?;
+    print!("{}", section.markdown);
+    let out = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench"));
+    fs::create_dir_all(&out)?;
+    fs::write(out.join("concurrency.md"), &section.markdown)?;
+    Ok(())
+}
+
+/// Runs every (protocol, level) row against a fresh Webship; the rows as a report section.
+pub fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     let scratch = tempfile::tempdir().context("creating a scratch directory")?;
     let root = args
         .cache_dir
@@ -104,9 +124,11 @@ pub fn run(args: &ConcurrencyArgs) -> Result<()> {
         .build()?;
 
     let mut report = String::new();
+    let mut json = Vec::new();
+    let mut bars = Vec::new();
     let _ = writeln!(
         report,
-        "{} concurrent downloads of a {} MiB file from Webship ({} worker), one client core; \
+        "{} concurrent downloads of {} MiB each from Webship ({} worker), one client core; \
          every body checked (SHA-256).\n",
         args.levels
             .iter()
@@ -143,24 +165,30 @@ pub fn run(args: &ConcurrencyArgs) -> Result<()> {
             ms.sort_by(f64::total_cmp);
             let pct = |p: f64| ms[((ms.len() as f64 * p).ceil() as usize).clamp(1, ms.len()) - 1];
             let mibs = (n as u64 * size) as f64 / total / 1_048_576.0;
+            let (p50, p99, rss_mib) = (pct(0.50), pct(0.99), peak as f64 / 1024.0);
             let line = format!(
-                "| {} | {n} | {mibs:.1} | {:.0} | {:.0} | {:.1} |",
-                proto.label(),
-                pct(0.50),
-                pct(0.99),
-                peak as f64 / 1024.0
+                "| {} | {n} | {mibs:.1} | {p50:.0} | {p99:.0} | {rss_mib:.1} |",
+                proto.label()
             );
             eprintln!("concurrency: {line}");
             let _ = writeln!(report, "{line}");
+            json.push(format!(
+                "{{\"protocol\":{},\"concurrent\":{n},\"aggregate_mib_s\":{mibs:.3},\"p50_ttlb_ms\":{p50:.1},\
+                 \"p99_ttlb_ms\":{p99:.1},\"server_peak_rss_mib\":{rss_mib:.1}}}",
+                json_string(proto.label())
+            ));
+            bars.push((format!("concurrency {} × {n}", proto.short()), mibs));
         }
     }
-    print!("{report}");
     // The client's connections close before the server is asked to stop.
     drop(runtime);
-    let out = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench"));
-    fs::create_dir_all(&out)?;
-    fs::write(out.join("concurrency.md"), &report)?;
-    Ok(())
+    Ok(Section {
+        title: "concurrency: many downloads at once (aggregate MiB/s, time to last byte, server RSS)"
+            .to_owned(),
+        markdown: report,
+        json: format!("[{}]", json.join(",")),
+        bars,
+    })
 }
 
 /// `n` concurrent downloads; each one's time to last byte, from the common start.

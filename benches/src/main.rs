@@ -119,6 +119,11 @@ pub struct DownloadArgs {
     /// `passthrough` (each routes TLS by SNI to a TLS origin without decrypting).
     #[arg(long, value_delimiter = ',', default_value = "direct,proxy,passthrough")]
     pub modes: Vec<measure::Mode>,
+    /// The scenarios measured after the matrix into the same report, comma-separated
+    /// (`concurrency`, `webtransport`); `--scenarios` with no value runs none, and so
+    /// does `--smoke` (CI smoke-tests each on its own).
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "concurrency,webtransport")]
+    pub scenarios: Vec<measure::Scenario>,
     /// Also write the results as JSON to this file (they always go to target/bench/report.json).
     #[arg(long)]
     pub out: Option<PathBuf>,

@@ -25,12 +25,14 @@ use std::path::{Path, PathBuf};
 use anyhow::{ensure, Context, Result};
 
 use crate::clients::{Clients, Protocol};
+use crate::concurrency::ConcurrencyArgs;
 use crate::fixture;
 use crate::proc::{
     clock_ticks_per_second, cpu_ticks, host_busy_ticks, major_faults, udp_socket_drops, Loss, RssWatch,
 };
-use crate::report::{Gap, Report, Series};
+use crate::report::{Gap, Report, Section, Series};
 use crate::servers::{self, Server, Settings, WebshipSpec};
+use crate::wtbench::WtBenchArgs;
 use crate::DownloadArgs;
 
 pub const WEBSHIP: &str = "webship";
@@ -80,6 +82,15 @@ impl Mode {
             Mode::Passthrough => "passthrough",
         }
     }
+}
+
+/// A scenario measured after the matrix, into the same report.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenario {
+    /// 1, 16 and 256 concurrent downloads over h1 connections, one h2 and one h3 connection.
+    Concurrency,
+    /// WebTransport streams and datagrams, directly and through HTTP/3 passthrough.
+    Webtransport,
 }
 
 /// The servers of one mode: Webship first, then the peers that started. The
@@ -466,7 +477,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         false
     });
 
-    let report = Report {
+    let mut report = Report {
         series,
         ticks_per_s: clock_ticks_per_second(),
         samples: target,
@@ -476,7 +487,40 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         gaps,
         peers: peers_found,
         smoke: args.smoke,
+        sections: Vec::new(),
     };
+    // The scenarios beside the matrix, each with its own servers, once the
+    // matrix's are stopped. A failed one is reported in place and fails the run.
+    let mut failed_scenarios = Vec::new();
+    let scenarios = if args.smoke { &[][..] } else { &args.scenarios[..] };
+    for scenario in scenarios {
+        let section = match scenario {
+            Scenario::Concurrency => crate::concurrency::measure(&ConcurrencyArgs {
+                webship: args.webship.clone(),
+                mib: 8,
+                levels: vec![1, 16, 256],
+                workers: args.workers,
+                cache_dir: Some(cache.join("root")),
+            }),
+            Scenario::Webtransport => crate::wtbench::measure(&WtBenchArgs {
+                webship: args.webship.clone(),
+                samples: target,
+                datagrams: 50_000,
+                size: 1100,
+                workers: args.workers,
+                cache_dir: Some(cache.join("root")),
+            }),
+        };
+        report.sections.push(section.unwrap_or_else(|e| {
+            failed_scenarios.push(format!("{scenario:?}: {e:#}"));
+            Section {
+                title: format!("{scenario:?}"),
+                markdown: format!("failed: {e:#}\n"),
+                json: "[]".to_owned(),
+                bars: Vec::new(),
+            }
+        }));
+    }
     print!("{}", report.markdown());
     let out_dir = Path::new(REPORT_DIR);
     report.write_files(out_dir)?;
@@ -492,6 +536,11 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         failed_webship.is_empty(),
         "Webship cells without an accepted sample:\n{}",
         failed_webship.join("\n")
+    );
+    ensure!(
+        failed_scenarios.is_empty(),
+        "scenarios that failed:\n{}",
+        failed_scenarios.join("\n")
     );
     Ok(())
 }

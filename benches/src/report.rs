@@ -44,6 +44,17 @@ pub struct Series {
     pub peak_rss_kib: u64,
 }
 
+/// A scenario measured beside the download matrix (concurrency, WebTransport),
+/// already rendered: its Markdown table, its rows as a JSON array, and the bars
+/// it adds to the chart (label, MiB/s).
+#[derive(Debug)]
+pub struct Section {
+    pub title: String,
+    pub markdown: String,
+    pub json: String,
+    pub bars: Vec<(String, f64)>,
+}
+
 /// A cell a server does not have, and why.
 #[derive(Debug, Clone)]
 pub struct Gap {
@@ -200,6 +211,8 @@ pub struct Report {
     pub peers: Vec<String>,
     /// `--smoke`: one sample per Webship cell, no peers.
     pub smoke: bool,
+    /// The scenarios measured after the matrix, in order.
+    pub sections: Vec<Section>,
 }
 
 impl Report {
@@ -565,6 +578,9 @@ impl Report {
                 );
             }
         }
+        for section in &self.sections {
+            let _ = write!(out, "\n### {}\n\n{}", section.title, section.markdown);
+        }
         out
     }
 
@@ -703,11 +719,16 @@ impl Report {
             })
             .collect();
         let mtu = self.h3_mtu.map_or_else(|| "null".to_owned(), |m| m.to_string());
+        let sections: Vec<String> = self
+            .sections
+            .iter()
+            .map(|s| format!("{{\"title\":{},\"rows\":{}}}", json_string(&s.title), s.json))
+            .collect();
         format!(
             "{{\"fixture_bytes\":{FIXTURE_BYTES},\"samples\":{},\"smoke\":{},\"workers\":{},\"webship_preflight\":{},\
              \"h3_mtu_upper_bound_bytes\":{mtu},\"peers\":[{}],\"limit_on_this_machine\":{limit},\
              \"furthest_behind\":[{}],\"results\":[{}],\"ratios_webship_over_best_peer\":[{}],\
-             \"ratios_h3\":[{}],\"ratios_proxy_over_direct\":[{}],\"not_measured\":[{}]}}\n",
+             \"ratios_h3\":[{}],\"ratios_proxy_over_direct\":[{}],\"not_measured\":[{}],\"scenarios\":[{}]}}\n",
             self.samples,
             self.smoke,
             self.workers,
@@ -718,23 +739,44 @@ impl Report {
             best.join(","),
             h3.join(","),
             proxy_over_direct.join(","),
-            gaps.join(",")
+            gaps.join(","),
+            sections.join(",")
         )
     }
 
-    /// A horizontal bar chart of the median MiB/s, one bar per cell, drawn as plain SVG.
+    /// A horizontal bar chart of the median MiB/s, one bar per cell (Webship blue,
+    /// peers grey, the limit green) and one per scenario row (orange), as plain SVG.
     pub fn svg(&self) -> String {
-        const LABEL_W: f64 = 260.0;
+        const LABEL_W: f64 = 300.0;
         const BAR_W: f64 = 520.0;
         const ROW_H: f64 = 22.0;
         const TOP: f64 = 40.0;
-        let peak = self
-            .series
-            .iter()
-            .map(Series::median_mib_s)
-            .fold(0.0, f64::max)
-            .max(1.0);
-        let height = TOP + ROW_H * self.series.len() as f64 + 20.0;
+        let mut ordered: Vec<&Series> = self.series.iter().collect();
+        ordered.sort_by_key(|s| (s.mode, s.protocol.label(), !is_webship(s.server)));
+        let mut bars: Vec<(String, f64, &str)> = ordered
+            .into_iter()
+            .map(|s| {
+                let fill = if is_webship(s.server) {
+                    "#2b6cb0"
+                } else if is_limit(s.server) {
+                    "#2f855a"
+                } else {
+                    "#a0aec0"
+                };
+                let label = format!("{} {} {}", s.mode.label(), s.protocol.label(), s.server);
+                (label, s.median_mib_s(), fill)
+            })
+            .collect();
+        for section in &self.sections {
+            bars.extend(
+                section
+                    .bars
+                    .iter()
+                    .map(|(label, v)| (label.clone(), *v, "#dd6b20")),
+            );
+        }
+        let peak = bars.iter().map(|b| b.1).fold(0.0, f64::max).max(1.0);
+        let height = TOP + ROW_H * bars.len() as f64 + 20.0;
         let width = LABEL_W + BAR_W + 100.0;
         let mut out = String::new();
         let _ = writeln!(
@@ -748,31 +790,21 @@ impl Report {
              Median MiB/s of a {FIXTURE_BYTES}-byte download ({} accepted sample(s) per cell)</text>",
             self.samples
         );
-        let mut ordered: Vec<&Series> = self.series.iter().collect();
-        ordered.sort_by_key(|s| (s.mode, s.protocol.label(), !is_webship(s.server)));
-        for (i, s) in ordered.into_iter().enumerate() {
+        for (i, (label, value, fill)) in bars.into_iter().enumerate() {
             let y = TOP + ROW_H * i as f64;
-            let len = BAR_W * s.median_mib_s() / peak;
-            let fill = if is_webship(s.server) {
-                "#2b6cb0"
-            } else if is_limit(s.server) {
-                "#2f855a"
-            } else {
-                "#a0aec0"
-            };
-            let label = xml_escape(&format!("{} {} {}", s.mode.label(), s.protocol.label(), s.server));
+            let len = BAR_W * value / peak;
+            let label = xml_escape(&label);
             let _ = writeln!(
                 out,
                 "<text x=\"{:.0}\" y=\"{:.0}\" text-anchor=\"end\">{label}</text>\
                  <rect x=\"{LABEL_W}\" y=\"{:.0}\" width=\"{len:.1}\" height=\"{:.0}\" fill=\"{fill}\"/>\
-                 <text x=\"{:.1}\" y=\"{:.0}\">{:.1}</text>",
+                 <text x=\"{:.1}\" y=\"{:.0}\">{value:.1}</text>",
                 LABEL_W - 8.0,
                 y + 15.0,
                 y + 3.0,
                 ROW_H - 6.0,
                 LABEL_W + len + 6.0,
                 y + 15.0,
-                s.median_mib_s()
             );
         }
         out.push_str("</svg>\n");
@@ -799,7 +831,7 @@ fn xml_escape(s: &str) -> String {
 }
 
 /// Enough JSON string escaping for the ASCII labels written here, and correct for any input.
-fn json_string(s: &str) -> String {
+pub fn json_string(s: &str) -> String {
     let mut out = String::from("\"");
     for c in s.chars() {
         match c {
@@ -849,6 +881,7 @@ mod tests {
             )],
             peers: vec!["nginx: /usr/sbin/nginx (nginx 1.22)".into()],
             smoke: false,
+            sections: Vec::new(),
         }
     }
 

@@ -20,6 +20,7 @@ use clap::Args;
 use crate::clients::{Clients, Protocol};
 use crate::fixture::{self, hex, FIXTURE_BYTES};
 use crate::proc::{clock_ticks_per_second, cpu_ticks};
+use crate::report::{json_string, Section};
 use crate::servers::{self, Server, Settings, WebshipSpec};
 
 #[derive(Debug, Args)]
@@ -52,7 +53,18 @@ struct Tally {
     sent: u64,
 }
 
+/// `webtransport` on its own: the table on stdout and in target/bench/webtransport.md.
 pub fn run(args: &WtBenchArgs) -> Result<()> {
+    let section = measure(args)?;
+    print!("{}", section.markdown);
+    let out = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench"));
+    fs::create_dir_all(&out)?;
+    fs::write(out.join("webtransport.md"), &section.markdown)?;
+    Ok(())
+}
+
+/// Every target × cell, interleaved, `args.samples` rounds; the table as a report section.
+pub fn measure(args: &WtBenchArgs) -> Result<Section> {
     let scratch = tempfile::tempdir().context("creating a scratch directory")?;
     let root = args
         .cache_dir
@@ -156,6 +168,8 @@ pub fn run(args: &WtBenchArgs) -> Result<()> {
 
     let hz = clock_ticks_per_second();
     let mut report = String::new();
+    let mut json = Vec::new();
+    let mut bars = Vec::new();
     let _ = writeln!(
         report,
         "WebTransport (source mode) next to an h3 download of the same fixture, {} samples per cell, interleaved; \
@@ -168,7 +182,8 @@ pub fn run(args: &WtBenchArgs) -> Result<()> {
         let cells: Vec<String> = tally
             .samples
             .iter()
-            .map(|samples| {
+            .zip(CELLS)
+            .map(|(samples, cell)| {
                 let mut rates: Vec<f64> = samples
                     .iter()
                     .map(|(b, s, _)| *b as f64 / s / 1_048_576.0)
@@ -179,6 +194,13 @@ pub fn run(args: &WtBenchArgs) -> Result<()> {
                     .iter()
                     .fold((0u64, 0u64), |(b, t), (sb, _, st)| (b + sb, t + st));
                 let cpu = ticks as f64 / hz / (bytes as f64 / 1e9);
+                json.push(format!(
+                    "{{\"path\":{},\"cell\":{},\"samples\":{},\"median_mib_s\":{median:.3},\"cpu_s_per_gb\":{cpu:.4}}}",
+                    json_string(label),
+                    json_string(cell),
+                    samples.len()
+                ));
+                bars.push((format!("{cell}, {label}"), median));
                 format!("{median:.1} ({cpu:.2})")
             })
             .collect();
@@ -189,12 +211,19 @@ pub fn run(args: &WtBenchArgs) -> Result<()> {
             tally.lost,
             tally.sent
         );
+        json.push(format!(
+            "{{\"path\":{},\"cell\":\"datagrams lost\",\"lost\":{},\"sent\":{}}}",
+            json_string(label),
+            tally.lost,
+            tally.sent
+        ));
     }
-    print!("{report}");
-    let out = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench"));
-    fs::create_dir_all(&out)?;
-    fs::write(out.join("webtransport.md"), &report)?;
-    Ok(())
+    Ok(Section {
+        title: "WebTransport: the diagnostic endpoint's source mode, beside an h3 download".to_owned(),
+        markdown: report,
+        json: format!("[{}]", json.join(",")),
+        bars,
+    })
 }
 
 /// Runs `wt-get` against `server`: (payload bytes, seconds, datagrams lost).
