@@ -141,6 +141,17 @@ impl Clients {
     }
 }
 
+/// Writes a client's result lines to stdout: an error (the runner went away and
+/// closed the pipe) instead of `println!`'s panic.
+pub fn emit(lines: &[&str]) -> Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    for line in lines {
+        writeln!(out, "{line}").context("writing the result to stdout")?;
+    }
+    out.flush().context("writing the result to stdout")
+}
+
 /// Runs a client to completion and returns its output and the CPU ticks it used.
 fn run_child(command: &mut Command) -> std::io::Result<(std::process::Output, u64)> {
     let before = waited_children_ticks();

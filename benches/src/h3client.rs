@@ -87,10 +87,11 @@ pub fn run(args: &H3GetArgs) -> Result<()> {
     let got = runtime
         .block_on(async { tokio::time::timeout(limit, get(args)).await })
         .map_err(|_| anyhow!("h3-get {}: no complete response within {limit:?}", args.addr))??;
-    println!("{} {:.6} {}", got.bytes, got.seconds, got.status);
-    println!("{}", got.verdict);
-    println!("{}", got.notes);
-    Ok(())
+    crate::clients::emit(&[
+        &format!("{} {:.6} {}", got.bytes, got.seconds, got.status),
+        &got.verdict,
+        &got.notes,
+    ])
 }
 
 async fn get(args: &H3GetArgs) -> Result<Download> {

@@ -452,8 +452,9 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
     }
     // Read late: the line may be logged just after the port starts accepting.
     let webship_kernel = sets
-        .first()
-        .and_then(|set| set.servers.first())
+        .iter()
+        .flat_map(|set| &set.servers)
+        .find(|server| server.name == WEBSHIP)
         .map_or_else(|| "unknown".to_owned(), |webship| kernel_summary(&webship.log()));
     drop(sets);
 

@@ -410,10 +410,10 @@ impl Report {
         );
         let _ = writeln!(
             out,
-            "\nA sample is accepted only with status 200, exactly {FIXTURE_BYTES} bytes and the fixture's \
-             SHA-256 (the clients hash every body as they read it), no packet loss on the host during the \
-             sample (no TCP retransmission, no UDP receive error) and no major page fault in the server's \
-             process tree. CV: standard deviation / mean of the accepted MiB/s. Peak RSS: the server \
+            "\nA sample is accepted only with status 200 and exactly the fixture's {FIXTURE_BYTES} bytes \
+             (the clients compare every body with the fixture's generator as they read it), no packet loss \
+             on the host during the sample (no TCP segment dropped, no UDP receive error) and no major page \
+             fault in the server's process tree. CV: standard deviation / mean of the accepted MiB/s. Peak RSS: the server \
              tree's summed VmRSS, read every 50 ms during the accepted samples. % of limit: the median \
              over the TLS-from-memory limit of the same protocol."
         );

@@ -81,10 +81,11 @@ pub fn run(args: &GetArgs) -> Result<()> {
     let got = runtime
         .block_on(async { tokio::time::timeout(limit, get(args)).await })
         .map_err(|_| anyhow!("get {}: no complete response within {limit:?}", args.addr))??;
-    println!("{} {:.6} {}", got.bytes, got.seconds, got.status);
-    println!("{}", got.verdict);
-    println!("{}", got.notes);
-    Ok(())
+    crate::clients::emit(&[
+        &format!("{} {:.6} {}", got.bytes, got.seconds, got.status),
+        &got.verdict,
+        &got.notes,
+    ])
 }
 
 struct Download {
@@ -179,7 +180,9 @@ where
             builder.max_buf_size(H1_MAX_BUFFER);
             let (mut send, conn) = builder.handshake(io).await.context("HTTP/1.1 setup")?;
             let driver = tokio::spawn(conn);
-            let request = http::Request::get(&uri)
+            // Origin form (`GET /path`), as browsers and curl send it; the absolute
+            // form is for proxies, and some servers (h2o) answer it with 404.
+            let request = http::Request::get(path)
                 .header(http::header::HOST, authority)
                 .body(Empty::<Bytes>::new())?;
             (send.send_request(request).await, driver)

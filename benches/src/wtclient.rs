@@ -69,10 +69,7 @@ pub fn run(args: &WtGetArgs) -> Result<()> {
     let (bytes, seconds, status, sha, notes) = runtime
         .block_on(async { tokio::time::timeout(limit, session(args)).await })
         .map_err(|_| anyhow!("wt-get {}: not done within {limit:?}", args.addr))??;
-    println!("{bytes} {seconds:.6} {status}");
-    println!("{sha}");
-    println!("{notes}");
-    Ok(())
+    crate::clients::emit(&[&format!("{bytes} {seconds:.6} {status}"), &sha, &notes])
 }
 
 type Outcome = (u64, f64, u16, String, String);
