@@ -5,6 +5,16 @@
 //! until a flush (or until the batch is full) turns them into full 16 KiB records and
 //! few syscalls. The batch is the connection's only write-side buffer ahead of rustls,
 //! so it is also the bound: never more than `capacity` bytes wait here.
+//!
+//! The h2 crate flushes after every DATA frame (its encoder holds one frame, and making
+//! room for the next is a flush). Draining on each of those would send every 16 KiB
+//! frame as its own `writev` of a full TLS record plus a 9-byte one carrying the next
+//! frame's header: measured on a 100 MB download, 6,099 writes of 16,437 bytes where
+//! h2o makes 1,217 of five full records, and the client pays for every tiny record.
+//! So a flush that follows new writes is deferred once: the batch keeps the bytes and
+//! wakes the connection's task, and the next flush with no write since — which the h2
+//! crate issues when it has nothing more to send in this turn — drains for real.
+//! Progress never depends on more data arriving.
 
 use std::io::{self, IoSlice};
 use std::pin::Pin;
@@ -19,6 +29,8 @@ pub struct WriteBatch<S> {
     /// Bytes of `buf` already handed to `inner`.
     written: usize,
     capacity: usize,
+    /// Bytes were batched since the last flush: the next flush is deferred once.
+    wrote_since_flush: bool,
 }
 
 impl<S> WriteBatch<S> {
@@ -28,6 +40,7 @@ impl<S> WriteBatch<S> {
             buf: Vec::with_capacity(capacity),
             written: 0,
             capacity,
+            wrote_since_flush: false,
         }
     }
 }
@@ -58,6 +71,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteBatch<S> {
             }
         }
         this.buf.extend_from_slice(data);
+        this.wrote_since_flush |= !data.is_empty();
         Poll::Ready(Ok(data.len()))
     }
 
@@ -84,6 +98,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteBatch<S> {
                 break;
             }
         }
+        this.wrote_since_flush |= taken > 0;
         Poll::Ready(Ok(taken))
     }
 
@@ -92,8 +107,15 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteBatch<S> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        ready!(self.poll_drain(cx))?;
-        Pin::new(&mut self.inner).poll_flush(cx)
+        let this = &mut *self;
+        if std::mem::take(&mut this.wrote_since_flush) {
+            // Deferred (see the module notes): the task is polled again at once, and a
+            // flush with no write in between drains.
+            cx.waker().wake_by_ref();
+            return Poll::Ready(Ok(()));
+        }
+        ready!(this.poll_drain(cx))?;
+        Pin::new(&mut this.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -146,9 +168,61 @@ mod tests {
             w.write_all(&[1; 50]).await.unwrap();
         }
         assert!(w.inner.writes.is_empty());
+        // The first flush after writes is deferred; the next one drains.
+        w.flush().await.unwrap();
+        assert!(w.inner.writes.is_empty());
         w.flush().await.unwrap();
         assert_eq!(w.inner.writes, vec![590]);
         assert_eq!(w.inner.flushed, 1);
+    }
+
+    /// What the h2 crate does per DATA frame: a vectored write of the 9-byte header
+    /// and the payload, then a flush. Frames join until the batch is full or a flush
+    /// comes with nothing written before it.
+    #[tokio::test]
+    async fn frames_flushed_one_by_one_still_leave_in_batches() {
+        let mut w = WriteBatch::new(Recorder::default(), 64 * 1024);
+        let payload = [7u8; 16 * 1024];
+        for _ in 0..8 {
+            let frame = [IoSlice::new(&[0; 9]), IoSlice::new(&payload)];
+            // A frame always fits once a full batch has drained.
+            assert_eq!(w.write_vectored(&frame).await.unwrap(), 9 + payload.len());
+            w.flush().await.unwrap();
+        }
+        // Eight frames of 16,393 bytes: full batches drained on the way, none per frame.
+        assert!(w.inner.writes.len() <= 3, "{:?}", w.inner.writes);
+        assert_eq!(w.inner.flushed, 0);
+        w.flush().await.unwrap();
+        assert_eq!(w.inner.writes.iter().sum::<usize>(), 8 * (9 + 16 * 1024));
+        assert_eq!(w.inner.flushed, 1);
+        assert!(w.buf.is_empty());
+    }
+
+    /// A deferred flush wakes its task, so a caller that waits for nothing else
+    /// still gets its bytes drained on the next poll.
+    #[tokio::test]
+    async fn a_deferred_flush_wakes_the_task() {
+        let mut w = WriteBatch::new(Recorder::default(), 1024);
+        w.write_all(b"GOAWAY").await.unwrap();
+        let waker = std::sync::Arc::new(Counted::default());
+        let waker_ref = std::task::Waker::from(waker.clone());
+        let mut cx = Context::from_waker(&waker_ref);
+        assert!(Pin::new(&mut w).poll_flush(&mut cx).is_ready());
+        assert_eq!(waker.wakes.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert!(w.inner.writes.is_empty());
+        assert!(Pin::new(&mut w).poll_flush(&mut cx).is_ready());
+        assert_eq!(w.inner.writes, vec![6]);
+    }
+
+    #[derive(Default)]
+    struct Counted {
+        wakes: std::sync::atomic::AtomicUsize,
+    }
+
+    impl std::task::Wake for Counted {
+        fn wake(self: std::sync::Arc<Self>) {
+            self.wakes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     #[tokio::test]
