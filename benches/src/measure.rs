@@ -1,22 +1,25 @@
-//! The `download` benchmark: Webship against nginx, same host, same run.
+//! The `download` benchmark: the capacity matrix, Webship against its peers in
+//! the same run.
 //!
-//! Cells are (server, protocol): Webship over h1, h2 and h3; nginx over h1 and
-//! h2 (Debian's nginx 1.22 has no HTTP/3); and a second Webship with UDP GSO
-//! off over h3, started only for its h3 cells in each round so it never sits
-//! beside the other measurements. Servers are measured in interleaved order
-//! (alternating which goes first in each round) so that thermal or background
-//! drift lands on both equally. Every sample must deliver the exact fixture
-//! size with status 200 over the requested protocol; h1/h2 bodies are checked
-//! byte for byte by digest once per cell, h3 bodies on every sample (h3-get
-//! hashes as it reads). Anything else aborts the run.
+//! Cells are (mode, server, protocol). Modes: direct (each server sends the
+//! fixture from its own disk), proxy (each terminates TLS in front of one
+//! plain-HTTP nginx origin) and passthrough (each routes TLS by SNI to one
+//! Webship origin without decrypting); servers: Webship (and its passthrough
+//! engines, and a GSO-off instance for h3, started per round so it never sits
+//! beside the other measurements) and the peers installed here, each cell a peer
+//! cannot have named with the reason. Every run also measures the limit on this
+//! machine ([`Mode::Limit`]): the same client against a plain-HTTP sendfile server
+//! and against a TLS server sending from memory.
 //!
-//! `--modes` picks direct delivery (the cells above), proxy mode, or both in one
-//! run. In proxy mode each server terminates TLS in front of the same origin, a
-//! third nginx serving the fixture over plain HTTP on loopback: Webship over h1
-//! (hyper), h2 and h3 on one port, nginx over h1 and h2. Its cells are checked
-//! like the direct ones; server CPU is the proxy's, the origin's is reported
-//! apart. The rounds interleave the modes too, so proxy/direct ratios compare
-//! samples taken side by side.
+//! Each cell is first downloaded once, untimed (warm-up, TLS parameters), then
+//! sampled in interleaved rounds (rotating which server goes first) until it has
+//! the requested accepted samples, so drift lands on every cell alike. A sample is
+//! accepted only with status 200 and exactly the fixture's bytes (the clients
+//! compare every body with the fixture generator as they read it), no packet loss
+//! on the host and no major page fault in the server; rejections are counted with
+//! their reasons, and the rounds are bounded. A Webship or limit cell without an
+//! accepted sample fails the run; a peer's becomes "not measured". After the
+//! matrix, the concurrency and WebTransport scenarios run into the same report.
 
 use std::env;
 use std::fs;
