@@ -538,7 +538,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
     }
     ensure!(
         failed_webship.is_empty(),
-        "Webship cells without an accepted sample:\n{}",
+        "Webship or limit cells without an accepted sample:\n{}",
         failed_webship.join("\n")
     );
     ensure!(
