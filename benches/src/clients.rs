@@ -71,8 +71,10 @@ impl Clients {
     }
 
     /// Downloads the fixture once over `protocol`, plain HTTP/1.1 where the server
-    /// speaks no TLS (the baseline); the body is hashed and dropped.
-    pub fn download(&self, server: &Server, protocol: Protocol) -> Result<Sample> {
+    /// speaks no TLS (the baseline). The client compares the body with the fixture
+    /// byte for byte and drops it; `sha256` (the fixture's digest, hex) has it hashed
+    /// too and the digest checked.
+    pub fn download(&self, server: &Server, protocol: Protocol, sha256: Option<&str>) -> Result<Sample> {
         let addr = format!("127.0.0.1:{}", server.port);
         let path = format!("/{FIXTURE_NAME}");
         let scheme = if server.plain { "http" } else { "https" };
@@ -98,6 +100,9 @@ impl Clients {
         if !server.plain {
             command.arg("--ca").arg(&self.ca);
         }
+        if sha256.is_some() {
+            command.arg("--sha256");
+        }
         command
             .args(["--max-time", &MAX_TIME.as_secs().to_string()])
             // A failure is reported in the bail below; a backtrace would bury it.
@@ -121,7 +126,16 @@ impl Clients {
         };
         let (size, seconds) = check(&what, size, seconds, code)?;
         // Byte for byte: the right number of wrong bytes fails here.
-        ensure!(verdict.trim() == EXACT, "{what}: the body {}", verdict.trim());
+        let verdict = verdict.trim();
+        let digest = verdict.strip_prefix(EXACT).map(str::trim);
+        match (digest, sha256) {
+            (Some(""), None) => {}
+            (Some(got), Some(want)) => ensure!(
+                got.strip_prefix("sha256=") == Some(want),
+                "{what}: the body matched the fixture but hashed to {got}, expected sha256={want}"
+            ),
+            _ => bail!("{what}: the body {verdict}"),
+        }
         let notes = notes.unwrap_or("").trim();
         let client_drops = notes
             .split_whitespace()

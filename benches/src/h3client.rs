@@ -67,6 +67,9 @@ pub struct H3GetArgs {
     /// Upper bound for the whole download, handshake included.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub max_time: u64,
+    /// Also hash the body and report its SHA-256 (the untimed download per cell).
+    #[arg(long)]
+    pub sha256: bool,
 }
 
 #[derive(Debug)]
@@ -122,7 +125,11 @@ async fn get(args: &H3GetArgs) -> Result<Download> {
         .recv_response()
         .await
         .context("reading the response head")?;
-    let mut check = Checker::default();
+    let mut check = if args.sha256 {
+        Checker::with_sha256()
+    } else {
+        Checker::default()
+    };
     while let Some(mut chunk) = stream.recv_data().await.context("reading the body")? {
         while chunk.has_remaining() {
             let data = chunk.chunk();

@@ -172,7 +172,10 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
     let scratch = tempfile::Builder::new().prefix("webship-bench-").tempdir()?;
     let identity = fixture::write_identity(scratch.path())?;
     let clients = Clients::new(&identity.cert)?;
-    let bench = Bench { clients: &clients };
+    let bench = Bench {
+        clients: &clients,
+        sha256: fixture::hex(&fixture.sha256),
+    };
     let dir = |name: &str| -> Result<PathBuf> {
         let dir = scratch.path().join(name);
         fs::create_dir(&dir)?;
@@ -622,15 +625,17 @@ fn webship_spec<'a>(args: &'a DownloadArgs, name: &'static str, gso: bool) -> We
 
 struct Bench<'a> {
     clients: &'a Clients,
+    /// The fixture's SHA-256 (hex), checked on each cell's untimed download.
+    sha256: String,
 }
 
 impl Bench<'_> {
-    /// Downloads the fixture once, untimed, and checks it like every sample:
-    /// warms the page cache and the server, and records the TLS parameters.
+    /// Downloads the fixture once, untimed, and checks it like every sample and by
+    /// SHA-256 too: warms the page cache and the server, and records the TLS parameters.
     fn verify(&self, mode: Mode, server: &Server, protocol: Protocol) -> Result<Series> {
         let sample = self
             .clients
-            .download(server, protocol)
+            .download(server, protocol, Some(&self.sha256))
             .with_context(|| failed(mode, server, protocol))?;
         Ok(Series::new(mode, server.name, protocol, sample.notes))
     }
@@ -655,7 +660,7 @@ impl Bench<'_> {
         let host_before = host_busy_ticks();
         let loss_before = Loss::read();
         let rss = RssWatch::start(server.pid());
-        let result = self.clients.download(server, protocol);
+        let result = self.clients.download(server, protocol, None);
         let loss = Loss::read()
             .zip(loss_before)
             .and_then(|(after, before)| after.since(before));

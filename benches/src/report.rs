@@ -411,7 +411,8 @@ impl Report {
         let _ = writeln!(
             out,
             "\nA sample is accepted only with status 200 and exactly the fixture's {FIXTURE_BYTES} bytes \
-             (the clients compare every body with the fixture's generator as they read it), no packet loss \
+             (the clients compare every body with the fixture's generator as they read it, and each cell's \
+             untimed first download is also checked by SHA-256), no packet loss \
              on the host during the sample (no TCP segment dropped, no UDP receive error) and no major page \
              fault in the server's process tree. CV: standard deviation / mean of the accepted MiB/s. Peak RSS: the server \
              tree's summed VmRSS, read every 50 ms during the accepted samples. % of limit: the median \

@@ -70,6 +70,9 @@ pub struct GetArgs {
     /// Upper bound for the whole download, handshake included.
     #[arg(long, default_value_t = 120, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub max_time: u64,
+    /// Also hash the body and report its SHA-256 (the untimed download per cell).
+    #[arg(long)]
+    pub sha256: bool,
 }
 
 pub fn run(args: &GetArgs) -> Result<()> {
@@ -116,7 +119,7 @@ async fn get(args: &GetArgs) -> Result<Download> {
     tcp.set_nodelay(true).context("TCP_NODELAY")?;
     let Some(mut config) = tls else {
         ensure!(args.http == Http::H1, "plain HTTP is measured over HTTP/1.1 only");
-        let (status, check) = exchange(tcp, Http::H1, "http", &authority, &args.path).await?;
+        let (status, check) = exchange(tcp, Http::H1, "http", &authority, &args.path, args.sha256).await?;
         return Ok(Download {
             status,
             bytes: check.len(),
@@ -157,7 +160,7 @@ async fn get(args: &GetArgs) -> Result<Download> {
             .suite(),
         alpn.as_deref().unwrap_or("none")
     );
-    let (status, check) = exchange(tls, args.http, "https", &authority, &args.path).await?;
+    let (status, check) = exchange(tls, args.http, "https", &authority, &args.path, args.sha256).await?;
     Ok(Download {
         status,
         bytes: check.len(),
@@ -168,7 +171,14 @@ async fn get(args: &GetArgs) -> Result<Download> {
 }
 
 /// One GET over `io`; returns the status and the body's check against the fixture.
-async fn exchange<T>(io: T, http: Http, scheme: &str, authority: &str, path: &str) -> Result<(u16, Checker)>
+async fn exchange<T>(
+    io: T,
+    http: Http,
+    scheme: &str,
+    authority: &str,
+    path: &str,
+    sha256: bool,
+) -> Result<(u16, Checker)>
 where
     T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -213,7 +223,11 @@ where
     );
     let status = response.status().as_u16();
     let mut body = response.into_body();
-    let mut check = Checker::default();
+    let mut check = if sha256 {
+        Checker::with_sha256()
+    } else {
+        Checker::default()
+    };
     while let Some(frame) = body.frame().await {
         let frame =
             frame.with_context(|| format!("GET {uri}: reading the body after {} bytes", check.len()))?;

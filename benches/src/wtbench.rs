@@ -131,7 +131,7 @@ pub fn measure(args: &WtBenchArgs) -> Result<Section> {
                 let (bytes, seconds, lost) = match cell {
                     0 => {
                         // The client checks every byte against the fixture.
-                        let s = clients.download(server, Protocol::H3)?;
+                        let s = clients.download(server, Protocol::H3, None)?;
                         (s.size, s.seconds, 0)
                     }
                     1 => wt_get(
