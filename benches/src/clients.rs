@@ -125,17 +125,7 @@ impl Clients {
             bail!("{what}: unexpected client output {stdout:?}");
         };
         let (size, seconds) = check(&what, size, seconds, code)?;
-        // Byte for byte: the right number of wrong bytes fails here.
-        let verdict = verdict.trim();
-        let digest = verdict.strip_prefix(EXACT).map(str::trim);
-        match (digest, sha256) {
-            (Some(""), None) => {}
-            (Some(got), Some(want)) => ensure!(
-                got.strip_prefix("sha256=") == Some(want),
-                "{what}: the body matched the fixture but hashed to {got}, expected sha256={want}"
-            ),
-            _ => bail!("{what}: the body {verdict}"),
-        }
+        check_verdict(&what, verdict, sha256)?;
         let notes = notes.unwrap_or("").trim();
         let client_drops = notes
             .split_whitespace()
@@ -152,6 +142,57 @@ impl Clients {
             },
             client_drops,
         })
+    }
+}
+
+/// What a client subcommand (`get`, `h3-get`) reports for one download.
+#[derive(Debug)]
+pub struct Download {
+    pub status: u16,
+    pub bytes: u64,
+    pub seconds: f64,
+    /// [`crate::fixture::Checker::verdict`].
+    pub verdict: String,
+    pub notes: String,
+}
+
+/// Runs one client download on a current-thread runtime, bounded by `max_time`
+/// seconds, and prints its result lines.
+pub fn run_client(
+    what: &str,
+    max_time: u64,
+    get: impl std::future::Future<Output = Result<Download>>,
+) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("building the tokio runtime")?;
+    let limit = std::time::Duration::from_secs(max_time);
+    let got = runtime
+        .block_on(async { tokio::time::timeout(limit, get).await })
+        .map_err(|_| anyhow::anyhow!("{what}: no complete response within {limit:?}"))??;
+    emit(&[
+        &format!("{} {:.6} {}", got.bytes, got.seconds, got.status),
+        &got.verdict,
+        &got.notes,
+    ])
+}
+
+/// The client's verdict line: the body must match the fixture byte for byte (the
+/// right number of wrong bytes fails here) and, when `sha256` is asked for, hash to it.
+fn check_verdict(what: &str, verdict: &str, sha256: Option<&str>) -> Result<()> {
+    let verdict = verdict.trim();
+    let digest = verdict.strip_prefix(EXACT).map(str::trim);
+    match (digest, sha256) {
+        (Some(""), None) => Ok(()),
+        (Some(got), Some(want)) => {
+            ensure!(
+                got.strip_prefix("sha256=") == Some(want),
+                "{what}: the body matched the fixture but hashed to {got:?}, expected sha256={want}"
+            );
+            Ok(())
+        }
+        _ => bail!("{what}: the body {verdict}"),
     }
 }
 
@@ -186,4 +227,26 @@ fn check(what: &str, size: &str, seconds: &str, code: &str) -> Result<(u64, f64)
     );
     ensure!(seconds > 0.0, "{what}: the client reported a time of {seconds} s");
     Ok((size, seconds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn verdicts() {
+        assert!(check_verdict("x", "exact\n", None).is_ok());
+        assert!(check_verdict("x", "exact sha256=ab", Some("ab")).is_ok());
+        let wrong = check_verdict("x", "exact sha256=ab", Some("cd")).unwrap_err();
+        assert!(wrong.to_string().contains("hashed to \"sha256=ab\""), "{wrong}");
+        // A digest asked for but not reported, and a body that differs.
+        assert!(check_verdict("x", "exact", Some("ab")).is_err());
+        let differs = check_verdict("x", "differs from the fixture at byte 7 of 9", None).unwrap_err();
+        assert!(differs
+            .to_string()
+            .ends_with("the body differs from the fixture at byte 7 of 9"));
+        assert!(check_verdict("x", "9 bytes, expected 10", None).is_err());
+        // A digest reported where none was asked for is not "exact".
+        assert!(check_verdict("x", "exact sha256=ab", None).is_err());
+    }
 }

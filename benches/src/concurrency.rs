@@ -18,8 +18,7 @@ use anyhow::{anyhow, bail, ensure, Context, Result};
 use bytes::Buf;
 use clap::Args;
 use http_body_util::BodyExt;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::ServerName;
 use sha2::{Digest, Sha256};
 
 use crate::fixture::{self, hex};
@@ -118,7 +117,7 @@ pub fn measure(args: &ConcurrencyArgs) -> Result<Section> {
         },
     )?;
     let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
-    let tls = Arc::new(tls_config(&identity.cert)?);
+    let tls = Arc::new(crate::tcpclient::tls_config(&identity.cert)?);
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -337,16 +336,4 @@ async fn get_hyper(send: &mut Sender, addr: SocketAddr) -> Result<(u64, [u8; 32]
         }
     }
     Ok((len, hasher.finalize().into()))
-}
-
-fn tls_config(ca: &Path) -> Result<rustls::ClientConfig> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(ca)? {
-        roots.add(cert?)?;
-    }
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    Ok(rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth())
 }

@@ -26,13 +26,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use bytes::Buf;
 use clap::Args;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::CertificateDer;
 use socket2::{Domain, Protocol, Socket, Type};
 
+use crate::clients::{run_client, Download};
 use crate::fixture::{Checker, FIXTURE_BYTES};
 use crate::proc::udp_socket_drops;
 
@@ -72,29 +71,8 @@ pub struct H3GetArgs {
     pub sha256: bool,
 }
 
-#[derive(Debug)]
-struct Download {
-    status: u16,
-    bytes: u64,
-    seconds: f64,
-    verdict: String,
-    notes: String,
-}
-
 pub fn run(args: &H3GetArgs) -> Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("building the tokio runtime")?;
-    let limit = Duration::from_secs(args.max_time);
-    let got = runtime
-        .block_on(async { tokio::time::timeout(limit, get(args)).await })
-        .map_err(|_| anyhow!("h3-get {}: no complete response within {limit:?}", args.addr))??;
-    crate::clients::emit(&[
-        &format!("{} {:.6} {}", got.bytes, got.seconds, got.status),
-        &got.verdict,
-        &got.notes,
-    ])
+    run_client(&format!("h3-get {}", args.addr), args.max_time, get(args))
 }
 
 async fn get(args: &H3GetArgs) -> Result<Download> {
@@ -217,16 +195,7 @@ pub fn endpoint_for(
 
 /// TLS 1.3 only, ALPN `h3`, the certificates in `ca` as the only roots.
 fn client_config(ca: &Path, tweak: impl FnOnce(&mut quinn::TransportConfig)) -> Result<quinn::ClientConfig> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(ca).with_context(|| format!("reading {}", ca.display()))? {
-        let cert = cert.with_context(|| format!("parsing {}", ca.display()))?;
-        roots
-            .add(cert)
-            .with_context(|| format!("adding a root from {}", ca.display()))?;
-    }
-    if roots.is_empty() {
-        bail!("{} holds no certificate", ca.display());
-    }
+    let roots = crate::tcpclient::roots(ca)?;
     // An explicit provider: this crate enables both ring and aws-lc-rs (for the
     // `aead` comparison), so rustls has no single default to pick.
     let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());

@@ -26,7 +26,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
 use clap::{Args, ValueEnum};
@@ -38,6 +38,7 @@ use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
+use crate::clients::{run_client, Download};
 use crate::fixture::{Checker, FIXTURE_BYTES};
 
 const H2_STREAM_WINDOW: u32 = 32 << 20;
@@ -76,27 +77,7 @@ pub struct GetArgs {
 }
 
 pub fn run(args: &GetArgs) -> Result<()> {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("building the tokio runtime")?;
-    let limit = Duration::from_secs(args.max_time);
-    let got = runtime
-        .block_on(async { tokio::time::timeout(limit, get(args)).await })
-        .map_err(|_| anyhow!("get {}: no complete response within {limit:?}", args.addr))??;
-    crate::clients::emit(&[
-        &format!("{} {:.6} {}", got.bytes, got.seconds, got.status),
-        &got.verdict,
-        &got.notes,
-    ])
-}
-
-struct Download {
-    status: u16,
-    bytes: u64,
-    seconds: f64,
-    verdict: String,
-    notes: String,
+    run_client(&format!("get {}", args.addr), args.max_time, get(args))
 }
 
 /// Seeds aws-lc's random generator, whose first use samples CPU jitter for tens
@@ -241,6 +222,18 @@ where
 
 /// TLS 1.2 and 1.3 with aws-lc-rs, the certificates in `ca` as the only roots.
 pub fn tls_config(ca: &Path) -> Result<rustls::ClientConfig> {
+    // An explicit provider: this crate enables both ring and aws-lc-rs (for the
+    // `aead` comparison), so rustls has no single default to pick.
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    Ok(rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("TLS versions with the aws-lc-rs provider")?
+        .with_root_certificates(roots(ca)?)
+        .with_no_client_auth())
+}
+
+/// The certificates in `ca` as a root store; an error if it holds none.
+pub fn roots(ca: &Path) -> Result<rustls::RootCertStore> {
     let mut roots = rustls::RootCertStore::empty();
     for cert in CertificateDer::pem_file_iter(ca).with_context(|| format!("reading {}", ca.display()))? {
         roots
@@ -250,12 +243,5 @@ pub fn tls_config(ca: &Path) -> Result<rustls::ClientConfig> {
     if roots.is_empty() {
         bail!("{} holds no certificate", ca.display());
     }
-    // An explicit provider: this crate enables both ring and aws-lc-rs (for the
-    // `aead` comparison), so rustls has no single default to pick.
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    Ok(rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .context("TLS versions with the aws-lc-rs provider")?
-        .with_root_certificates(roots)
-        .with_no_client_auth())
+    Ok(roots)
 }
