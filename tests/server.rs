@@ -43,6 +43,18 @@ pub fn free_port() -> u16 {
     panic!("no port free for both TCP and UDP after 100 tries");
 }
 
+/// A loopback TCP port that refuses connections for as long as the returned socket
+/// lives: bound, never listening. Unlike a port that was free a moment ago, no
+/// parallel test's server can take it in between and answer for it.
+pub fn refused_port() -> (socket2::Socket, u16) {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket
+        .bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .unwrap();
+    let port = socket.local_addr().unwrap().as_socket().unwrap().port();
+    (socket, port)
+}
+
 /// Whether something accepts TCP connections on the port.
 pub fn listening(port: u16) -> bool {
     TcpStream::connect_timeout(

@@ -387,7 +387,8 @@ async fn a_client_that_leaves_aborts_the_upstream_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_ejection_and_502() {
-    let dead = webship_tests::server::free_port();
+    // Held for the whole test: a free port could be taken by a parallel test's server.
+    let (_dead_socket, dead) = webship_tests::server::refused_port();
     let origin = Origin::start().await;
     let w = world(&format!(
         "\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/failover/\"\nstrip_prefix = true\nupstreams = [\"127.0.0.1:{dead}\", \"{}\"]\n\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/down/\"\nupstreams = [\"127.0.0.1:{dead}\"]\n",
