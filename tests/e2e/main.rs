@@ -4,6 +4,7 @@
 
 mod config_errors;
 mod download;
+mod faults;
 mod files;
 mod h2;
 mod h3;
