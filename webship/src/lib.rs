@@ -1,22 +1,30 @@
-//! Webship: a Linux daemon that streams large payloads over HTTP/1.1 and HTTP/2 with
-//! TLS, offloading to the kernel where it is faster.
+//! Webship: a Linux daemon that streams large payloads over HTTP/1.1, HTTP/2 and
+//! HTTP/3 with TLS, offloading to the kernel where it is faster.
 //!
-//! Data flows listener → tls → http (h1, h2) → service → files; each layer sees only
-//! the next one's API. `main.rs` wires them: config → preflight → server.
+//! Data flows listener → tls → protocol drivers (`http`, `h3`) → `exchange` (the one
+//! seam every driver shares) → `service` → `files` / `proxy` / `webtransport`; TLS
+//! passthrough (`passthrough`) forks off before `tls`. Each layer imports only layers
+//! below it; the leaves (`message`, `names`, `shutdown`, `config`, `sys`) import none
+//! of the others. `main.rs` wires them: config → preflight → server.
+//! docs/architecture.md draws the graph.
 #![deny(unsafe_code)]
 
 pub mod config;
 pub mod ebpf;
-pub mod files;
-pub mod h3;
-pub mod http;
-pub mod ktls;
-pub mod listener;
+mod exchange;
+mod files;
+mod h3;
+mod http;
+mod ktls;
+mod listener;
+mod message;
+mod names;
 pub mod passthrough;
 pub mod preflight;
-pub mod proxy;
+mod proxy;
 pub mod server;
-pub mod service;
-pub mod sys;
-pub mod tls;
+mod service;
+mod shutdown;
+mod sys;
+mod tls;
 pub mod webtransport;

@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 use webship::config::{self, Config};
-use webship::{preflight, server, tls};
+use webship::{preflight, server};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -151,8 +151,7 @@ async fn shutdown_signal() {
 
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
     let config = config::load(path)?;
-    tls::Acceptor::build(&config).with_context(|| config.source.clone())?;
-    webship::service::Service::new(&config).with_context(|| config.source.clone())?;
+    server::check(&config).with_context(|| config.source.clone())?;
     println!("{}: OK", config.source);
     println!("  listen   {}", config.listen);
     println!("  workers  {}", config.workers);

@@ -8,11 +8,7 @@ use std::sync::Arc;
 
 use super::{EbpfError, Snapshot, Values};
 
-pub fn embedded() -> bool {
-    false
-}
-
-pub fn probe() -> Result<String, EbpfError> {
+pub(crate) fn probe() -> Result<String, EbpfError> {
     Err(EbpfError::NotBuilt)
 }
 
@@ -22,18 +18,18 @@ pub fn read_pinned(dir: &Path) -> Result<Snapshot, EbpfError> {
 
 /// Never constructed in this build.
 #[derive(Debug)]
-pub enum Programs {}
+pub(crate) enum Programs {}
 
 impl Programs {
-    pub fn load(_: &Path) -> Result<Arc<Self>, EbpfError> {
+    pub(crate) fn load(_: &Path) -> Result<Arc<Self>, EbpfError> {
         Err(EbpfError::NotBuilt)
     }
 
-    pub fn link(self: &Arc<Self>, _: BorrowedFd<'_>, _: BorrowedFd<'_>) -> io::Result<SocketLink> {
+    pub(crate) fn link(self: &Arc<Self>, _: BorrowedFd<'_>, _: BorrowedFd<'_>) -> io::Result<SocketLink> {
         match **self {}
     }
 
-    pub fn redirect_udp(
+    pub(crate) fn redirect_udp(
         &self,
         _: std::net::SocketAddrV4,
         _: std::net::SocketAddrV4,
@@ -41,25 +37,25 @@ impl Programs {
         match *self {}
     }
 
-    pub fn publish(&self, _: &Values) {
+    pub(crate) fn publish(&self, _: &Values) {
         match *self {}
     }
 
-    pub fn kernel_counters(&self) -> Values {
+    pub(crate) fn kernel_counters(&self) -> Values {
         match *self {}
     }
 }
 
 /// Never constructed in this build.
 #[derive(Debug)]
-pub enum SocketLink {}
+pub(crate) enum SocketLink {}
 
 impl SocketLink {
-    pub fn open_client(&self) -> io::Result<()> {
+    pub(crate) fn open_client(&self) -> io::Result<()> {
         match *self {}
     }
 
-    pub fn redirected(&self) -> (u64, u64) {
+    pub(crate) fn redirected(&self) -> (u64, u64) {
         match *self {}
     }
 }

@@ -25,14 +25,9 @@ static OBJECT: Option<&[u8]> = None;
 /// The magic number of the BPF filesystem (`statfs`).
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
-/// Whether this binary carries the eBPF object.
-pub fn embedded() -> bool {
-    OBJECT.is_some()
-}
-
 /// The loaded programs and their maps. Dropping it detaches the programs and
 /// removes the pins.
-pub struct Programs {
+pub(crate) struct Programs {
     socks: Mutex<SockHash<MapData, u64>>,
     links: Mutex<HashMap<MapData, u64, Link>>,
     kernel_counters: PerCpuArray<MapData, u64>,
@@ -55,7 +50,7 @@ impl Programs {
     /// Loads and attaches the programs and pins the counter maps under `pin_dir`
     /// (mounting the BPF filesystem on /sys/fs/bpf when it is not there yet). Log
     /// records from the programs go to tracing under the `webship::ebpf` target.
-    pub fn load(pin_dir: &Path) -> Result<Arc<Self>, EbpfError> {
+    pub(crate) fn load(pin_dir: &Path) -> Result<Arc<Self>, EbpfError> {
         let debug = tracing::enabled!(target: "webship::ebpf", tracing::Level::DEBUG);
         let level = if debug {
             aya_log::Level::Debug
@@ -108,7 +103,7 @@ impl Programs {
     /// bypass the daemon. Both addresses must be on loopback (the rewrite keeps the
     /// client's address, so the origin's replies must come back through this host's
     /// loopback). Detached when the programs are dropped.
-    pub fn redirect_udp(&self, listen: SocketAddrV4, origin: SocketAddrV4) -> Result<(), EbpfError> {
+    pub(crate) fn redirect_udp(&self, listen: SocketAddrV4, origin: SocketAddrV4) -> Result<(), EbpfError> {
         let mut ebpf = lock(&self.ebpf);
         let program: &mut SchedClassifier = ebpf
             .program_mut(UDP_PROGRAM)
@@ -139,7 +134,7 @@ impl Programs {
     /// bytes stay in its socket until [`SocketLink::open_client`] (so the daemon can
     /// first forward the ClientHello it peeked, in order). Bytes queued before
     /// linking stay in the sockets: the kernel only redirects what arrives later.
-    pub fn link(
+    pub(crate) fn link(
         self: &Arc<Self>,
         client: BorrowedFd<'_>,
         upstream: BorrowedFd<'_>,
@@ -167,7 +162,7 @@ impl Programs {
     }
 
     /// Publishes the daemon's own counters for `webship stats`.
-    pub fn publish(&self, values: &Values) {
+    pub(crate) fn publish(&self, values: &Values) {
         let mut map = lock(&self.user_counters);
         for (i, v) in (0..COUNTERS).zip(values) {
             if let Err(e) = map.set(i, v, 0) {
@@ -178,7 +173,7 @@ impl Programs {
     }
 
     /// The programs' counters, summed over CPUs.
-    pub fn kernel_counters(&self) -> Values {
+    pub(crate) fn kernel_counters(&self) -> Values {
         sum_per_cpu(&self.kernel_counters)
     }
 }
@@ -198,7 +193,7 @@ impl Drop for Programs {
 }
 
 /// A linked socket pair; dropping it unlinks both sockets.
-pub struct SocketLink {
+pub(crate) struct SocketLink {
     programs: Arc<Programs>,
     client: u64,
     upstream: u64,
@@ -215,7 +210,7 @@ impl std::fmt::Debug for SocketLink {
 
 impl SocketLink {
     /// Starts redirecting what the client sends to the upstream.
-    pub fn open_client(&self) -> io::Result<()> {
+    pub(crate) fn open_client(&self) -> io::Result<()> {
         let up = Link {
             peer: self.upstream,
             direction: DIRECTION_UP,
@@ -227,7 +222,7 @@ impl SocketLink {
     }
 
     /// Bytes the kernel moved client → upstream and upstream → client so far.
-    pub fn redirected(&self) -> (u64, u64) {
+    pub(crate) fn redirected(&self) -> (u64, u64) {
         let links = lock(&self.programs.links);
         let get = |cookie| links.get(&cookie, 0).map(|l| l.redirected).unwrap_or(0);
         (get(self.client), get(self.upstream))
@@ -249,7 +244,7 @@ impl Drop for SocketLink {
 /// Loads the object and attaches the verdict program to a fresh map, then inserts
 /// a connected loopback socket: what the `sockmap` engine needs, checked without
 /// pinning anything. Returns what was verified.
-pub fn probe() -> Result<String, EbpfError> {
+pub(crate) fn probe() -> Result<String, EbpfError> {
     let mut ebpf = load_object(aya_log::Level::Info as u8)?;
     let mut socks: SockHash<MapData, u64> = typed(take(&mut ebpf, SOCKS_MAP)?)?;
     attach_verdict(&mut ebpf, &socks)?;

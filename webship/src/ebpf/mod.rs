@@ -46,7 +46,7 @@ pub enum EbpfError {
 }
 
 /// Counter values, indexed by [`Counter`].
-pub type Values = [u64; COUNTERS as usize];
+pub(crate) type Values = [u64; COUNTERS as usize];
 
 /// What `webship stats` reads from the pinned maps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,9 +75,13 @@ fn pin_paths(dir: &Path) -> [PathBuf; 3] {
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
 mod loaded;
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
-pub use loaded::{embedded, probe, read_pinned, Programs, SocketLink};
+pub use loaded::read_pinned;
+#[cfg(all(target_os = "linux", feature = "ebpf"))]
+pub(crate) use loaded::{probe, Programs, SocketLink};
 
 #[cfg(not(all(target_os = "linux", feature = "ebpf")))]
 mod absent;
 #[cfg(not(all(target_os = "linux", feature = "ebpf")))]
-pub use absent::{embedded, probe, read_pinned, Programs, SocketLink};
+pub use absent::read_pinned;
+#[cfg(not(all(target_os = "linux", feature = "ebpf")))]
+pub(crate) use absent::{probe, Programs, SocketLink};

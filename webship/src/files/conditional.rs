@@ -4,7 +4,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// The validators of one file version.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Validators {
+pub(crate) struct Validators {
     /// Strong ETag, quotes included.
     pub etag: String,
     /// Last modification, truncated to whole seconds as HTTP dates are.
@@ -14,7 +14,7 @@ pub struct Validators {
 impl Validators {
     /// A strong ETag from inode, length and nanosecond mtime: any rewrite of the file
     /// changes at least one of them.
-    pub fn new(inode: u64, len: u64, modified: Option<SystemTime>) -> Self {
+    pub(crate) fn new(inode: u64, len: u64, modified: Option<SystemTime>) -> Self {
         let nanos = modified
             .and_then(|m| m.duration_since(UNIX_EPOCH).ok())
             .map_or(0, |d| d.as_nanos());
@@ -34,7 +34,7 @@ fn whole_seconds(t: SystemTime) -> SystemTime {
 
 /// The conditional headers of a request, as raw bytes.
 #[derive(Debug, Default, Clone, Copy)]
-pub struct Conditions<'a> {
+pub(crate) struct Conditions<'a> {
     pub if_match: Option<&'a [u8]>,
     pub if_none_match: Option<&'a [u8]>,
     pub if_modified_since: Option<&'a [u8]>,
@@ -44,14 +44,14 @@ pub struct Conditions<'a> {
 
 /// What the preconditions decide for a GET or HEAD.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Verdict {
+pub(crate) enum Verdict {
     Proceed,
     NotModified,
     PreconditionFailed,
 }
 
 /// Evaluates preconditions in the order RFC 9110 §13.2.2 prescribes.
-pub fn evaluate(c: &Conditions<'_>, v: &Validators) -> Verdict {
+pub(super) fn evaluate(c: &Conditions<'_>, v: &Validators) -> Verdict {
     if let Some(im) = c.if_match {
         if !etag_list_matches(im, &v.etag, true) {
             return Verdict::PreconditionFailed;
@@ -75,7 +75,7 @@ pub fn evaluate(c: &Conditions<'_>, v: &Validators) -> Verdict {
 
 /// Whether a `Range` may be honoured given `If-Range`: only if it names the current
 /// strong ETag, or exactly the current Last-Modified date.
-pub fn if_range_allows(c: &Conditions<'_>, v: &Validators) -> bool {
+pub(super) fn if_range_allows(c: &Conditions<'_>, v: &Validators) -> bool {
     let Some(raw) = c.if_range else {
         return true;
     };

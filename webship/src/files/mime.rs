@@ -1,7 +1,7 @@
 //! Content-Type by file extension. A short table of what a media and artifact server
 //! actually serves; anything else is `application/octet-stream`.
 
-pub fn content_type(path: &std::path::Path) -> &'static str {
+pub(super) fn content_type(path: &std::path::Path) -> &'static str {
     let ext = path
         .extension()
         .and_then(|e| e.to_str())

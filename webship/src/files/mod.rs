@@ -1,12 +1,12 @@
 //! Direct file delivery shared by every protocol: safe path resolution, validators,
 //! conditional requests, single and multipart ranges. The result is a protocol-neutral
-//! [`Response`] whose body names file ranges instead of holding bytes; each protocol
-//! driver streams those ranges its own way (and h1 may hand them to the kernel).
+//! [`Response`] whose body names file ranges instead of holding bytes; the drivers
+//! send those ranges through the seam (and h1 may hand them to the kernel).
 //!
-//! Reads first take what the page cache already holds without blocking
-//! (`RWF_NOWAIT`), and only the rest goes to the blocking pool.
+//! Every driver reads those ranges through the one [`cursor::FileCursor`].
 
 mod conditional;
+pub(crate) mod cursor;
 mod mime;
 mod path;
 mod range;
@@ -21,17 +21,16 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, StatusCode};
 
-use crate::service::{Body, FileBody, Response, Segment};
-pub use conditional::{Conditions, Validators, Verdict};
-pub use path::PathError;
-pub use range::{ByteRange, RangeRequest};
+use crate::message::{Body, FileBody, Response, Segment};
+pub(crate) use conditional::{Conditions, Validators, Verdict};
+pub(crate) use range::{ByteRange, RangeRequest};
 
 const INDEX: &str = "index.html";
 const ALLOW: &str = "GET, HEAD";
 
 /// Serves `path` (the request target's path, still percent-encoded) from `root`
 /// (canonical). File-system work runs on the blocking pool, never on a reactor thread.
-pub async fn serve(root: Arc<Path>, method: &Method, path: &str, headers: &HeaderMap) -> Response {
+pub(crate) async fn serve(root: Arc<Path>, method: &Method, path: &str, headers: &HeaderMap) -> Response {
     if method != Method::GET && method != Method::HEAD {
         let mut r = Response::status(StatusCode::METHOD_NOT_ALLOWED);
         r.headers.insert(header::ALLOW, HeaderValue::from_static(ALLOW));
@@ -287,97 +286,9 @@ fn multipart(ranges: &[ByteRange], len: u64, boundary: &str, content_type: &[u8]
     (segments, total)
 }
 
-/// Reads `len` bytes at `offset` into `buf` (resized to `len`) and hands the buffer
-/// back, so one allocation serves a whole response. Bytes already in the page cache
-/// are read right here (no thread hop, the common case for hot content); the rest, if
-/// any, is read on the blocking pool so a slow disk never stalls a reactor thread.
-pub async fn read_chunk(file: Arc<File>, mut buf: Vec<u8>, offset: u64, len: usize) -> io::Result<Vec<u8>> {
-    let filled = read_cached(&file, &mut buf, offset, len)?;
-    if filled == len {
-        return Ok(buf);
-    }
-    tokio::task::spawn_blocking(move || read_rest(&file, buf, offset, filled))
-        .await
-        .map_err(io::Error::other)?
-}
-
-/// Sizes `buf` to `len` and fills it from the page cache as far as it can without
-/// waiting; returns how many bytes are filled.
-pub fn read_cached(file: &File, buf: &mut Vec<u8>, offset: u64, len: usize) -> io::Result<usize> {
-    // Only grow: re-zeroing a reused buffer for every chunk would cost a memset pass.
-    if buf.len() < len {
-        buf.resize(len, 0);
-    }
-    buf.truncate(len);
-    let mut filled = 0;
-    while filled < len {
-        match crate::sys::pread_cached(file, &mut buf[filled..], offset + filled as u64) {
-            Ok(0) => return Err(shrank()),
-            Ok(n) => filled += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(filled)
-}
-
-/// Fills `buf[filled..]` with blocking reads (run on the blocking pool). A file that
-/// got shorter since it was opened is an error: the promised length cannot be met.
-pub fn read_rest(file: &File, mut buf: Vec<u8>, offset: u64, mut filled: usize) -> io::Result<Vec<u8>> {
-    while filled < buf.len() {
-        match read_at(file, &mut buf[filled..], offset + filled as u64) {
-            Ok(0) => return Err(shrank()),
-            Ok(n) => filled += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(buf)
-}
-
-fn shrank() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::UnexpectedEof,
-        "file shrank while it was being sent",
-    )
-}
-
-#[cfg(unix)]
-fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    std::os::unix::fs::FileExt::read_at(file, buf, offset)
-}
-
-#[cfg(not(unix))]
-fn read_at(file: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    std::os::windows::fs::FileExt::seek_read(file, buf, offset)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[tokio::test]
-    async fn chunks_come_back_exact_and_a_shrunken_file_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("f");
-        let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        std::fs::write(&path, &data).unwrap();
-        let file = Arc::new(File::open(&path).unwrap());
-        // A reused buffer that is larger than the chunk must come back exactly sized.
-        let buf = read_chunk(file.clone(), vec![0xAA; 70_000], 1_000, 50_000)
-            .await
-            .unwrap();
-        assert_eq!(buf, &data[1_000..51_000]);
-        let buf = read_chunk(file.clone(), buf, 99_990, 10).await.unwrap();
-        assert_eq!(buf, &data[99_990..]);
-        // Past the end: the file is shorter than promised.
-        let err = read_chunk(file.clone(), buf, 99_995, 10).await.unwrap_err();
-        assert_eq!(err.kind(), io::ErrorKind::UnexpectedEof);
-        // The blocking half completes what the page cache did not have.
-        let buf = read_rest(&file, vec![0; 100], 500, 40).unwrap();
-        assert_eq!(&buf[40..], &data[540..600]);
-    }
 
     #[test]
     fn multipart_length_is_exact() {

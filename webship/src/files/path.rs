@@ -11,7 +11,7 @@ use percent_encoding::percent_decode_str;
 
 /// Why a request path was refused before touching the file system.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PathError {
+pub(super) enum PathError {
     #[error("the path does not start with `/`")]
     NotAbsolute,
     #[error("the path is not valid UTF-8 after percent-decoding")]
@@ -26,7 +26,7 @@ pub enum PathError {
 
 /// Turns the path part of a request target into a relative path of plain components.
 /// An empty result means the root itself.
-pub fn normalize(raw: &str) -> Result<PathBuf, PathError> {
+pub(super) fn normalize(raw: &str) -> Result<PathBuf, PathError> {
     if !raw.starts_with('/') {
         return Err(PathError::NotAbsolute);
     }
@@ -53,13 +53,13 @@ pub fn normalize(raw: &str) -> Result<PathBuf, PathError> {
 }
 
 /// Whether `real` (a fully resolved path) lies inside `root` (canonical).
-pub fn contained(root: &Path, real: &Path) -> bool {
+pub(super) fn contained(root: &Path, real: &Path) -> bool {
     real.starts_with(root)
 }
 
 /// The path the kernel resolved for an open file, from `/proc/self/fd`.
 #[cfg(target_os = "linux")]
-pub fn opened_path(file: &std::fs::File) -> std::io::Result<PathBuf> {
+pub(super) fn opened_path(file: &std::fs::File) -> std::io::Result<PathBuf> {
     use std::os::fd::AsRawFd;
     std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }

@@ -3,7 +3,7 @@
 
 /// One satisfiable range, resolved against the representation's length.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ByteRange {
+pub(crate) struct ByteRange {
     pub start: u64,
     /// Inclusive, as in `Content-Range`.
     pub end: u64,
@@ -12,14 +12,14 @@ pub struct ByteRange {
 impl ByteRange {
     /// Never zero: a satisfiable range holds at least one byte.
     #[allow(clippy::len_without_is_empty)]
-    pub fn len(&self) -> u64 {
+    pub(crate) fn len(&self) -> u64 {
         self.end - self.start + 1
     }
 }
 
 /// What a `Range` header asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RangeRequest {
+pub(crate) enum RangeRequest {
     /// Not a `bytes` range, malformed, or too many parts: serve the whole file, as the
     /// RFC lets a server do with a Range header it does not understand.
     Ignore,
@@ -31,10 +31,10 @@ pub enum RangeRequest {
 
 /// More parts than this and the header is ignored: a request for thousands of tiny
 /// ranges is an amplification attempt, not a download.
-pub const MAX_RANGES: usize = 64;
+pub(super) const MAX_RANGES: usize = 64;
 
 /// Parses `header` against a representation of `len` bytes.
-pub fn parse(header: &[u8], len: u64) -> RangeRequest {
+pub(super) fn parse(header: &[u8], len: u64) -> RangeRequest {
     let Ok(text) = std::str::from_utf8(header) else {
         return RangeRequest::Ignore;
     };

@@ -16,27 +16,27 @@ use quinn_proto::RttEstimator;
 
 /// Raised once a connection's traffic is known to be bulk.
 #[derive(Debug, Clone, Default)]
-pub struct BulkSignal(Arc<AtomicBool>);
+pub(crate) struct BulkSignal(Arc<AtomicBool>);
 
 impl BulkSignal {
     /// Raises the signal; `true` only for the call that raised it.
-    pub fn raise(&self) -> bool {
+    pub(crate) fn raise(&self) -> bool {
         !self.0.swap(true, Ordering::AcqRel)
     }
 
-    pub fn is_raised(&self) -> bool {
+    pub(crate) fn is_raised(&self) -> bool {
         self.0.load(Ordering::Acquire)
     }
 }
 
 /// Builds the switching controller for one connection.
 #[derive(Debug)]
-pub struct SwitchingFactory {
+pub(crate) struct SwitchingFactory {
     signal: BulkSignal,
 }
 
 impl SwitchingFactory {
-    pub fn new(signal: BulkSignal) -> Self {
+    pub(crate) fn new(signal: BulkSignal) -> Self {
         Self { signal }
     }
 }

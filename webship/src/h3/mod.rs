@@ -7,10 +7,10 @@
 //! once a response proves bulk ([`congestion`]).
 //!
 //! Memory per connection is bounded by `h3_send_window_bytes` (quinn buffers no more
-//! unsent stream data than that; `send_data` waits) plus one [`FILE_CHUNK`] per
+//! unsent stream data than that; `send_data` waits) plus two [`STREAM_CHUNK`]s per
 //! active stream.
 
-pub mod congestion;
+pub(crate) mod congestion;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -20,14 +20,13 @@ use bytes::Bytes;
 use quinn::crypto::rustls::QuicServerConfig;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::config::{Config, H3Settings, Limits, Policy};
-use crate::server::Shutdown;
-use crate::service::{Body, RequestHead, Segment, Service};
+use crate::config::{H3Settings, Limits};
+use crate::exchange::{send_body, BodyWriter, ConnContext, Drivers, Progress, ResponseBody, SendError};
+use crate::files::cursor::STREAM_CHUNK;
+use crate::message::{BoxError, Response};
 use crate::webtransport::h3::WtConn;
 use congestion::{BulkSignal, SwitchingFactory};
 
-/// File bytes per DATA frame production step.
-pub const FILE_CHUNK: usize = 128 * 1024;
 /// Kernel socket buffers for the UDP socket; bulk QUIC needs far more than the
 /// defaults to absorb bursts (best effort: capped by net.core.{r,w}mem_max).
 const UDP_BUFFER_BYTES: usize = 8 * 1024 * 1024;
@@ -48,51 +47,16 @@ pub enum H3Error {
     Crypto(String),
 }
 
-/// Everything an HTTP/3 connection needs from the server.
-#[derive(Debug, Clone)]
-pub struct H3Context {
-    pub service: Arc<Service>,
-    pub limits: Limits,
-    pub settings: H3Settings,
-    /// Whether responses may switch their connection to BBR (`[kernel] bbr != "off"`).
-    pub bbr: bool,
-    pub access_log: bool,
-    pub shutdown: Shutdown,
-    /// Sessions one connection may hold when some site has a WebTransport
-    /// endpoint; 0 when none does (then nothing WebTransport is offered).
-    pub webtransport_sessions: usize,
-}
-
-impl H3Context {
-    pub fn new(config: &Config, service: Arc<Service>, shutdown: Shutdown) -> Self {
-        Self {
-            service,
-            limits: config.limits,
-            settings: config.h3,
-            bbr: config.kernel.bbr != Policy::Off,
-            access_log: config.access_log,
-            shutdown,
-            webtransport_sessions: config
-                .sites
-                .iter()
-                .filter_map(|s| s.webtransport.as_ref().filter(|_| s.protocols.h3))
-                .map(|w| w.max_sessions)
-                .max()
-                .unwrap_or(0),
-        }
-    }
-}
-
 /// The bound HTTP/3 endpoint.
 #[derive(Debug)]
-pub struct H3Endpoint {
+pub(crate) struct H3Endpoint {
     endpoint: quinn::Endpoint,
     base: quinn::ServerConfig,
 }
 
 impl H3Endpoint {
     /// Binds UDP `addr` for the sites that serve HTTP/3.
-    pub fn bind(
+    pub(crate) fn bind(
         addr: SocketAddr,
         tls: Arc<rustls::ServerConfig>,
         settings: &H3Settings,
@@ -117,15 +81,11 @@ impl H3Endpoint {
         Ok(Self { endpoint, base })
     }
 
-    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
-        self.endpoint.local_addr()
-    }
-
     /// Accepts connections until shutdown, each holding one of `permits` (shared with
     /// TCP) for its whole life. Under load (more than half the permits taken), or
     /// always with `h3_retry`, new clients must prove their address first (Retry).
-    pub async fn serve(self, ctx: H3Context, permits: Arc<Semaphore>, max_connections: usize) {
-        let mut shutdown = ctx.shutdown.clone();
+    pub(crate) async fn serve(self, drivers: Arc<Drivers>, permits: Arc<Semaphore>, max_connections: usize) {
+        let mut shutdown = drivers.shutdown.clone();
         loop {
             let incoming = tokio::select! {
                 incoming = self.endpoint.accept() => match incoming {
@@ -135,7 +95,7 @@ impl H3Endpoint {
                 () = shutdown.requested() => break,
             };
             let busy = permits.available_permits() < max_connections / 2;
-            if (ctx.settings.always_retry || busy)
+            if (drivers.h3.always_retry || busy)
                 && !incoming.remote_address_validated()
                 && incoming.may_retry()
             {
@@ -153,17 +113,17 @@ impl H3Endpoint {
             // One controller factory per connection carries that connection's signal.
             let signal = BulkSignal::default();
             let mut config = self.base.clone();
-            let webtransport = ctx.webtransport_sessions > 0;
+            let webtransport = drivers.webtransport_sessions > 0;
             config.transport_config(Arc::new(transport(
-                &ctx.settings,
-                &ctx.limits,
+                &drivers.h3,
+                &drivers.limits,
                 webtransport,
                 signal.clone(),
             )));
             let peer = incoming.remote_address();
             match incoming.accept_with(Arc::new(config)) {
                 Ok(connecting) => {
-                    tokio::spawn(connection(connecting, ctx.clone(), signal, peer, permit));
+                    tokio::spawn(connection(connecting, drivers.clone(), signal, peer, permit));
                 }
                 Err(e) => tracing::debug!(%peer, error = %e, "h3: accept failed"),
             }
@@ -225,12 +185,12 @@ fn transport(
 
 async fn connection(
     connecting: quinn::Connecting,
-    ctx: H3Context,
+    drivers: Arc<Drivers>,
     signal: BulkSignal,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
 ) {
-    let conn = match tokio::time::timeout(ctx.limits.handshake_timeout, connecting).await {
+    let conn = match tokio::time::timeout(drivers.limits.handshake_timeout, connecting).await {
         Ok(Ok(conn)) => conn,
         Ok(Err(e)) => return tracing::debug!(%peer, error = %e, "h3: handshake failed"),
         Err(_) => return tracing::debug!(%peer, "h3: handshake timed out"),
@@ -239,11 +199,7 @@ async fn connection(
         .handshake_data()
         .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
         .and_then(|d| d.server_name);
-    let sites = ctx.service.sites();
-    let tls_site = sni
-        .as_deref()
-        .and_then(|name| sites.lookup(name))
-        .unwrap_or_else(|| ctx.service.default_site());
+    let ctx = drivers.connection(peer, drivers.service.sites().site_for(sni.as_deref()));
     let quic = conn.clone();
     let mut builder = h3::server::builder();
     builder.max_field_section_size(ctx.limits.max_header_bytes as u64);
@@ -304,7 +260,7 @@ async fn connection(
                 let permit = permit.clone();
                 let wt = wt.clone();
                 tokio::spawn(async move {
-                    request(resolver, &ctx, &signal, peer, tls_site, wt).await;
+                    request(resolver, &ctx, &signal, wt).await;
                     drop(permit);
                 });
             }
@@ -340,13 +296,6 @@ async fn drain_request(mut recv: RecvHalf) {
 const DRAIN_TIME: Duration = Duration::from_secs(2);
 const DRAIN_BYTES: usize = 64 * 1024;
 
-/// Switches the connection to BBR once a response (file or relayed) proves bulk.
-fn bulk(ctx: &H3Context, signal: &BulkSignal, peer: SocketAddr, sent: u64) {
-    if ctx.bbr && sent >= ctx.settings.bbr_switch_bytes && signal.raise() {
-        tracing::info!(%peer, sent, "h3: bulk response, connection switches to BBR");
-    }
-}
-
 type SendHalf = h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
 type RecvHalf = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
 
@@ -373,7 +322,7 @@ impl Drop for H3Body {
 
 impl http_body::Body for H3Body {
     type Data = Bytes;
-    type Error = crate::service::BoxError;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
@@ -415,14 +364,8 @@ impl http_body::Body for H3Body {
     }
 }
 
-async fn request(
-    mut resolver: Resolver,
-    ctx: &H3Context,
-    signal: &BulkSignal,
-    peer: SocketAddr,
-    tls_site: usize,
-    wt: Option<Arc<WtConn>>,
-) {
+async fn request(mut resolver: Resolver, ctx: &ConnContext, signal: &BulkSignal, wt: Option<Arc<WtConn>>) {
+    let peer = ctx.peer();
     let first = std::future::poll_fn(|cx| resolver.frame_stream.poll_next(cx)).await;
     if let (Some(wt), Ok(Some(h3::proto::frame::Frame::WebTransportStream(session)))) = (&wt, &first) {
         wt.route_bidi(*session, resolver.frame_stream.into_inner());
@@ -432,54 +375,16 @@ async fn request(
         Ok(resolved) => resolved.resolve().await,
         Err(e) => Err(e),
     };
-    let (req, mut stream) = match resolved {
+    let (req, stream) = match resolved {
         Ok(r) => r,
         Err(e) => return tracing::debug!(%peer, error = %e, "h3: bad request"),
     };
     let (parts, ()) = req.into_parts();
-    let head = RequestHead {
-        method: &parts.method,
-        uri: &parts.uri,
-        version: http::Version::HTTP_3,
-        headers: &parts.headers,
-        tls_site,
-        peer,
-        body_forwardable: true,
-    };
+    let head = ctx.head(&parts.method, &parts.uri, http::Version::HTTP_3, &parts.headers);
     let webtransport = parts.method == http::Method::CONNECT
         && parts.extensions.get::<h3::ext::Protocol>() == Some(&h3::ext::Protocol::WEB_TRANSPORT);
     if let (true, Some(wt)) = (webtransport, wt) {
-        let admitted = match ctx.service.webtransport(&head) {
-            Some(endpoint) => endpoint.admit(&parts.uri, &parts.headers),
-            None => Err(crate::webtransport::Refusal {
-                status: http::StatusCode::NOT_FOUND,
-                reason: "no WebTransport endpoint here",
-            }),
-        };
-        if ctx.access_log {
-            let status = admitted.as_ref().map_or_else(|r| r.status.as_u16(), |_| 200);
-            tracing::info!(target: "access", %peer, proto = "h3", method = "CONNECT",
-                protocol = "webtransport", uri = %parts.uri, status);
-        }
-        match admitted {
-            Ok(admission) => {
-                let on_bulk = || {
-                    if ctx.bbr && signal.raise() {
-                        tracing::info!(%peer, "h3: WebTransport session, connection switches to BBR");
-                    }
-                };
-                crate::webtransport::h3::run(wt, admission, stream, on_bulk, ctx.shutdown.clone()).await;
-            }
-            Err(refusal) => {
-                let mut resp = http::Response::new(());
-                *resp.status_mut() = refusal.status;
-                tracing::debug!(%peer, reason = refusal.reason, "h3: WebTransport session refused");
-                if stream.send_response(resp).await.is_ok() {
-                    let _ = stream.finish().await;
-                }
-            }
-        }
-        return;
+        return webtransport_connect(ctx, &head, stream, wt, signal).await;
     }
     let (mut stream, recv) = stream.split();
     let (park, mut parked) = tokio::sync::oneshot::channel();
@@ -489,12 +394,8 @@ async fn request(
         data_done: false,
         done: false,
     });
-    let resp = ctx.service.handle(&head, body).await;
-    if ctx.access_log {
-        tracing::info!(target: "access", %peer, proto = "h3", method = %parts.method,
-            uri = %parts.uri, status = resp.status.as_u16(), bytes = resp.body.len());
-    }
-    let result = respond(&mut stream, resp, ctx, signal, peer).await;
+    let resp = ctx.handle(&head, body).await;
+    let result = respond(&mut stream, resp, ctx, signal).await;
     // The response is complete. A request whose end has not arrived yet (its FIN can
     // trail a fast response) gets a moment to finish before the receive half goes:
     // closing it early would send STOP_SENDING, which clients report as an error.
@@ -507,73 +408,90 @@ async fn request(
     }
 }
 
+/// A WebTransport extended CONNECT: admitted, the session runs on this stream.
+async fn webtransport_connect(
+    ctx: &ConnContext,
+    head: &crate::message::RequestHead<'_>,
+    mut stream: crate::webtransport::h3::ConnectStream,
+    wt: Arc<WtConn>,
+    signal: &BulkSignal,
+) {
+    let admitted = ctx.admit_webtransport(head);
+    let admission = match admitted {
+        Ok(admission) => admission,
+        Err(_) => {
+            let Response { status, headers, .. } = ctx.webtransport_response(&admitted);
+            let mut resp = http::Response::new(());
+            *resp.status_mut() = status;
+            *resp.headers_mut() = headers;
+            if stream.send_response(resp).await.is_ok() {
+                let _ = stream.finish().await;
+            }
+            return;
+        }
+    };
+    let on_bulk = || {
+        if ctx.bbr && signal.raise() {
+            tracing::info!(peer = %ctx.peer(), "h3: WebTransport session, connection switches to BBR");
+        }
+    };
+    crate::webtransport::h3::run(wt, admission, stream, on_bulk, ctx.shutdown.clone()).await;
+}
+
 async fn respond(
     stream: &mut SendHalf,
-    resp: crate::service::Response,
-    ctx: &H3Context,
+    resp: Response,
+    ctx: &ConnContext,
     signal: &BulkSignal,
-    peer: SocketAddr,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<(), SendError> {
+    let Response {
+        status,
+        headers,
+        body,
+    } = resp;
     let mut head = http::Response::new(());
-    *head.status_mut() = resp.status;
-    *head.headers_mut() = resp.headers;
-    head.headers_mut().insert(
-        http::header::SERVER,
-        http::HeaderValue::from_static(crate::http::SERVER),
-    );
-    stream.send_response(head).await?;
-    match resp.body {
-        Body::Empty => {}
-        Body::Bytes(bytes) => stream.send_data(bytes).await?,
-        Body::Stream(mut body) => {
-            use http_body_util::BodyExt;
-            let mut sent = 0u64;
-            while let Some(frame) = body.frame().await {
-                let frame = match frame {
-                    Ok(frame) => frame,
-                    Err(e) => {
-                        // The upstream failed mid-body: reset, never a short success.
-                        stream.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
-                        return Err(e);
-                    }
-                };
-                match frame.into_data() {
-                    Ok(data) => {
-                        sent += data.len() as u64;
-                        stream.send_data(data).await?;
-                        bulk(ctx, signal, peer, sent);
-                    }
-                    Err(frame) => {
-                        if let Ok(trailers) = frame.into_trailers() {
-                            stream.send_trailers(trailers).await?;
-                            return Ok(());
-                        }
-                    }
-                }
-            }
-        }
-        Body::File(body) => {
-            let mut sent = 0u64;
-            for segment in body.segments {
-                match segment {
-                    Segment::Bytes(bytes) => stream.send_data(bytes).await?,
-                    Segment::File { offset, len } => {
-                        let end = offset + len;
-                        let mut at = offset;
-                        while at < end {
-                            let n = FILE_CHUNK.min(usize::try_from(end - at).unwrap_or(FILE_CHUNK));
-                            // h3 takes ownership of each chunk, so each gets its own buffer.
-                            let buf = crate::files::read_chunk(body.file.clone(), Vec::new(), at, n).await?;
-                            stream.send_data(Bytes::from(buf)).await?;
-                            at += n as u64;
-                            sent += n as u64;
-                            bulk(ctx, signal, peer, sent);
-                        }
-                    }
-                }
-            }
-        }
+    *head.status_mut() = status;
+    *head.headers_mut() = headers;
+    stream.send_response(head).await.map_err(SendError::peer)?;
+    send_body(
+        ResponseBody::new(body, STREAM_CHUNK),
+        &mut Writer { stream, ctx, signal },
+    )
+    .await
+}
+
+/// One response stream, as the shared send loop writes it.
+struct Writer<'a> {
+    stream: &'a mut SendHalf,
+    ctx: &'a ConnContext,
+    signal: &'a BulkSignal,
+}
+
+impl BodyWriter for Writer<'_> {
+    async fn data(&mut self, data: Bytes) -> Result<(), SendError> {
+        self.stream.send_data(data).await.map_err(SendError::peer)
     }
-    stream.finish().await?;
-    Ok(())
+
+    async fn trailers(&mut self, trailers: http::HeaderMap) -> Result<(), SendError> {
+        self.stream.send_trailers(trailers).await.map_err(SendError::peer)
+    }
+
+    async fn finish(&mut self) -> Result<(), SendError> {
+        self.stream.finish().await.map_err(SendError::peer)
+    }
+
+    /// A dropped send half would finish the stream and make a short body look
+    /// complete: reset it instead.
+    fn abort(&mut self) {
+        self.stream.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
+    }
+
+    /// Switches the connection to BBR once a response (file or relayed) proves bulk.
+    async fn progress(&mut self, progress: Progress) -> Result<(), SendError> {
+        let sent = progress.sent;
+        if self.ctx.bbr && sent >= self.ctx.h3.bbr_switch_bytes && self.signal.raise() {
+            tracing::info!(peer = %self.ctx.peer(), sent, "h3: bulk response, connection switches to BBR");
+        }
+        Ok(())
+    }
 }

@@ -23,7 +23,7 @@ use std::task::{ready, Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 #[derive(Debug)]
-pub struct WriteBatch<S> {
+pub(crate) struct WriteBatch<S> {
     inner: S,
     buf: Vec<u8>,
     /// Bytes of `buf` already handed to `inner`.
@@ -34,7 +34,7 @@ pub struct WriteBatch<S> {
 }
 
 impl<S> WriteBatch<S> {
-    pub fn new(inner: S, capacity: usize) -> Self {
+    pub(crate) fn new(inner: S, capacity: usize) -> Self {
         Self {
             inner,
             buf: Vec::with_capacity(capacity),

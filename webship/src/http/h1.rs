@@ -2,35 +2,34 @@
 //!
 //! Requests are parsed with httparse from one bounded read buffer; bytes after a
 //! request head stay there for the next request, so pipelined requests are answered
-//! in order. A file response goes out inside one `TCP_CORK` interval (head and first
-//! body bytes share segments) and its body is read in large chunks into one reused
-//! per-connection buffer, then written through rustls: one copy from the page cache,
-//! one encryption pass, one copy into the kernel.
+//! in order. Responses go out through the shared send loop
+//! ([`send_body`]); what is HTTP/1.1's own is here: the head written with the first
+//! body bytes, chunked framing for relayed bodies of unknown length, a file response
+//! inside one `TCP_CORK` interval, and, after [`BULK_PROMOTION`] bytes of a file, the
+//! move to kernel TLS and `sendfile` for the rest.
 //!
-//! Memory per connection is bounded by `limits.max_header_bytes` (read side) plus
-//! [`CHUNK`] (body buffer, allocated on the first file response) plus rustls' own
-//! buffers; a slow reader only makes the writes wait, and `send_timeout` ends a client
-//! that stops reading altogether.
+//! Memory per connection is bounded by `limits.max_header_bytes` (read side) plus one
+//! [`H1_CHUNK`] file buffer while a file response is sent, plus rustls' own buffers;
+//! a slow reader only makes the writes wait, and `send_timeout` ends a client that
+//! stops reading altogether.
 
 use std::io;
-use std::time::Duration;
-
-use bytes::{Buf, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Method, StatusCode, Uri, Version};
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode, Uri, Version};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
-use super::{ConnContext, SERVER};
+use crate::exchange::{send_body, BodyWriter, ConnContext, Progress, ResponseBody, SendError};
+use crate::files::cursor::{FileRange, H1_CHUNK};
 use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
-use crate::service::{Body, FileBody, RequestHead, Response, Segment};
+use crate::message::Response;
 use crate::sys;
 
-/// Body chunk read from the file per write (also the per-connection buffer size).
-pub const CHUNK: usize = 256 * 1024;
 /// Most headers one request may carry.
 const MAX_HEADERS: usize = 100;
 /// A request body up to this size (on GET/HEAD) is read and dropped to keep the
@@ -38,11 +37,11 @@ const MAX_HEADERS: usize = 100;
 const MAX_DISCARD: u64 = 64 * 1024;
 
 #[derive(Debug, thiserror::Error)]
-pub enum H1Error {
+pub(crate) enum H1Error {
     #[error("i/o: {0}")]
     Io(#[from] io::Error),
-    #[error("client stopped reading for longer than the send timeout")]
-    SendTimeout,
+    #[error(transparent)]
+    Send(SendError),
 }
 
 /// The connection's TLS: rustls first, the kernel after a promotion.
@@ -106,12 +105,11 @@ impl AsyncWrite for Stream {
 
 /// Serves one connection until the client closes it, a timeout fires, an error
 /// happens, or shutdown is requested (between responses).
-pub async fn serve(stream: RustlsStream, ctx: ConnContext) -> Result<(), H1Error> {
+pub(crate) async fn serve(stream: RustlsStream, ctx: ConnContext) -> Result<(), H1Error> {
     let mut stream = Stream::Rustls(Box::new(stream));
     let mut conn = Conn {
         read: BytesMut::with_capacity(8 * 1024),
         head: Vec::with_capacity(1024),
-        body: Vec::new(),
         ctx,
     };
     let result = conn.run(&mut stream).await;
@@ -125,8 +123,6 @@ struct Conn {
     read: BytesMut,
     /// Response head serialization, reused.
     head: Vec<u8>,
-    /// File chunk buffer, reused; `CHUNK` bytes once a file was sent.
-    body: Vec<u8>,
     ctx: ConnContext,
 }
 
@@ -171,9 +167,8 @@ impl Conn {
                 Next::Request(req) => req,
                 Next::Close => return Ok(()),
                 Next::Reject(status) => {
-                    let resp = Response::status(status);
-                    self.respond(stream, &Method::GET, Version::HTTP_11, resp, false)
-                        .await?;
+                    let resp = self.ctx.refuse(status);
+                    self.respond(stream, &Method::GET, resp, false).await?;
                     return Ok(());
                 }
             };
@@ -187,31 +182,17 @@ impl Conn {
                 }
                 RequestBody::Unframed => keep_alive = false,
             }
-            let head = RequestHead {
-                method: &req.method,
-                uri: &req.uri,
-                version: req.version,
-                headers: &req.headers,
-                tls_site: self.ctx.tls_site,
-                peer: self.ctx.peer,
-                // This driver drains request bodies; proxy sites get hyper's (serve_h1).
-                body_forwardable: false,
-            };
-            let resp = self.ctx.service.handle(&head, crate::service::empty_body()).await;
-            if self.ctx.access_log {
-                tracing::info!(target: "access", peer = %self.ctx.peer, proto = "h1",
-                    method = %req.method, uri = %req.uri, status = resp.status.as_u16(),
-                    bytes = resp.body.len());
-            }
+            let mut head = self.ctx.head(&req.method, &req.uri, req.version, &req.headers);
+            // This driver drains request bodies; proxy sites get hyper's (`http::hyper`).
+            head.body_forwardable = false;
+            let resp = self.ctx.handle(&head, crate::message::empty_body()).await;
             keep_alive &= !self.ctx.shutdown.is_requested();
-            self.respond(stream, &req.method, req.version, resp, keep_alive)
-                .await?;
+            self.respond(stream, &req.method, resp, keep_alive).await?;
             if !keep_alive {
                 return Ok(());
             }
         }
     }
-
     /// Reads until one request head is complete. The first byte may take up to the
     /// idle timeout; the rest of the head must arrive within the header timeout.
     async fn read_request(&mut self, stream: &mut Stream) -> Result<Next, H1Error> {
@@ -295,189 +276,191 @@ impl Conn {
         &mut self,
         stream: &mut Stream,
         method: &Method,
-        version: Version,
-        mut resp: Response,
+        resp: Response,
         keep_alive: bool,
     ) -> Result<(), H1Error> {
+        let Response {
+            status,
+            mut headers,
+            body,
+        } = resp;
         let bodiless = *method == Method::HEAD
-            || resp.status.is_informational()
-            || resp.status == StatusCode::NO_CONTENT
-            || resp.status == StatusCode::NOT_MODIFIED;
-        let chunked = matches!(resp.body, Body::Stream(_))
-            && !bodiless
-            && !resp.headers.contains_key(header::CONTENT_LENGTH);
+            || status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED;
+        let body = if bodiless {
+            ResponseBody::empty()
+        } else {
+            ResponseBody::new(body, H1_CHUNK)
+        };
+        let chunked = body.is_relay() && !headers.contains_key(header::CONTENT_LENGTH);
         if chunked {
-            resp.headers
-                .insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
+            headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
         }
         self.head.clear();
-        write_head(&mut self.head, version, &resp, keep_alive);
-        let send_timeout = self.ctx.limits.send_timeout;
-        match resp.body {
-            Body::File(body) if *method != Method::HEAD && body.len > 0 => {
-                // Head and body in one corked interval.
-                let corked = stream.tcp().is_some_and(|tcp| sys::set_cork(tcp, true).is_ok());
-                let result = self.send_file(stream, body, send_timeout).await;
-                if corked {
-                    if let Some(tcp) = stream.tcp() {
-                        let _ = sys::set_cork(tcp, false);
-                    }
-                }
-                result?;
+        write_head(&mut self.head, status, &headers, keep_alive);
+        // Head and a file body in one corked interval: the head shares its first
+        // segments with the body instead of leaving alone.
+        let corked = body.has_file_left() && stream.tcp().is_some_and(|tcp| sys::set_cork(tcp, true).is_ok());
+        let mut writer = Writer {
+            stream,
+            head: &mut self.head,
+            head_sent: false,
+            chunked,
+            send_timeout: self.ctx.limits.send_timeout,
+            promotion: self.ctx.ktls.clone().map(|support| (support, &mut self.read)),
+            peer: self.ctx.client.peer,
+        };
+        let sent = send_body(body, &mut writer).await;
+        if corked {
+            if let Some(tcp) = writer.stream.tcp() {
+                let _ = sys::set_cork(tcp, false);
             }
-            Body::Bytes(bytes) if *method != Method::HEAD => {
-                self.head.extend_from_slice(&bytes);
-                timed(send_timeout, stream.write_all(&self.head)).await?;
-            }
-            Body::Stream(body) if !bodiless => {
-                timed(send_timeout, stream.write_all(&self.head)).await?;
-                send_stream(stream, body, chunked, send_timeout).await?;
-            }
-            _ => timed(send_timeout, stream.write_all(&self.head)).await?,
         }
-        timed(send_timeout, stream.flush()).await?;
-        Ok(())
+        sent.map_err(H1Error::Send)
+    }
+}
+
+/// One response on the connection, as the shared send loop writes it: the head goes
+/// out with the first body bytes, relayed bodies without a length are chunked, and a
+/// file response may move the connection to kernel TLS halfway.
+struct Writer<'a> {
+    stream: &'a mut Stream,
+    /// The serialized head, written with the first body bytes (or at the end).
+    head: &'a mut Vec<u8>,
+    head_sent: bool,
+    chunked: bool,
+    send_timeout: Duration,
+    /// Kernel TLS support and the connection's read buffer (for the plaintext rustls
+    /// already decrypted), until a promotion was tried.
+    promotion: Option<(std::sync::Arc<ktls::Support>, &'a mut BytesMut)>,
+    peer: std::net::SocketAddr,
+}
+
+/// A body chunk up to this size travels in the head's write (one record, one
+/// syscall for a small response).
+const COALESCE: usize = 16 * 1024;
+
+impl Writer<'_> {
+    async fn write(&mut self, data: &[u8]) -> Result<(), SendError> {
+        if !self.head_sent {
+            self.head_sent = true;
+            if data.len() <= COALESCE {
+                self.head.extend_from_slice(data);
+                return timed(self.send_timeout, self.stream.write_all(self.head)).await;
+            }
+            timed(self.send_timeout, self.stream.write_all(self.head)).await?;
+        }
+        timed(self.send_timeout, self.stream.write_all(data)).await
     }
 
-    /// The bulk path: file chunks through rustls, and, once [`BULK_PROMOTION`] bytes
-    /// of body have gone that way and kernel TLS covers the suite, the rest of the
-    /// file ranges by `sendfile` on the promoted socket.
-    async fn send_file(
-        &mut self,
-        stream: &mut Stream,
-        body: FileBody,
-        send_timeout: Duration,
-    ) -> Result<(), H1Error> {
-        timed(send_timeout, stream.write_all(&self.head)).await?;
-        if self.body.capacity() < CHUNK {
-            self.body = Vec::with_capacity(CHUNK);
-        }
-        let mut through_rustls = 0u64;
-        let mut tried = false;
-        for segment in &body.segments {
-            match segment {
-                Segment::Bytes(bytes) => timed(send_timeout, stream.write_all(bytes)).await?,
-                Segment::File { offset, len } => {
-                    let (mut offset, end) = (*offset, offset + len);
-                    while offset < end {
-                        if let Stream::Kernel(kernel) = stream {
-                            kernel
-                                .sendfile(&body.file, offset, end - offset, send_timeout)
-                                .await?;
-                            break;
-                        }
-                        let n = CHUNK.min((end - offset) as usize);
-                        let buf = std::mem::take(&mut self.body);
-                        let buf = crate::files::read_chunk(body.file.clone(), buf, offset, n).await?;
-                        self.body = buf;
-                        timed(send_timeout, stream.write_all(&self.body)).await?;
-                        offset += n as u64;
-                        through_rustls += n as u64;
-                        if !tried && through_rustls >= BULK_PROMOTION && offset < end {
-                            if let Some(support) = self.ctx.ktls.clone() {
-                                tried = true;
-                                self.promote(stream, &support, send_timeout).await?;
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Tries to move `stream` to kernel TLS. Staying in rustls is fine; only a kernel
-    /// that refuses keys it accepted at preflight loses the connection.
-    async fn promote(
-        &mut self,
-        stream: &mut Stream,
-        support: &ktls::Support,
-        send_timeout: Duration,
-    ) -> Result<(), H1Error> {
-        timed(send_timeout, stream.flush()).await?;
-        let Stream::Rustls(tls) = std::mem::replace(stream, Stream::Promoting) else {
+    /// Tries to move the stream to kernel TLS. Staying in rustls is fine; only a
+    /// kernel that refuses keys it accepted at preflight loses the connection.
+    async fn promote(&mut self) -> Result<(), SendError> {
+        let Some((support, read)) = self.promotion.take() else {
             return Ok(());
         };
-        match ktls::promote(*tls, support) {
+        timed(self.send_timeout, self.stream.flush()).await?;
+        let Stream::Rustls(tls) = std::mem::replace(self.stream, Stream::Promoting) else {
+            return Ok(());
+        };
+        match ktls::promote(*tls, &support) {
             Promotion::Kernel(kernel, leftover) => {
-                tracing::debug!(peer = %self.ctx.peer, "h1: promoted to kernel TLS");
+                tracing::debug!(peer = %self.peer, "h1: promoted to kernel TLS");
                 // Plaintext rustls had decrypted but the parser had not consumed: a
                 // pipelined request, which comes before anything still in the socket.
-                self.read.extend_from_slice(&leftover);
-                *stream = Stream::Kernel(kernel);
+                read.extend_from_slice(&leftover);
+                *self.stream = Stream::Kernel(kernel);
                 Ok(())
             }
             Promotion::Stayed(tls, reason) => {
-                tracing::debug!(peer = %self.ctx.peer, %reason, "h1: stays in rustls");
-                *stream = Stream::Rustls(tls);
+                tracing::debug!(peer = %self.peer, %reason, "h1: stays in rustls");
+                *self.stream = Stream::Rustls(tls);
                 Ok(())
             }
             Promotion::Lost(reason) => {
-                tracing::warn!(peer = %self.ctx.peer, %reason, "h1: kernel TLS refused the keys; connection closed");
-                Err(H1Error::Io(io::Error::other(reason)))
+                tracing::warn!(peer = %self.peer, %reason, "h1: kernel TLS refused the keys; connection closed");
+                Err(SendError::peer(reason))
             }
         }
     }
 }
 
-/// Relays a streamed body: as is when `content-length` frames it, else chunked with
-/// trailers. An error mid-body returns before the terminating chunk, so the client
-/// sees a truncated message, never a short success.
-async fn send_stream(
-    stream: &mut Stream,
-    mut body: crate::service::StreamBody,
-    chunked: bool,
-    send_timeout: Duration,
-) -> Result<(), H1Error> {
-    use http_body_util::BodyExt;
-    let mut framing = Vec::with_capacity(256);
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| H1Error::Io(io::Error::other(e)))?;
-        match frame.into_data() {
-            Ok(data) if chunked => {
-                if data.is_empty() {
-                    continue;
-                }
-                framing.clear();
-                framing.extend_from_slice(format!("{:x}\r\n", data.len()).as_bytes());
-                timed(send_timeout, stream.write_all(&framing)).await?;
-                timed(send_timeout, stream.write_all(&data)).await?;
-                timed(send_timeout, stream.write_all(b"\r\n")).await?;
-            }
-            Ok(data) => timed(send_timeout, stream.write_all(&data)).await?,
-            Err(frame) => {
-                if let (Ok(trailers), true) = (frame.into_trailers(), chunked) {
-                    framing.clear();
-                    framing.extend_from_slice(b"0\r\n");
-                    for (name, value) in &trailers {
-                        framing.extend_from_slice(name.as_str().as_bytes());
-                        framing.extend_from_slice(b": ");
-                        framing.extend_from_slice(value.as_bytes());
-                        framing.extend_from_slice(b"\r\n");
-                    }
-                    framing.extend_from_slice(b"\r\n");
-                    timed(send_timeout, stream.write_all(&framing)).await?;
-                    return Ok(());
-                }
-            }
+impl BodyWriter for Writer<'_> {
+    async fn data(&mut self, data: Bytes) -> Result<(), SendError> {
+        if self.chunked {
+            let size = format!("{:x}\r\n", data.len());
+            self.write(size.as_bytes()).await?;
+            self.write(&data).await?;
+            return self.write(b"\r\n").await;
         }
+        self.write(&data).await
     }
-    if chunked {
-        timed(send_timeout, stream.write_all(b"0\r\n\r\n")).await?;
+
+    async fn trailers(&mut self, trailers: HeaderMap) -> Result<(), SendError> {
+        if !self.chunked {
+            // A sized body has nowhere to carry trailers (RFC 9112 §7.1.2).
+            return Ok(());
+        }
+        self.chunked = false;
+        let mut last = b"0\r\n".to_vec();
+        write_fields(&mut last, &trailers);
+        last.extend_from_slice(b"\r\n");
+        self.write(&last).await
     }
-    Ok(())
+
+    async fn finish(&mut self) -> Result<(), SendError> {
+        if self.chunked {
+            self.chunked = false;
+            self.write(b"0\r\n\r\n").await?;
+        }
+        if !self.head_sent {
+            self.head_sent = true;
+            timed(self.send_timeout, self.stream.write_all(self.head)).await?;
+        }
+        timed(self.send_timeout, self.stream.flush()).await
+    }
+
+    /// Returning the error is enough: the connection closes without finishing the
+    /// message (no last chunk, or fewer bytes than its length), which the client sees.
+    fn abort(&mut self) {}
+
+    async fn progress(&mut self, progress: Progress) -> Result<(), SendError> {
+        if self.promotion.is_some() && progress.sent >= BULK_PROMOTION && progress.file_left {
+            self.promote().await?;
+        }
+        Ok(())
+    }
+
+    fn sends_files(&self) -> bool {
+        matches!(self.stream, Stream::Kernel(_))
+    }
+
+    async fn file(&mut self, range: FileRange) -> Result<(), SendError> {
+        let Stream::Kernel(kernel) = &mut *self.stream else {
+            return Err(SendError::peer("sendfile needs kernel TLS"));
+        };
+        kernel
+            .sendfile(&range.file, range.offset, range.len, self.send_timeout)
+            .await
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::TimedOut => SendError::Timeout,
+                io::ErrorKind::UnexpectedEof => SendError::Body(e.into()),
+                _ => SendError::peer(e),
+            })
+    }
 }
 
 /// Bytes of body after which an HTTP/1.1 file response may move to kernel TLS.
-pub const BULK_PROMOTION: u64 = 1024 * 1024;
+pub(crate) const BULK_PROMOTION: u64 = 1024 * 1024;
 
 async fn timed<F: std::future::Future<Output = io::Result<()>>>(
     limit: Duration,
     f: F,
-) -> Result<(), H1Error> {
+) -> Result<(), SendError> {
     match tokio::time::timeout(limit, f).await {
-        Ok(r) => r.map_err(H1Error::Io),
-        Err(_) => Err(H1Error::SendTimeout),
+        Ok(r) => r.map_err(SendError::peer),
+        Err(_) => Err(SendError::Timeout),
     }
 }
 
@@ -562,27 +545,31 @@ fn build(req: &httparse::Request<'_, '_>) -> Next {
     })
 }
 
-fn write_head(out: &mut Vec<u8>, version: Version, resp: &Response, keep_alive: bool) {
-    let _ = version; // always answer as HTTP/1.1 (RFC 9110 §6.2)
+/// The status line and fields (`Server` is among them: the seam stamps it), and
+/// `date` as HTTP/1.1 requires of an origin with a clock (RFC 9110 §6.6.1).
+fn write_head(out: &mut Vec<u8>, status: StatusCode, headers: &HeaderMap, keep_alive: bool) {
+    // Always answered as HTTP/1.1, whatever the request's minor version (RFC 9110 §6.2).
     out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(resp.status.as_str().as_bytes());
+    out.extend_from_slice(status.as_str().as_bytes());
     out.push(b' ');
-    out.extend_from_slice(resp.status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\nserver: ");
-    out.extend_from_slice(SERVER.as_bytes());
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\ndate: ");
     out.extend_from_slice(httpdate::fmt_http_date(std::time::SystemTime::now()).as_bytes());
     out.extend_from_slice(b"\r\n");
-    for (name, value) in &resp.headers {
+    write_fields(out, headers);
+    if !keep_alive {
+        out.extend_from_slice(b"connection: close\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+fn write_fields(out: &mut Vec<u8>, fields: &HeaderMap) {
+    for (name, value) in fields {
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    if !keep_alive {
-        out.extend_from_slice(b"connection: close\r\n");
-    }
-    out.extend_from_slice(b"\r\n");
 }
 
 #[cfg(test)]
@@ -656,8 +643,8 @@ mod tests {
     #[test]
     fn head_carries_length_and_close() {
         let mut out = Vec::new();
-        let resp = Response::status(StatusCode::NOT_FOUND);
-        write_head(&mut out, Version::HTTP_11, &resp, false);
+        let resp = crate::message::Response::status(StatusCode::NOT_FOUND);
+        write_head(&mut out, resp.status, &resp.headers, false);
         let text = String::from_utf8(out).unwrap();
         assert!(text.starts_with("HTTP/1.1 404 Not Found\r\n"), "{text}");
         assert!(text.contains("\r\ncontent-length: 0\r\n"));

@@ -1,36 +1,29 @@
-//! HTTP/1.1 and HTTP/2 connection drivers over a TLS stream. Each translates its
-//! protocol into a [`RequestHead`](crate::service::RequestHead), calls the shared
-//! [`Service`](crate::service::Service), and sends the response its own way.
+//! The TCP protocol drivers over a completed TLS handshake: [`serve`] picks one by
+//! ALPN and site. Each only translates its wire format to the seam's request head and
+//! writes the seam's response out (`crate::exchange`).
+//!
+//! - [`h1`]: Webship's own HTTP/1.1 for file sites, with the kernel TLS bulk path;
+//! - [`hyper`]: HTTP/2 for every site, and HTTP/1.1 for proxy sites, whose request
+//!   bodies hyper streams both ways.
 
 mod batch;
-pub mod h1;
-pub mod h2;
+mod h1;
+mod hyper;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
+use crate::exchange::ConnContext;
+use crate::tls::{Accepted, Alpn};
 
-use crate::config::{H2Settings, Limits};
-use crate::server::Shutdown;
-use crate::service::Service;
+pub(crate) use batch::WriteBatch;
 
-pub use batch::WriteBatch;
-
-/// What a connection driver needs from the server.
-#[derive(Debug, Clone)]
-pub struct ConnContext {
-    pub service: Arc<Service>,
-    pub limits: Limits,
-    pub h2: H2Settings,
-    pub proxy_h2: crate::config::ProxyH2Settings,
-    pub access_log: bool,
-    pub peer: SocketAddr,
-    /// Site of the certificate presented, for requests without a host.
-    pub tls_site: usize,
-    pub shutdown: Shutdown,
-    /// Suites HTTP/1.1 bulk responses may promote to kernel TLS; `None` when kTLS is
-    /// off or missing.
-    pub ktls: Option<Arc<crate::ktls::Support>>,
+/// Serves one accepted connection until it ends; the error says why it ended early.
+pub(crate) async fn serve(accepted: Accepted, ctx: ConnContext) -> Result<(), String> {
+    match accepted.alpn {
+        Alpn::H1 if ctx.service.is_proxy(accepted.site) => hyper::serve_h1(accepted.stream, ctx)
+            .await
+            .map_err(|e| e.to_string()),
+        Alpn::H1 => h1::serve(accepted.stream, ctx).await.map_err(|e| e.to_string()),
+        Alpn::H2 => hyper::serve_h2(accepted.stream, ctx)
+            .await
+            .map_err(|e| e.to_string()),
+    }
 }
-
-/// The `Server` header value.
-pub const SERVER: &str = concat!("webship/", env!("CARGO_PKG_VERSION"));

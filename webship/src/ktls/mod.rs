@@ -40,13 +40,13 @@ static FALLBACKS: AtomicU64 = AtomicU64::new(0);
 
 /// Process-wide kTLS counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Counters {
+pub(crate) struct Counters {
     pub promotions: u64,
     pub sendfile_bytes: u64,
     pub fallbacks: u64,
 }
 
-pub fn counters() -> Counters {
+pub(crate) fn counters() -> Counters {
     Counters {
         promotions: PROMOTIONS.load(Ordering::Relaxed),
         sendfile_bytes: SENDFILE_BYTES.load(Ordering::Relaxed),
@@ -56,16 +56,16 @@ pub fn counters() -> Counters {
 
 /// The suites preflight found the kernel able to take over (TX and RX).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Support {
+pub(crate) struct Support {
     suites: Vec<(KtlsVersion, KtlsCipher)>,
 }
 
 impl Support {
-    pub fn new(suites: Vec<(KtlsVersion, KtlsCipher)>) -> Self {
+    pub(crate) fn new(suites: Vec<(KtlsVersion, KtlsCipher)>) -> Self {
         Self { suites }
     }
 
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.suites.is_empty()
     }
 
@@ -78,7 +78,7 @@ impl Support {
 /// from it never buffers part of a record. Writes pass straight through. Once a
 /// connection will never be promoted (HTTP/2), [`RecordBounded::unbound`] lifts it.
 #[derive(Debug)]
-pub struct RecordBounded<S> {
+pub(crate) struct RecordBounded<S> {
     inner: S,
     header: [u8; 5],
     header_len: usize,
@@ -88,7 +88,7 @@ pub struct RecordBounded<S> {
 }
 
 impl<S> RecordBounded<S> {
-    pub fn new(inner: S) -> Self {
+    pub(crate) fn new(inner: S) -> Self {
         Self {
             inner,
             header: [0; 5],
@@ -99,15 +99,15 @@ impl<S> RecordBounded<S> {
     }
 
     /// Whether a record has been partly read (its rest is still in the kernel).
-    pub fn in_record(&self) -> bool {
+    pub(crate) fn in_record(&self) -> bool {
         self.header_len > 0 || self.remaining > 0
     }
 
-    pub fn unbound(&mut self) {
+    pub(crate) fn unbound(&mut self) {
         self.bounded = false;
     }
 
-    pub fn get_ref(&self) -> &S {
+    pub(crate) fn get_ref(&self) -> &S {
         &self.inner
     }
 }
@@ -178,11 +178,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for RecordBounded<S> {
 }
 
 /// A rustls stream over a record-bounded socket: what TCP connections start as.
-pub type RustlsStream = TlsStream<RecordBounded<TcpStream>>;
+pub(crate) type RustlsStream = TlsStream<RecordBounded<TcpStream>>;
 
 /// Why a connection stayed in rustls.
 #[derive(Debug, thiserror::Error)]
-pub enum PromoteError {
+pub(crate) enum PromoteError {
     #[error("the negotiated suite is not one the kernel took at preflight")]
     Suite,
     #[error("a TLS record is partly read")]
@@ -193,13 +193,13 @@ pub enum PromoteError {
 
 /// A connection whose TLS the kernel does, in both directions.
 #[derive(Debug)]
-pub struct KtlsStream {
+pub(crate) struct KtlsStream {
     tcp: TcpStream,
 }
 
 /// The result of a promotion attempt.
 #[derive(Debug)]
-pub enum Promotion {
+pub(crate) enum Promotion {
     /// Promoted; the bytes are plaintext rustls had decrypted but nobody had read yet
     /// (the start of a pipelined request), to be consumed before the socket.
     Kernel(KtlsStream, Vec<u8>),
@@ -210,7 +210,7 @@ pub enum Promotion {
 }
 
 /// Moves a flushed rustls connection to kernel TLS if `support` covers its suite.
-pub fn promote(tls: RustlsStream, support: &Support) -> Promotion {
+pub(crate) fn promote(tls: RustlsStream, support: &Support) -> Promotion {
     let (io, conn) = tls.get_ref();
     let Some(suite) = conn
         .negotiated_cipher_suite()
@@ -289,14 +289,14 @@ fn map_suite(version: ProtocolVersion, suite: CipherSuite) -> Option<(KtlsVersio
 }
 
 impl KtlsStream {
-    pub fn tcp(&self) -> &TcpStream {
+    pub(crate) fn tcp(&self) -> &TcpStream {
         &self.tcp
     }
 
     /// Sends `len` bytes of `file` from `offset` with `sendfile`: the kernel reads the
     /// page cache and encrypts into TLS records; no byte enters userspace. Each wait
     /// for the client to take more is bounded by `send_timeout`.
-    pub async fn sendfile(
+    pub(crate) async fn sendfile(
         &self,
         file: &File,
         mut offset: u64,

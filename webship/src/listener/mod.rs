@@ -12,7 +12,7 @@ use crate::sys;
 const BACKLOG: i32 = 4096;
 
 /// Binds `addr` with `SO_REUSEADDR`, so a restart does not wait out TIME_WAIT.
-pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+pub(crate) fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
     socket.set_reuse_address(true)?;
     if addr.is_ipv6() {
@@ -27,7 +27,7 @@ pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
 
 /// Per-connection socket options: no Nagle (responses are written whole, and corked
 /// where batching pays), and BBR when preflight found it.
-pub fn configure(tcp: &TcpStream, bbr: bool) {
+pub(crate) fn configure(tcp: &TcpStream, bbr: bool) {
     if let Err(e) = tcp.set_nodelay(true) {
         tracing::debug!(error = %e, "TCP_NODELAY");
     }

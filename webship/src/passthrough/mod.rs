@@ -19,7 +19,7 @@
 pub mod client_hello;
 mod sockmap;
 mod splice;
-pub mod udp;
+pub(crate) mod udp;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -28,8 +28,9 @@ use std::time::Duration;
 
 use tokio::net::TcpStream;
 
-use crate::config::{Config, DomainPattern, Engine, PassthroughRoute};
+use crate::config::{Config, Engine, PassthroughRoute};
 use crate::ebpf::{Counter, Programs, Values, COUNTERS};
+use crate::names::NameTable;
 use client_hello::{Hello, HelloError, MAX_HELLO};
 
 /// Per-direction copy buffer of the `copy` engine.
@@ -43,7 +44,7 @@ fn count(counter: Counter, n: u64) {
 
 /// The daemon's own passthrough counters (userspace engines and decisions; the
 /// sockmap engine's kernel-side bytes are in the eBPF per-CPU map).
-pub fn counters() -> Values {
+pub(crate) fn counters() -> Values {
     let mut out = [0; COUNTERS as usize];
     for (slot, count) in out.iter_mut().zip(&COUNTS) {
         *slot = count.load(Ordering::Relaxed);
@@ -53,7 +54,7 @@ pub fn counters() -> Values {
 
 /// What to do with a new connection.
 #[derive(Debug)]
-pub enum Decision {
+pub(crate) enum Decision {
     /// Forward to this route's upstreams.
     Forward(usize),
     /// Not a passthrough domain: terminate TLS as usual (the hello is still unread).
@@ -64,8 +65,10 @@ pub enum Decision {
 
 /// The passthrough routes of the listener.
 #[derive(Debug)]
-pub struct Passthrough {
+pub(crate) struct Passthrough {
     routes: Vec<(PassthroughRoute, AtomicUsize)>,
+    /// Route index by SNI.
+    names: NameTable<usize>,
     /// Whether direct or proxy sites share the listener (else a miss is closed).
     has_sites: bool,
     engine: Engine,
@@ -78,13 +81,20 @@ pub struct Passthrough {
 impl Passthrough {
     /// `None` when the configuration has no passthrough routes. `programs` are the
     /// loaded eBPF programs, if any; `engine` must not be `Auto` (see [`resolve`]).
-    pub fn new(config: &Config, engine: Engine, programs: Option<Arc<Programs>>) -> Option<Self> {
+    pub(crate) fn new(config: &Config, engine: Engine, programs: Option<Arc<Programs>>) -> Option<Self> {
         (!config.passthrough.is_empty()).then(|| Self {
             routes: config
                 .passthrough
                 .iter()
                 .map(|r| (r.clone(), AtomicUsize::new(0)))
                 .collect(),
+            names: NameTable::new(
+                config
+                    .passthrough
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| (r.domain.clone(), i)),
+            ),
             has_sites: !config.sites.is_empty(),
             engine,
             programs,
@@ -92,32 +102,14 @@ impl Passthrough {
         })
     }
 
-    pub fn engine(&self) -> Engine {
+    pub(crate) fn engine(&self) -> Engine {
         self.engine
     }
 
-    fn lookup(&self, sni: &str) -> Option<usize> {
-        let exact = self
-            .routes
-            .iter()
-            .position(|(r, _)| matches!(r.domain, DomainPattern::Exact(_)) && r.domain.matches(sni));
-        exact.or_else(|| {
-            self.routes
-                .iter()
-                .enumerate()
-                .filter_map(|(i, (r, _))| match &r.domain {
-                    DomainPattern::Wildcard(suffix) if r.domain.matches(sni) => Some((suffix.len(), i)),
-                    _ => None,
-                })
-                .max()
-                .map(|(_, i)| i)
-        })
-    }
-
     /// Peeks (never reads) the ClientHello within `timeout` and decides.
-    pub async fn decide(&self, tcp: &TcpStream, timeout: Duration) -> Decision {
+    pub(crate) async fn decide(&self, tcp: &TcpStream, timeout: Duration) -> Decision {
         match tokio::time::timeout(timeout, self.peek_hello(tcp)).await {
-            Ok(Ok(Hello::Complete { sni: Some(sni) })) => match self.lookup(&sni) {
+            Ok(Ok(Hello::Complete { sni: Some(sni) })) => match self.names.lookup(&sni).copied() {
                 Some(route) => Decision::Forward(route),
                 None if self.has_sites => Decision::Terminate,
                 None => {
@@ -170,7 +162,7 @@ impl Passthrough {
     /// Connects to the route's next upstream (round-robin, falling through on
     /// failure) and moves bytes both ways with the configured engine until both
     /// sides are done.
-    pub async fn forward(&self, route: usize, client: TcpStream, peer: SocketAddr) {
+    pub(crate) async fn forward(&self, route: usize, client: TcpStream, peer: SocketAddr) {
         let (r, next) = &self.routes[route];
         let n = r.upstreams.len();
         let start = next.fetch_add(1, Ordering::Relaxed);
@@ -224,7 +216,7 @@ async fn copy(mut client: TcpStream, mut upstream: TcpStream) -> std::io::Result
 /// (docs/benchmarks.md, "TLS passthrough"): `sockmap` was slower than both userspace
 /// engines here for bulk and for small messages, `splice` matches `copy` on bulk
 /// with less CPU, and `copy` wins on small messages.
-pub fn resolve(configured: Engine, ebpf_usable: bool) -> Engine {
+pub(crate) fn resolve(configured: Engine, ebpf_usable: bool) -> Engine {
     match configured {
         Engine::Sockmap if !ebpf_usable => Engine::Auto,
         other => other,

@@ -20,7 +20,7 @@ use super::{count, Counter};
 const PIPE_BYTES: usize = 1024 * 1024;
 
 /// `auto`: bytes of a direction copied before it switches to `splice`.
-pub const ADAPTIVE_COPY_BYTES: u64 = 1024 * 1024;
+pub(super) const ADAPTIVE_COPY_BYTES: u64 = 1024 * 1024;
 /// `auto`: the copy buffer of a direction, freed when it switches.
 const ADAPTIVE_BUFFER: usize = 64 * 1024;
 

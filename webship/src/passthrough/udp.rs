@@ -34,7 +34,7 @@ const SOCKET_BUFFER: usize = 4 * 1024 * 1024;
 
 /// A bound relay, ready to [`UdpRelay::run`].
 #[derive(Debug)]
-pub struct UdpRelay {
+pub(crate) struct UdpRelay {
     listener: Arc<Side>,
     config: UdpPassthrough,
     max_flows: usize,
@@ -117,7 +117,7 @@ struct Flow {
 
 impl UdpRelay {
     /// Binds the client-facing UDP socket on `listen`.
-    pub fn bind(listen: SocketAddr, config: UdpPassthrough, max_flows: usize) -> io::Result<Self> {
+    pub(crate) fn bind(listen: SocketAddr, config: UdpPassthrough, max_flows: usize) -> io::Result<Self> {
         let socket = std::net::UdpSocket::bind(listen)?;
         Ok(Self {
             listener: Arc::new(Side::new(socket)?),
@@ -126,12 +126,12 @@ impl UdpRelay {
         })
     }
 
-    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+    pub(crate) fn local_addr(&self) -> io::Result<SocketAddr> {
         self.listener.socket.local_addr()
     }
 
     /// Relays until the task is dropped (which aborts every flow task too).
-    pub async fn run(self) {
+    pub(crate) async fn run(self) {
         let epoch = Instant::now();
         let flows: Arc<Mutex<HashMap<SocketAddr, Arc<Flow>>>> = Arc::default();
         let mut tasks = JoinSet::new();

@@ -18,22 +18,22 @@ pub struct Report {
     pub bbr: Finding,
     pub ebpf: Finding,
     /// Suites whose TX and RX keys the kernel accepted; empty unless kTLS is usable.
-    pub ktls_suites: Vec<(KtlsVersion, KtlsCipher)>,
+    pub(crate) ktls_suites: Vec<(KtlsVersion, KtlsCipher)>,
 }
 
 impl Report {
     /// Whether accepted TCP sockets should be switched to BBR.
-    pub fn use_bbr(&self) -> bool {
+    pub(crate) fn use_bbr(&self) -> bool {
         self.bbr.policy != Policy::Off && self.bbr.available()
     }
 
     /// Whether HTTP/1.1 bulk responses may be promoted to kernel TLS.
-    pub fn use_ktls(&self) -> bool {
+    pub(crate) fn use_ktls(&self) -> bool {
         self.ktls.policy != Policy::Off && self.ktls.available()
     }
 
     /// Whether the eBPF programs should be loaded.
-    pub fn use_ebpf(&self) -> bool {
+    pub(crate) fn use_ebpf(&self) -> bool {
         self.ebpf.policy != Policy::Off && self.ebpf.available()
     }
 
@@ -46,7 +46,7 @@ impl Report {
     }
 
     /// One line for the start-up log.
-    pub fn summary(&self) -> String {
+    pub(crate) fn summary(&self) -> String {
         format!(
             "ktls={} bbr={} ebpf={}",
             self.ktls.short(),
@@ -80,7 +80,7 @@ pub enum Outcome {
 }
 
 impl Finding {
-    pub fn available(&self) -> bool {
+    pub(crate) fn available(&self) -> bool {
         matches!(self.outcome, Outcome::Available { .. })
     }
 
@@ -170,7 +170,7 @@ fn probe_ebpf() -> Outcome {
 }
 
 /// Every (version, cipher) pair kernel TLS could take over from rustls.
-pub const KTLS_SUITES: [(KtlsVersion, KtlsCipher); 6] = [
+pub(crate) const KTLS_SUITES: [(KtlsVersion, KtlsCipher); 6] = [
     (KtlsVersion::Tls13, KtlsCipher::Aes128Gcm),
     (KtlsVersion::Tls13, KtlsCipher::Aes256Gcm),
     (KtlsVersion::Tls13, KtlsCipher::Chacha20Poly1305),
@@ -234,7 +234,7 @@ fn probe_suite(version: KtlsVersion, cipher: KtlsCipher) -> Result<(), sys::Ktls
 }
 
 /// A suite's name as operators read it.
-pub fn suite_name(version: KtlsVersion, cipher: KtlsCipher) -> String {
+pub(crate) fn suite_name(version: KtlsVersion, cipher: KtlsCipher) -> String {
     let v = match version {
         KtlsVersion::Tls12 => "TLS1.2",
         KtlsVersion::Tls13 => "TLS1.3",

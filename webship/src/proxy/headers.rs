@@ -7,7 +7,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::Version;
 
 use crate::config::Route;
-use crate::service::RequestHead;
+use crate::message::RequestHead;
 
 /// Fields that describe one connection, never forwarded (RFC 9110 §7.6.1), plus the
 /// legacy ones proxies in the wild still send.

@@ -5,7 +5,7 @@ use http::header;
 use http::StatusCode;
 
 use crate::config::Route;
-use crate::service::RequestHead;
+use crate::message::RequestHead;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Refusal {

@@ -31,16 +31,16 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::config::{Route, UpstreamProtocol};
-use crate::service::{empty_body, Body, BoxError, RequestHead, Response, StreamBody};
+use crate::message::{empty_body, Body, BoxError, RequestHead, Response, StreamBody};
 
 /// How long a failing upstream is skipped.
-pub const EJECT_FOR: Duration = Duration::from_secs(10);
+pub(crate) const EJECT_FOR: Duration = Duration::from_secs(10);
 /// Idle pooled connections kept per upstream.
 const POOL_IDLE_PER_UPSTREAM: usize = 64;
 
 /// The proxy of one site (one domain): its routes and their upstream state.
 #[derive(Debug)]
-pub struct Proxy {
+pub(crate) struct Proxy {
     domain: String,
     routes: Vec<RouteState>,
 }
@@ -56,14 +56,14 @@ struct RouteState {
 
 impl Proxy {
     /// `routes` are sorted longest `path_prefix` first (config guarantees it).
-    pub fn new(routes: &[Route], domain: String) -> Result<Self, ProxyError> {
+    pub(crate) fn new(routes: &[Route], domain: String) -> Result<Self, ProxyError> {
         Ok(Self {
             domain,
             routes: routes.iter().map(RouteState::new).collect::<Result<_, _>>()?,
         })
     }
 
-    pub async fn forward(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
+    pub(crate) async fn forward(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
         let path = req.uri.path();
         let Some(state) = self
             .routes

@@ -10,7 +10,7 @@ use std::net::TcpStream;
 
 /// Holds back partial frames until `set_cork(false)`, so a response head and the first
 /// body bytes leave in full-sized segments (Linux `TCP_CORK`; best effort elsewhere).
-pub fn set_cork<S: std::os::fd::AsFd>(sock: &S, cork: bool) -> io::Result<()> {
+pub(crate) fn set_cork<S: std::os::fd::AsFd>(sock: &S, cork: bool) -> io::Result<()> {
     #[cfg(target_os = "linux")]
     {
         socket2::SockRef::from(sock).set_cork(cork)
@@ -23,7 +23,7 @@ pub fn set_cork<S: std::os::fd::AsFd>(sock: &S, cork: bool) -> io::Result<()> {
 }
 
 /// Sets the congestion-control algorithm of one TCP socket (`TCP_CONGESTION`).
-pub fn set_congestion<S: std::os::fd::AsFd>(sock: &S, name: &str) -> io::Result<()> {
+pub(crate) fn set_congestion<S: std::os::fd::AsFd>(sock: &S, name: &str) -> io::Result<()> {
     #[cfg(target_os = "linux")]
     {
         socket2::SockRef::from(sock).set_tcp_congestion(name.as_bytes())
@@ -37,7 +37,7 @@ pub fn set_congestion<S: std::os::fd::AsFd>(sock: &S, name: &str) -> io::Result<
 
 /// Cumulative byte counts of one TCP connection, from `TCP_INFO`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct TcpBytes {
+pub(crate) struct TcpBytes {
     /// Bytes this side sent that the peer acknowledged (`tcpi_bytes_acked`).
     pub acked: u64,
     /// Sequence space received from the peer (`tcpi_bytes_received`; a FIN counts one).
@@ -45,7 +45,7 @@ pub struct TcpBytes {
 }
 
 /// Reads [`TcpBytes`] of a connected TCP socket.
-pub fn tcp_bytes<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<TcpBytes> {
+pub(crate) fn tcp_bytes<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<TcpBytes> {
     #[cfg(target_os = "linux")]
     {
         // SAFETY: `tcp_info` is plain old data, so all-zeroes is a valid value.
@@ -83,7 +83,7 @@ pub fn tcp_bytes<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<TcpBytes> {
 }
 
 /// Reads back the congestion-control algorithm of one TCP socket.
-pub fn congestion<S: std::os::fd::AsFd>(sock: &S) -> io::Result<String> {
+pub(crate) fn congestion<S: std::os::fd::AsFd>(sock: &S) -> io::Result<String> {
     #[cfg(target_os = "linux")]
     {
         let raw = socket2::SockRef::from(sock).tcp_congestion()?;
@@ -99,7 +99,7 @@ pub fn congestion<S: std::os::fd::AsFd>(sock: &S) -> io::Result<String> {
 
 /// Why the kernel refused kernel TLS on a socket.
 #[derive(Debug, thiserror::Error)]
-pub enum KtlsError {
+pub(crate) enum KtlsError {
     /// `TCP_ULP "tls"` failed: the `tls` upper-layer protocol is not in this kernel.
     #[error("the kernel has no `tls` TCP upper-layer protocol ({0})")]
     NoUlp(io::Error),
@@ -116,14 +116,14 @@ pub enum KtlsError {
 
 /// TLS protocol versions the kernel can take over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum KtlsVersion {
+pub(crate) enum KtlsVersion {
     Tls12,
     Tls13,
 }
 
 /// AEAD ciphers the kernel can take over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum KtlsCipher {
+pub(crate) enum KtlsCipher {
     Aes128Gcm,
     Aes256Gcm,
     Chacha20Poly1305,
@@ -131,14 +131,14 @@ pub enum KtlsCipher {
 
 /// Which half of the connection the keys are for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum KtlsDirection {
+pub(crate) enum KtlsDirection {
     Tx,
     Rx,
 }
 
 /// One direction's traffic keys, as rustls hands them over.
 #[derive(Debug, Clone, Copy)]
-pub struct KtlsKeys<'a> {
+pub(crate) struct KtlsKeys<'a> {
     pub version: KtlsVersion,
     pub cipher: KtlsCipher,
     pub key: &'a [u8],
@@ -151,7 +151,7 @@ pub struct KtlsKeys<'a> {
 /// Attaches the `tls` upper-layer protocol to a connected TCP socket. Nothing changes
 /// on the wire until keys are installed, so a failure here loses nothing.
 #[cfg(target_os = "linux")]
-pub fn attach_tls_ulp<S: std::os::fd::AsRawFd>(sock: &S) -> Result<(), KtlsError> {
+pub(crate) fn attach_tls_ulp<S: std::os::fd::AsRawFd>(sock: &S) -> Result<(), KtlsError> {
     let ulp = b"tls";
     // SAFETY: the fd is a live socket borrowed from `sock`; the option value is a valid
     // buffer of the length passed, and the kernel copies it before returning.
@@ -173,7 +173,7 @@ pub fn attach_tls_ulp<S: std::os::fd::AsRawFd>(sock: &S) -> Result<(), KtlsError
 /// Installs one direction's keys on a socket with the `tls` ULP attached: from now on
 /// the kernel encrypts what is written (TX) or decrypts what is read (RX).
 #[cfg(target_os = "linux")]
-pub fn set_ktls_keys<S: std::os::fd::AsRawFd>(
+pub(crate) fn set_ktls_keys<S: std::os::fd::AsRawFd>(
     sock: &S,
     direction: KtlsDirection,
     keys: &KtlsKeys<'_>,
@@ -260,7 +260,7 @@ fn setsockopt_struct<T>(fd: libc::c_int, level: libc::c_int, name: libc::c_int, 
 /// Sends a TLS `close_notify` alert through kernel TLS (a record of type alert, not
 /// application data, chosen with the `TLS_SET_RECORD_TYPE` control message).
 #[cfg(target_os = "linux")]
-pub fn ktls_send_close_notify<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<()> {
+pub(crate) fn ktls_send_close_notify<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<()> {
     const ALERT: u8 = 21;
     let mut payload = [1u8, 0u8]; // level warning, description close_notify
                                   // SAFETY: CMSG_SPACE only computes a size.
@@ -298,7 +298,7 @@ pub fn ktls_send_close_notify<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<(
 /// `sendfile(2)` from `file` at `*offset` into `sock`, advancing `offset`. The socket
 /// is non-blocking: `WouldBlock` means wait for writability.
 #[cfg(target_os = "linux")]
-pub fn sendfile<S: std::os::fd::AsRawFd>(
+pub(crate) fn sendfile<S: std::os::fd::AsRawFd>(
     sock: &S,
     file: &std::fs::File,
     offset: &mut u64,
@@ -335,31 +335,70 @@ pub fn sendfile<S>(_sock: &S, _file: &std::fs::File, _offset: &mut u64, _count: 
     Err(io::ErrorKind::Unsupported.into())
 }
 
-/// Reads from `file` at `offset` only what is already in the page cache
-/// (`preadv2(RWF_NOWAIT)`): `Ok(n)` with `n > 0` bytes read without waiting,
-/// `Ok(0)` at end of file, `Err(WouldBlock)` when the data would have to come from
-/// the disk. Lets a reactor thread serve hot files without a thread hop.
+/// Appends up to `want` bytes of `file` at `offset` to `buf`, without zeroing the
+/// room first (a memset pass per chunk is measurable on the bulk path). With `nowait`
+/// only what the page cache already holds is read, and a miss is `WouldBlock`.
+/// Returns how many bytes were appended; 0 is end of file.
 #[cfg(target_os = "linux")]
-pub fn pread_cached(file: &std::fs::File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-    use rustix::io::{preadv2, ReadWriteFlags};
-    let mut slices = [std::io::IoSliceMut::new(buf)];
-    match preadv2(file, &mut slices, offset, ReadWriteFlags::NOWAIT) {
-        Ok(n) => Ok(n),
-        // Kernels or file systems without RWF_NOWAIT answer EOPNOTSUPP: treat as a miss.
-        Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::AGAIN => {
-            Err(io::ErrorKind::WouldBlock.into())
-        }
-        Err(e) => Err(e.into()),
+pub(crate) fn pread_append(
+    file: &std::fs::File,
+    buf: &mut bytes::BytesMut,
+    want: usize,
+    offset: u64,
+    nowait: bool,
+) -> io::Result<usize> {
+    use std::os::fd::AsRawFd;
+    buf.reserve(want);
+    let spare = &mut buf.spare_capacity_mut()[..want];
+    let iov = libc::iovec {
+        iov_base: spare.as_mut_ptr().cast(),
+        iov_len: spare.len(),
+    };
+    let offset = libc::off_t::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let flags = if nowait { libc::RWF_NOWAIT } else { 0 };
+    // SAFETY: `iov` describes `want` bytes of `buf`'s spare capacity, writable and
+    // alive for the whole call; the kernel writes at most `iov_len` bytes there.
+    let n = unsafe { libc::preadv2(file.as_raw_fd(), &iov, 1, offset, flags) };
+    if n < 0 {
+        let e = io::Error::last_os_error();
+        // Kernels or file systems without RWF_NOWAIT answer EOPNOTSUPP: a miss.
+        let miss = matches!(e.raw_os_error(), Some(libc::EAGAIN | libc::EOPNOTSUPP));
+        return Err(if nowait && miss {
+            io::ErrorKind::WouldBlock.into()
+        } else {
+            e
+        });
     }
+    let n = n as usize;
+    // SAFETY: the kernel initialised the first `n` (<= `want`) bytes of the spare
+    // capacity, which directly follows the initialised part of `buf`.
+    unsafe { buf.set_len(buf.len() + n) };
+    Ok(n)
 }
 
 #[cfg(not(target_os = "linux"))]
-pub fn pread_cached(_file: &std::fs::File, _buf: &mut [u8], _offset: u64) -> io::Result<usize> {
-    Err(io::ErrorKind::WouldBlock.into())
+pub(crate) fn pread_append(
+    file: &std::fs::File,
+    buf: &mut bytes::BytesMut,
+    want: usize,
+    offset: u64,
+    nowait: bool,
+) -> io::Result<usize> {
+    if nowait {
+        return Err(io::ErrorKind::WouldBlock.into());
+    }
+    let start = buf.len();
+    buf.resize(start + want, 0);
+    #[cfg(unix)]
+    let n = std::os::unix::fs::FileExt::read_at(file, &mut buf[start..], offset);
+    #[cfg(not(unix))]
+    let n = std::os::windows::fs::FileExt::seek_read(file, &mut buf[start..], offset);
+    buf.truncate(start + *n.as_ref().unwrap_or(&0));
+    n
 }
 
 /// Opens a connected loopback TCP pair for probes that need a real established socket.
-pub fn loopback_pair() -> io::Result<(TcpStream, TcpStream)> {
+pub(crate) fn loopback_pair() -> io::Result<(TcpStream, TcpStream)> {
     let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
     let client = TcpStream::connect(listener.local_addr()?)?;
     let (server, _) = listener.accept()?;

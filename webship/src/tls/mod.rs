@@ -20,7 +20,7 @@ use tokio_rustls::LazyConfigAcceptor;
 
 use crate::config::{Config, Protocols, TlsSource};
 use crate::ktls::{RecordBounded, RustlsStream};
-use crate::service::SiteTable;
+use crate::names::NameTable;
 
 /// Session-cache entries shared by all sites (rustls keeps them in memory).
 const SESSION_CACHE_ENTRIES: usize = 4096;
@@ -45,7 +45,7 @@ pub enum TlsError {
 
 /// Why a connection's handshake did not complete.
 #[derive(Debug, thiserror::Error)]
-pub enum AcceptError {
+pub(crate) enum AcceptError {
     #[error("TLS handshake: {0}")]
     Io(#[from] std::io::Error),
     #[error("TLS handshake timed out")]
@@ -54,23 +54,58 @@ pub enum AcceptError {
 
 /// The application protocol a connection negotiated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Alpn {
+pub(crate) enum Alpn {
     H1,
     H2,
 }
 
+/// The sites by host name: the one table that picks a connection's site from its SNI
+/// (the certificate it is shown) and a request's site from its `Host`.
+#[derive(Debug, Clone)]
+pub(crate) struct SiteNames {
+    table: Arc<NameTable<usize>>,
+    default_site: usize,
+}
+
+impl SiteNames {
+    pub(crate) fn new(config: &Config) -> Self {
+        Self {
+            table: Arc::new(NameTable::new(
+                config
+                    .sites
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| (s.domain.clone(), i)),
+            )),
+            default_site: config.default_site(),
+        }
+    }
+
+    /// The site answering for `host`, if any.
+    pub(crate) fn lookup(&self, host: &str) -> Option<usize> {
+        self.table.lookup(host).copied()
+    }
+
+    /// The site a connection with this SNI is for: no or an unknown name gets the
+    /// default site, like nginx's `default_server`.
+    pub(crate) fn site_for(&self, sni: Option<&str>) -> usize {
+        sni.and_then(|name| self.lookup(name))
+            .unwrap_or(self.default_site)
+    }
+}
+
 /// Accepts TLS connections for every configured site.
 #[derive(Debug)]
-pub struct Acceptor {
+pub(crate) struct Acceptor {
     configs: Vec<Arc<ServerConfig>>,
     protocols: Vec<Protocols>,
-    default_site: usize,
+    sites: SiteNames,
     quic: Option<Arc<ServerConfig>>,
 }
 
 /// A completed handshake.
 #[derive(Debug)]
-pub struct Accepted {
+pub(crate) struct Accepted {
     /// Reads stop at TLS record boundaries, so HTTP/1.1 can later move to kernel TLS.
     pub stream: RustlsStream,
     pub alpn: Alpn,
@@ -81,7 +116,7 @@ pub struct Accepted {
 impl Acceptor {
     /// Loads every site's certificate and key (or generates the self-signed one) and
     /// checks that each key matches its certificate.
-    pub fn build(config: &Config) -> Result<Self, TlsError> {
+    pub(crate) fn build(config: &Config, sites: &SiteNames) -> Result<Self, TlsError> {
         let provider = Arc::new(provider());
         let cache = ServerSessionMemoryCache::new(SESSION_CACHE_ENTRIES);
         let ticketer: Arc<dyn ProducesTickets> = rustls::crypto::aws_lc_rs::Ticketer::new()?;
@@ -131,9 +166,8 @@ impl Acceptor {
                 .with_protocol_versions(&[&rustls::version::TLS13])?
                 .with_no_client_auth()
                 .with_cert_resolver(Arc::new(SniResolver {
-                    sites: SiteTable::new(config),
+                    sites: sites.clone(),
                     keys: quic_keys,
-                    default_site: config.default_site(),
                 }));
             server.session_storage = cache;
             server.ticketer = ticketer;
@@ -146,39 +180,34 @@ impl Acceptor {
         Ok(Self {
             configs,
             protocols: config.sites.iter().map(|s| s.protocols).collect(),
-            default_site: config.default_site(),
+            sites: sites.clone(),
             quic,
         })
     }
 
     /// Whether no site terminates TLS (a passthrough-only listener).
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.configs.is_empty()
     }
 
     /// The rustls configuration for the HTTP/3 endpoint (TLS 1.3, ALPN `h3`, the
     /// certificate chosen by SNI among sites with `h3 = true`); `None` when no site
     /// serves HTTP/3.
-    pub fn quic_config(&self) -> Option<Arc<ServerConfig>> {
+    pub(crate) fn quic_config(&self) -> Option<Arc<ServerConfig>> {
         self.quic.clone()
     }
 
     /// Reads the ClientHello, picks the site by SNI, and completes the handshake, all
     /// within `timeout`.
-    pub async fn accept(
+    pub(crate) async fn accept(
         &self,
         tcp: TcpStream,
-        sites: &SiteTable,
         timeout: std::time::Duration,
     ) -> Result<Accepted, AcceptError> {
         let handshake = async {
             let start =
                 LazyConfigAcceptor::new(rustls::server::Acceptor::default(), RecordBounded::new(tcp)).await?;
-            let site = start
-                .client_hello()
-                .server_name()
-                .and_then(|sni| sites.lookup(sni))
-                .unwrap_or(self.default_site);
+            let site = self.sites.site_for(start.client_hello().server_name());
             let stream = start.into_stream(self.configs[site].clone()).await?;
             Ok::<_, std::io::Error>((stream, site))
         };
@@ -217,25 +246,23 @@ impl rustls::server::ResolvesServerCert for FixedCert {
 /// gets no certificate, so the handshake fails rather than serving it over HTTP/3.
 #[derive(Debug)]
 struct SniResolver {
-    sites: SiteTable,
+    sites: SiteNames,
     keys: Vec<Option<Arc<rustls::sign::CertifiedKey>>>,
-    default_site: usize,
 }
 
 impl rustls::server::ResolvesServerCert for SniResolver {
     fn resolve(&self, hello: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
-        let site = hello
-            .server_name()
-            .and_then(|sni| self.sites.lookup(sni))
-            .unwrap_or(self.default_site);
-        self.keys.get(site).cloned().flatten()
+        self.keys
+            .get(self.sites.site_for(hello.server_name()))
+            .cloned()
+            .flatten()
     }
 }
 
 /// The crypto provider: aws-lc-rs, measured faster than ring at AES-GCM both raw and
 /// through rustls on the development host (`cargo xtask bench aead`,
 /// docs/benchmarks.md).
-pub fn provider() -> CryptoProvider {
+pub(crate) fn provider() -> CryptoProvider {
     rustls::crypto::aws_lc_rs::default_provider()
 }
 

@@ -32,7 +32,7 @@ const MAX_COMMAND: usize = 128;
 /// The byte stream source mode sends: xorshift64* from a fixed seed, as
 /// little-endian words. Its first 99,943,778 bytes are the benchmark fixture.
 #[derive(Debug, Clone)]
-pub struct Pattern {
+pub(crate) struct Pattern {
     state: u64,
 }
 
@@ -47,7 +47,7 @@ impl Default for Pattern {
 impl Pattern {
     /// Fills `out` with the next bytes. Every call but the last must ask for a
     /// multiple of 8 bytes (a partial word's rest is dropped).
-    pub fn fill(&mut self, out: &mut [u8]) {
+    pub(crate) fn fill(&mut self, out: &mut [u8]) {
         let mut chunks = out.chunks_exact_mut(8);
         for word in &mut chunks {
             word.copy_from_slice(&self.next().to_le_bytes());
@@ -93,7 +93,7 @@ pub fn parse_command(line: &[u8]) -> Option<Command> {
 
 /// Runs a client-opened bidirectional stream until it is done or the session ends;
 /// on a session end the stream is reset, never left looking complete.
-pub async fn bidi(
+pub(crate) async fn bidi(
     state: Arc<SessionState>,
     transport: Arc<dyn Transport>,
     mut recv: Box<dyn RecvHalf>,
@@ -124,7 +124,11 @@ pub async fn bidi(
 }
 
 /// Runs a client-opened unidirectional stream.
-pub async fn uni(state: Arc<SessionState>, transport: Arc<dyn Transport>, mut recv: Box<dyn RecvHalf>) {
+pub(crate) async fn uni(
+    state: Arc<SessionState>,
+    transport: Arc<dyn Transport>,
+    mut recv: Box<dyn RecvHalf>,
+) {
     let mut out = None;
     let work = async {
         if state.mode == WtMode::Echo {
@@ -147,7 +151,7 @@ pub async fn uni(state: Arc<SessionState>, transport: Arc<dyn Transport>, mut re
 }
 
 /// Handles one received datagram (already admitted by [`SessionState::datagram_in`]).
-pub fn datagram(state: &SessionState, transport: &dyn Transport, payload: Bytes) {
+pub(crate) fn datagram(state: &SessionState, transport: &dyn Transport, payload: Bytes) {
     if state.mode != WtMode::Echo || !state.charge(payload.len()) {
         return;
     }

@@ -26,7 +26,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream
 use tokio::sync::{mpsc, Notify};
 
 use super::{capsule, diag, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionState, Transport};
-use crate::server::Shutdown;
+use crate::shutdown::Shutdown;
 
 /// Bytes each stream direction may hold in its pipe.
 const PIPE: usize = 64 * 1024;
@@ -250,7 +250,7 @@ struct Inbound {
 
 /// Runs an admitted session over the CONNECT stream's bytes (`io`, hyper's upgrade)
 /// until the client closes it, a limit ends it, or the server shuts down.
-pub async fn run<IO>(io: IO, admission: Admission, mut shutdown: Shutdown)
+pub(crate) async fn run<IO>(io: IO, admission: Admission, mut shutdown: Shutdown)
 where
     IO: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {

@@ -19,14 +19,14 @@ use h3::stream::BufRecvStream;
 use tokio::sync::mpsc;
 
 use super::{capsule, diag, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionState, Transport};
-use crate::server::Shutdown;
+use crate::shutdown::Shutdown;
 
 /// A client bidirectional stream after its WEBTRANSPORT_STREAM header.
-pub type WtBidi = BufRecvStream<h3_quinn::BidiStream<Bytes>, Bytes>;
+pub(crate) type WtBidi = BufRecvStream<h3_quinn::BidiStream<Bytes>, Bytes>;
 /// A client unidirectional stream after its type and session id.
-pub type WtUni = BufRecvStream<h3_quinn::RecvStream, Bytes>;
+pub(crate) type WtUni = BufRecvStream<h3_quinn::RecvStream, Bytes>;
 /// The CONNECT request's stream.
-pub type ConnectStream = h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>;
+pub(crate) type ConnectStream = h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>;
 
 /// Unidirectional stream type of WebTransport (draft-02 §4.1).
 const UNI_STREAM_TYPE: u64 = 0x54;
@@ -52,7 +52,7 @@ struct Route {
 }
 
 /// The WebTransport sessions of one QUIC connection.
-pub struct WtConn {
+pub(crate) struct WtConn {
     quic: quinn::Connection,
     sessions: Mutex<HashMap<u64, Route>>,
     datagram_reader: std::sync::Once,
@@ -70,7 +70,7 @@ impl std::fmt::Debug for WtConn {
 }
 
 impl WtConn {
-    pub fn new(quic: quinn::Connection) -> Arc<Self> {
+    pub(crate) fn new(quic: quinn::Connection) -> Arc<Self> {
         Arc::new(Self {
             quic,
             sessions: Mutex::new(HashMap::new()),
@@ -87,11 +87,11 @@ impl WtConn {
 
     /// Hands a client bidirectional stream to its session (dropped, which stops it,
     /// when the session is unknown or gone).
-    pub fn route_bidi(&self, session: h3::webtransport::SessionId, stream: WtBidi) {
+    pub(crate) fn route_bidi(&self, session: h3::webtransport::SessionId, stream: WtBidi) {
         self.route(session, Incoming::Bidi(Box::new(stream)));
     }
 
-    pub fn route_uni(&self, session: h3::webtransport::SessionId, stream: WtUni) {
+    pub(crate) fn route_uni(&self, session: h3::webtransport::SessionId, stream: WtUni) {
         self.route(session, Incoming::Uni(Box::new(stream)));
     }
 
@@ -237,7 +237,7 @@ fn refuse(stream: Incoming, code: Code) {
 }
 
 /// The response that accepts a draft-02 session.
-pub fn accepted_response() -> http::Response<()> {
+pub(crate) fn accepted_response() -> http::Response<()> {
     let mut resp = http::Response::new(());
     resp.headers_mut().insert(
         "sec-webtransport-http3-draft",
@@ -248,7 +248,7 @@ pub fn accepted_response() -> http::Response<()> {
 
 /// Runs one admitted session on its CONNECT stream until the client closes it, a
 /// limit ends it, or the server shuts down.
-pub async fn run(
+pub(crate) async fn run(
     conn: Arc<WtConn>,
     admission: Admission,
     mut stream: ConnectStream,

@@ -9,8 +9,8 @@
 
 pub mod capsule;
 pub mod diag;
-pub mod h2;
-pub mod h3;
+pub(crate) mod h2;
+pub(crate) mod h3;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -27,12 +27,12 @@ use crate::config::{WebTransport, WtMode};
 
 /// How long a session may run on after the server starts shutting down and sends
 /// DRAIN_WEBTRANSPORT_SESSION; then it is closed with [`Code::Shutdown`].
-pub const DRAIN_TIME: Duration = Duration::from_secs(2);
+pub(crate) const DRAIN_TIME: Duration = Duration::from_secs(2);
 
 /// Why a session ended: the code goes in CLOSE_WEBTRANSPORT_SESSION.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u32)]
-pub enum Code {
+pub(crate) enum Code {
     /// The client closed the session, or it finished normally.
     Done = 0,
     TooManyStreams = 0x5701,
@@ -49,7 +49,7 @@ pub enum Code {
 }
 
 impl Code {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Done => "done",
             Self::TooManyStreams => "too_many_streams",
@@ -80,7 +80,7 @@ impl Code {
 
 /// The HTTP/3 error code a WebTransport application code maps to on a stream reset
 /// (draft-ietf-webtrans-http3 §4.3: codes skip the reserved greasing values).
-pub fn stream_error_code(code: u32) -> u64 {
+pub(crate) fn stream_error_code(code: u32) -> u64 {
     const FIRST: u64 = 0x52e4_a40f_a8db;
     let code = u64::from(code);
     FIRST + code + code / 0x1e
@@ -88,7 +88,7 @@ pub fn stream_error_code(code: u32) -> u64 {
 
 /// The endpoint's counters, returned by a GET on its path.
 #[derive(Debug, Default)]
-pub struct Counters {
+pub(crate) struct Counters {
     pub sessions_accepted: AtomicU64,
     pub sessions_active: AtomicU64,
     pub refused_origin: AtomicU64,
@@ -112,7 +112,7 @@ impl Counters {
     }
 
     /// One JSON object, flat, keys stable.
-    pub fn json(&self) -> String {
+    pub(crate) fn json(&self) -> String {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         let mut out = format!(
             "{{\"sessions_accepted\": {}, \"sessions_active\": {}, \"refused_origin\": {}, \
@@ -145,7 +145,7 @@ impl Counters {
 
 /// A site's diagnostic endpoint: its limits, its session slots and its counters.
 #[derive(Debug)]
-pub struct Endpoint {
+pub(crate) struct Endpoint {
     pub config: WebTransport,
     sessions: Arc<Semaphore>,
     pub counters: Counters,
@@ -153,13 +153,13 @@ pub struct Endpoint {
 
 /// Why a CONNECT did not become a session.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refusal {
+pub(crate) struct Refusal {
     pub status: StatusCode,
     pub reason: &'static str,
 }
 
 impl Endpoint {
-    pub fn new(config: WebTransport) -> Self {
+    pub(crate) fn new(config: WebTransport) -> Self {
         Self {
             sessions: Arc::new(Semaphore::new(config.max_sessions)),
             config,
@@ -168,13 +168,13 @@ impl Endpoint {
     }
 
     /// Whether a request path (query ignored) is this endpoint's.
-    pub fn matches(&self, uri: &Uri) -> bool {
+    pub(crate) fn matches(&self, uri: &Uri) -> bool {
         uri.path() == self.config.path
     }
 
     /// Checks a WebTransport CONNECT: its Origin against the allow-list, the mode it
     /// asks for (`?mode=`, echo by default) and a free session slot.
-    pub fn admit(self: &Arc<Self>, uri: &Uri, headers: &HeaderMap) -> Result<Admission, Refusal> {
+    pub(crate) fn admit(self: &Arc<Self>, uri: &Uri, headers: &HeaderMap) -> Result<Admission, Refusal> {
         let origin = headers.get(http::header::ORIGIN).and_then(|v| v.to_str().ok());
         let any = self.config.allowed_origins.iter().any(|o| o == "*");
         let allowed = any
@@ -216,8 +216,8 @@ impl Endpoint {
     }
 
     /// The counters as an HTTP response (GET on the endpoint's path).
-    pub fn stats_response(&self) -> crate::service::Response {
-        let mut resp = crate::service::Response::status(StatusCode::OK);
+    pub(crate) fn stats_response(&self) -> crate::message::Response {
+        let mut resp = crate::message::Response::status(StatusCode::OK);
         resp.headers.insert(
             http::header::CONTENT_TYPE,
             http::HeaderValue::from_static("application/json"),
@@ -229,7 +229,7 @@ impl Endpoint {
         let json = Bytes::from(self.counters.json());
         resp.headers
             .insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(json.len()));
-        resp.body = crate::service::Body::Bytes(json);
+        resp.body = crate::message::Body::Bytes(json);
         resp
     }
 }
@@ -252,7 +252,7 @@ fn requested_mode(uri: &Uri) -> Option<WtMode> {
 
 /// An admitted CONNECT: holds its session slot until the session ends.
 #[derive(Debug)]
-pub struct Admission {
+pub(crate) struct Admission {
     endpoint: Arc<Endpoint>,
     pub mode: WtMode,
     permit: OwnedSemaphorePermit,
@@ -260,7 +260,7 @@ pub struct Admission {
 
 impl Admission {
     /// Starts the session's bookkeeping; the transport then drives it.
-    pub fn start(self) -> Arc<SessionState> {
+    pub(crate) fn start(self) -> Arc<SessionState> {
         let c = &self.endpoint.counters;
         c.sessions_accepted.fetch_add(1, Ordering::Relaxed);
         c.sessions_active.fetch_add(1, Ordering::Relaxed);
@@ -294,7 +294,7 @@ struct Bucket {
 
 /// How a session ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct End {
+pub(crate) struct End {
     pub code: Code,
     pub reason: String,
     /// Whether the client ended it (then no close capsule goes back).
@@ -303,7 +303,7 @@ pub struct End {
 
 /// One session's limits and tallies, shared by its streams and datagram handling.
 #[derive(Debug)]
-pub struct SessionState {
+pub(crate) struct SessionState {
     endpoint: Arc<Endpoint>,
     pub mode: WtMode,
     streams: Arc<Semaphore>,
@@ -330,16 +330,16 @@ impl Drop for SessionState {
 }
 
 impl SessionState {
-    pub fn config(&self) -> &WebTransport {
+    pub(crate) fn config(&self) -> &WebTransport {
         &self.endpoint.config
     }
 
-    pub fn counters(&self) -> &Counters {
+    pub(crate) fn counters(&self) -> &Counters {
         &self.endpoint.counters
     }
 
     /// Ends the session (the first end wins) and wakes everything waiting on it.
-    pub fn end(&self, code: Code, reason: impl Into<String>, by_client: bool) {
+    pub(crate) fn end(&self, code: Code, reason: impl Into<String>, by_client: bool) {
         let reason = reason.into();
         if self
             .end
@@ -358,16 +358,16 @@ impl SessionState {
     }
 
     /// Ends the session for breaking a limit.
-    pub fn fail(&self, code: Code, reason: impl Into<String>) {
+    pub(crate) fn fail(&self, code: Code, reason: impl Into<String>) {
         self.end(code, reason, false);
     }
 
-    pub fn ending(&self) -> Option<&End> {
+    pub(crate) fn ending(&self) -> Option<&End> {
         self.end.get()
     }
 
     /// Resolves once the session has ended.
-    pub async fn ended(&self) {
+    pub(crate) async fn ended(&self) {
         loop {
             let notified = self.ended.notified();
             tokio::pin!(notified);
@@ -379,20 +379,20 @@ impl SessionState {
         }
     }
 
-    pub fn touch(&self) {
+    pub(crate) fn touch(&self) {
         let ms = u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.last_activity_ms.store(ms, Ordering::Relaxed);
     }
 
     /// How long the session has been without traffic.
-    pub fn idle_for(&self) -> Duration {
+    pub(crate) fn idle_for(&self) -> Duration {
         let last = Duration::from_millis(self.last_activity_ms.load(Ordering::Relaxed));
         self.started.elapsed().saturating_sub(last)
     }
 
     /// Charges `n` bytes (either way) to the session's budget; `false` (and the
     /// session ended) when that spends more than it had.
-    pub fn charge(&self, n: usize) -> bool {
+    pub(crate) fn charge(&self, n: usize) -> bool {
         self.touch();
         let n = n as u64;
         let ok = self
@@ -412,7 +412,7 @@ impl SessionState {
     }
 
     /// A slot for one more client stream, or the session ends for having too many.
-    pub fn stream_slot(&self) -> Option<OwnedSemaphorePermit> {
+    pub(crate) fn stream_slot(&self) -> Option<OwnedSemaphorePermit> {
         self.touch();
         match self.streams.clone().try_acquire_owned() {
             Ok(p) => {
@@ -433,7 +433,7 @@ impl SessionState {
     }
 
     /// Admits one received datagram of `len` bytes against the size and rate limits.
-    pub fn datagram_in(&self, len: usize) -> bool {
+    pub(crate) fn datagram_in(&self, len: usize) -> bool {
         self.touch();
         let config = self.config();
         if len > config.max_datagram_bytes {
@@ -477,20 +477,20 @@ impl SessionState {
 }
 
 /// Boxed futures for the object-safe transport interface.
-pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A stream's send half: bytes, a clean finish (`shutdown`), or a reset.
-pub trait SendHalf: AsyncWrite + Unpin + Send {
+pub(crate) trait SendHalf: AsyncWrite + Unpin + Send {
     fn reset(&mut self, code: u32);
 }
 
 /// A stream's receive half; `stop` asks the peer to stop sending.
-pub trait RecvHalf: AsyncRead + Unpin + Send {
+pub(crate) trait RecvHalf: AsyncRead + Unpin + Send {
     fn stop(&mut self, code: u32);
 }
 
 /// What a session's mode needs from its transport beyond the streams it is given.
-pub trait Transport: Send + Sync {
+pub(crate) trait Transport: Send + Sync {
     /// Opens a server-initiated unidirectional stream in the session.
     fn open_uni(&self) -> BoxFuture<'_, std::io::Result<Box<dyn SendHalf>>>;
     /// Sends a datagram, waiting while the connection cannot take it.

@@ -1,0 +1,200 @@
+//! The seam between the protocol drivers and everything behind them.
+//!
+//! A driver (h1, hyper's h1/h2, h3) only translates: its wire format into a
+//! [`RequestHead`], and a [`Response`] back out. Everything in between is here, once:
+//! the driver context ([`ConnContext`]), building the head, calling the service, the
+//! access log, WebTransport admission, the response body every driver pulls from
+//! ([`ResponseBody`]: one file cursor, one upstream relay) and the send loop with its
+//! fault handling ([`send_body`]): a body that fails (disk error, shrunk file,
+//! upstream reset) ends the response so the peer can tell it is incomplete.
+
+mod body;
+mod send;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, Version};
+
+use crate::config::{Config, H2Settings, H3Settings, Limits, Policy, ProxyH2Settings};
+use crate::message::{Client, RequestHead, Response, StreamBody, SERVER};
+use crate::service::Service;
+use crate::shutdown::Shutdown;
+use crate::webtransport::{Admission, Refusal};
+
+pub(crate) use body::ResponseBody;
+pub(crate) use send::{send_body, BodyWriter, Progress, SendError};
+
+/// The protocol a request arrived over, as logs name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Proto {
+    H1,
+    H2,
+    H3,
+}
+
+impl Proto {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Proto::H1 => "h1",
+            Proto::H2 => "h2",
+            Proto::H3 => "h3",
+        }
+    }
+
+    pub(crate) fn of(version: Version) -> Self {
+        match version {
+            Version::HTTP_2 => Proto::H2,
+            Version::HTTP_3 => Proto::H3,
+            _ => Proto::H1,
+        }
+    }
+}
+
+/// What every driver needs from the server; one per server, shared by all
+/// connections.
+#[derive(Debug)]
+pub(crate) struct Drivers {
+    pub(crate) service: Arc<Service>,
+    pub(crate) limits: Limits,
+    pub(crate) h2: H2Settings,
+    pub(crate) proxy_h2: ProxyH2Settings,
+    pub(crate) h3: H3Settings,
+    /// Whether h3 responses may switch their connection to BBR (`[kernel] bbr`).
+    pub(crate) bbr: bool,
+    pub(crate) access_log: bool,
+    pub(crate) shutdown: Shutdown,
+    /// Suites HTTP/1.1 bulk responses may promote to kernel TLS; `None` when kTLS is
+    /// off or missing.
+    pub(crate) ktls: Option<Arc<crate::ktls::Support>>,
+    /// Sessions one h3 connection may hold when some site has a WebTransport
+    /// endpoint; 0 when none does (then nothing WebTransport is offered).
+    pub(crate) webtransport_sessions: usize,
+}
+
+impl Drivers {
+    pub(crate) fn new(
+        config: &Config,
+        service: Arc<Service>,
+        shutdown: Shutdown,
+        ktls: Option<Arc<crate::ktls::Support>>,
+    ) -> Self {
+        Self {
+            service,
+            limits: config.limits,
+            h2: config.h2,
+            proxy_h2: config.proxy_h2,
+            h3: config.h3,
+            bbr: config.kernel.bbr != Policy::Off,
+            access_log: config.access_log,
+            shutdown,
+            ktls,
+            webtransport_sessions: config
+                .sites
+                .iter()
+                .filter_map(|s| s.webtransport.as_ref().filter(|_| s.protocols.h3))
+                .map(|w| w.max_sessions)
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
+    /// The context of a new connection from `peer` that was shown `tls_site`'s
+    /// certificate.
+    pub(crate) fn connection(self: &Arc<Self>, peer: SocketAddr, tls_site: usize) -> ConnContext {
+        ConnContext {
+            drivers: self.clone(),
+            client: Client { peer, tls_site },
+        }
+    }
+}
+
+/// One connection's context: the shared driver settings and who the client is.
+#[derive(Debug, Clone)]
+pub(crate) struct ConnContext {
+    pub(crate) drivers: Arc<Drivers>,
+    pub(crate) client: Client,
+}
+
+impl std::ops::Deref for ConnContext {
+    type Target = Drivers;
+
+    fn deref(&self) -> &Drivers {
+        &self.drivers
+    }
+}
+
+impl ConnContext {
+    pub(crate) fn peer(&self) -> SocketAddr {
+        self.client.peer
+    }
+
+    /// The request head of a request on this connection.
+    pub(crate) fn head<'a>(
+        &self,
+        method: &'a Method,
+        uri: &'a Uri,
+        version: Version,
+        headers: &'a HeaderMap,
+    ) -> RequestHead<'a> {
+        RequestHead::new(self.client, method, uri, version, headers)
+    }
+
+    /// Serves one request: the service's response, logged, with the `Server` header.
+    pub(crate) async fn handle(&self, head: &RequestHead<'_>, body: StreamBody) -> Response {
+        let mut resp = self.service.handle(head, body).await;
+        if self.access_log {
+            tracing::info!(target: "access", peer = %self.client.peer, proto = Proto::of(head.version).as_str(),
+                method = %head.method, uri = %head.uri, status = resp.status.as_u16(),
+                bytes = resp.body.len());
+        }
+        stamp(&mut resp);
+        resp
+    }
+
+    /// A response the driver makes by itself (a request it could not parse).
+    pub(crate) fn refuse(&self, status: StatusCode) -> Response {
+        let mut resp = Response::status(status);
+        stamp(&mut resp);
+        resp
+    }
+
+    /// Admits a WebTransport extended CONNECT, or says why not (logged either way).
+    pub(crate) fn admit_webtransport(&self, head: &RequestHead<'_>) -> Result<Admission, Refusal> {
+        let proto = Proto::of(head.version).as_str();
+        let admitted = match self.service.webtransport(head) {
+            Some(endpoint) => endpoint.admit(head.uri, head.headers),
+            None => Err(Refusal {
+                status: StatusCode::NOT_FOUND,
+                reason: "no WebTransport endpoint here",
+            }),
+        };
+        let status = admitted.as_ref().map_or_else(|r| r.status, |_| StatusCode::OK);
+        if self.access_log {
+            tracing::info!(target: "access", peer = %self.client.peer, proto, method = "CONNECT",
+                protocol = "webtransport", uri = %head.uri, status = status.as_u16());
+        }
+        if let Err(refusal) = &admitted {
+            tracing::debug!(peer = %self.client.peer, proto, reason = refusal.reason, "WebTransport session refused");
+        }
+        admitted
+    }
+
+    /// The answer to a WebTransport CONNECT: 200 without a length (RFC 9110 §9.3.6),
+    /// or the refusal's status.
+    pub(crate) fn webtransport_response(&self, admitted: &Result<Admission, Refusal>) -> Response {
+        match admitted {
+            Ok(_) => {
+                let mut resp = self.refuse(StatusCode::OK);
+                resp.headers.remove(http::header::CONTENT_LENGTH);
+                resp
+            }
+            Err(refusal) => self.refuse(refusal.status),
+        }
+    }
+}
+
+fn stamp(resp: &mut Response) {
+    resp.headers
+        .insert(http::header::SERVER, HeaderValue::from_static(SERVER));
+}

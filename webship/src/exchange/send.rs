@@ -1,0 +1,118 @@
+//! The send loop of the drivers that push (h1, h3; hyper pulls by itself): it drains
+//! a [`ResponseBody`] into a driver's [`BodyWriter`] and is the one place that decides
+//! how a response ends. A body that fails (disk error, shrunk file, upstream reset)
+//! aborts the response — the writer makes the peer see it incomplete — and is never
+//! finished as if it were whole.
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body_util::BodyExt;
+
+use super::ResponseBody;
+use crate::files::cursor::FileRange;
+use crate::message::BoxError;
+
+/// Why a response was not sent completely.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SendError {
+    /// The body could not be produced: the response was aborted.
+    #[error("response body failed: {0}")]
+    Body(BoxError),
+    /// Writing to the peer failed (it went away, or a protocol error).
+    #[error("{0}")]
+    Peer(BoxError),
+    /// The peer stopped reading for longer than the send timeout.
+    #[error("client stopped reading for longer than the send timeout")]
+    Timeout,
+}
+
+impl SendError {
+    pub(crate) fn peer(e: impl Into<BoxError>) -> Self {
+        SendError::Peer(e.into())
+    }
+}
+
+/// How far a response got, after a data chunk.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Progress {
+    /// Body bytes sent so far.
+    pub(crate) sent: u64,
+    /// Whether file bytes are still to come.
+    pub(crate) file_left: bool,
+}
+
+/// One response stream of a driver, as the send loop writes it.
+pub(crate) trait BodyWriter {
+    async fn data(&mut self, data: Bytes) -> Result<(), SendError>;
+
+    /// The body's trailers, its last frame; [`finish`](Self::finish) follows.
+    async fn trailers(&mut self, trailers: HeaderMap) -> Result<(), SendError>;
+
+    /// The body is complete (after its trailers, if any): end the response cleanly.
+    async fn finish(&mut self) -> Result<(), SendError>;
+
+    /// The body failed: end the response so the peer can tell it is incomplete.
+    fn abort(&mut self);
+
+    /// After each data chunk: the driver may act on the bytes sent so far (h1's
+    /// kernel TLS promotion, h3's switch to BBR).
+    async fn progress(&mut self, _progress: Progress) -> Result<(), SendError> {
+        Ok(())
+    }
+
+    /// Whether the writer can send file ranges without reading them (h1 on kTLS).
+    fn sends_files(&self) -> bool {
+        false
+    }
+
+    /// Sends a file range unread; only called when [`sends_files`](Self::sends_files).
+    async fn file(&mut self, range: FileRange) -> Result<(), SendError> {
+        let _ = range;
+        Err(SendError::peer("this driver cannot send files unread"))
+    }
+}
+
+/// Sends `body` through `writer` until it ends, then finishes the response; on a body
+/// error, aborts it instead.
+pub(crate) async fn send_body<W: BodyWriter>(
+    mut body: ResponseBody,
+    writer: &mut W,
+) -> Result<(), SendError> {
+    loop {
+        if writer.sends_files() {
+            if let Some(range) = body.take_file_range() {
+                writer.file(range).await?;
+                continue;
+            }
+        }
+        let frame = match body.frame().await {
+            None => break,
+            Some(Ok(frame)) => frame,
+            Some(Err(e)) => {
+                writer.abort();
+                return Err(SendError::Body(e));
+            }
+        };
+        match frame.into_data() {
+            Ok(data) => {
+                if data.is_empty() {
+                    continue;
+                }
+                writer.data(data).await?;
+                let progress = Progress {
+                    sent: body.produced(),
+                    file_left: body.has_file_left(),
+                };
+                writer.progress(progress).await?;
+            }
+            Err(frame) => {
+                if let Ok(trailers) = frame.into_trailers() {
+                    // Trailers end the body; nothing may follow them.
+                    writer.trailers(trailers).await?;
+                    break;
+                }
+            }
+        }
+    }
+    writer.finish().await
+}

@@ -1,0 +1,172 @@
+//! The passthrough plan: which engines carry TLS and HTTP/3 passthrough, the eBPF
+//! programs they need, the UDP relay, and the counters they leave behind.
+//!
+//! A `required` eBPF that fails to load stops startup; `auto` logs why and carries
+//! on with a userspace engine.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::task::JoinHandle;
+
+use super::ServerError;
+use crate::config::{Config, Policy, UdpEngine, UdpPassthrough};
+use crate::ebpf::{EbpfError, Programs};
+use crate::passthrough::udp::UdpRelay;
+use crate::passthrough::Passthrough;
+use crate::preflight::Report;
+
+#[derive(Debug)]
+pub(super) struct Plan {
+    /// The TCP passthrough routes, if any.
+    pub(super) passthrough: Option<Arc<Passthrough>>,
+    /// Loaded when passthrough would use them and preflight found eBPF usable.
+    programs: Option<Arc<Programs>>,
+    /// Mirrors the daemon's counters into the pinned map for `webship stats`.
+    publisher: Option<JoinHandle<()>>,
+    udp: Option<UdpPassthrough>,
+    ebpf_policy: Policy,
+    ktls_counters: bool,
+}
+
+impl Plan {
+    pub(super) fn load(config: &Config, report: &Report) -> Result<Self, ServerError> {
+        let programs = load_programs(config, report)?;
+        let engine = crate::passthrough::resolve(config.passthrough_engine, programs.is_some());
+        let passthrough = Passthrough::new(config, engine, programs.clone()).map(Arc::new);
+        if let Some(pt) = &passthrough {
+            tracing::info!(engine = %pt.engine(), configured = %config.passthrough_engine, "passthrough engine");
+        }
+        let publisher = programs.clone().map(|p| tokio::spawn(publish_counters(p)));
+        Ok(Self {
+            passthrough,
+            programs,
+            publisher,
+            udp: config.passthrough_udp,
+            ebpf_policy: config.kernel.ebpf,
+            ktls_counters: report.use_ktls(),
+        })
+    }
+
+    /// HTTP/3 passthrough on the UDP side of `listen`: the kernel redirect when it
+    /// applies, and the userspace relay, which owns the port either way.
+    pub(super) fn bind_udp(
+        &self,
+        config: &Config,
+        listen: SocketAddr,
+    ) -> Result<Option<UdpRelay>, ServerError> {
+        let Some(udp) = self.udp else {
+            return Ok(None);
+        };
+        // The kernel redirect goes in before the relay socket exists: a datagram the
+        // relay took first would start that client's flow on the other path, and the
+        // rest of the flow, redirected, would reach the origin from another address.
+        self.redirect_udp_in_kernel(udp, listen)?;
+        let relay = UdpRelay::bind(listen, udp, config.limits.max_connections)
+            .map_err(|source| ServerError::Bind { addr: listen, source })?;
+        tracing::info!(
+            udp = %relay.local_addr().unwrap_or(listen),
+            origin = %udp.upstream,
+            "HTTP/3 passthrough: every datagram goes to the QUIC origin"
+        );
+        Ok(Some(relay))
+    }
+
+    pub(super) fn start_relay(&self, relay: Option<UdpRelay>) -> Option<JoinHandle<()>> {
+        relay.map(|relay| tokio::spawn(relay.run()))
+    }
+
+    /// Hands HTTP/3 passthrough to the kernel when the UDP engine asks for eBPF (or
+    /// `auto` finds it applicable and loaded).
+    fn redirect_udp_in_kernel(&self, udp: UdpPassthrough, listen: SocketAddr) -> Result<(), ServerError> {
+        let applies = UdpEngine::ebpf_applies(listen, udp.upstream);
+        let (Some(programs), SocketAddr::V4(listen), SocketAddr::V4(origin)) =
+            (self.programs.as_deref(), listen, udp.upstream)
+        else {
+            if udp.engine == UdpEngine::Ebpf {
+                return Err(EbpfError::Load(
+                    "the eBPF UDP redirect needs the programs loaded and IPv4 loopback addresses".into(),
+                )
+                .into());
+            }
+            tracing::info!(engine = "userspace", "HTTP/3 passthrough engine");
+            return Ok(());
+        };
+        if udp.engine == UdpEngine::Userspace || !applies {
+            tracing::info!(engine = "userspace", configured = %udp.engine, "HTTP/3 passthrough engine");
+            return Ok(());
+        }
+        match programs.redirect_udp(listen, origin) {
+            Ok(()) => {
+                tracing::info!(engine = "ebpf", configured = %udp.engine, "HTTP/3 passthrough engine");
+                Ok(())
+            }
+            Err(e) if udp.engine == UdpEngine::Ebpf || self.ebpf_policy == Policy::Required => Err(e.into()),
+            Err(e) => {
+                tracing::warn!(error = %e, "eBPF UDP redirect not used: HTTP/3 passthrough is relayed in userspace");
+                Ok(())
+            }
+        }
+    }
+
+    /// After the drain: the counters' last word, then the programs detach and the
+    /// pinned maps go (with the last reference).
+    pub(super) fn finish(self) {
+        if let Some(task) = &self.publisher {
+            task.abort();
+        }
+        if self.passthrough.is_some() {
+            let user = crate::passthrough::counters();
+            let kernel = self.programs.as_ref().map(|p| p.kernel_counters());
+            if let Some(p) = &self.programs {
+                p.publish(&user);
+            }
+            let line: Vec<String> = crate::ebpf::Counter::ALL
+                .iter()
+                .map(|&c| {
+                    let k = kernel.map_or(0, |k| k[c as usize]);
+                    format!("{}={}", c.name(), user[c as usize] + k)
+                })
+                .collect();
+            tracing::info!("passthrough counters: {}", line.join(" "));
+        }
+        drop(self.passthrough);
+        drop(self.programs);
+        if self.ktls_counters {
+            let c = crate::ktls::counters();
+            tracing::info!(
+                promotions = c.promotions,
+                sendfile_bytes = c.sendfile_bytes,
+                fallbacks = c.fallbacks,
+                "ktls counters"
+            );
+        }
+    }
+}
+
+fn load_programs(config: &Config, report: &Report) -> Result<Option<Arc<Programs>>, ServerError> {
+    if config.passthrough.is_empty() || !report.use_ebpf() {
+        return Ok(None);
+    }
+    match Programs::load(&config.kernel.bpf_pin_dir) {
+        Ok(programs) => {
+            tracing::info!(pins = %config.kernel.bpf_pin_dir.display(), "eBPF programs loaded; counters pinned for `webship stats`");
+            Ok(Some(programs))
+        }
+        Err(e) if config.kernel.ebpf == Policy::Required => Err(e.into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "eBPF not used: passthrough runs a userspace engine");
+            Ok(None)
+        }
+    }
+}
+
+/// Mirrors the daemon's passthrough counters into the pinned map twice a second.
+async fn publish_counters(programs: Arc<Programs>) {
+    let mut tick = tokio::time::interval(std::time::Duration::from_millis(500));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        programs.publish(&crate::passthrough::counters());
+    }
+}
