@@ -429,3 +429,25 @@ fn webtransport_endpoints_are_validated() {
         ["sites[0].webtransport"]
     );
 }
+
+/// The messages `webship check` prints for `[runtime.settings]`, pinned whole, so a
+/// change in how the keys are described cannot change what an operator reads.
+#[test]
+fn runtime_setting_messages_are_exact() {
+    let f = Files::new();
+    let text = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[runtime.settings]\n\
+                h2_tls_write_bufer_bytes = \"131072\"\nh3_gso = \"2\"\n\
+                proxy_h2_tls_connection_send_buffer_bytes = \"lots\"\n";
+    let expected = "test.toml: 3 problem(s):\n  \
+        - `runtime.settings.h2_tls_write_bufer_bytes`: unknown setting (fix: use one of: \
+        h2_tls_write_buffer_bytes, h2_initial_stream_window_bytes, h2_initial_connection_window_bytes, \
+        h2_max_frame_size_bytes, h2_max_concurrent_streams, h2_max_send_buffer_bytes, h3_send_window_bytes, \
+        h3_stream_receive_window_bytes, h3_receive_window_bytes, h3_max_concurrent_streams, \
+        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_retry, proxy_h2_tls_max_send_buffer_bytes, \
+        proxy_h2_tls_connection_send_buffer_bytes)\n  \
+        - `runtime.settings.h3_gso`: `2` is not a whole number from 0 to 1 \
+        (fix: write it as a quoted number, e.g. \"1\")\n  \
+        - `runtime.settings.proxy_h2_tls_connection_send_buffer_bytes`: `lots` is not a whole number \
+        from 16384 to 4294967296 (fix: write it as a quoted number, e.g. \"33554432\")";
+    assert_eq!(f.parse(text).unwrap_err().to_string(), expected);
+}
