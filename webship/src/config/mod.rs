@@ -5,13 +5,15 @@
 //! fix. Parse errors carry toml's line and column; validation collects every problem
 //! it finds instead of stopping at the first.
 //!
-//! `raw` is the file as written, `validate` turns it into the types of `model`, `load`
-//! is the entry point and `error` what it refuses with.
+//! `raw` is the file as written, `validate` turns it into the types of `model`,
+//! `settings` describes each `[runtime.settings]` key once, `load` is the entry point
+//! and `error` what it refuses with.
 
 mod error;
 mod load;
 mod model;
 mod raw;
+mod settings;
 mod validate;
 
 pub use error::{ConfigError, Problem};

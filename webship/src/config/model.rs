@@ -1,6 +1,9 @@
 //! The typed configuration the daemon runs on: what `validate` produces from the raw
 //! file and what every other module reads. Nothing here parses or checks; a value of
 //! these types has already passed validation.
+//!
+//! The `[runtime.settings]` structs take their defaults from the key table in
+//! `settings.rs`, next to each key's name and range.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -366,7 +369,8 @@ impl Default for Limits {
     }
 }
 
-/// HTTP/2 server settings (`[runtime.settings]` keys `h2_*`).
+/// HTTP/2 server settings (`[runtime.settings]` keys `h2_*`; defaults and ranges in
+/// `settings.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct H2Settings {
     /// The per-connection TLS write batch: DATA frames collect here before rustls
@@ -380,20 +384,8 @@ pub struct H2Settings {
     pub max_send_buffer_bytes: usize,
 }
 
-impl Default for H2Settings {
-    fn default() -> Self {
-        Self {
-            tls_write_buffer_bytes: 128 * 1024,
-            initial_stream_window_bytes: 1024 * 1024,
-            initial_connection_window_bytes: 16 * 1024 * 1024,
-            max_frame_size_bytes: 64 * 1024,
-            max_concurrent_streams: 256,
-            max_send_buffer_bytes: 256 * 1024,
-        }
-    }
-}
-
-/// HTTP/3 (QUIC) settings (`[runtime.settings]` keys `h3_*`).
+/// HTTP/3 (QUIC) settings (`[runtime.settings]` keys `h3_*`; defaults and ranges in
+/// `settings.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct H3Settings {
     /// Bytes one connection may have queued for sending across all its streams: the
@@ -413,33 +405,10 @@ pub struct H3Settings {
     pub always_retry: bool,
 }
 
-impl Default for H3Settings {
-    fn default() -> Self {
-        Self {
-            send_window_bytes: 16 * 1024 * 1024,
-            stream_receive_window_bytes: 1024 * 1024,
-            receive_window_bytes: 8 * 1024 * 1024,
-            max_concurrent_streams: 256,
-            mtu_upper_bound_bytes: 1452,
-            gso: true,
-            bbr_switch_bytes: 1024 * 1024,
-            always_retry: false,
-        }
-    }
-}
-
-/// Process-wide HTTP/2 settings for proxied streams, validated now, used by the proxy.
+/// Process-wide HTTP/2 settings for proxied streams, validated now, used by the proxy
+/// (`[runtime.settings]` keys `proxy_h2_*`; defaults and ranges in `settings.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ProxyH2Settings {
     pub tls_max_send_buffer_bytes: usize,
     pub tls_connection_send_buffer_bytes: usize,
-}
-
-impl Default for ProxyH2Settings {
-    fn default() -> Self {
-        Self {
-            tls_max_send_buffer_bytes: 128 * 1024,
-            tls_connection_send_buffer_bytes: 128 * 1024 * 256,
-        }
-    }
 }

@@ -451,3 +451,53 @@ fn runtime_setting_messages_are_exact() {
         from 16384 to 4294967296 (fix: write it as a quoted number, e.g. \"33554432\")";
     assert_eq!(f.parse(text).unwrap_err().to_string(), expected);
 }
+
+/// Each key's range must fit the field it sets: both ends survive a round trip, and
+/// the default lies inside.
+#[test]
+fn every_range_fits_its_field() {
+    let names: Vec<&str> = settings::names().collect();
+    let mut unique = names.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), names.len(), "a key is listed twice: {names:?}");
+    for name in names {
+        let setting = settings::find(name).unwrap();
+        for n in [*setting.range.start(), *setting.range.end()] {
+            let mut tuned = settings::Tuned::default();
+            setting.set(&mut tuned, n);
+            assert_eq!(setting.get(&tuned), n, "{name} = {n} does not fit its field");
+        }
+        assert!(
+            setting.range.contains(&setting.default_value()),
+            "{name}: the default is out of range"
+        );
+    }
+}
+
+/// The README's `[runtime.settings]` example lists every key with its default, so a
+/// key added to the table without documentation fails here.
+#[test]
+fn the_readme_lists_every_setting_with_its_default() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let block = readme
+        .split_once("[runtime.settings]")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .map(|(block, _)| block)
+        .expect("README.md has a [runtime.settings] example");
+    let documented: Vec<(String, String)> = block
+        .lines()
+        .filter_map(|line| {
+            let (key, rest) = line.split_once(" = \"")?;
+            let value = rest.split('"').next()?;
+            Some((key.trim().to_owned(), value.to_owned()))
+        })
+        .collect();
+    let table: Vec<(String, String)> = settings::names()
+        .map(|name| {
+            let default = settings::find(name).unwrap().default_value();
+            (name.to_owned(), default.to_string())
+        })
+        .collect();
+    assert_eq!(documented, table);
+}
