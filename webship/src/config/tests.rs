@@ -1,3 +1,5 @@
+use std::time::Duration;
+
 use super::*;
 
 struct Files {
@@ -426,4 +428,76 @@ fn webtransport_endpoints_are_validated() {
             .collect::<Vec<_>>(),
         ["sites[0].webtransport"]
     );
+}
+
+/// The messages `webship check` prints for `[runtime.settings]`, pinned whole, so a
+/// change in how the keys are described cannot change what an operator reads.
+#[test]
+fn runtime_setting_messages_are_exact() {
+    let f = Files::new();
+    let text = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[runtime.settings]\n\
+                h2_tls_write_bufer_bytes = \"131072\"\nh3_gso = \"2\"\n\
+                proxy_h2_tls_connection_send_buffer_bytes = \"lots\"\n";
+    let expected = "test.toml: 3 problem(s):\n  \
+        - `runtime.settings.h2_tls_write_bufer_bytes`: unknown setting (fix: use one of: \
+        h2_tls_write_buffer_bytes, h2_initial_stream_window_bytes, h2_initial_connection_window_bytes, \
+        h2_max_frame_size_bytes, h2_max_concurrent_streams, h2_max_send_buffer_bytes, h3_send_window_bytes, \
+        h3_stream_receive_window_bytes, h3_receive_window_bytes, h3_max_concurrent_streams, \
+        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_retry, proxy_h2_tls_max_send_buffer_bytes, \
+        proxy_h2_tls_connection_send_buffer_bytes)\n  \
+        - `runtime.settings.h3_gso`: `2` is not a whole number from 0 to 1 \
+        (fix: write it as a quoted number, e.g. \"1\")\n  \
+        - `runtime.settings.proxy_h2_tls_connection_send_buffer_bytes`: `lots` is not a whole number \
+        from 16384 to 4294967296 (fix: write it as a quoted number, e.g. \"33554432\")";
+    assert_eq!(f.parse(text).unwrap_err().to_string(), expected);
+}
+
+/// Each key's range must fit the field it sets: both ends survive a round trip, and
+/// the default lies inside.
+#[test]
+fn every_range_fits_its_field() {
+    let names: Vec<&str> = settings::names().collect();
+    let mut unique = names.clone();
+    unique.sort_unstable();
+    unique.dedup();
+    assert_eq!(unique.len(), names.len(), "a key is listed twice: {names:?}");
+    for name in names {
+        let setting = settings::find(name).unwrap();
+        for n in [*setting.range.start(), *setting.range.end()] {
+            let mut tuned = settings::Tuned::default();
+            setting.set(&mut tuned, n);
+            assert_eq!(setting.get(&tuned), n, "{name} = {n} does not fit its field");
+        }
+        assert!(
+            setting.range.contains(&setting.default_value()),
+            "{name}: the default is out of range"
+        );
+    }
+}
+
+/// The README's `[runtime.settings]` example lists every key with its default, so a
+/// key added to the table without documentation fails here.
+#[test]
+fn the_readme_lists_every_setting_with_its_default() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let block = readme
+        .split_once("[runtime.settings]")
+        .and_then(|(_, rest)| rest.split_once("```"))
+        .map(|(block, _)| block)
+        .expect("README.md has a [runtime.settings] example");
+    let documented: Vec<(String, String)> = block
+        .lines()
+        .filter_map(|line| {
+            let (key, rest) = line.split_once(" = \"")?;
+            let value = rest.split('"').next()?;
+            Some((key.trim().to_owned(), value.to_owned()))
+        })
+        .collect();
+    let table: Vec<(String, String)> = settings::names()
+        .map(|name| {
+            let default = settings::find(name).unwrap().default_value();
+            (name.to_owned(), default.to_string())
+        })
+        .collect();
+    assert_eq!(documented, table);
 }

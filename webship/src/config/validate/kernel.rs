@@ -1,0 +1,30 @@
+//! `[kernel]`: how preflight treats kTLS, BBR and eBPF, and where the eBPF counter
+//! maps are pinned. The passthrough engines may still raise `ebpf` to required.
+
+use std::path::PathBuf;
+
+use crate::config::raw::RawKernel;
+use crate::config::{Kernel, Policy};
+
+use super::Validator;
+
+impl Validator<'_> {
+    pub(super) fn kernel(&mut self, raw: RawKernel) -> Kernel {
+        let kernel = Kernel {
+            ktls: raw.ktls.unwrap_or(Policy::Auto),
+            bbr: raw.bbr.unwrap_or(Policy::Auto),
+            ebpf: raw.ebpf.unwrap_or(Policy::Auto),
+            bpf_pin_dir: raw
+                .bpf_pin_dir
+                .unwrap_or_else(|| PathBuf::from(crate::ebpf::DEFAULT_PIN_DIR)),
+        };
+        if !kernel.bpf_pin_dir.is_absolute() {
+            self.problem(
+                "kernel.bpf_pin_dir",
+                format!("`{}` is not an absolute path", kernel.bpf_pin_dir.display()),
+                "use a folder under the BPF filesystem, such as \"/sys/fs/bpf/webship\"",
+            );
+        }
+        kernel
+    }
+}

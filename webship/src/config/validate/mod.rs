@@ -1,0 +1,237 @@
+//! Raw serde structs → the typed [`Config`]. One submodule per part of the file
+//! (sites, the reverse proxy and passthrough, WebTransport, kernel, limits, runtime
+//! settings); this one holds the walk over the whole file and the checks several
+//! parts share (host names, paths, certificates, protocols, upstreams).
+//!
+//! Validation collects every problem instead of stopping at the first, so one
+//! `webship check` names them all; the walk's order is the order they are listed in.
+
+mod kernel;
+mod limits;
+mod passthrough;
+mod proxy;
+mod runtime;
+mod sites;
+mod webtransport;
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use super::raw::{RawConfig, RawProtocols, RawTls};
+use super::{Config, ConfigError, DomainPattern, Problem, Protocols, TlsSource};
+
+/// Validates a parsed file; relative paths in it resolve against `base`.
+pub(super) fn validate(raw: RawConfig, source: &str, base: &Path) -> Result<Config, ConfigError> {
+    let mut v = Validator {
+        base,
+        problems: Vec::new(),
+    };
+    let config = v.config(raw, source);
+    if v.problems.is_empty() {
+        Ok(config)
+    } else {
+        Err(ConfigError::Invalid {
+            path: source.to_owned(),
+            problems: v.problems,
+        })
+    }
+}
+
+/// The worker count when the file names none: one per CPU.
+pub(super) fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get())
+}
+
+/// A document root must resolve, be a directory and be listable by this user; the
+/// built-in default checks its root the same way.
+pub(super) fn check_root(root: &Path) -> Result<PathBuf, String> {
+    let canonical = root
+        .canonicalize()
+        .map_err(|e| format!("`{}` cannot be resolved: {e}", root.display()))?;
+    if !canonical.is_dir() {
+        return Err(format!("`{}` is not a directory", root.display()));
+    }
+    std::fs::read_dir(&canonical).map_err(|e| format!("`{}` cannot be listed: {e}", root.display()))?;
+    Ok(canonical)
+}
+
+struct Validator<'a> {
+    base: &'a Path,
+    problems: Vec<Problem>,
+}
+
+impl Validator<'_> {
+    fn problem(&mut self, key: impl Into<String>, problem: impl Into<String>, fix: impl Into<String>) {
+        self.problems.push(Problem {
+            key: key.into(),
+            problem: problem.into(),
+            fix: fix.into(),
+        });
+    }
+
+    fn path(&self, p: &Path) -> PathBuf {
+        self.base.join(p)
+    }
+
+    /// The whole file. The returned `Config` holds placeholders where a value was
+    /// refused; `validate` only hands it out when there were no problems.
+    fn config(&mut self, raw: RawConfig, source: &str) -> Config {
+        let listen = self.listen(raw.listen.as_deref());
+        let workers = self.workers(raw.workers);
+        let top = self.top_level(&raw);
+        // Domains taken so far: site index, or `usize::MAX` for proxy and passthrough.
+        let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+        let mut sites = self.sites(&raw.sites, &top, &mut seen);
+        let (passthrough, passthrough_udp) = match &raw.reverse_proxy {
+            Some(proxy) => self.reverse_proxy(proxy, &mut sites, &mut seen),
+            None => (Vec::new(), None),
+        };
+        self.catch_all(top, raw.webtransport.as_ref(), &mut sites, passthrough.is_empty());
+        let mut kernel = self.kernel(raw.kernel.unwrap_or_default());
+        let passthrough_engine = self.passthrough_engine(raw.reverse_proxy.as_ref(), &mut kernel);
+        let limits = self.limits(raw.limits.unwrap_or_default());
+        let (h2, h3, proxy_h2) = self.settings(&raw.runtime.unwrap_or_default().settings);
+        if let Some(udp) = passthrough_udp {
+            self.udp_passthrough(udp, listen, &mut kernel, &sites);
+        }
+        Config {
+            source: source.to_owned(),
+            listen,
+            workers,
+            sites,
+            kernel,
+            limits,
+            h2,
+            h3,
+            proxy_h2,
+            passthrough,
+            passthrough_engine,
+            passthrough_udp,
+            access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
+        }
+    }
+
+    fn listen(&mut self, text: Option<&str>) -> SocketAddr {
+        let text = text.unwrap_or("0.0.0.0:443");
+        text.parse::<SocketAddr>().unwrap_or_else(|_| {
+            self.problem(
+                "listen",
+                format!("`{text}` is not an address and port"),
+                "write it as \"0.0.0.0:443\" or \"[::]:443\"",
+            );
+            SocketAddr::from(([0, 0, 0, 0], 443))
+        })
+    }
+
+    fn workers(&mut self, workers: Option<usize>) -> usize {
+        let workers = workers.unwrap_or_else(default_workers);
+        if !(1..=1024).contains(&workers) {
+            self.problem("workers", format!("{workers} is out of range"), "use 1 to 1024");
+        }
+        workers
+    }
+
+    /// A route's `upstreams`: IP:port each, at least one.
+    fn upstreams(&mut self, key: &str, list: &[String]) -> Vec<SocketAddr> {
+        if list.is_empty() {
+            self.problem(
+                format!("{key}.upstreams"),
+                "the route has no upstreams",
+                "list at least one, e.g. [\"10.0.0.20:8080\"]",
+            );
+        }
+        let mut out = Vec::with_capacity(list.len());
+        for (j, u) in list.iter().enumerate() {
+            match u.parse::<SocketAddr>() {
+                Ok(addr) if addr.port() != 0 => out.push(addr),
+                _ => self.problem(
+                    format!("{key}.upstreams[{j}]"),
+                    format!("`{u}` is not an IP address with a port"),
+                    "write it as \"10.0.0.20:8080\" or \"[::1]:8080\"",
+                ),
+            }
+        }
+        out
+    }
+
+    fn root(&mut self, key: &str, root: &Path) -> Option<PathBuf> {
+        match check_root(&self.path(root)) {
+            Ok(p) => Some(p),
+            Err(problem) => {
+                self.problem(
+                    key,
+                    problem,
+                    "point it at an existing directory this user can read",
+                );
+                None
+            }
+        }
+    }
+
+    fn tls(&mut self, key: &str, tls: &RawTls) -> TlsSource {
+        let cert = self.path(&tls.cert);
+        let key_path = self.path(&tls.key);
+        for (name, path) in [("cert", &cert), ("key", &key_path)] {
+            if let Err(e) = std::fs::File::open(path) {
+                self.problem(
+                    format!("{key}.{name}"),
+                    format!("cannot open `{}`: {e}", path.display()),
+                    format!("point `{name}` at a readable PEM file"),
+                );
+            }
+        }
+        TlsSource::Files { cert, key: key_path }
+    }
+
+    fn domain(&mut self, key: &str, domain: &str) -> Option<DomainPattern> {
+        let lower = domain.trim_end_matches('.').to_ascii_lowercase();
+        let (wildcard, name) = match lower.strip_prefix("*.") {
+            Some(rest) => (true, rest),
+            None => (false, lower.as_str()),
+        };
+        let valid = !name.is_empty()
+            && name.len() <= 253
+            && name.split('.').all(|label| {
+                !label.is_empty()
+                    && label.len() <= 63
+                    && label.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                    && !label.starts_with('-')
+                    && !label.ends_with('-')
+            });
+        if !valid {
+            self.problem(
+                key,
+                format!("`{domain}` is not a host name"),
+                "use a name such as \"media.example.com\" or \"*.example.com\"",
+            );
+            return None;
+        }
+        Some(if wildcard {
+            DomainPattern::Wildcard(format!(".{name}"))
+        } else {
+            DomainPattern::Exact(name.to_owned())
+        })
+    }
+
+    fn protocols(&mut self, key: &str, raw: Option<RawProtocols>) -> Protocols {
+        let raw = raw.unwrap_or(RawProtocols {
+            h1: None,
+            h2: None,
+            h3: None,
+        });
+        let p = Protocols {
+            h1: raw.h1.unwrap_or(true),
+            h2: raw.h2.unwrap_or(true),
+            h3: raw.h3.unwrap_or(true),
+        };
+        if !p.h1 && !p.h2 && !p.h3 {
+            self.problem(
+                key,
+                "every protocol is disabled",
+                "set at least one of h1, h2, h3 to true",
+            );
+        }
+        p
+    }
+}

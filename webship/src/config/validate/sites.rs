@@ -1,0 +1,148 @@
+//! `[[sites]]` and the top-level site: what each file-serving site gets from its own
+//! table, what it inherits from the top level (`root`, `[tls]`, `[protocols]`), and
+//! the catch-all site a top-level `root` makes.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use crate::config::raw::{RawConfig, RawSite, RawWebTransport};
+use crate::config::{DomainPattern, Protocols, Serve, Site, TlsSource};
+
+use super::Validator;
+
+/// The top-level `root`, `[tls]` and `[protocols]`: defaults for every `[[sites]]`
+/// entry, and the catch-all site itself when there is a `root`.
+pub(super) struct TopLevel {
+    root: Option<PathBuf>,
+    tls: Option<TlsSource>,
+    protocols: Protocols,
+}
+
+impl Validator<'_> {
+    pub(super) fn top_level(&mut self, raw: &RawConfig) -> TopLevel {
+        TopLevel {
+            root: raw.root.as_ref().and_then(|r| self.root("root", r)),
+            tls: raw.tls.as_ref().map(|t| self.tls("tls", t)),
+            protocols: self.protocols("protocols", raw.protocols),
+        }
+    }
+
+    /// The `[[sites]]` entries in file order; `seen` records each one's domain.
+    pub(super) fn sites(
+        &mut self,
+        raw: &[RawSite],
+        top: &TopLevel,
+        seen: &mut BTreeMap<String, usize>,
+    ) -> Vec<Site> {
+        let mut sites = Vec::new();
+        for (i, site) in raw.iter().enumerate() {
+            if let Some(site) = self.site(i, site, top, seen) {
+                sites.push(site);
+            }
+        }
+        sites
+    }
+
+    fn site(
+        &mut self,
+        i: usize,
+        site: &RawSite,
+        top: &TopLevel,
+        seen: &mut BTreeMap<String, usize>,
+    ) -> Option<Site> {
+        let key = format!("sites[{i}]");
+        // Without a valid domain nothing else about the site is worth reporting.
+        let domain = self.domain(&format!("{key}.domain"), &site.domain)?;
+        let name = domain.to_string();
+        if let Some(first) = seen.insert(name.clone(), i) {
+            self.problem(
+                format!("{key}.domain"),
+                format!("`{name}` is already the domain of sites[{first}]"),
+                "give each site its own domain, or merge the two sites",
+            );
+        }
+        let root = match &site.root {
+            Some(r) => self.root(&format!("{key}.root"), r),
+            None if top.root.is_some() => top.root.clone(),
+            None => {
+                self.problem(
+                    format!("{key}.root"),
+                    "the site has no root and there is no top-level `root`",
+                    "add `root = \"/srv/...\"` to the site",
+                );
+                None
+            }
+        };
+        let tls = match (&site.tls, &top.tls) {
+            (Some(t), _) => Some(self.tls(&format!("{key}.tls"), t)),
+            (None, Some(t)) => Some(t.clone()),
+            (None, None) => {
+                self.problem(
+                    format!("{key}.tls"),
+                    "the site has no certificate",
+                    "add a [sites.tls] table with `cert` and `key` (PEM files)",
+                );
+                None
+            }
+        };
+        let protocols = match site.protocols {
+            Some(p) => self.protocols(&format!("{key}.protocols"), Some(p)),
+            None => top.protocols,
+        };
+        let webtransport = site
+            .webtransport
+            .as_ref()
+            .and_then(|w| self.webtransport(&format!("{key}.webtransport"), w, protocols));
+        let (Some(root), Some(tls)) = (root, tls) else {
+            return None;
+        };
+        Some(Site {
+            domain,
+            serve: Serve::Files(root),
+            protocols,
+            tls,
+            webtransport,
+        })
+    }
+
+    /// The top-level `root` becomes the last site, answering any host no other site
+    /// claims. Without one, a file must still serve something.
+    pub(super) fn catch_all(
+        &mut self,
+        top: TopLevel,
+        webtransport: Option<&RawWebTransport>,
+        sites: &mut Vec<Site>,
+        no_passthrough: bool,
+    ) {
+        let Some(root) = top.root else {
+            if sites.is_empty() && no_passthrough && self.problems.is_empty() {
+                self.problem(
+                    "root",
+                    "nothing to serve: no top-level `root` and no [[sites]]",
+                    "add `root = \"/srv/...\"` or at least one [[sites]] table",
+                );
+            }
+            return;
+        };
+        let tls = match top.tls {
+            Some(tls) => tls,
+            None if !sites.is_empty() => sites[0].tls.clone(),
+            None => {
+                self.problem(
+                    "tls",
+                    "the top-level `root` is served without a certificate",
+                    "add a top-level [tls] table with `cert` and `key`, or a [[sites]] entry with [sites.tls]",
+                );
+                TlsSource::SelfSigned { names: Vec::new() }
+            }
+        };
+        let webtransport = webtransport.and_then(|w| self.webtransport("webtransport", w, top.protocols));
+        sites.push(Site {
+            domain: DomainPattern::Any,
+            serve: Serve::Files(root),
+            protocols: top.protocols,
+            tls,
+            webtransport,
+        });
+    }
+}
