@@ -77,7 +77,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
             ktls: Policy::Auto,
             bbr: Policy::Auto,
             ebpf: Policy::Auto,
-            bpf_pin_dir: PathBuf::from(crate::ebpf::DEFAULT_PIN_DIR),
+            bpf_pin_dir: PathBuf::from(super::DEFAULT_PIN_DIR),
         },
         limits: Limits::default(),
         h2: H2Settings::default(),

@@ -21,7 +21,7 @@ pub use load::{builtin_default, load, parse, BUILTIN_SOURCE};
 pub use model::{
     Config, DomainPattern, Engine, H2Settings, H3Settings, Kernel, Limits, PassthroughRoute, Policy,
     Protocols, ProxyH2Settings, Route, Serve, Site, TlsSource, UdpEngine, UdpPassthrough, UpstreamProtocol,
-    WebTransport, WtMode,
+    WebTransport, WtMode, DEFAULT_PIN_DIR,
 };
 
 #[cfg(test)]

@@ -305,6 +305,9 @@ impl fmt::Display for Policy {
     }
 }
 
+/// Where the eBPF counter maps are pinned unless `[kernel] bpf_pin_dir` says otherwise.
+pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/webship";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Kernel {
     pub ktls: Policy,

@@ -15,8 +15,7 @@ use std::path::{Path, PathBuf};
 
 pub use webship_ebpf_common::{Counter, COUNTERS};
 
-/// Where the counter maps are pinned unless `[kernel] bpf_pin_dir` says otherwise.
-pub const DEFAULT_PIN_DIR: &str = "/sys/fs/bpf/webship";
+pub use crate::config::DEFAULT_PIN_DIR;
 // The pins only the loader touches; a build without eBPF has none.
 #[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
 const KERNEL_PIN: &str = "kernel_counters";

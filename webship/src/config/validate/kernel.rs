@@ -16,7 +16,7 @@ impl Validator<'_> {
             ebpf: raw.ebpf.unwrap_or(Policy::Auto),
             bpf_pin_dir: raw
                 .bpf_pin_dir
-                .unwrap_or_else(|| PathBuf::from(crate::ebpf::DEFAULT_PIN_DIR)),
+                .unwrap_or_else(|| PathBuf::from(crate::config::DEFAULT_PIN_DIR)),
         };
         if !kernel.bpf_pin_dir.is_absolute() {
             self.problem(
