@@ -64,7 +64,8 @@ impl ResponseBody {
         matches!(self.kind, Kind::Relay(_))
     }
 
-    /// Whether file bytes are still to come (what a kernel TLS promotion pays for).
+    /// Whether a file body still has bytes to come (what a kernel TLS promotion
+    /// pays for).
     pub(crate) fn has_file_left(&self) -> bool {
         matches!(&self.kind, Kind::File(cursor) if cursor.remaining() > 0)
     }

@@ -37,7 +37,7 @@ impl SendError {
 pub(crate) struct Progress {
     /// Body bytes sent so far.
     pub(crate) sent: u64,
-    /// Whether file bytes are still to come.
+    /// Whether a file body still has bytes to come.
     pub(crate) file_left: bool,
 }
 
