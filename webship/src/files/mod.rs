@@ -131,6 +131,8 @@ fn inode(meta: &std::fs::Metadata) -> u64 {
     }
 }
 
+/// The response for an opened file: the conditional headers decide first, then the
+/// Range header picks what of the file the body carries.
 fn represent(
     file: File,
     meta: &std::fs::Metadata,
@@ -140,25 +142,8 @@ fn represent(
 ) -> Response {
     let len = meta.len();
     let validators = Validators::new(inode(meta), len, meta.modified().ok());
-    let get = |name| headers.get(name).map(HeaderValue::as_bytes);
-    let conditions = Conditions {
-        if_match: get(header::IF_MATCH),
-        if_none_match: get(header::IF_NONE_MATCH),
-        if_modified_since: get(header::IF_MODIFIED_SINCE),
-        if_unmodified_since: get(header::IF_UNMODIFIED_SINCE),
-        if_range: get(header::IF_RANGE),
-    };
-    let mut common = HeaderMap::new();
-    if let Ok(v) = HeaderValue::from_str(&validators.etag) {
-        common.insert(header::ETAG, v);
-    }
-    if let Some(m) = validators.modified {
-        if let Ok(v) = HeaderValue::from_str(&httpdate::fmt_http_date(m)) {
-            common.insert(header::LAST_MODIFIED, v);
-        }
-    }
-    common.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
-
+    let conditions = conditions(headers);
+    let mut common = validator_headers(&validators);
     match conditional::evaluate(&conditions, &validators) {
         Verdict::Proceed => {}
         Verdict::NotModified => {
@@ -171,66 +156,20 @@ fn represent(
     }
 
     let content_type = HeaderValue::from_static(mime::content_type(path));
-    let ranges = match get(header::RANGE) {
-        Some(raw) if conditional::if_range_allows(&conditions, &validators) => range::parse(raw, len),
-        _ => RangeRequest::Ignore,
-    };
     let file = Arc::new(file);
-    let (status, body, len_header) = match ranges {
-        RangeRequest::Ignore => {
-            common.insert(header::CONTENT_TYPE, content_type);
-            let segments = if len == 0 {
-                Vec::new()
-            } else {
-                vec![Segment::File { offset: 0, len }]
-            };
-            (StatusCode::OK, FileBody { file, segments, len }, len)
-        }
-        RangeRequest::Unsatisfiable => {
-            let mut r = Response::status(StatusCode::RANGE_NOT_SATISFIABLE);
-            if let Ok(v) = HeaderValue::from_str(&format!("bytes */{len}")) {
-                r.headers.insert(header::CONTENT_RANGE, v);
-            }
-            return r;
-        }
-        RangeRequest::Satisfiable(ranges) if ranges.len() == 1 => {
-            let r = ranges[0];
-            common.insert(header::CONTENT_TYPE, content_type);
-            if let Ok(v) = HeaderValue::from_str(&content_range(r, len)) {
-                common.insert(header::CONTENT_RANGE, v);
-            }
-            let segments = vec![Segment::File {
-                offset: r.start,
-                len: r.len(),
-            }];
-            (
-                StatusCode::PARTIAL_CONTENT,
-                FileBody {
-                    file,
-                    segments,
-                    len: r.len(),
-                },
-                r.len(),
-            )
-        }
-        RangeRequest::Satisfiable(ranges) => {
-            let boundary = boundary();
-            let (segments, total) = multipart(&ranges, len, &boundary, content_type.as_bytes());
-            if let Ok(v) = HeaderValue::from_str(&format!("multipart/byteranges; boundary={boundary}")) {
-                common.insert(header::CONTENT_TYPE, v);
-            }
-            (
-                StatusCode::PARTIAL_CONTENT,
-                FileBody {
-                    file,
-                    segments,
-                    len: total,
-                },
-                total,
-            )
-        }
+    let (status, body) = match requested_ranges(headers, &conditions, &validators, len) {
+        RangeRequest::Ignore => (StatusCode::OK, whole(file, len, content_type, &mut common)),
+        RangeRequest::Unsatisfiable => return unsatisfiable(len),
+        RangeRequest::Satisfiable(ranges) if ranges.len() == 1 => (
+            StatusCode::PARTIAL_CONTENT,
+            single_range(file, ranges[0], len, content_type, &mut common),
+        ),
+        RangeRequest::Satisfiable(ranges) => (
+            StatusCode::PARTIAL_CONTENT,
+            multipart_ranges(file, &ranges, len, &content_type, &mut common),
+        ),
     };
-    common.insert(header::CONTENT_LENGTH, HeaderValue::from(len_header));
+    common.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len));
     Response {
         status,
         headers: common,
@@ -239,6 +178,111 @@ fn represent(
         } else {
             Body::File(body)
         },
+    }
+}
+
+/// The request's conditional headers, as the evaluator reads them.
+fn conditions(headers: &HeaderMap) -> Conditions<'_> {
+    let get = |name| headers.get(name).map(HeaderValue::as_bytes);
+    Conditions {
+        if_match: get(header::IF_MATCH),
+        if_none_match: get(header::IF_NONE_MATCH),
+        if_modified_since: get(header::IF_MODIFIED_SINCE),
+        if_unmodified_since: get(header::IF_UNMODIFIED_SINCE),
+        if_range: get(header::IF_RANGE),
+    }
+}
+
+/// The headers every answer about the file carries, a 304 included: its validators,
+/// so a cache can revalidate, and that it takes ranges.
+fn validator_headers(validators: &Validators) -> HeaderMap {
+    let mut common = HeaderMap::new();
+    if let Ok(v) = HeaderValue::from_str(&validators.etag) {
+        common.insert(header::ETAG, v);
+    }
+    if let Some(m) = validators.modified {
+        if let Ok(v) = HeaderValue::from_str(&httpdate::fmt_http_date(m)) {
+            common.insert(header::LAST_MODIFIED, v);
+        }
+    }
+    common.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+    common
+}
+
+/// The ranges asked for; a Range header whose If-Range no longer matches the file is
+/// ignored, and the whole file goes out (RFC 9110 §13.1.5).
+fn requested_ranges(
+    headers: &HeaderMap,
+    conditions: &Conditions<'_>,
+    validators: &Validators,
+    len: u64,
+) -> RangeRequest {
+    match headers.get(header::RANGE).map(HeaderValue::as_bytes) {
+        Some(raw) if conditional::if_range_allows(conditions, validators) => range::parse(raw, len),
+        _ => RangeRequest::Ignore,
+    }
+}
+
+/// 416, naming the file's length so the client can ask again.
+fn unsatisfiable(len: u64) -> Response {
+    let mut r = Response::status(StatusCode::RANGE_NOT_SATISFIABLE);
+    if let Ok(v) = HeaderValue::from_str(&format!("bytes */{len}")) {
+        r.headers.insert(header::CONTENT_RANGE, v);
+    }
+    r
+}
+
+/// The whole file (an empty one has no segment to send).
+fn whole(file: Arc<File>, len: u64, content_type: HeaderValue, headers: &mut HeaderMap) -> FileBody {
+    headers.insert(header::CONTENT_TYPE, content_type);
+    let segments = if len == 0 {
+        Vec::new()
+    } else {
+        vec![Segment::File { offset: 0, len }]
+    };
+    FileBody { file, segments, len }
+}
+
+/// One range: the file's own type, and Content-Range says where the bytes sit.
+fn single_range(
+    file: Arc<File>,
+    r: ByteRange,
+    len: u64,
+    content_type: HeaderValue,
+    headers: &mut HeaderMap,
+) -> FileBody {
+    headers.insert(header::CONTENT_TYPE, content_type);
+    if let Ok(v) = HeaderValue::from_str(&content_range(r, len)) {
+        headers.insert(header::CONTENT_RANGE, v);
+    }
+    let segments = vec![Segment::File {
+        offset: r.start,
+        len: r.len(),
+    }];
+    FileBody {
+        file,
+        segments,
+        len: r.len(),
+    }
+}
+
+/// Several ranges: a `multipart/byteranges` body, each part with its own headers.
+fn multipart_ranges(
+    file: Arc<File>,
+    ranges: &[ByteRange],
+    len: u64,
+    content_type: &HeaderValue,
+    headers: &mut HeaderMap,
+) -> FileBody {
+    let boundary = boundary();
+    let (segments, total) = multipart(ranges, len, &boundary, content_type.as_bytes());
+    if let Ok(v) = HeaderValue::from_str(&format!("multipart/byteranges; boundary={boundary}")) {
+        headers.insert(header::CONTENT_TYPE, v);
+    }
+    FileBody {
+        file,
+        segments,
+        len: total,
     }
 }
 

@@ -25,7 +25,8 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream, ReadBuf};
 use tokio::sync::{mpsc, Notify};
 
-use super::{capsule, diag, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionState, Transport};
+use super::session::{self, ClientStream, Clocks, Dispatch};
+use super::{capsule, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionState, Transport};
 use crate::shutdown::Shutdown;
 
 /// Bytes each stream direction may hold in its pipe.
@@ -256,52 +257,13 @@ where
 {
     let state = admission.start();
     state.touch();
-    let (mut rd, mut wr) = tokio::io::split(io);
-    let (out, mut queue) = mpsc::channel::<Bytes>(WRITE_QUEUE);
-    let mut writer = tokio::spawn(async move {
-        while let Some(capsule) = queue.recv().await {
-            if wr.write_all(&capsule).await.is_err() {
-                return;
-            }
-        }
-        let _ = wr.shutdown().await;
-    });
-    let config = state.config().clone();
-    let max_streams = config.max_streams_per_session as u64;
-    // The draft's initial limits are zero: open them to the session's.
-    for c in [
-        capsule::varints(capsule::WT_MAX_STREAMS_BIDI, &[max_streams]),
-        capsule::varints(capsule::WT_MAX_STREAMS_UNI, &[max_streams]),
-        capsule::varints(
-            capsule::WT_MAX_DATA,
-            &[config.max_session_bytes.min(capsule::VARINT_MAX)],
-        ),
-    ] {
-        let _ = out.send(c).await;
-    }
-    let senders: Senders = Arc::default();
-    let transport: Arc<dyn Transport> = Arc::new(H2Transport {
-        out: out.clone(),
-        senders: senders.clone(),
-        next_uni: AtomicU64::new(3),
-        max_datagram: config.max_datagram_bytes.min(config.max_capsule_bytes),
-    });
-    let mut session = Session {
-        state: state.clone(),
-        transport,
-        out: out.clone(),
-        senders,
-        streams: HashMap::new(),
-        next_bidi: 0,
-        next_uni: 2,
-        ended_bidi: 0,
-        ended_uni: 0,
-        tasks: tokio::task::JoinSet::new(),
-    };
-    let mut capsules = capsule::Reader::new(config.max_capsule_bytes);
+    let (mut rd, wr) = tokio::io::split(io);
+    let (out, mut writer) = spawn_writer(wr);
+    open_limits(&out, state.config()).await;
+    let mut session = Session::new(state.clone(), &out);
+    let mut capsules = capsule::Reader::new(state.config().max_capsule_bytes);
     let mut buf = vec![0u8; READ_CHUNK];
-    let mut idle = tokio::time::interval(Duration::from_secs(1));
-    let mut draining: Option<tokio::time::Instant> = None;
+    let mut clocks = Clocks::new();
     loop {
         let n = tokio::select! {
             () = state.ended() => break,
@@ -312,60 +274,26 @@ where
                 }
                 Ok(n) => n,
             },
-            Some(done) = session.tasks.join_next() => {
+            Some(done) = session.work.join_next() => {
                 if let Ok(Some(id)) = done {
                     session.stream_ended(id).await;
                 }
                 continue;
             }
-            _ = idle.tick() => {
-                if state.idle_for() >= config.idle_timeout {
-                    state.fail(Code::IdleTimeout, format!("no traffic for {} s", config.idle_timeout.as_secs()));
-                }
-                if draining.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
-                    state.fail(Code::Shutdown, "the server is shutting down");
-                }
-                continue;
-            }
-            () = shutdown.requested(), if draining.is_none() => {
-                let _ = out.try_send(capsule::encode(capsule::DRAIN_SESSION, &[]));
-                draining = Some(tokio::time::Instant::now() + super::DRAIN_TIME);
+            () = clocks.drain_due(&state, &mut shutdown) => {
+                let drain = capsule::encode(capsule::DRAIN_SESSION, &[]);
+                clocks.drain(async { let _ = out.try_send(drain); }).await;
                 continue;
             }
         };
         capsules.push(&buf[..n]);
-        loop {
-            match capsules.next_capsule() {
-                Ok(Some((kind, payload))) => {
-                    let handled = tokio::select! {
-                        () = state.ended() => false,
-                        ok = session.capsule(kind, payload) => ok,
-                    };
-                    if !handled {
-                        break;
-                    }
-                }
-                Ok(None) => break,
-                Err(e @ capsule::CapsuleError::TooLarge { .. }) => {
-                    state.fail(Code::CapsuleTooLarge, e.to_string());
-                    break;
-                }
-                Err(e) => {
-                    state.fail(Code::Protocol, e.to_string());
-                    break;
-                }
-            }
-        }
+        session.capsules(&mut capsules).await;
     }
     // Streams reset themselves on the session's end; their pumps then say so.
     session.streams.clear();
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        while session.tasks.join_next().await.is_some() {}
-    })
-    .await;
-    if let Some(end) = state.ending().filter(|e| !e.by_client) {
-        let close = out.send(capsule::close_session(end.code as u32, &end.reason));
-        let _ = tokio::time::timeout(CLOSE_TIME, close).await;
+    session.work.settle().await;
+    if let Some(close) = session::close_capsule(&state) {
+        let _ = tokio::time::timeout(CLOSE_TIME, out.send(close)).await;
     }
     drop(session);
     drop(out);
@@ -375,9 +303,44 @@ where
     }
 }
 
+/// The one writer of the CONNECT stream: capsules from the returned queue go out in
+/// order; once every sender is gone the stream ends.
+fn spawn_writer<W>(mut wr: W) -> (mpsc::Sender<Bytes>, tokio::task::JoinHandle<()>)
+where
+    W: AsyncWrite + Send + Unpin + 'static,
+{
+    let (out, mut queue) = mpsc::channel::<Bytes>(WRITE_QUEUE);
+    let writer = tokio::spawn(async move {
+        while let Some(capsule) = queue.recv().await {
+            if wr.write_all(&capsule).await.is_err() {
+                return;
+            }
+        }
+        let _ = wr.shutdown().await;
+    });
+    (out, writer)
+}
+
+/// The draft's initial limits are zero: open them to the session's.
+async fn open_limits(out: &mpsc::Sender<Bytes>, config: &crate::config::WebTransport) {
+    let max_streams = config.max_streams_per_session as u64;
+    for c in [
+        capsule::varints(capsule::WT_MAX_STREAMS_BIDI, &[max_streams]),
+        capsule::varints(capsule::WT_MAX_STREAMS_UNI, &[max_streams]),
+        capsule::varints(
+            capsule::WT_MAX_DATA,
+            &[config.max_session_bytes.min(capsule::VARINT_MAX)],
+        ),
+    ] {
+        let _ = out.send(c).await;
+    }
+}
+
+/// The session as the CONNECT stream's reader sees it: the client streams it feeds
+/// and the flow control it grants.
 struct Session {
     state: Arc<SessionState>,
-    transport: Arc<dyn Transport>,
+    work: Dispatch<Option<u64>>,
     out: mpsc::Sender<Bytes>,
     senders: Senders,
     streams: HashMap<u64, Inbound>,
@@ -388,11 +351,54 @@ struct Session {
     /// Client streams whose work is over, which WT_MAX_STREAMS gives back.
     ended_bidi: u64,
     ended_uni: u64,
-    /// Stream work (yielding the stream's id) and pumps (yielding `None`).
-    tasks: tokio::task::JoinSet<Option<u64>>,
 }
 
 impl Session {
+    fn new(state: Arc<SessionState>, out: &mpsc::Sender<Bytes>) -> Self {
+        let config = state.config();
+        let senders: Senders = Arc::default();
+        let transport = Arc::new(H2Transport {
+            out: out.clone(),
+            senders: senders.clone(),
+            next_uni: AtomicU64::new(3),
+            max_datagram: config.max_datagram_bytes.min(config.max_capsule_bytes),
+        });
+        Self {
+            work: Dispatch::new(state.clone(), transport),
+            state,
+            out: out.clone(),
+            senders,
+            streams: HashMap::new(),
+            next_bidi: 0,
+            next_uni: 2,
+            ended_bidi: 0,
+            ended_uni: 0,
+        }
+    }
+
+    /// Handles the complete capsules read so far, until one ends the session.
+    async fn capsules(&mut self, capsules: &mut capsule::Reader) {
+        let state = self.state.clone();
+        loop {
+            match capsules.next_capsule() {
+                Ok(Some((kind, payload))) => {
+                    let handled = tokio::select! {
+                        () = state.ended() => false,
+                        ok = self.capsule(kind, payload) => ok,
+                    };
+                    if !handled {
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    session::capsule_failed(&state, e);
+                    break;
+                }
+            }
+        }
+    }
+
     /// Handles one capsule; `false` once the session ended.
     async fn capsule(&mut self, kind: u64, payload: Bytes) -> bool {
         let state = self.state.clone();
@@ -443,17 +449,9 @@ impl Session {
                     flags.reset(code);
                 }
             }
-            capsule::DATAGRAM => {
-                if state.datagram_in(payload.len()) {
-                    diag::datagram(&state, &*self.transport, payload);
-                }
-            }
+            capsule::DATAGRAM => self.work.datagram(payload),
             capsule::CLOSE_SESSION => {
-                let reason = match capsule::parse_close(&payload) {
-                    Ok((code, reason)) => format!("the client closed the session ({code}: {reason})"),
-                    Err(e) => e.to_string(),
-                };
-                state.end(Code::Done, reason, true);
+                session::closed_by_client(&state, &payload);
                 return false;
             }
             // Flow control, padding, drain, and anything unknown: ignored.
@@ -497,7 +495,7 @@ impl Session {
             return false;
         }
         *next = id + 4;
-        let Some(slot) = self.state.stream_slot() else {
+        let Some(slot) = self.work.admit() else {
             return false;
         };
         let (ours, theirs) = tokio::io::duplex(PIPE);
@@ -508,25 +506,18 @@ impl Session {
             id,
             out: self.out.clone(),
         });
-        let (state, transport) = (self.state.clone(), self.transport.clone());
-        if bidi {
+        let stream = if bidi {
             let (send, pump) = send_half(id, &self.out, &self.senders);
-            self.tasks.spawn(async move {
+            self.work.spawn(async move {
                 pump.await;
                 None
             });
-            self.tasks.spawn(async move {
-                diag::bidi(state, transport, recv, Box::new(send)).await;
-                drop(slot);
-                Some(id)
-            });
+            ClientStream::Bidi(recv, Box::new(send))
         } else {
-            self.tasks.spawn(async move {
-                diag::uni(state, transport, recv).await;
-                drop(slot);
-                Some(id)
-            });
-        }
+            ClientStream::Uni(recv)
+        };
+        // The stream's work yields its id, which gives its WT_MAX_STREAMS credit back.
+        self.work.serve(slot, stream, Some(id));
         self.streams.insert(
             id,
             Inbound {

@@ -18,7 +18,8 @@ use bytes::{Buf, Bytes, BytesMut};
 use h3::stream::BufRecvStream;
 use tokio::sync::mpsc;
 
-use super::{capsule, diag, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionState, Transport};
+use super::session::{self, ClientStream, Clocks, Dispatch};
+use super::{capsule, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionState, Transport};
 use crate::shutdown::Shutdown;
 
 /// A client bidirectional stream after its WEBTRANSPORT_STREAM header.
@@ -43,6 +44,18 @@ const CAPSULE_SEND_TIME: Duration = Duration::from_secs(1);
 enum Incoming {
     Bidi(Box<WtBidi>),
     Uni(Box<WtUni>),
+}
+
+impl Incoming {
+    fn into_client_stream(self) -> ClientStream {
+        match self {
+            Self::Bidi(stream) => {
+                let (send, recv) = h3::quic::BidiStream::split(*stream);
+                ClientStream::Bidi(Box::new(recv), Box::new(send))
+            }
+            Self::Uni(recv) => ClientStream::Uni(recv),
+        }
+    }
 }
 
 struct Route {
@@ -165,6 +178,17 @@ struct H3Transport {
 }
 
 impl H3Transport {
+    /// The transport of the session whose CONNECT stream is `session`.
+    fn new(quic: quinn::Connection, session: u64) -> Self {
+        let mut prefix = BytesMut::new();
+        capsule::put_varint(&mut prefix, session / 4);
+        Self {
+            quic,
+            session,
+            prefix: prefix.freeze(),
+        }
+    }
+
     fn frame(&self, payload: &[u8]) -> Bytes {
         let mut d = BytesMut::with_capacity(self.prefix.len() + payload.len());
         d.extend_from_slice(&self.prefix);
@@ -276,106 +300,89 @@ pub(crate) async fn run(
     // An accepted session is bulk by nature: it moves to BBR.
     on_bulk();
     state.touch();
-    let mut prefix = BytesMut::new();
-    capsule::put_varint(&mut prefix, id / 4);
-    let transport: Arc<dyn Transport> = Arc::new(H3Transport {
-        quic: conn.quic.clone(),
-        session: id,
-        prefix: prefix.freeze(),
-    });
     let (mut send, mut recv) = stream.split();
     let mut capsules = capsule::Reader::new(state.config().max_capsule_bytes);
-    let mut tasks = tokio::task::JoinSet::new();
-    let mut idle = tokio::time::interval(Duration::from_secs(1));
+    let transport = Arc::new(H3Transport::new(conn.quic.clone(), id));
+    let mut work = Dispatch::new(state.clone(), transport);
+    let mut clocks = Clocks::new();
     let mut connect_open = true;
-    let mut draining: Option<tokio::time::Instant> = None;
     loop {
         tokio::select! {
             () = state.ended() => break,
             Some(incoming) = streams.recv() => {
-                let Some(slot) = state.stream_slot() else {
+                let Some(slot) = work.admit() else {
                     refuse(incoming, Code::TooManyStreams);
                     continue;
                 };
-                let (state, transport) = (state.clone(), transport.clone());
-                match incoming {
-                    Incoming::Bidi(stream) => {
-                        let (send, recv) = h3::quic::BidiStream::split(*stream);
-                        tasks.spawn(async move {
-                            diag::bidi(state, transport, Box::new(recv), Box::new(send)).await;
-                            drop(slot);
-                        });
-                    }
-                    Incoming::Uni(recv) => {
-                        tasks.spawn(async move {
-                            diag::uni(state, transport, recv).await;
-                            drop(slot);
-                        });
-                    }
-                }
+                work.serve(slot, incoming.into_client_stream(), ());
             }
-            Some(datagram) = datagrams.recv() => {
-                if state.datagram_in(datagram.len()) {
-                    diag::datagram(&state, &*transport, datagram);
-                }
+            Some(datagram) = datagrams.recv() => work.datagram(datagram),
+            data = recv.recv_data(), if connect_open => {
+                connect_open = connect_data(&state, &mut capsules, data);
             }
-            data = recv.recv_data(), if connect_open => match data {
-                Ok(Some(mut data)) => {
-                    while data.has_remaining() {
-                        let chunk = data.chunk();
-                        let n = chunk.len().min(capsules.room().max(1));
-                        capsules.push(&chunk[..n]);
-                        data.advance(n);
-                        if !session_capsules(&state, &mut capsules) {
-                            break;
-                        }
-                    }
-                }
-                Ok(None) => {
-                    // The client finished the CONNECT stream: the session is over.
-                    connect_open = false;
-                    state.end(Code::Done, "the client closed the session", true);
-                }
-                Err(e) => {
-                    connect_open = false;
-                    state.end(Code::Done, format!("the CONNECT stream failed: {e}"), true);
-                }
-            },
-            Some(_) = tasks.join_next() => {}
-            _ = idle.tick() => {
-                let limit = state.config().idle_timeout;
-                if state.idle_for() >= limit {
-                    state.fail(Code::IdleTimeout, format!("no traffic for {} s", limit.as_secs()));
-                }
-                if draining.is_some_and(|deadline| tokio::time::Instant::now() >= deadline) {
-                    state.fail(Code::Shutdown, "the server is shutting down");
-                }
-            }
-            () = shutdown.requested(), if draining.is_none() => {
-                // Ask the client to wind down; what is still open after DRAIN_TIME closes.
+            Some(_) = work.join_next() => {}
+            () = clocks.drain_due(&state, &mut shutdown) => {
                 let drain = send.send_data(capsule::encode(capsule::DRAIN_SESSION, &[]));
-                let _ = tokio::time::timeout(CAPSULE_SEND_TIME, drain).await;
-                draining = Some(tokio::time::Instant::now() + super::DRAIN_TIME);
+                clocks.drain(async {
+                    let _ = tokio::time::timeout(CAPSULE_SEND_TIME, drain).await;
+                })
+                .await;
             }
         }
     }
     conn.unregister(id);
-    // Streams that arrived but were never taken.
+    close(&state, &mut streams, &mut send, &mut work).await;
+}
+
+/// Takes what arrived on the CONNECT stream; `false` once the client finished it
+/// (the session is then over) or it failed.
+fn connect_data(
+    state: &SessionState,
+    capsules: &mut capsule::Reader,
+    data: Result<Option<impl Buf>, impl std::fmt::Display>,
+) -> bool {
+    match data {
+        Ok(Some(mut data)) => {
+            while data.has_remaining() {
+                let chunk = data.chunk();
+                let n = chunk.len().min(capsules.room().max(1));
+                capsules.push(&chunk[..n]);
+                data.advance(n);
+                if !session_capsules(state, capsules) {
+                    break;
+                }
+            }
+            true
+        }
+        Ok(None) => {
+            state.end(Code::Done, "the client closed the session", true);
+            false
+        }
+        Err(e) => {
+            state.end(Code::Done, format!("the CONNECT stream failed: {e}"), true);
+            false
+        }
+    }
+}
+
+/// Ends an ended session on the wire: streams that arrived but were never taken are
+/// turned away with its code, our close capsule goes out (none when the client
+/// closed), the CONNECT stream finishes, and its streams get a moment to end.
+async fn close(
+    state: &SessionState,
+    streams: &mut mpsc::Receiver<Incoming>,
+    send: &mut h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>,
+    work: &mut Dispatch<()>,
+) {
     streams.close();
     while let Ok(stream) = streams.try_recv() {
-        refuse(stream, state.ending().map_or(Code::Done, |e| e.code));
+        refuse(stream, state.end_code());
     }
-    let end = state.ending().cloned();
-    if let Some(end) = end.filter(|e| !e.by_client) {
-        let close = send.send_data(capsule::close_session(end.code as u32, &end.reason));
-        let _ = tokio::time::timeout(CAPSULE_SEND_TIME, close).await;
+    if let Some(close) = session::close_capsule(state) {
+        let _ = tokio::time::timeout(CAPSULE_SEND_TIME, send.send_data(close)).await;
     }
     let _ = tokio::time::timeout(CAPSULE_SEND_TIME, send.finish()).await;
-    // Streams reset themselves on the session's end; give them a moment to say so.
-    let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        while tasks.join_next().await.is_some() {}
-    })
-    .await;
+    work.settle().await;
 }
 
 /// Handles the complete capsules on the CONNECT stream; `false` once the session ended.
@@ -383,22 +390,14 @@ fn session_capsules(state: &SessionState, capsules: &mut capsule::Reader) -> boo
     loop {
         match capsules.next_capsule() {
             Ok(Some((capsule::CLOSE_SESSION, payload))) => {
-                let reason = match capsule::parse_close(&payload) {
-                    Ok((code, reason)) => format!("the client closed the session ({code}: {reason})"),
-                    Err(e) => e.to_string(),
-                };
-                state.end(Code::Done, reason, true);
+                session::closed_by_client(state, &payload);
                 return false;
             }
             // DRAIN and anything unknown: ignored (RFC 9297 §3.2).
             Ok(Some(_)) => state.touch(),
             Ok(None) => return true,
-            Err(e @ capsule::CapsuleError::TooLarge { .. }) => {
-                state.fail(Code::CapsuleTooLarge, e.to_string());
-                return false;
-            }
             Err(e) => {
-                state.fail(Code::Protocol, e.to_string());
+                session::capsule_failed(state, e);
                 return false;
             }
         }

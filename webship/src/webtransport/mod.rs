@@ -11,6 +11,7 @@ pub mod capsule;
 pub mod diag;
 pub(crate) mod h2;
 pub(crate) mod h3;
+pub(crate) mod session;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -324,8 +325,7 @@ impl Drop for SessionState {
     fn drop(&mut self) {
         let c = &self.endpoint.counters;
         c.sessions_active.fetch_sub(1, Ordering::Relaxed);
-        let code = self.end.get().map_or(Code::Done, |e| e.code);
-        c.closed(code).fetch_add(1, Ordering::Relaxed);
+        c.closed(self.end_code()).fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -364,6 +364,11 @@ impl SessionState {
 
     pub(crate) fn ending(&self) -> Option<&End> {
         self.end.get()
+    }
+
+    /// The code the session ended with (done while it runs).
+    pub(crate) fn end_code(&self) -> Code {
+        self.end.get().map_or(Code::Done, |e| e.code)
     }
 
     /// Resolves once the session has ended.
