@@ -342,16 +342,26 @@ struct Writer<'a> {
 const COALESCE: usize = 16 * 1024;
 
 impl Writer<'_> {
+    /// Writes `data`, after the head if it has not gone yet (in the same write when
+    /// `data` is small).
     async fn write(&mut self, data: &[u8]) -> Result<(), SendError> {
-        if !self.head_sent {
+        if !self.head_sent && data.len() <= COALESCE {
             self.head_sent = true;
-            if data.len() <= COALESCE {
-                self.head.extend_from_slice(data);
-                return timed(self.send_timeout, self.stream.write_all(self.head)).await;
-            }
-            timed(self.send_timeout, self.stream.write_all(self.head)).await?;
+            self.head.extend_from_slice(data);
+            return timed(self.send_timeout, self.stream.write_all(self.head)).await;
         }
+        self.send_head().await?;
         timed(self.send_timeout, self.stream.write_all(data)).await
+    }
+
+    /// The head, unless it has gone already: every way a body leaves (bytes, a file
+    /// range by sendfile, the end) goes through here first.
+    async fn send_head(&mut self) -> Result<(), SendError> {
+        if self.head_sent {
+            return Ok(());
+        }
+        self.head_sent = true;
+        timed(self.send_timeout, self.stream.write_all(self.head)).await
     }
 
     /// Tries to move the stream to kernel TLS. Staying in rustls is fine; only a
@@ -414,10 +424,7 @@ impl BodyWriter for Writer<'_> {
             self.chunked = false;
             self.write(b"0\r\n\r\n").await?;
         }
-        if !self.head_sent {
-            self.head_sent = true;
-            timed(self.send_timeout, self.stream.write_all(self.head)).await?;
-        }
+        self.send_head().await?;
         timed(self.send_timeout, self.stream.flush()).await
     }
 
@@ -437,6 +444,8 @@ impl BodyWriter for Writer<'_> {
     }
 
     async fn file(&mut self, range: FileRange) -> Result<(), SendError> {
+        // A response that starts on a promoted connection has sent nothing yet.
+        self.send_head().await?;
         let Stream::Kernel(kernel) = &mut *self.stream else {
             return Err(SendError::peer("sendfile needs kernel TLS"));
         };
