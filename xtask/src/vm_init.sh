@@ -103,6 +103,29 @@ $CURL -w '%{num_connects} %{size_download}\n' -o /dev/null $URL -o $T/small.out 
     https://localhost:8443/small.txt > $T/keepalive.txt
 check keepalive-one-connection [ "$(tr '\n' ' ' < $T/keepalive.txt)" = "1 $LEN 0 26 " ]
 check keepalive-second-body-exact cmp -s $T/small.out "$VM/www/small.txt"
+echo "VMTEST-INFO keepalive: $(tr '\n' ' ' < $T/keepalive.txt)"
+
+# The same two requests pipelined on one raw TLS connection: after the promoted
+# fixture, the second response must start with its status line, not with its body.
+printf 'GET /fixture.bin HTTP/1.1\r\nHost: localhost\r\n\r\nGET /small.txt HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n' |
+    timeout 60 openssl s_client -quiet -ign_eof -connect 127.0.0.1:8443 -servername localhost \
+        -CAfile "$VM/cert.pem" 2> /dev/null > $T/pipelined.out
+echo "VMTEST-INFO pipelined: $(wc -c < $T/pipelined.out) bytes, last 240: $(tail -c 240 $T/pipelined.out | tr '\r\n' '<>')"
+check promoted-second-response-head-before-body \
+    [ "$(tail -c 26 $T/pipelined.out)" = "small and after promotion" ]
+
+# Two multipart range responses on one connection: the first promotes to kernel TLS
+# halfway through its first range; the second starts on the promoted socket, and
+# after its first range (over 1 MiB, sent by sendfile) its next part header must not
+# start a second promotion, which would drop the kernel stream mid-response.
+RANGES=0-1499999,2000000-2000099
+$CURL -r $RANGES -w '%{num_connects} %{size_download}\n' -o $T/multi1.out $URL \
+    -o $T/multi2.out $URL > $T/multi.txt
+multi_rc=$?
+echo "VMTEST-INFO multipart-twice rc=$multi_rc $(tr '\n' ' ' < $T/multi.txt)"
+check multipart-on-promoted-connection-completes [ "$multi_rc" -eq 0 ]
+check multipart-on-promoted-connection-same-length \
+    [ "$(wc -c < $T/multi1.out)" -eq "$(wc -c < $T/multi2.out)" ]
 
 # A range above 1 MiB is promoted too, and exact.
 want_range=$(tail -c +2000001 "$FIX" | head -c 58000001 | sha256sum | cut -d' ' -f1)
