@@ -302,13 +302,18 @@ impl Conn {
         // Head and a file body in one corked interval: the head shares its first
         // segments with the body instead of leaving alone.
         let corked = body.has_file_left() && stream.tcp().is_some_and(|tcp| sys::set_cork(tcp, true).is_ok());
+        // Only a connection still in rustls can move; a promoted one stays promoted.
+        let promotion = match stream {
+            Stream::Rustls(_) => self.ctx.ktls.clone().map(|support| (support, &mut self.read)),
+            _ => None,
+        };
         let mut writer = Writer {
             stream,
             head: &mut self.head,
             head_sent: false,
             chunked,
             send_timeout: self.ctx.limits.send_timeout,
-            promotion: self.ctx.ktls.clone().map(|support| (support, &mut self.read)),
+            promotion,
             peer: self.ctx.client.peer,
         };
         let sent = send_body(body, &mut writer).await;
@@ -370,9 +375,16 @@ impl Writer<'_> {
         let Some((support, read)) = self.promotion.take() else {
             return Ok(());
         };
-        timed(self.send_timeout, self.stream.flush()).await?;
-        let Stream::Rustls(tls) = std::mem::replace(self.stream, Stream::Promoting) else {
+        if !matches!(self.stream, Stream::Rustls(_)) {
             return Ok(());
+        }
+        timed(self.send_timeout, self.stream.flush()).await?;
+        let tls = match std::mem::replace(self.stream, Stream::Promoting) {
+            Stream::Rustls(tls) => tls,
+            other => {
+                *self.stream = other;
+                return Ok(());
+            }
         };
         match ktls::promote(*tls, &support) {
             Promotion::Kernel(kernel, leftover) => {
