@@ -18,8 +18,8 @@
 //! - `/wait-abort`: one byte every 50 ms for up to 20 s, counting a peer that leaves;
 //! - anything else: 404.
 //!
-//! "Pattern bytes" are byte `i` = `(i * 7 + i / 251) as u8`, the e2e suite's
-//! `support::pattern`, counted from the start of the resource.
+//! "Pattern bytes" are byte `i` = `(i * 7 + i / 251) as u8` ([`pattern`], which the
+//! e2e suite uses too), counted from the start of the resource.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -565,10 +565,15 @@ impl Drop for OriginBody {
 /// `i / 251` grows by exactly 256 over one period.
 const PERIOD: usize = 251 * 256;
 
+/// The first `len` pattern bytes: position-dependent, so a wrong offset shows.
+pub fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+}
+
 /// Pattern bytes `[offset, offset + len)`, a zero-copy slice of three periods.
 fn pattern_bytes(offset: u64, len: usize) -> Bytes {
     static PERIODS: OnceLock<Bytes> = OnceLock::new();
-    let periods = PERIODS.get_or_init(|| (0..3 * PERIOD).map(|i| (i * 7 + i / 251) as u8).collect());
+    let periods = PERIODS.get_or_init(|| pattern(3 * PERIOD).into());
     assert!(len <= 2 * PERIOD);
     let start = (offset % PERIOD as u64) as usize;
     periods.slice(start..start + len)

@@ -11,7 +11,7 @@ use crate::support::{Env, HOST};
 async fn fixture_with_rustls_client_over_h1_and_h2() {
     let env = Env::new();
     let fx = fixture();
-    fx.place(&env.root, "fixture.bin");
+    fx.place(&env.root, "fixture.bin").unwrap();
     let server = env.start("");
     for proto in [Proto::H1, Proto::H2] {
         let got = env.get(proto, &server, "/fixture.bin", &[]).await;
@@ -26,9 +26,9 @@ async fn fixture_with_rustls_client_over_h1_and_h2() {
 fn fixture_with_curl_over_h1_and_h2() {
     let env = Env::new();
     let fx = fixture();
-    fx.place(&env.root, "fixture.bin");
+    fx.place(&env.root, "fixture.bin").unwrap();
     let server = env.start("");
-    let ca = env.pki.ca_file();
+    let ca = env.ca_file();
     let url = format!("https://{HOST}:{}/fixture.bin", server.port);
     for (flag, version) in [("--http1.1", "1.1"), ("--http2", "2")] {
         let out = env.dir.path().join("download.bin");
@@ -54,7 +54,11 @@ fn fixture_with_curl_over_h1_and_h2() {
         );
         assert_eq!(stdout, format!("200 {version} {FIXTURE_LEN}"), "curl {flag}");
         assert_eq!(std::fs::metadata(&out).unwrap().len(), FIXTURE_LEN);
-        assert_eq!(hex(&sha256_file(&out)), hex(&fx.sha256), "curl {flag}: digest");
+        assert_eq!(
+            hex(&sha256_file(&out).unwrap()),
+            hex(&fx.sha256),
+            "curl {flag}: digest"
+        );
         std::fs::remove_file(&out).unwrap();
     }
 }

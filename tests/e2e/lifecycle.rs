@@ -19,7 +19,7 @@ const MIB: u64 = 1024 * 1024;
 
 fn fixture_server(extra: &str) -> (Env, Server) {
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     env.write("small.txt", b"small");
     let server = env.start(extra);
     (env, server)
@@ -165,7 +165,7 @@ async fn pipelined_requests_are_answered_in_order() {
 #[test]
 fn curl_reuses_one_connection() {
     let (env, server) = fixture_server("");
-    let ca = env.pki.ca_file();
+    let ca = env.ca_file();
     let url = format!("https://{HOST}:{}/small.txt", server.port);
     let out = webship_tests::client::curl(
         HOST,
@@ -302,7 +302,7 @@ async fn no_config_serves_the_current_directory_on_8443() {
             proto,
             addr,
             "localhost",
-            insecure_client(&[proto.alpn()]),
+            insecure_client(&[proto.alpn()]).unwrap(),
             "GET",
             "/hello.txt",
             &[],

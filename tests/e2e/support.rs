@@ -1,11 +1,17 @@
-//! One test's world: a temp dir with a document root, a PKI and a leaf certificate.
+//! One test's world: a temp dir with a document root, a PKI and a leaf certificate;
+//! and what several test files start or run the same way (a second webship as an
+//! origin, an HTTP/3 passthrough front, aioquic, `webship stats`).
 
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::Arc;
 
 use rustls::ClientConfig;
+use serde_json::Value;
 use webship_tests::client::{fetch, Fetched, Proto};
-use webship_tests::{Pki, Server};
+pub use webship_tests::origin::pattern;
+use webship_tests::{webship, Pki, Server};
 
 pub const HOST: &str = "files.test";
 
@@ -22,14 +28,14 @@ impl Env {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("root");
         std::fs::create_dir(&root).unwrap();
-        let pki = Pki::new(dir.path());
-        let (cert, key) = pki.leaf("files", &[HOST, "localhost"]);
+        let pki = Pki::new(dir.path()).unwrap();
+        let leaf = pki.leaf("files", &[HOST, "localhost"]).unwrap();
         Self {
             dir,
             root,
             pki,
-            cert,
-            key,
+            cert: leaf.cert,
+            key: leaf.key,
         }
     }
 
@@ -47,8 +53,20 @@ impl Env {
         Server::start(self.dir.path(), &self.config(extra))
     }
 
+    /// A client that trusts this PKI and offers `alpn`.
     pub fn client(&self, alpn: &[u8]) -> Arc<ClientConfig> {
-        self.pki.client(&[alpn])
+        self.pki.client(&[alpn]).unwrap()
+    }
+
+    /// A leaf for `names` from this PKI: (certificate, key) files named after `name`.
+    pub fn leaf(&self, name: &str, names: &[&str]) -> (PathBuf, PathBuf) {
+        let leaf = self.pki.leaf(name, names).unwrap();
+        (leaf.cert, leaf.key)
+    }
+
+    /// The CA certificate as a PEM file.
+    pub fn ca_file(&self) -> PathBuf {
+        self.pki.ca_file().unwrap()
     }
 
     /// One GET to `server` for `HOST` over `proto`, verified against this PKI.
@@ -75,7 +93,78 @@ impl Env {
     }
 }
 
-/// Deterministic, position-dependent bytes, so a wrong offset shows.
-pub fn pattern(len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+/// Fetches `path` over HTTP/3 with aioquic (`clients/h3_fetch.py`) from the server
+/// on loopback `port` as `sni`, trusting `ca`; its one-line JSON report
+/// (status, headers, len, sha256) and the line itself, for messages.
+pub fn aioquic_fetch(port: u16, sni: &str, path: &str, ca: &Path, headers: &[&str]) -> (Value, String) {
+    let out = Command::new("python3")
+        .args([
+            concat!(env!("CARGO_MANIFEST_DIR"), "/clients/h3_fetch.py"),
+            "127.0.0.1",
+            &port.to_string(),
+            sni,
+            path,
+            ca.to_str().unwrap(),
+        ])
+        .args(headers)
+        .output()
+        .expect("python3 with aioquic is required; `cargo xtask test` installs it");
+    assert!(
+        out.status.success(),
+        "aioquic: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+    (value, line)
+}
+
+/// A second webship serving `domain` from `root` directly, with a certificate of
+/// its own from this PKI: an origin behind a passthrough front. `kernel` and
+/// `site` are TOML appended before the site and inside it.
+pub fn origin_server(env: &Env, name: &str, domain: &str, root: &Path, kernel: &str, site: &str) -> Server {
+    let (cert, key) = env.leaf(name, &[domain]);
+    Server::start(
+        env.dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{kernel}[[sites]]\ndomain = \"{domain}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n{site}",
+            root.display(),
+            cert.display(),
+            key.display()
+        ),
+    )
+}
+
+/// A front passing TLS and QUIC for `a.pass` through to `origin` (TCP and UDP),
+/// its UDP side carried by `udp_engine`; counter maps pinned in a folder of its own.
+pub fn h3_passthrough_front(env: &Env, origin: SocketAddr, udp_engine: &str) -> Server {
+    Server::start(
+        env.dir.path(),
+        &format!(
+            r#"listen = "127.0.0.1:{{port}}"
+workers = 2
+[kernel]
+bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
+[reverse_proxy]
+enabled = true
+tls_termination = false
+udp_upstream = "{origin}"
+udp_engine = "{udp_engine}"
+[reverse_proxy.protocols]
+h1 = true
+h2 = true
+h3 = true
+[[reverse_proxy.routes]]
+domain = "a.pass"
+upstreams = ["{origin}"]
+"#
+        ),
+    )
+}
+
+/// `webship stats --json` for the maps pinned at `pins`.
+pub fn stats_json(pins: &str) -> Value {
+    let out = webship(&["stats", "--json", "--pin-dir", pins], Path::new("/"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
 }
