@@ -63,11 +63,11 @@ impl Sink for Collect {
 }
 
 impl Collect {
-    /// The response as tests see it.
-    pub fn into_fetched(self, status: StatusCode, headers: HeaderMap) -> Fetched {
+    /// The response with head `parts`, as tests see it.
+    pub fn into_fetched(self, parts: http::response::Parts) -> Fetched {
         Fetched {
-            status,
-            headers,
+            status: parts.status,
+            headers: parts.headers,
             len: self.len,
             sha256: self.hasher.finalize().into(),
             body: self.kept,

@@ -241,7 +241,7 @@ impl H3Client {
             .fetch_into(method, path, headers, &mut body)
             .await
             .unwrap_or_else(|e| panic!("{e:#}"));
-        body.into_fetched(parts.status, parts.headers)
+        body.into_fetched(parts)
     }
 
     /// Closes the connection and waits briefly for the close to be sent.

@@ -288,5 +288,5 @@ pub async fn fetch(
         .await
         .unwrap_or_else(|e| panic!("{e:#}"));
     conn.close().await;
-    body.into_fetched(parts.status, parts.headers)
+    body.into_fetched(parts)
 }

@@ -1,5 +1,7 @@
 //! Waiting for a condition the test cannot be told about (a log line, a counter, a
-//! socket going away): polled, with a deadline.
+//! socket going away): polled, with a deadline. It blocks the calling thread, which
+//! in a `#[tokio::test]` is not one of the runtime's workers, so servers running on
+//! the runtime (the in-process origins) go on meanwhile.
 
 use std::time::{Duration, Instant};
 
@@ -17,20 +19,5 @@ pub fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
             return false;
         }
         std::thread::sleep(POLL);
-    }
-}
-
-/// [`eventually`] for async code: sleeps on the runtime instead of blocking a worker
-/// that a server under test (an in-process origin) may need.
-pub async fn eventually_async(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + limit;
-    loop {
-        if cond() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(POLL).await;
     }
 }

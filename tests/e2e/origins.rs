@@ -2,7 +2,7 @@
 //! TCP: `Origin` over HTTP/1.1 and h2c, `HalfCloseOrigin` with raw bytes, and nginx
 //! serving a file. If these fail, a proxy test failing says nothing about the proxy.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
@@ -16,8 +16,12 @@ use tokio::net::TcpStream;
 use webship_tests::client::hex;
 use webship_tests::nginx::Nginx;
 use webship_tests::origin::{HalfCloseOrigin, Origin};
+use webship_tests::server::eventually;
 
 use crate::support::pattern;
+
+/// How long an origin's counters or nginx's access log may lag the response.
+const WAIT: Duration = Duration::from_secs(5);
 
 /// A response read to its end, or to the error that cut it short.
 struct Got {
@@ -95,18 +99,6 @@ async fn send(tx: &mut http1::SendRequest<Full<Bytes>>, req: Request<Full<Bytes>
 
 fn sha(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes))
-}
-
-/// Polls `cond` every 20 ms for up to 5 s, without blocking the runtime.
-async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    cond()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -292,7 +284,7 @@ async fn origin_counts_responses_the_client_abandons() {
     body.frame().await.unwrap().unwrap();
     drop((body, tx));
     conn.abort();
-    assert!(eventually(|| origin.aborted_responses() == 1).await);
+    assert!(eventually(WAIT, || origin.aborted_responses() == 1));
 
     // h2: dropping the body resets the stream; the connection lives on.
     let mut tx = h2c(&origin).await;
@@ -303,7 +295,7 @@ async fn origin_counts_responses_the_client_abandons() {
     let mut body = response.into_body();
     body.frame().await.unwrap().unwrap();
     drop(body);
-    assert!(eventually(|| origin.aborted_responses() == 2).await);
+    assert!(eventually(WAIT, || origin.aborted_responses() == 2));
     let got = collect(
         tx.send_request(request(&format!("{base}/status/200"), "GET", b""))
             .await
@@ -355,7 +347,7 @@ async fn nginx_serves_a_file() {
     }
     let line = "GET /big.bin HTTP/1.1 200 1000000 \"origin.test\" \"192.0.2.1\" \"-\" \"-\" \"-\" \"-\"";
     assert!(
-        eventually(|| nginx.access_log().matches(line).count() == 2).await,
+        eventually(WAIT, || nginx.access_log().matches(line).count() == 2),
         "{}",
         nginx.access_log()
     );

@@ -121,7 +121,7 @@ async fn exchange(
     let mut got = Collect::default();
     let error = read_body(body, &mut got).await.err().map(|e| e.to_string());
     Seen {
-        got: got.into_fetched(parts.status, parts.headers),
+        got: got.into_fetched(parts),
         error,
     }
 }
