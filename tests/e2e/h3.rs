@@ -7,11 +7,9 @@ use std::time::Duration;
 
 use webship_tests::client::{fetch_h3, hex, recv_body, request, H3Client, H3Options, Proto};
 use webship_tests::server::eventually;
-use webship_tests::{fixture, FIXTURE_LEN};
+use webship_tests::{fixture, Server, FIXTURE_LEN};
 
-use crate::support::{aioquic_fetch, pattern, Env, HOST};
-
-const MIB: u64 = 1024 * 1024;
+use crate::support::{aioquic_fetch, assert_rss_within, pattern, Env, HOST, MIB};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fixture_with_quinn_h3_client() {
@@ -149,18 +147,26 @@ async fn cancelled_download_frees_the_stream_and_the_connection_lives_on() {
         "the server did not stop the three cancelled responses:\n{}",
         server.log()
     );
-    let rss = server.rss();
-    assert!(
-        rss < base + 24 * MIB,
-        "RSS {} MiB vs baseline {} MiB",
-        rss / MIB,
-        base / MIB
-    );
+    assert_rss_within(&server, base, 24);
     h3.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_responses_switch_their_connection_to_bbr() {
+    /// The first 8 MiB of the fixture over a fresh h3 connection to `server`.
+    async fn eight_mib(env: &Env, server: &Server) -> u64 {
+        let range = [("range", "bytes=0-8388607")];
+        fetch_h3(
+            server.addr(),
+            HOST,
+            env.client(b"h3"),
+            "GET",
+            "/fixture.bin",
+            &range,
+        )
+        .await
+        .len
+    }
     let env = Env::new();
     fixture().place(&env.root, "fixture.bin").unwrap();
     env.write("small.txt", b"small");
@@ -169,16 +175,7 @@ async fn bulk_responses_switch_their_connection_to_bbr() {
     let got = fetch_h3(server.addr(), HOST, env.client(b"h3"), "GET", "/small.txt", &[]).await;
     assert_eq!(got.status, 200);
     assert_eq!(switched(), 0, "a small response must not switch");
-    let got = fetch_h3(
-        server.addr(),
-        HOST,
-        env.client(b"h3"),
-        "GET",
-        "/fixture.bin",
-        &[("range", "bytes=0-8388607")],
-    )
-    .await;
-    assert_eq!(got.len, 8 * MIB);
+    assert_eq!(eight_mib(&env, &server).await, 8 * MIB);
     assert!(
         eventually(Duration::from_secs(2), || switched() == 1),
         "{}",
@@ -189,16 +186,7 @@ async fn bulk_responses_switch_their_connection_to_bbr() {
     let env = Env::new();
     fixture().place(&env.root, "fixture.bin").unwrap();
     let server = env.start("[kernel]\nbbr = \"off\"\n");
-    let got = fetch_h3(
-        server.addr(),
-        HOST,
-        env.client(b"h3"),
-        "GET",
-        "/fixture.bin",
-        &[("range", "bytes=0-8388607")],
-    )
-    .await;
-    assert_eq!(got.len, 8 * MIB);
+    assert_eq!(eight_mib(&env, &server).await, 8 * MIB);
     assert!(!server.log().contains("switches to BBR"));
 }
 
@@ -220,7 +208,7 @@ async fn alt_svc_advertises_h3_only_for_h3_sites() {
     let config = env
         .config("")
         .replace("[sites.tls]", "[sites.protocols]\nh3 = false\n[sites.tls]");
-    let server = webship_tests::Server::start(env.dir.path(), &config);
+    let server = Server::start(env.dir.path(), &config);
     for proto in [Proto::H1, Proto::H2] {
         let got = env.get(proto, &server, "/small.txt", &[]).await;
         assert!(got.headers.get("alt-svc").is_none(), "{proto:?}");

@@ -11,13 +11,16 @@ use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use webship_testkit::proc::{established, End};
-use webship_tests::client::{connect, curl, fetch, fetch_h3, hex, raw_status, Proto};
+use webship_tests::client::{connect, fetch, fetch_h3, hex, raw_status, Proto};
 use webship_tests::fixture::sha256_file;
 use webship_tests::nginx::Nginx;
 use webship_tests::server::eventually;
 use webship_tests::{fixture, Server, FIXTURE_LEN};
 
-use crate::support::{aioquic_fetch, h3_passthrough_front, origin_server, stats_json, Env, HOST};
+use crate::support::{
+    aioquic_fetch, curl_download, h3_passthrough_front, origin_server, passthrough_config, passthrough_toml,
+    stats_json, Env, HOST,
+};
 
 struct World {
     env: Env,
@@ -49,35 +52,13 @@ fn world_with(with_site: bool, engine: &str) -> World {
     let (b_cert, b_key) = env.leaf("b", &["b.pass", "*.b.pass"]);
     let a = Nginx::start_tls(&a_root, &a_cert, &a_key);
     let b = Nginx::start_tls(&b_root, &b_cert, &b_key);
-    let passthrough = format!(
-        r#"
-[kernel]
-bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
-
-[reverse_proxy]
-enabled = true
-tls_termination = false
-passthrough_engine = "{engine}"
-[reverse_proxy.protocols]
-h1 = true
-h2 = true
-h3 = false
-[[reverse_proxy.routes]]
-domain = "a.pass"
-upstreams = ["{}"]
-[[reverse_proxy.routes]]
-domain = "*.b.pass"
-upstreams = ["{}"]
-[[reverse_proxy.routes]]
-domain = "b.pass"
-upstreams = ["{}"]
-"#,
-        a.addr, b.addr, b.addr
-    );
+    let engine = format!("passthrough_engine = \"{engine}\"\n");
+    let routes = [("a.pass", a.addr), ("*.b.pass", b.addr), ("b.pass", b.addr)];
     let config = if with_site {
+        let passthrough = passthrough_toml(&engine, false, &routes);
         env.config(&passthrough.replace("[kernel]", "[protocols]\nh3 = false\n\n[kernel]"))
     } else {
-        format!("listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{passthrough}")
+        passthrough_config(&engine, false, &routes)
     };
     let server = Server::start(env.dir.path(), &config);
     World {
@@ -115,17 +96,19 @@ async fn exact_bytes_with(engine: &str) {
         w.server.log()
     );
     for proto in [Proto::H1, Proto::H2] {
+        let get = |sni, path| {
+            fetch(
+                proto,
+                w.server.addr(),
+                sni,
+                w.env.client(proto.alpn()),
+                "GET",
+                path,
+                &[],
+            )
+        };
         // The client verifies the chain for a.pass: only the origin holds that key.
-        let got = fetch(
-            proto,
-            w.server.addr(),
-            "a.pass",
-            w.env.client(proto.alpn()),
-            "GET",
-            "/fixture.bin",
-            &[],
-        )
-        .await;
+        let got = get("a.pass", "/fixture.bin").await;
         assert_eq!(got.status, 200, "{proto:?}");
         assert_eq!(got.len, FIXTURE_LEN, "{proto:?}");
         assert_eq!(hex(&got.sha256), hex(&fixture().sha256), "{proto:?}");
@@ -133,27 +116,9 @@ async fn exact_bytes_with(engine: &str) {
             got.header("server").starts_with("nginx"),
             "{proto:?}: served by the origin"
         );
-        let got = fetch(
-            proto,
-            w.server.addr(),
-            "b.pass",
-            w.env.client(proto.alpn()),
-            "GET",
-            "/who.txt",
-            &[],
-        )
-        .await;
+        let got = get("b.pass", "/who.txt").await;
         assert_eq!(got.body, b"origin b", "{proto:?}");
-        let got = fetch(
-            proto,
-            w.server.addr(),
-            "x.b.pass",
-            w.env.client(proto.alpn()),
-            "GET",
-            "/who.txt",
-            &[],
-        )
-        .await;
+        let got = get("x.b.pass", "/who.txt").await;
         assert_eq!(got.status, 200, "wildcard route");
     }
     let pins = format!("/sys/fs/bpf/webship-e2e-{}", w.server.port);
@@ -200,30 +165,16 @@ fn curl_through_passthrough() {
     let ca = w.env.ca_file();
     let out = w.env.dir.path().join("curl.bin");
     for flag in ["--http1.1", "--http2"] {
-        let result = curl(
+        let stdout = curl_download(
             "a.pass",
             w.server.port,
-            &[
-                "--cacert",
-                ca.to_str().unwrap(),
-                flag,
-                "-o",
-                out.to_str().unwrap(),
-                "-w",
-                "%{http_code} %{size_download}",
-                &format!("https://a.pass:{}/fixture.bin", w.server.port),
-            ],
+            &ca,
+            flag,
+            &format!("https://a.pass:{}/fixture.bin", w.server.port),
+            &out,
+            "%{http_code} %{size_download}",
         );
-        assert!(
-            result.status.success(),
-            "{}",
-            String::from_utf8_lossy(&result.stderr)
-        );
-        assert_eq!(
-            String::from_utf8_lossy(&result.stdout),
-            format!("200 {FIXTURE_LEN}"),
-            "{flag}"
-        );
+        assert_eq!(stdout, format!("200 {FIXTURE_LEN}"), "{flag}");
         assert_eq!(hex(&sha256_file(&out).unwrap()), hex(&fixture().sha256), "{flag}");
     }
 }
@@ -485,21 +436,10 @@ fn client_hello(env: &Env, sni: &str) -> Vec<u8> {
 }
 
 fn passthrough_only(origin: std::net::SocketAddr, engine: &str) -> String {
-    format!(
-        r#"listen = "127.0.0.1:{{port}}"
-workers = 2
-[kernel]
-bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
-[reverse_proxy]
-enabled = true
-tls_termination = false
-passthrough_engine = "{engine}"
-[reverse_proxy.protocols]
-h3 = false
-[[reverse_proxy.routes]]
-domain = "raw.pass"
-upstreams = ["{origin}"]
-"#
+    passthrough_config(
+        &format!("passthrough_engine = \"{engine}\"\n"),
+        false,
+        &[("raw.pass", origin)],
     )
 }
 

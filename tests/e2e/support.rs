@@ -9,11 +9,12 @@ use std::sync::Arc;
 
 use rustls::ClientConfig;
 use serde_json::Value;
-use webship_tests::client::{fetch, Fetched, Proto};
+use webship_tests::client::{curl, fetch, Fetched, Proto};
 pub use webship_tests::origin::pattern;
 use webship_tests::{webship, Pki, Server};
 
 pub const HOST: &str = "files.test";
+pub const MIB: u64 = 1024 * 1024;
 
 pub struct Env {
     pub dir: tempfile::TempDir,
@@ -135,30 +136,39 @@ pub fn origin_server(env: &Env, name: &str, domain: &str, root: &Path, kernel: &
     )
 }
 
+/// The TOML of a front passing TLS through, without its `listen` line: counter
+/// maps pinned in a folder of this server's own (so tests run side by side),
+/// `settings` added to `[reverse_proxy]` (engines, the UDP upstream), HTTP/3 on or
+/// off, and one route per `(domain, upstream)`.
+pub fn passthrough_toml(settings: &str, h3: bool, routes: &[(&str, SocketAddr)]) -> String {
+    let mut toml = format!(
+        "\n[kernel]\nbpf_pin_dir = \"/sys/fs/bpf/webship-e2e-{{port}}\"\n\n\
+         [reverse_proxy]\nenabled = true\ntls_termination = false\n{settings}\
+         [reverse_proxy.protocols]\nh1 = true\nh2 = true\nh3 = {h3}\n"
+    );
+    for (domain, upstream) in routes {
+        toml.push_str(&format!(
+            "[[reverse_proxy.routes]]\ndomain = \"{domain}\"\nupstreams = [\"{upstream}\"]\n"
+        ));
+    }
+    toml
+}
+
+/// A whole passthrough front's configuration: [`passthrough_toml`] on a free port.
+pub fn passthrough_config(settings: &str, h3: bool, routes: &[(&str, SocketAddr)]) -> String {
+    format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{}",
+        passthrough_toml(settings, h3, routes)
+    )
+}
+
 /// A front passing TLS and QUIC for `a.pass` through to `origin` (TCP and UDP),
-/// its UDP side carried by `udp_engine`; counter maps pinned in a folder of its own.
+/// its UDP side carried by `udp_engine`.
 pub fn h3_passthrough_front(env: &Env, origin: SocketAddr, udp_engine: &str) -> Server {
+    let udp = format!("udp_upstream = \"{origin}\"\nudp_engine = \"{udp_engine}\"\n");
     Server::start(
         env.dir.path(),
-        &format!(
-            r#"listen = "127.0.0.1:{{port}}"
-workers = 2
-[kernel]
-bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
-[reverse_proxy]
-enabled = true
-tls_termination = false
-udp_upstream = "{origin}"
-udp_engine = "{udp_engine}"
-[reverse_proxy.protocols]
-h1 = true
-h2 = true
-h3 = true
-[[reverse_proxy.routes]]
-domain = "a.pass"
-upstreams = ["{origin}"]
-"#
-        ),
+        &passthrough_config(&udp, true, &[("a.pass", origin)]),
     )
 }
 
@@ -167,4 +177,50 @@ pub fn stats_json(pins: &str) -> Value {
     let out = webship(&["stats", "--json", "--pin-dir", pins], Path::new("/"));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The server's resident memory is under `base` plus `mib` MiB: what it holds for
+/// connections and responses that are gone (or going) was given back.
+pub fn assert_rss_within(server: &Server, base: u64, mib: u64) {
+    let rss = server.rss();
+    assert!(
+        rss < base + mib * MIB,
+        "RSS {} MiB vs baseline {} MiB",
+        rss / MIB,
+        base / MIB
+    );
+}
+
+/// curl downloads `url` over `flag` (`--http1.1`, `--http2`) into `out`, trusting
+/// `ca`, with `host` resolved to the server on `port`; it must succeed. Returns
+/// what `-w write_out` printed.
+pub fn curl_download(
+    host: &str,
+    port: u16,
+    ca: &Path,
+    flag: &str,
+    url: &str,
+    out: &Path,
+    write_out: &str,
+) -> String {
+    let result = curl(
+        host,
+        port,
+        &[
+            "--cacert",
+            ca.to_str().unwrap(),
+            flag,
+            "-o",
+            out.to_str().unwrap(),
+            "-w",
+            write_out,
+            url,
+        ],
+    );
+    assert!(
+        result.status.success(),
+        "curl {flag}: {}",
+        String::from_utf8_lossy(&result.stderr)
+    );
+    String::from_utf8_lossy(&result.stdout).into_owned()
 }
