@@ -12,6 +12,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
+use webship_testkit::body::FixtureCheck;
 use webship_testkit::fixture::{EXACT, FIXTURE_LEN, FIXTURE_NAME};
 
 use crate::proc::waited_children_ticks;
@@ -155,6 +156,19 @@ pub struct Download {
     /// [`webship_testkit::body::FixtureCheck::verdict`].
     pub verdict: String,
     pub notes: String,
+}
+
+impl Download {
+    /// A download whose body went through `check`, expecting the whole fixture.
+    pub fn checked(status: http::StatusCode, seconds: f64, check: FixtureCheck, notes: String) -> Self {
+        Self {
+            status: status.as_u16(),
+            bytes: check.len(),
+            seconds,
+            verdict: check.verdict(FIXTURE_LEN),
+            notes,
+        }
+    }
 }
 
 /// Runs one client download on a current-thread runtime, bounded by `max_time`

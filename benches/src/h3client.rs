@@ -29,7 +29,6 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use webship_testkit::body::FixtureCheck;
-use webship_testkit::fixture::FIXTURE_LEN;
 use webship_testkit::h3::{endpoint, H3Client, H3Options};
 use webship_testkit::pki::{client_config, roots_from_pem};
 
@@ -99,11 +98,5 @@ async fn get(args: &H3GetArgs) -> Result<Download> {
     );
     client.close().await;
 
-    Ok(Download {
-        status: head.status.as_u16(),
-        bytes: check.len(),
-        seconds,
-        verdict: check.verdict(FIXTURE_LEN),
-        notes,
-    })
+    Ok(Download::checked(head.status, seconds, check, notes))
 }

@@ -358,6 +358,23 @@ fn launch_nginx(
     })
 }
 
+/// Writes `conf` to `path`; then `binary ARGS path`, the configuration last.
+fn with_config(binary: &Path, path: PathBuf, conf: &str, args: &[&str]) -> Result<Command> {
+    fs::write(&path, conf).with_context(|| format!("writing {}", path.display()))?;
+    let mut command = Command::new(binary);
+    command.args(args).arg(&path);
+    Ok(command)
+}
+
+/// The `global` and `defaults` sections of both HAProxy setups: `workers` threads,
+/// 64k buffers, `mode` (tcp or http) and the same timeouts.
+fn haproxy_head(workers: u32, mode: &str, global: &str) -> String {
+    format!(
+        "global\n  nbthread {workers}\n  maxconn 1024\n  tune.bufsize 65536\n{global}\
+         defaults\n  mode {mode}\n  timeout connect 5s\n  timeout client 150s\n  timeout server 150s\n"
+    )
+}
+
 /// The main context of every nginx here: one master plus `workers` workers, in the
 /// foreground so it stays our child. Every path nginx writes is inside `dir`, so it
 /// runs beside a system nginx.
@@ -424,16 +441,7 @@ pub fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16
 /// `req.ssl_sni`, as its documentation describes; one thread, 64k buffers.
 pub fn start_haproxy_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
     let mut server = spawn(HAPROXY, s.dir.join("haproxy.log"), None, |port| {
-        let mut conf = String::new();
-        writeln!(
-            conf,
-            "global\n  nbthread {}\n  maxconn 1024\n  tune.bufsize 65536",
-            s.workers
-        )?;
-        writeln!(
-            conf,
-            "defaults\n  mode tcp\n  timeout connect 5s\n  timeout client 150s\n  timeout server 150s"
-        )?;
+        let mut conf = haproxy_head(s.workers, "tcp", "");
         writeln!(
             conf,
             "frontend fe\n  bind 127.0.0.1:{port}\n  tcp-request inspect-delay 5s\n  \
@@ -441,11 +449,8 @@ pub fn start_haproxy_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u
              use_backend origin if {{ req.ssl_sni -i localhost }}"
         )?;
         writeln!(conf, "backend origin\n  server origin 127.0.0.1:{origin_port}")?;
-        let config = s.dir.join("haproxy.cfg");
-        fs::write(&config, conf)?;
-        let mut command = Command::new(binary);
-        command.arg("-db").arg("-f").arg(&config);
-        Ok(command)
+        // -db: foreground, no daemon; stays our child.
+        with_config(binary, s.dir.join("haproxy.cfg"), &conf, &["-db", "-f"])
     })?;
     server.host = "localhost";
     Ok(server)
@@ -488,12 +493,8 @@ pub fn start_lighttpd(binary: &Path, s: &Settings<'_>) -> Result<Server> {
             conf,
             "ssl.openssl.ssl-conf-cmd = (\"MinProtocol\" => \"TLSv1.3\", \"Options\" => \"KTLS\")"
         )?;
-        let config = s.dir.join("lighttpd.conf");
-        fs::write(&config, conf)?;
-        let mut command = Command::new(binary);
         // -D: foreground, so it stays our child; errors go to stderr (no server.errorlog).
-        command.arg("-D").arg("-f").arg(&config);
-        Ok(command)
+        with_config(binary, s.dir.join("lighttpd.conf"), &conf, &["-D", "-f"])
     })
 }
 
@@ -507,17 +508,11 @@ pub fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Resul
         let mut both = fs::read_to_string(&s.identity.cert)?;
         both.push_str(&fs::read_to_string(&s.identity.key)?);
         fs::write(&pem, both)?;
-        let mut conf = String::new();
-        writeln!(
-            conf,
-            "global\n  nbthread {}\n  maxconn 1024\n  tune.bufsize 65536\n  \
-             ssl-default-bind-options ssl-min-ver TLSv1.3",
-            s.workers
-        )?;
-        writeln!(
-            conf,
-            "defaults\n  mode http\n  timeout connect 5s\n  timeout client 150s\n  timeout server 150s"
-        )?;
+        let mut conf = haproxy_head(
+            s.workers,
+            "http",
+            "  ssl-default-bind-options ssl-min-ver TLSv1.3\n",
+        );
         writeln!(
             conf,
             "frontend fe\n  bind 127.0.0.1:{port} ssl crt {} alpn h2,http/1.1\n  default_backend origin",
@@ -527,12 +522,8 @@ pub fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Resul
             conf,
             "backend origin\n  http-reuse always\n  server origin 127.0.0.1:{origin_port}"
         )?;
-        let config = s.dir.join("haproxy.cfg");
-        fs::write(&config, conf)?;
-        let mut command = Command::new(binary);
         // -db: foreground, no daemon; stays our child.
-        command.arg("-db").arg("-f").arg(&config);
-        Ok(command)
+        with_config(binary, s.dir.join("haproxy.cfg"), &conf, &["-db", "-f"])
     })?;
     server.host = "localhost";
     Ok(server)
@@ -567,12 +558,10 @@ pub fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) ->
                 None => writeln!(conf, "  root * {}\n  file_server", s.root.display())?,
             }
             writeln!(conf, "}}")?;
-            let config = s.dir.join("Caddyfile");
-            fs::write(&config, conf)?;
-            let mut command = Command::new(binary);
+            let caddyfile = s.dir.join("Caddyfile");
+            let run = ["run", "--adapter", "caddyfile", "--config"];
+            let mut command = with_config(binary, caddyfile, &conf, &run)?;
             command
-                .args(["run", "--adapter", "caddyfile", "--config"])
-                .arg(&config)
                 .env("GOMAXPROCS", s.workers.to_string())
                 .env("HOME", s.dir)
                 .env("XDG_DATA_HOME", s.dir.join("xdg-data"))
@@ -625,11 +614,7 @@ pub fn start_h2o(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> R
             )?,
             None => writeln!(conf, "        file.dir: {:?}", s.root.display().to_string())?,
         }
-        let config = s.dir.join("h2o.conf");
-        fs::write(&config, conf)?;
-        let mut command = Command::new(binary);
-        command.arg("-c").arg(&config);
-        Ok(command)
+        with_config(binary, s.dir.join("h2o.conf"), &conf, &["-c"])
     })?;
     if origin_port.is_some() {
         server.host = "localhost";

@@ -28,7 +28,6 @@ use anyhow::{anyhow, ensure, Context, Result};
 use clap::{Args, ValueEnum};
 use tokio::net::TcpStream;
 use webship_testkit::body::FixtureCheck;
-use webship_testkit::fixture::FIXTURE_LEN;
 use webship_testkit::http::{tls, Conn, Proto, Tuning};
 use webship_testkit::pki::{client_config, roots_from_pem};
 
@@ -119,13 +118,7 @@ async fn get(args: &GetArgs) -> Result<Download> {
         .with_context(|| format!("after {} bytes", check.len()))?;
     let seconds = start.elapsed().as_secs_f64();
     conn.close().await;
-    Ok(Download {
-        status: head.status.as_u16(),
-        bytes: check.len(),
-        seconds,
-        verdict: check.verdict(FIXTURE_LEN),
-        notes,
-    })
+    Ok(Download::checked(head.status, seconds, check, notes))
 }
 
 /// The TLS version, cipher suite and ALPN; an error if h2 was asked for and not
