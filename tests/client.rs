@@ -8,10 +8,10 @@ use std::time::Duration;
 
 use rustls::ClientConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-pub use webship_testkit::body::{Collect, Fetched};
+pub use webship_testkit::body::{Collect, Fetched, Outcome};
 pub use webship_testkit::fixture::hex;
 pub use webship_testkit::h3::{fetch_h3, recv_body, request, H3Client, H3Options};
-pub use webship_testkit::http::{connect, fetch, read_body, Conn, Proto, Tuning};
+pub use webship_testkit::http::{connect, fetch, outcome, read_body, Conn, Proto, Tuning};
 
 /// Writes `request` verbatim over HTTP/1.1-over-TLS and returns everything the
 /// server sends until it closes (or 10 s pass).

@@ -95,6 +95,22 @@ impl Fetched {
     }
 }
 
+/// What a client got of one response: read to its end, or up to the error that
+/// cut it short (`error` says what), for tests of failures mid-body.
+#[derive(Debug)]
+pub struct Outcome {
+    pub fetched: Fetched,
+    pub error: Option<String>,
+}
+
+impl std::ops::Deref for Outcome {
+    type Target = Fetched;
+
+    fn deref(&self) -> &Fetched {
+        &self.fetched
+    }
+}
+
 /// The benches' body check: every byte against the fixture stream ([`Checker`]),
 /// and with [`FixtureCheck::with_sha256`] a SHA-256 too, for the untimed download.
 #[derive(Debug, Default)]

@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 use tokio_rustls::client::TlsStream;
 use tokio_rustls::TlsConnector;
 
-use crate::body::{Collect, Fetched, Sink};
+use crate::body::{Collect, Fetched, Outcome, Sink};
 
 /// How long [`Conn::close`] waits for the connection to end.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
@@ -257,6 +257,17 @@ pub async fn read_body<S: Sink>(mut body: Incoming, sink: &mut S) -> Result<(), 
         }
     }
     Ok(())
+}
+
+/// Reads `response` to its end, or to the error that cut it short, keeping both.
+pub async fn outcome(response: Response<Incoming>) -> Outcome {
+    let (parts, body) = response.into_parts();
+    let mut got = Collect::default();
+    let error = read_body(body, &mut got).await.err().map(|e| e.to_string());
+    Outcome {
+        fetched: got.into_fetched(parts),
+        error,
+    }
 }
 
 /// One request (`method`, no body) on a fresh TLS connection, verified with

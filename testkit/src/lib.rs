@@ -9,9 +9,11 @@
 //! - [`ports`]: free and refusing loopback ports;
 //! - [`wait`]: polling a condition with a deadline;
 //! - [`proc`]: what /proc says about a process or a port;
-//! - [`process`]: the child-process guard every spawned server lives in;
+//! - [`process`]: the child-process guard every spawned server lives in, and its
+//!   twin for servers running as tasks in the test (the scripted origins);
 //! - [`pki`]: a private CA, leaf certificates and rustls client configurations;
-//! - [`body`]: what a client does with a body (keep and hash it, or check it);
+//! - [`body`]: what a client does with a body (keep and hash it, or check it),
+//!   and what it got of a response cut short;
 //! - [`http`] and [`h3`]: the HTTP/1.1 + HTTP/2 and HTTP/3 clients.
 
 pub mod fixture;

@@ -2,6 +2,8 @@
 //! client subcommands — each owned by a [`Process`] guard, so it is stopped on
 //! every exit path, panics and errors included: SIGTERM first (every server here
 //! finishes cleanly on it), SIGKILL for the whole process tree after a timeout.
+//! Servers that run as tasks in the test's own runtime (the scripted origins) are
+//! held by a [`Task`], aborted the same way when dropped.
 
 use std::fmt;
 use std::fs::{self, File};
@@ -197,6 +199,24 @@ impl Drop for Process {
         if let Err(e) = self.stop() {
             eprintln!("stopping {} (pid {}): {e:#}", self.name, self.pid());
         }
+    }
+}
+
+/// A server task on the current tokio runtime, aborted when dropped: the
+/// in-process twin of [`Process`]. Whatever the task owns (its listener, a
+/// `JoinSet` of connections) goes with it.
+#[derive(Debug)]
+pub struct Task(tokio::task::JoinHandle<()>);
+
+impl Task {
+    pub fn spawn(server: impl std::future::Future<Output = ()> + Send + 'static) -> Self {
+        Self(tokio::spawn(server))
+    }
+}
+
+impl Drop for Task {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::client::conn::{http1, http2};
@@ -13,7 +13,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use webship_tests::client::hex;
+use webship_tests::client::{hex, outcome, Outcome};
 use webship_tests::nginx::Nginx;
 use webship_tests::origin::{HalfCloseOrigin, Origin};
 use webship_tests::server::eventually;
@@ -23,47 +23,11 @@ use crate::support::pattern;
 /// How long an origin's counters or nginx's access log may lag the response.
 const WAIT: Duration = Duration::from_secs(5);
 
-/// A response read to its end, or to the error that cut it short.
-struct Got {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Vec<u8>,
-    trailers: Option<HeaderMap>,
-    error: Option<String>,
-}
-
-impl Got {
-    fn header(&self, name: &str) -> &str {
-        self.headers.get(name).map_or("", |v| v.to_str().unwrap())
-    }
-}
-
-async fn collect(response: Response<Incoming>) -> Got {
-    let (parts, mut body) = response.into_parts();
-    let mut got = Got {
-        status: parts.status,
-        headers: parts.headers,
-        body: Vec::new(),
-        trailers: None,
-        error: None,
-    };
-    let read = tokio::time::timeout(Duration::from_secs(20), async {
-        while let Some(frame) = body.frame().await {
-            match frame {
-                Ok(frame) => match frame.into_data() {
-                    Ok(data) => got.body.extend_from_slice(&data),
-                    Err(frame) => got.trailers = frame.into_trailers().ok(),
-                },
-                Err(e) => {
-                    got.error = Some(e.to_string());
-                    return;
-                }
-            }
-        }
-    })
-    .await;
-    assert!(read.is_ok(), "body not read within 20 s");
-    got
+/// A response read to its end, or to the error that cut it short, within 20 s.
+async fn collect(response: Response<Incoming>) -> Outcome {
+    tokio::time::timeout(Duration::from_secs(20), outcome(response))
+        .await
+        .expect("body not read within 20 s")
 }
 
 fn request(uri: &str, method: &str, body: &[u8]) -> Request<Full<Bytes>> {
@@ -92,7 +56,7 @@ async fn h2c(origin: &Origin) -> http2::SendRequest<Full<Bytes>> {
 }
 
 /// One request on an HTTP/1.1 connection, once it is ready for the next one.
-async fn send(tx: &mut http1::SendRequest<Full<Bytes>>, req: Request<Full<Bytes>>) -> Got {
+async fn send(tx: &mut http1::SendRequest<Full<Bytes>>, req: Request<Full<Bytes>>) -> Outcome {
     tx.ready().await.unwrap();
     collect(tx.send_request(req).await.unwrap()).await
 }
@@ -114,7 +78,7 @@ async fn origin_serves_http1() {
 
     let got = send(&mut tx, with_host("/echo?q=1", "POST", b"abc")).await;
     assert_eq!(got.status, StatusCode::OK);
-    let text = String::from_utf8(got.body).unwrap();
+    let text = String::from_utf8(got.fetched.body).unwrap();
     assert!(text.contains("x-test: origins\n"), "{text}");
     assert!(
         text.contains("method: POST\npath: /echo?q=1\nbody-len: 3\n"),
@@ -152,7 +116,7 @@ async fn origin_serves_http1() {
     let got = send(&mut tx, te).await;
     assert_eq!(got.header("transfer-encoding"), "chunked");
     assert_eq!(got.body, b"hello");
-    let trailers = got.trailers.expect("trailers on HTTP/1.1");
+    let trailers = got.trailers.as_ref().expect("trailers on HTTP/1.1");
     assert_eq!(trailers["x-checksum"], "12345");
     assert_eq!(trailers["x-origin"], "rust");
 
@@ -211,7 +175,7 @@ async fn origin_serves_h2c() {
             .unwrap(),
     )
     .await;
-    let text = String::from_utf8(got.body).unwrap();
+    let text = String::from_utf8(got.fetched.body).unwrap();
     assert!(
         text.contains(&format!("body-len: 300000\nbody-sha256: {}\n", sha(&body))),
         "{text}"
@@ -232,7 +196,7 @@ async fn origin_serves_h2c() {
     )
     .await;
     assert_eq!(got.body, b"hello");
-    let trailers = got.trailers.expect("trailers on h2");
+    let trailers = got.trailers.as_ref().expect("trailers on h2");
     assert_eq!(trailers["x-checksum"], "12345");
     assert_eq!(trailers["x-origin"], "rust");
 

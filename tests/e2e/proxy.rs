@@ -11,7 +11,7 @@ use http_body_util::BodyExt;
 use rustls::ClientConfig;
 use sha2::{Digest, Sha256};
 use webship_tests::client::{
-    connect, hex, read_body, recv_body, Collect, Conn, Fetched, H3Client, H3Options, Proto, Tuning,
+    connect, hex, outcome, recv_body, Conn, H3Client, H3Options, Outcome, Proto, Tuning,
 };
 use webship_tests::nginx::Nginx;
 use webship_tests::origin::{HalfCloseOrigin, Origin};
@@ -79,22 +79,6 @@ max_header_bytes = 4096
     }
 }
 
-/// What a client saw of one exchange, errors included: the response as read up to
-/// the error that cut it short, if one did.
-#[derive(Debug)]
-struct Seen {
-    got: Fetched,
-    error: Option<String>,
-}
-
-impl std::ops::Deref for Seen {
-    type Target = Fetched;
-
-    fn deref(&self) -> &Fetched {
-        &self.got
-    }
-}
-
 async fn exchange(
     proto: Proto,
     addr: SocketAddr,
@@ -103,7 +87,7 @@ async fn exchange(
     path: &str,
     headers: &[(&str, &str)],
     body: &[u8],
-) -> Seen {
+) -> Outcome {
     let tls = connect(addr, HOST, config).await.unwrap();
     // Room for the huge-header test: the limit is the client's to set.
     let tuning = Tuning {
@@ -117,17 +101,11 @@ async fn exchange(
         .send(method, path, headers, Bytes::copy_from_slice(body))
         .await
         .unwrap();
-    let (parts, body) = response.into_parts();
-    let mut got = Collect::default();
-    let error = read_body(body, &mut got).await.err().map(|e| e.to_string());
-    Seen {
-        got: got.into_fetched(parts),
-        error,
-    }
+    outcome(response).await
 }
 
 impl World {
-    async fn get(&self, proto: Proto, path: &str, headers: &[(&str, &str)]) -> Seen {
+    async fn get(&self, proto: Proto, path: &str, headers: &[(&str, &str)]) -> Outcome {
         exchange(
             proto,
             self.server.addr(),
