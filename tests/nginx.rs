@@ -2,20 +2,21 @@
 //! tests: a second, independent HTTP implementation serving files with sendfile, and
 //! an access log that shows what reached the origin (the forwarding headers included).
 //! One process (`master_process off`), configured in a temporary directory, on a free
-//! loopback port; stopped (SIGTERM, then SIGKILL) when dropped.
+//! loopback port; stopped (SIGTERM, then SIGKILL) when dropped, by the test kit's
+//! process guard.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use crate::server::{free_port, listening};
+use webship_testkit::process::{start_on_free_port, Logs, Process};
 
 pub const NGINX: &str = "/usr/sbin/nginx";
 
 pub struct Nginx {
     pub addr: SocketAddr,
-    child: Child,
+    process: Process,
     dir: tempfile::TempDir,
 }
 
@@ -38,7 +39,6 @@ impl Nginx {
             "{NGINX} is missing (Debian package nginx-light)"
         );
         let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
         let d = dir.path();
         for temp in ["client_body", "proxy", "fastcgi", "uwsgi", "scgi"] {
             std::fs::create_dir(d.join(temp)).unwrap();
@@ -50,8 +50,9 @@ impl Nginx {
         } else {
             String::new()
         };
-        let conf = format!(
-            r#"daemon off;
+        let conf = |port: u16| {
+            format!(
+                r#"daemon off;
 master_process off;
 worker_processes 1;
 pid {d}/nginx.pid;
@@ -83,52 +84,46 @@ http {{
     }}
 }}
 "#,
-            d = d.display(),
-            listen_tls = if tls.is_some() { " ssl http2" } else { "" },
-            tls_lines = tls.map_or(String::new(), |(cert, key)| format!(
-                "ssl_certificate {}; ssl_certificate_key {}; ssl_protocols TLSv1.2 TLSv1.3;",
-                cert.display(),
-                key.display()
-            )),
-            root = root.display(),
-        );
-        let conf_path = d.join("nginx.conf");
-        std::fs::write(&conf_path, conf).unwrap();
-        let error_log = d.join("error.log");
-        // `-e` so that even the messages before the config is read stay in the temp dir.
-        let child = Command::new(NGINX)
-            .arg("-p")
-            .arg(d)
-            .arg("-c")
-            .arg(&conf_path)
-            .arg("-e")
-            .arg(&error_log)
-            .stdin(Stdio::null())
-            .stdout(Stdio::from(std::fs::File::create(d.join("stdout.log")).unwrap()))
-            .stderr(Stdio::from(std::fs::File::create(d.join("stderr.log")).unwrap()))
-            .spawn()
-            .unwrap();
-        let mut nginx = Nginx {
-            addr: SocketAddr::from(([127, 0, 0, 1], port)),
-            child,
-            dir,
+                d = d.display(),
+                listen_tls = if tls.is_some() { " ssl http2" } else { "" },
+                tls_lines = tls.map_or(String::new(), |(cert, key)| format!(
+                    "ssl_certificate {}; ssl_certificate_key {}; ssl_protocols TLSv1.2 TLSv1.3;",
+                    cert.display(),
+                    key.display()
+                )),
+                root = root.display(),
+            )
         };
-        nginx.wait_listening(port);
-        nginx
-    }
-
-    fn wait_listening(&mut self, port: u16) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if listening(port) {
-                return;
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("nginx exited ({status}) instead of listening:\n{}", self.logs());
-            }
-            std::thread::sleep(Duration::from_millis(25));
+        let conf_path = d.join("nginx.conf");
+        let error_log = d.join("error.log");
+        let (process, port) = start_on_free_port(None, Duration::from_secs(10), |port| {
+            std::fs::write(&conf_path, conf(port))?;
+            // `-e` so that even the messages before the config is read stay in the temp dir.
+            let mut command = Command::new(NGINX);
+            command
+                .arg("-p")
+                .arg(d)
+                .arg("-c")
+                .arg(&conf_path)
+                .arg("-e")
+                .arg(&error_log);
+            let logs = Logs {
+                stdout: d.join("stdout.log"),
+                stderr: d.join("stderr.log"),
+            };
+            Process::spawn("nginx", &mut command, logs)
+        })
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e:#}\nerror.log:\n{}",
+                std::fs::read_to_string(&error_log).unwrap_or_default()
+            )
+        });
+        Nginx {
+            addr: SocketAddr::from(([127, 0, 0, 1], port)),
+            process,
+            dir,
         }
-        panic!("nginx did not listen on {port} within 10 s:\n{}", self.logs());
     }
 
     /// One line per request: `$request $status $body_bytes_sent "$http_host"
@@ -149,31 +144,6 @@ http {{
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn logs(&self) -> String {
-        let stderr = std::fs::read_to_string(self.dir.path().join("stderr.log")).unwrap_or_default();
-        format!("error.log:\n{}\nstderr:\n{stderr}", self.error_log())
-    }
-}
-
-impl Drop for Nginx {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_some() {
-            return;
-        }
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.process.pid()
     }
 }

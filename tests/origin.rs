@@ -2,7 +2,8 @@
 //! server on one loopback port that speaks HTTP/1.1 and h2c (prior knowledge), records
 //! every request it receives and serves scripted responses (sized, slow, trailing,
 //! dying mid-body); and [`HalfCloseOrigin`], raw TCP that ends a close-delimited
-//! response with a half-close. Both run on the caller's tokio runtime and stop when
+//! response with a half-close. Both run on the caller's tokio runtime as the test
+//! kit's `Task` (the connections live in a JoinSet the task owns), so they stop when
 //! dropped.
 //!
 //! Routes of [`Origin`] (the request body is always read to the end and hashed first):
@@ -18,8 +19,8 @@
 //! - `/wait-abort`: one byte every 50 ms for up to 20 s, counting a peer that leaves;
 //! - anything else: 404.
 //!
-//! "Pattern bytes" are byte `i` = `(i * 7 + i / 251) as u8`, the e2e suite's
-//! `support::pattern`, counted from the start of the resource.
+//! "Pattern bytes" are byte `i` = `(i * 7 + i / 251) as u8` ([`pattern`], which the
+//! e2e suite uses too), counted from the start of the resource.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -40,8 +41,9 @@ use hyper_util::server::conn::auto;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::task::{JoinHandle, JoinSet};
+use tokio::task::JoinSet;
 use tokio::time::{sleep, timeout, Sleep};
+use webship_testkit::process::Task;
 
 use crate::client::hex;
 
@@ -107,7 +109,7 @@ struct Shared {
 pub struct Origin {
     pub addr: SocketAddr,
     shared: Arc<Shared>,
-    task: JoinHandle<()>,
+    _task: Task,
 }
 
 impl Origin {
@@ -116,8 +118,8 @@ impl Origin {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shared = Arc::new(Shared::default());
-        let task = tokio::spawn(accept_loop(listener, shared.clone()));
-        Origin { addr, shared, task }
+        let _task = Task::spawn(accept_loop(listener, shared.clone()));
+        Origin { addr, shared, _task }
     }
 
     /// Every request received so far, in the order their bodies finished (or failed).
@@ -145,13 +147,6 @@ impl Origin {
     /// `http://127.0.0.1:PORT`, for proxy configurations.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
-    }
-}
-
-impl Drop for Origin {
-    fn drop(&mut self) {
-        // The connections live in a JoinSet owned by this task, so they go with it.
-        self.task.abort();
     }
 }
 
@@ -565,10 +560,15 @@ impl Drop for OriginBody {
 /// `i / 251` grows by exactly 256 over one period.
 const PERIOD: usize = 251 * 256;
 
+/// The first `len` pattern bytes: position-dependent, so a wrong offset shows.
+pub fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+}
+
 /// Pattern bytes `[offset, offset + len)`, a zero-copy slice of three periods.
 fn pattern_bytes(offset: u64, len: usize) -> Bytes {
     static PERIODS: OnceLock<Bytes> = OnceLock::new();
-    let periods = PERIODS.get_or_init(|| (0..3 * PERIOD).map(|i| (i * 7 + i / 251) as u8).collect());
+    let periods = PERIODS.get_or_init(|| pattern(3 * PERIOD).into());
     assert!(len <= 2 * PERIOD);
     let start = (offset % PERIOD as u64) as usize;
     periods.slice(start..start + len)
@@ -581,7 +581,7 @@ fn pattern_bytes(offset: u64, len: usize) -> Bytes {
 pub struct HalfCloseOrigin {
     pub addr: SocketAddr,
     connections: Arc<AtomicUsize>,
-    task: JoinHandle<()>,
+    _task: Task,
 }
 
 impl HalfCloseOrigin {
@@ -595,7 +595,7 @@ impl HalfCloseOrigin {
         let body = Arc::new(body);
         let connections = Arc::new(AtomicUsize::new(0));
         let counter = connections.clone();
-        let task = tokio::spawn(async move {
+        let _task = Task::spawn(async move {
             let mut conns = JoinSet::new();
             for _ in 0..Self::MAX_CONNECTIONS {
                 let Ok(Ok((stream, _))) = timeout(MAX_LIFETIME, listener.accept()).await else {
@@ -613,7 +613,7 @@ impl HalfCloseOrigin {
         HalfCloseOrigin {
             addr,
             connections,
-            task,
+            _task,
         }
     }
 
@@ -647,11 +647,5 @@ impl HalfCloseOrigin {
         })
         .await;
         Ok(())
-    }
-}
-
-impl Drop for HalfCloseOrigin {
-    fn drop(&mut self) {
-        self.task.abort();
     }
 }

@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
-use rustls::{CipherSuite, ClientConfig, ClientConnection, ConnectionCommon, RootCertStore, ServerConfig};
+use rustls::{CipherSuite, ClientConfig, ClientConnection, ConnectionCommon, ServerConfig};
 use rustls::{ServerConnection, SupportedCipherSuite};
+use webship_testkit::pki::Pki;
 
 const MIB: f64 = 1_048_576.0;
 /// A full TLS record's plaintext.
@@ -217,22 +218,22 @@ fn only_aes128(provider: &CryptoProvider) -> Result<SupportedCipherSuite> {
         .context("provider lacks TLS13_AES_128_GCM_SHA256")
 }
 
-/// A TLS 1.3 server/client pair with a completed handshake, trusting a fresh
-/// self-signed certificate.
+/// A TLS 1.3 server/client pair with a completed handshake, the server's
+/// certificate from a fresh private CA, which is all the client trusts.
 fn connected_pair(provider: Arc<CryptoProvider>) -> Result<(ServerConnection, ClientConnection)> {
-    let certified = rcgen::generate_simple_self_signed(["localhost".to_owned()])?;
-    let cert: CertificateDer<'static> = certified.cert.der().clone();
-    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(certified.key_pair.serialize_der()));
+    let dir = tempfile::tempdir().context("creating a scratch directory")?;
+    let pki = Pki::new(dir.path())?;
+    let leaf = pki.leaf("localhost", &["localhost"])?;
+    let cert = CertificateDer::from(leaf.der);
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf.key_der));
 
     let server_config = ServerConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .with_no_client_auth()
-        .with_single_cert(vec![cert.clone()], key)?;
-    let mut roots = RootCertStore::empty();
-    roots.add(cert)?;
+        .with_single_cert(vec![cert], key)?;
     let client_config = ClientConfig::builder_with_provider(provider)
         .with_protocol_versions(&[&rustls::version::TLS13])?
-        .with_root_certificates(roots)
+        .with_root_certificates(pki.roots()?)
         .with_no_client_auth();
 
     let mut server = ServerConnection::new(Arc::new(server_config))?;

@@ -4,15 +4,17 @@
 //!
 //! Both run as child processes, so neither's CPU is counted as server CPU,
 //! and both are charged the same way: the CPU of the waited-for child. Both
-//! hash every body as they read it, so every sample is checked byte for byte.
+//! compare every body with the fixture as they read it, so every sample is
+//! checked byte for byte.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
+use webship_testkit::body::FixtureCheck;
+use webship_testkit::fixture::{EXACT, FIXTURE_LEN, FIXTURE_NAME};
 
-use crate::fixture::{EXACT, FIXTURE_BYTES, FIXTURE_NAME};
 use crate::proc::waited_children_ticks;
 use crate::servers::Server;
 
@@ -151,9 +153,22 @@ pub struct Download {
     pub status: u16,
     pub bytes: u64,
     pub seconds: f64,
-    /// [`crate::fixture::Checker::verdict`].
+    /// [`webship_testkit::body::FixtureCheck::verdict`].
     pub verdict: String,
     pub notes: String,
+}
+
+impl Download {
+    /// A download whose body went through `check`, expecting the whole fixture.
+    pub fn checked(status: http::StatusCode, seconds: f64, check: FixtureCheck, notes: String) -> Self {
+        Self {
+            status: status.as_u16(),
+            bytes: check.len(),
+            seconds,
+            verdict: check.verdict(FIXTURE_LEN),
+            notes,
+        }
+    }
 }
 
 /// Runs one client download on a current-thread runtime, bounded by `max_time`
@@ -222,8 +237,8 @@ fn check(what: &str, size: &str, seconds: &str, code: &str) -> Result<(u64, f64)
         .with_context(|| format!("{what}: time {seconds:?}"))?;
     ensure!(code == "200", "{what}: status {code}, expected 200");
     ensure!(
-        size == FIXTURE_BYTES,
-        "{what}: received {size} bytes, expected {FIXTURE_BYTES}"
+        size == FIXTURE_LEN,
+        "{what}: received {size} bytes, expected {FIXTURE_LEN}"
     );
     ensure!(seconds > 0.0, "{what}: the client reported a time of {seconds} s");
     Ok((size, seconds))

@@ -3,27 +3,29 @@
 //! 256 HTTP/1.1 connections — giving aggregate throughput, p50/p99 time to last
 //! byte and the server's peak RSS: the figures behind the `runtime.settings` advice.
 //!
-//! The client runs in this process on a current-thread runtime (one core, like the
-//! server's one worker by default). Every body is hashed and checked; a run counts
-//! only when every download was exact.
+//! The client (the test kit's, sized for bulk downloads) runs in this process on a
+//! current-thread runtime (one core, like the server's one worker by default).
+//! Every body is compared with the fixture byte for byte as it arrives; a run
+//! counts only when every download was exact.
 
 use std::fmt::Write as _;
 use std::fs;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, ensure, Context, Result};
-use bytes::Buf;
+use anyhow::{anyhow, ensure, Context, Result};
 use clap::Args;
-use http_body_util::BodyExt;
-use rustls::pki_types::ServerName;
-use sha2::{Digest, Sha256};
+use serde_json::json;
+use webship_testkit::body::FixtureCheck;
+use webship_testkit::fixture::EXACT;
+use webship_testkit::h3::{recv_body, request, H3Client, H3Options};
+use webship_testkit::http::{connect, Conn, Proto as Http, Tuning};
+use webship_testkit::pki::client_config;
 
-use crate::fixture::{self, hex};
 use crate::proc::RssWatch;
-use crate::report::{json_string, Section};
+use crate::report::{fixed, Section};
 use crate::servers::{self, Settings, WebshipSpec};
 
 #[derive(Debug, Args)]
@@ -75,49 +77,40 @@ const DEADLINE: Duration = Duration::from_secs(600);
 
 /// `concurrency` on its own: the table on stdout and in target/bench/concurrency.md.
 pub fn run(args: &ConcurrencyArgs) -> Result<()> {
-    let section = measure(args)?;
-    print!("{}", section.markdown);
-    let out = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench"));
-    fs::create_dir_all(&out)?;
-    fs::write(out.join("concurrency.md"), &section.markdown)?;
-    Ok(())
+    measure(args)?.publish("concurrency")
 }
 
 /// Runs every (protocol, level) row against a fresh Webship; the rows as a report section.
 pub fn measure(args: &ConcurrencyArgs) -> Result<Section> {
-    let scratch = tempfile::tempdir().context("creating a scratch directory")?;
-    let root = args
-        .cache_dir
-        .clone()
-        .unwrap_or_else(|| scratch.path().join("root"));
-    let fixture = fixture::ensure(&root)?;
+    let stage = servers::Stage::new(args.cache_dir.as_deref())?;
+    let (root, identity) = (&stage.root, &stage.identity);
     // The first MIB MiB of the fixture.
     let size = args.mib << 20;
-    let mut data = fs::read(&fixture.path).context("reading the fixture")?;
+    let mut data = fs::read(&stage.fixture.path).context("reading the fixture")?;
     data.truncate(usize::try_from(size)?);
     fs::write(root.join(FILE), &data)?;
-    let digest: [u8; 32] = Sha256::digest(&data).into();
     drop(data);
-    let identity = fixture::write_identity(scratch.path())?;
     let spec = WebshipSpec {
         name: "webship",
         binary: &args.webship,
         ktls: "auto",
         runtime: Vec::new(),
     };
-    let dir = scratch.path().join("webship");
-    fs::create_dir_all(&dir)?;
     let server = servers::start_webship(
         &spec,
         &Settings {
-            root: &root,
-            identity: &identity,
+            root,
+            identity,
             workers: args.workers,
-            dir: &dir,
+            dir: &stage.dir("webship")?,
         },
     )?;
     let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
-    let tls = Arc::new(crate::tcpclient::tls_config(&identity.cert)?);
+    let tls = client_config(
+        webship_testkit::pki::roots_from_pem(&identity.ca)?,
+        rustls::DEFAULT_VERSIONS,
+        &[],
+    )?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -128,7 +121,7 @@ pub fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     let _ = writeln!(
         report,
         "{} concurrent downloads of {} MiB each from Webship ({} worker), one client core; \
-         every body checked (SHA-256).\n",
+         every body checked byte for byte.\n",
         args.levels
             .iter()
             .map(ToString::to_string)
@@ -151,11 +144,7 @@ pub fn measure(args: &ConcurrencyArgs) -> Result<Section> {
             let start = Instant::now();
             let times = runtime
                 .block_on(async {
-                    tokio::time::timeout(
-                        DEADLINE,
-                        downloads(proto, n, addr, &tls, &identity.cert, size, &digest),
-                    )
-                    .await
+                    tokio::time::timeout(DEADLINE, downloads(proto, n, addr, &tls, size)).await
                 })
                 .map_err(|_| anyhow!("{} × {n}: not done within {DEADLINE:?}", proto.label()))??;
             let total = start.elapsed().as_secs_f64();
@@ -171,11 +160,14 @@ pub fn measure(args: &ConcurrencyArgs) -> Result<Section> {
             );
             eprintln!("concurrency: {line}");
             let _ = writeln!(report, "{line}");
-            json.push(format!(
-                "{{\"protocol\":{},\"concurrent\":{n},\"aggregate_mib_s\":{mibs:.3},\"p50_ttlb_ms\":{p50:.1},\
-                 \"p99_ttlb_ms\":{p99:.1},\"server_peak_rss_mib\":{rss_mib:.1}}}",
-                json_string(proto.label())
-            ));
+            json.push(json!({
+                "protocol": proto.label(),
+                "concurrent": n,
+                "aggregate_mib_s": fixed(mibs, 3),
+                "p50_ttlb_ms": fixed(p50, 1),
+                "p99_ttlb_ms": fixed(p99, 1),
+                "server_peak_rss_mib": fixed(rss_mib, 1),
+            }));
             bars.push((format!("concurrency {} × {n}", proto.short()), mibs));
         }
     }
@@ -185,7 +177,7 @@ pub fn measure(args: &ConcurrencyArgs) -> Result<Section> {
         title: "concurrency: many downloads at once (aggregate MiB/s, time to last byte, server RSS)"
             .to_owned(),
         markdown: report,
-        json: format!("[{}]", json.join(",")),
+        json: json.into(),
         bars,
     })
 }
@@ -196,144 +188,75 @@ async fn downloads(
     n: usize,
     addr: SocketAddr,
     tls: &Arc<rustls::ClientConfig>,
-    ca: &Path,
     size: u64,
-    digest: &[u8; 32],
 ) -> Result<Vec<Duration>> {
     let start = Instant::now();
+    let path = format!("/{FILE}");
     let mut set = tokio::task::JoinSet::new();
+    // What is left to close once every download is in.
+    let (mut h2, mut h3) = (None, None);
     match proto {
         Proto::H1 => {
             for _ in 0..n {
-                let tls = tls.clone();
+                let (tls, path) = (tls.clone(), path.clone());
                 set.spawn(async move {
-                    let mut send = hyper_connect(addr, tls, false).await?;
-                    get_hyper(&mut send, addr).await
+                    let mut conn = open(addr, &tls, Http::H1).await?;
+                    let checked = get(&mut conn, &path).await;
+                    conn.close().await;
+                    checked
                 });
             }
         }
         Proto::H2 => {
-            let send = hyper_connect(addr, tls.clone(), true).await?;
+            let conn = open(addr, tls, Http::H2).await?;
             for _ in 0..n {
-                let mut send = send.clone();
-                set.spawn(async move { get_hyper(&mut send, addr).await });
+                let mut conn = conn.share().context("an h2 connection is shared")?;
+                let path = path.clone();
+                set.spawn(async move { get(&mut conn, &path).await });
             }
+            h2 = Some(conn);
         }
         Proto::H3 => {
-            let endpoint = crate::h3client::endpoint_for(addr, ca, |_| {})?;
-            let conn = endpoint
-                .connect(addr, "localhost")?
-                .await
-                .context("QUIC handshake")?;
-            let (mut driver, send) = h3::client::new(h3_quinn::Connection::new(conn.clone()))
-                .await
-                .context("HTTP/3 setup")?;
-            let drive = tokio::spawn(async move {
-                let _ = std::future::poll_fn(|cx| driver.poll_close(cx)).await;
-            });
+            let client = H3Client::connect(addr, "localhost", tls, &H3Options::bulk()).await?;
             for _ in 0..n {
-                let mut send = send.clone();
+                let (mut send, origin, path) = (client.send.clone(), client.origin(), path.clone());
                 set.spawn(async move {
-                    let req =
-                        http::Request::get(format!("https://localhost:{}/{FILE}", addr.port())).body(())?;
-                    let mut stream = send.send_request(req).await?;
-                    stream.finish().await?;
-                    let resp = stream.recv_response().await?;
-                    ensure!(resp.status() == 200, "h3 status {}", resp.status());
-                    let mut hasher = Sha256::new();
-                    let mut len = 0u64;
-                    while let Some(mut chunk) = stream.recv_data().await? {
-                        while chunk.has_remaining() {
-                            let c = chunk.chunk();
-                            hasher.update(c);
-                            len += c.len() as u64;
-                            let k = c.len();
-                            chunk.advance(k);
-                        }
-                    }
-                    Ok::<_, anyhow::Error>((len, <[u8; 32]>::from(hasher.finalize())))
+                    let (head, mut stream) = request(&mut send, &origin, "GET", &path, &[]).await?;
+                    ensure!(head.status == 200, "h3 status {}", head.status);
+                    let mut check = FixtureCheck::default();
+                    recv_body(&mut stream, &mut check).await?;
+                    Ok(check)
                 });
             }
-            let mut times = Vec::with_capacity(n);
-            while let Some(done) = set.join_next().await {
-                let (len, got) = done??;
-                check(len, &got, size, digest)?;
-                times.push(start.elapsed());
-            }
-            conn.close(0u32.into(), b"done");
-            let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
-            drive.abort();
-            return Ok(times);
+            h3 = Some(client);
         }
     }
     let mut times = Vec::with_capacity(n);
     while let Some(done) = set.join_next().await {
-        let (len, got) = done??;
-        check(len, &got, size, digest)?;
+        let verdict = done??.verdict(size);
+        ensure!(verdict == EXACT, "a download's body {verdict}");
         times.push(start.elapsed());
+    }
+    if let Some(conn) = h2 {
+        conn.close().await;
+    }
+    if let Some(client) = h3 {
+        client.close().await;
     }
     Ok(times)
 }
 
-fn check(len: u64, got: &[u8; 32], size: u64, digest: &[u8; 32]) -> Result<()> {
-    if len != size || got != digest {
-        bail!(
-            "a download got {len} bytes with SHA-256 {}, expected {size} with {}",
-            hex(got),
-            hex(digest)
-        );
-    }
-    Ok(())
+/// A TLS connection to `localhost` on `addr` speaking `http`.
+async fn open(addr: SocketAddr, tls: &Arc<rustls::ClientConfig>, http: Http) -> Result<Conn> {
+    let tls = webship_testkit::pki::with_alpn(tls, http.alpn());
+    let stream = connect(addr, "localhost", tls).await.context("TLS handshake")?;
+    Conn::handshake(stream, http, &format!("localhost:{}", addr.port()), Tuning::BULK).await
 }
 
-#[derive(Clone)]
-enum Sender {
-    H1(Arc<tokio::sync::Mutex<hyper::client::conn::http1::SendRequest<http_body_util::Empty<bytes::Bytes>>>>),
-    H2(hyper::client::conn::http2::SendRequest<http_body_util::Empty<bytes::Bytes>>),
-}
-
-async fn hyper_connect(addr: SocketAddr, tls: Arc<rustls::ClientConfig>, h2: bool) -> Result<Sender> {
-    let mut config = (*tls).clone();
-    config.alpn_protocols = vec![if h2 { b"h2".to_vec() } else { b"http/1.1".to_vec() }];
-    let tcp = tokio::net::TcpStream::connect(addr).await?;
-    let name = ServerName::try_from("localhost")?;
-    let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
-        .connect(name, tcp)
-        .await
-        .context("TLS handshake")?;
-    let io = hyper_util::rt::TokioIo::new(stream);
-    if h2 {
-        let (send, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-            .initial_stream_window_size(16 << 20)
-            .initial_connection_window_size(64 << 20)
-            .handshake(io)
-            .await?;
-        tokio::spawn(conn);
-        Ok(Sender::H2(send))
-    } else {
-        let (send, conn) = hyper::client::conn::http1::handshake(io).await?;
-        tokio::spawn(conn);
-        Ok(Sender::H1(Arc::new(tokio::sync::Mutex::new(send))))
-    }
-}
-
-async fn get_hyper(send: &mut Sender, addr: SocketAddr) -> Result<(u64, [u8; 32])> {
-    let req = http::Request::get(format!("https://localhost:{}/{FILE}", addr.port()))
-        .header(http::header::HOST, format!("localhost:{}", addr.port()))
-        .body(http_body_util::Empty::<bytes::Bytes>::new())?;
-    let resp = match send {
-        Sender::H1(s) => s.lock().await.send_request(req).await?,
-        Sender::H2(s) => s.send_request(req).await?,
-    };
-    ensure!(resp.status() == 200, "status {}", resp.status());
-    let mut body = resp.into_body();
-    let mut hasher = Sha256::new();
-    let mut len = 0u64;
-    while let Some(frame) = body.frame().await {
-        if let Ok(data) = frame?.into_data() {
-            hasher.update(&data);
-            len += data.len() as u64;
-        }
-    }
-    Ok((len, hasher.finalize().into()))
+/// One GET on `conn`, the body checked against the fixture.
+async fn get(conn: &mut Conn, path: &str) -> Result<FixtureCheck> {
+    let mut check = FixtureCheck::default();
+    let head = conn.fetch_into("GET", path, &[], &mut check).await?;
+    ensure!(head.status == 200, "status {}", head.status);
+    Ok(check)
 }

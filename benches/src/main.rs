@@ -13,7 +13,6 @@
 mod aead;
 mod clients;
 mod concurrency;
-mod fixture;
 mod h3client;
 mod measure;
 mod proc;

@@ -23,18 +23,18 @@
 
 use std::env;
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
+use webship_testkit::fixture::hex;
 
 use crate::clients::{Clients, Protocol};
 use crate::concurrency::ConcurrencyArgs;
-use crate::fixture;
 use crate::proc::{
     clock_ticks_per_second, cpu_ticks, host_busy_ticks, major_faults, udp_socket_drops, Loss, RssWatch,
 };
 use crate::report::{Gap, Report, Section, Series};
-use crate::servers::{self, Server, Settings, WebshipSpec};
+use crate::servers::{self, Server, Settings, Stage, WebshipSpec};
 use crate::wtbench::WtBenchArgs;
 use crate::DownloadArgs;
 
@@ -166,26 +166,19 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         .cache_dir
         .clone()
         .unwrap_or_else(|| env::temp_dir().join("webship-benches"));
-    let fixture = fixture::ensure(&cache.join("root"))?;
-    let root = fixture.path.parent().context("fixture has no parent directory")?;
-
-    let scratch = tempfile::Builder::new().prefix("webship-bench-").tempdir()?;
-    let identity = fixture::write_identity(scratch.path())?;
-    let clients = Clients::new(&identity.cert)?;
+    let stage = Stage::new(Some(&cache.join("root")))?;
+    let (fixture, root, identity) = (&stage.fixture, stage.root.as_path(), &stage.identity);
+    let clients = Clients::new(&identity.ca)?;
     let bench = Bench {
         clients: &clients,
-        sha256: fixture::hex(&fixture.sha256),
+        sha256: hex(&fixture.sha256),
     };
-    let dir = |name: &str| -> Result<PathBuf> {
-        let dir = scratch.path().join(name);
-        fs::create_dir(&dir)?;
-        Ok(dir)
-    };
+    let dir = |name: &str| stage.dir(name);
     let base = Settings {
         root,
-        identity: &identity,
+        identity,
         workers: args.workers,
-        dir: scratch.path(),
+        dir: stage.scratch.path(),
     };
     let nginx_version = servers::nginx_version(&args.nginx);
 
@@ -523,7 +516,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
             Section {
                 title: format!("{scenario:?}"),
                 markdown: format!("failed: {e:#}\n"),
-                json: "[]".to_owned(),
+                json: serde_json::Value::Array(Vec::new()),
                 bars: Vec::new(),
             }
         }));
@@ -536,7 +529,7 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
         out_dir.display()
     );
     if let Some(out) = &args.out {
-        fs::write(out, report.json()).with_context(|| format!("writing {}", out.display()))?;
+        fs::write(out, report.json_text()).with_context(|| format!("writing {}", out.display()))?;
         eprintln!("wrote {}", out.display());
     }
     ensure!(

@@ -1,4 +1,5 @@
-//! CPU accounting from /proc: server processes by pid, clients as waited-for children.
+//! CPU accounting from /proc: server processes by pid, clients as waited-for
+//! children; the stat and status readers are the test kit's.
 
 use std::fs;
 use std::process::Command;
@@ -6,6 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
+
+use webship_testkit::proc::{descendants, parse_stat, read_stat, status_kib};
 
 /// utime + stime, in clock ticks, of `pid` and every process below it (nginx
 /// serves from worker processes; the master alone would read as idle).
@@ -47,18 +50,6 @@ pub fn major_faults(pid: u32) -> u64 {
         .filter_map(read_stat)
         .map(|stat| stat.majflt)
         .sum()
-}
-
-/// One `Name:   1234 kB` line of /proc/PID/status, in KiB.
-fn status_kib(pid: u32, field: &str) -> Option<u64> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status
-        .lines()
-        .find_map(|line| line.strip_prefix(field))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
 }
 
 /// How often [`RssWatch`] reads the tree's VmRSS.
@@ -110,33 +101,6 @@ pub fn waited_children_ticks() -> u64 {
         .ok()
         .and_then(|stat| parse_stat(&stat))
         .map_or(0, |stat| stat.cutime + stat.cstime)
-}
-
-/// Every process whose parent chain leads to `root`, found through /proc/*/stat.
-pub fn descendants(root: u32) -> Vec<u32> {
-    let Ok(entries) = fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    let parents: Vec<(u32, u32)> = entries
-        .flatten()
-        .filter_map(|entry| entry.file_name().to_str()?.parse().ok())
-        .filter_map(|pid| Some((pid, read_stat(pid)?.ppid)))
-        .collect();
-    let mut found = vec![root];
-    // Each pass adds at least one process or stops; the process count bounds it.
-    let mut next = 0;
-    while next < found.len() {
-        let parent = found[next];
-        found.extend(
-            parents
-                .iter()
-                .filter(|&&(_, ppid)| ppid == parent)
-                .map(|&(pid, _)| pid),
-        );
-        next += 1;
-    }
-    found.remove(0);
-    found
 }
 
 /// Datagrams the kernel dropped on the UDP socket bound to `port` because its
@@ -242,57 +206,9 @@ pub fn clock_ticks_per_second() -> f64 {
         .unwrap_or(100.0)
 }
 
-#[derive(Debug)]
-struct Stat {
-    ppid: u32,
-    majflt: u64,
-    utime: u64,
-    stime: u64,
-    cutime: u64,
-    cstime: u64,
-}
-
-fn read_stat(pid: u32) -> Option<Stat> {
-    parse_stat(&fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)
-}
-
-/// Fields 4, 12 and 14 to 17 of proc(5) stat. The command name (field 2) may hold
-/// spaces and parentheses, so counting starts after its last ')'.
-fn parse_stat(stat: &str) -> Option<Stat> {
-    let (_, rest) = stat.rsplit_once(')')?;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // rest starts at field 3 (state).
-    let field = |n: usize| -> Option<u64> { fields.get(n - 3)?.parse().ok() };
-    Some(Stat {
-        ppid: u32::try_from(field(4)?).ok()?,
-        majflt: field(12)?,
-        utime: field(14)?,
-        stime: field(15)?,
-        cutime: field(16)?,
-        cstime: field(17)?,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn stat_with_spaces_in_comm() {
-        let stat = "42 (nginx: worker (x)) S 7 42 42 0 -1 4194560 10 0 3 0 123 45 6 7 20 0 1 0";
-        let parsed = parse_stat(stat).expect("parses");
-        assert_eq!(
-            (
-                parsed.ppid,
-                parsed.majflt,
-                parsed.utime,
-                parsed.stime,
-                parsed.cutime,
-                parsed.cstime
-            ),
-            (7, 3, 123, 45, 6, 7)
-        );
-    }
 
     #[test]
     fn loss_counters() {

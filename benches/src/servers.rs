@@ -1,26 +1,25 @@
 //! Starting and stopping the servers under test.
 //!
-//! Each server is a child process owned by a [`Server`] guard, so it is
-//! stopped on every exit path, errors included: SIGTERM first (both servers
-//! finish cleanly on it), SIGKILL for the whole process tree after a timeout.
+//! Each server is a child process owned by the test kit's process guard, so it
+//! is stopped on every exit path, errors included: SIGTERM first (every server
+//! here finishes cleanly on it), SIGKILL for the whole process tree after a
+//! timeout. Each starts on a port chosen here, retried if another process takes
+//! it first.
 
 use std::fmt::Write as _;
-use std::fs::{self, File};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::thread;
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use webship_testkit::fixture::file::Fixture;
+use webship_testkit::pki::Pki;
+use webship_testkit::process::{start_on_free_port, Logs, Process};
 
-use crate::fixture::Identity;
 use crate::measure::{CADDY, H2O, HAPROXY, LIGHTTPD};
-use crate::proc::descendants;
 
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
-const STOP_TIMEOUT: Duration = Duration::from_secs(5);
-const POLL: Duration = Duration::from_millis(20);
 
 #[derive(Debug)]
 pub struct Server {
@@ -31,133 +30,101 @@ pub struct Server {
     pub host: &'static str,
     /// Plain HTTP, no TLS: the baseline origin.
     pub plain: bool,
-    child: Child,
-    log: PathBuf,
-    /// A log line fragment that appears once the server is fully up (Webship
-    /// binds UDP for h3 after TCP, so an accepting TCP port is not enough).
-    ready_line: Option<&'static str>,
+    process: Process,
 }
 
 impl Server {
     pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Waits until the port accepts TCP connections, failing early with the
-    /// server's log if it exits first.
-    fn wait_ready(&mut self) -> Result<()> {
-        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
-        let deadline = Instant::now() + READY_TIMEOUT;
-        while Instant::now() < deadline {
-            if let Some(status) = self.child.try_wait()? {
-                bail!(
-                    "{} exited during startup ({status}); log:\n{}",
-                    self.name,
-                    self.log_tail()
-                );
-            }
-            let logged = self.ready_line.is_none_or(|line| self.log().contains(line));
-            if logged && TcpStream::connect_timeout(&addr, POLL).is_ok() {
-                return Ok(());
-            }
-            thread::sleep(POLL);
-        }
-        bail!(
-            "{} did not accept on {addr} within {READY_TIMEOUT:?}; log:\n{}",
-            self.name,
-            self.log_tail()
-        )
+        self.process.pid()
     }
 
     /// Everything the server wrote to stdout and stderr so far.
     pub fn log(&self) -> String {
-        fs::read_to_string(&self.log).unwrap_or_default()
+        self.process.log()
     }
 
     pub fn log_tail(&self) -> String {
-        let log = self.log();
-        let start = log.len().saturating_sub(4000);
-        log.get(start..).unwrap_or(&log).to_owned()
-    }
-
-    fn stop(&mut self) -> Result<()> {
-        if self.child.try_wait()?.is_some() {
-            return Ok(());
-        }
-        // Collected before signalling: once the parent is gone, orphans can no
-        // longer be found through their ppid.
-        let tree = descendants(self.pid());
-        signal("TERM", self.pid())?;
-        let deadline = Instant::now() + STOP_TIMEOUT;
-        while Instant::now() < deadline {
-            if self.child.try_wait()?.is_some() {
-                return Ok(());
-            }
-            thread::sleep(POLL);
-        }
-        eprintln!("{} ignored SIGTERM for {STOP_TIMEOUT:?}; killing it", self.name);
-        for pid in tree {
-            let _ = signal("KILL", pid);
-        }
-        self.child.kill()?;
-        self.child.wait()?;
-        Ok(())
+        self.process.log_tail()
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        if let Err(e) = self.stop() {
-            eprintln!("stopping {} (pid {}): {e:#}", self.name, self.pid());
-        }
-    }
-}
-
-/// kill(1) rather than libc::kill: the workspace denies unsafe code outside webship's `sys/`.
-fn signal(name: &str, pid: u32) -> Result<()> {
-    let status = Command::new("kill")
-        .args([format!("-{name}"), pid.to_string()])
-        .stderr(Stdio::null())
-        .status()
-        .context("running kill(1)")?;
-    if !status.success() {
-        bail!("kill -{name} {pid} failed ({status})");
-    }
-    Ok(())
-}
-
-/// A loopback port that was free a moment ago. The server binds it right
-/// after; a collision fails startup loudly rather than measuring the wrong thing.
-fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?.local_addr()?.port())
-}
-
+/// Starts a server on a free port: `command(port)` writes its configuration and
+/// returns the command line; ready once the port accepts TCP connections and, with
+/// `ready_line`, once that fragment is logged (Webship binds UDP for h3 after TCP,
+/// so an accepting TCP port is not enough).
 fn spawn(
     name: &'static str,
-    mut command: Command,
-    port: u16,
     log: PathBuf,
     ready_line: Option<&'static str>,
+    mut command: impl FnMut(u16) -> Result<Command>,
 ) -> Result<Server> {
-    let log_file = File::create(&log).with_context(|| format!("creating {}", log.display()))?;
-    command
-        .stdin(Stdio::null())
-        .stdout(log_file.try_clone()?)
-        .stderr(log_file);
-    let child = command
-        .spawn()
-        .with_context(|| format!("starting {name}: {command:?}"))?;
-    let mut server = Server {
+    let (process, port) = start_on_free_port(ready_line, READY_TIMEOUT, |port| {
+        Process::spawn(name, &mut command(port)?, Logs::one(log.clone()))
+    })?;
+    Ok(Server {
         name,
         port,
         host: "127.0.0.1",
         plain: false,
-        child,
-        log,
-        ready_line,
-    };
-    server.wait_ready()?;
-    Ok(server)
+        process,
+    })
+}
+
+/// The certificate every server presents (for localhost and 127.0.0.1), issued by
+/// the test kit's private CA, which is all the clients trust.
+#[derive(Debug)]
+pub struct Identity {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The CA certificate, PEM.
+    pub ca: PathBuf,
+}
+
+pub fn write_identity(dir: &Path) -> Result<Identity> {
+    let pki = Pki::new(dir)?;
+    let leaf = pki.leaf("server", &["localhost", "127.0.0.1"])?;
+    Ok(Identity {
+        cert: leaf.cert,
+        key: leaf.key,
+        ca: pki.ca_file()?,
+    })
+}
+
+/// What a run serves from: a scratch directory (removed when dropped), the
+/// fixture in the served root, and the identity every server presents.
+#[derive(Debug)]
+pub struct Stage {
+    pub scratch: tempfile::TempDir,
+    pub root: PathBuf,
+    pub fixture: Fixture,
+    pub identity: Identity,
+}
+
+impl Stage {
+    /// The root is `root` when given (a cache kept between runs), else in the scratch
+    /// directory.
+    pub fn new(root: Option<&Path>) -> Result<Self> {
+        let scratch = tempfile::Builder::new()
+            .prefix("webship-bench-")
+            .tempdir()
+            .context("creating a scratch directory")?;
+        let root = root.map_or_else(|| scratch.path().join("root"), Path::to_path_buf);
+        let fixture = webship_testkit::fixture::file::ensure(&root)?;
+        let identity = write_identity(scratch.path())?;
+        Ok(Self {
+            scratch,
+            root,
+            fixture,
+            identity,
+        })
+    }
+
+    /// A fresh directory for one server's configuration and logs.
+    pub fn dir(&self, name: &str) -> Result<PathBuf> {
+        let dir = self.scratch.path().join(name);
+        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        Ok(dir)
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -180,20 +147,18 @@ pub struct WebshipSpec<'a> {
 }
 
 pub fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
-    let port = free_port()?;
     let serve = format!(
         "root = {root:?}\n\n[tls]\ncert = {cert:?}\nkey = {key:?}\n",
         root = s.root,
         cert = s.identity.cert,
         key = s.identity.key,
     );
-    launch_webship(spec, s, port, &serve)
+    launch_webship(spec, s, &serve)
 }
 
 /// Webship serving the fixture directly and the WebTransport diagnostic endpoint at
 /// `/wt` (origin `https://bench.webship`), with limits far above what a run moves.
 pub fn start_webship_webtransport(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
-    let port = free_port()?;
     let serve = format!(
         "root = {root:?}\n\n[tls]\ncert = {cert:?}\nkey = {key:?}\n\n\
          [webtransport]\npath = \"/wt\"\nallowed_origins = [\"https://bench.webship\"]\n\
@@ -203,14 +168,13 @@ pub fn start_webship_webtransport(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> R
         cert = s.identity.cert,
         key = s.identity.key,
     );
-    launch_webship(spec, s, port, &serve)
+    launch_webship(spec, s, &serve)
 }
 
 /// Webship as a TLS-terminating reverse proxy for `localhost`, every path forwarded
 /// to the plain-HTTP origin on `origin_port`. The proxy site speaks h1 (through
 /// hyper), h2 and h3 on one port, like the direct site.
 pub fn start_webship_proxy(spec: &WebshipSpec<'_>, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
-    let port = free_port()?;
     let serve = format!(
         "[reverse_proxy]\nenabled = true\ntls_termination = true\n\n\
          [reverse_proxy.tls]\ncert = {cert:?}\nkey = {key:?}\n\n\
@@ -219,7 +183,7 @@ pub fn start_webship_proxy(spec: &WebshipSpec<'_>, s: &Settings<'_>, origin_port
         cert = s.identity.cert,
         key = s.identity.key,
     );
-    let mut server = launch_webship(spec, s, port, &serve)?;
+    let mut server = launch_webship(spec, s, &serve)?;
     server.host = "localhost";
     Ok(server)
 }
@@ -234,7 +198,6 @@ pub fn start_webship_passthrough(
     origin_port: u16,
     engine: &str,
 ) -> Result<Server> {
-    let port = free_port()?;
     // "udp=userspace": the default TCP engine, HTTP/3 relayed by the daemon.
     let (engine, udp_engine) = match engine {
         "udp=userspace" => ("auto", "userspace"),
@@ -246,22 +209,23 @@ pub fn start_webship_passthrough(
          [[reverse_proxy.routes]]\ndomain = \"localhost\"\n\
          upstreams = [\"127.0.0.1:{origin_port}\"]\n",
     );
-    let mut server = launch_webship(spec, s, port, &serve)?;
+    let mut server = launch_webship(spec, s, &serve)?;
     server.host = "localhost";
     Ok(server)
 }
 
-fn launch_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &str) -> Result<Server> {
+fn launch_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>, serve: &str) -> Result<Server> {
     let config = s.dir.join("webship.toml");
-    fs::write(&config, webship_config(spec, s, port, serve))?;
-    let mut command = Command::new(spec.binary);
-    command.arg("serve").arg("--config").arg(&config);
     spawn(
         spec.name,
-        command,
-        port,
         s.dir.join("webship.log"),
         Some("listening on"),
+        |port| {
+            fs::write(&config, webship_config(spec, s, port, serve))?;
+            let mut command = Command::new(spec.binary);
+            command.arg("serve").arg("--config").arg(&config);
+            Ok(command)
+        },
     )
 }
 
@@ -285,41 +249,44 @@ fn webship_config(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &s
 /// The memory-to-memory TLS baseline: this binary's `tls-source`, serving `file`
 /// from memory over TLS 1.3 (h1 and h2 by ALPN).
 pub fn start_tls_source(name: &'static str, s: &Settings<'_>, file: &Path) -> Result<Server> {
-    let port = free_port()?;
-    let mut command = Command::new(std::env::current_exe().context("locating this executable")?);
-    command
-        .args(["tls-source", "--port", &port.to_string(), "--cert"])
-        .arg(&s.identity.cert)
-        .arg("--key")
-        .arg(&s.identity.key)
-        .arg("--file")
-        .arg(file);
+    let exe = std::env::current_exe().context("locating this executable")?;
     spawn(
         name,
-        command,
-        port,
         s.dir.join("tls-source.log"),
         Some("from memory on"),
+        |port| {
+            let mut command = Command::new(&exe);
+            command
+                .args(["tls-source", "--port", &port.to_string(), "--cert"])
+                .arg(&s.identity.cert)
+                .arg("--key")
+                .arg(&s.identity.key)
+                .arg("--file")
+                .arg(file);
+            Ok(command)
+        },
     )
 }
 
 pub fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
-    let port = free_port()?;
-    let mut server = String::new();
-    tls_server(&mut server, port, s)?;
-    writeln!(server, "    root {};\n  }}", s.root.display())?;
-    launch_nginx("nginx", binary, s.dir, s.workers, &server, port)
+    launch_nginx("nginx", binary, s.dir, s.workers, |port| {
+        let mut server = String::new();
+        tls_server(&mut server, port, s)?;
+        writeln!(server, "    root {};\n  }}", s.root.display())?;
+        Ok(server)
+    })
 }
 
 /// The proxies' origin: nginx serving `root` over plain HTTP on loopback, one
 /// worker, keep-alive connections reused for as long as the proxies like.
 pub fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: &Path) -> Result<Server> {
-    let port = free_port()?;
-    let mut server = String::new();
-    writeln!(server, "  keepalive_requests 100000;")?;
-    writeln!(server, "  server {{\n    listen 127.0.0.1:{port};")?;
-    writeln!(server, "    root {};\n  }}", root.display())?;
-    let mut origin = launch_nginx(name, binary, dir, 1, &server, port)?;
+    let mut origin = launch_nginx(name, binary, dir, 1, |port| {
+        let mut server = String::new();
+        writeln!(server, "  keepalive_requests 100000;")?;
+        writeln!(server, "  server {{\n    listen 127.0.0.1:{port};")?;
+        writeln!(server, "    root {};\n  }}", root.display())?;
+        Ok(server)
+    })?;
     origin.plain = true;
     Ok(origin)
 }
@@ -331,25 +298,26 @@ pub fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: &Path) 
 /// the header); `proxy_max_temp_file_size 0`, so a response larger than the
 /// buffers is relayed synchronously through them and never spooled to disk.
 pub fn start_nginx_proxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
-    let port = free_port()?;
-    let mut server = String::new();
-    writeln!(
-        server,
-        "  upstream origin {{\n    server 127.0.0.1:{origin_port};\n    keepalive 32;\n  }}"
-    )?;
-    tls_server(&mut server, port, s)?;
-    writeln!(server, "    location / {{")?;
-    writeln!(server, "      proxy_pass http://origin;")?;
-    writeln!(
-        server,
-        "      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";"
-    )?;
-    writeln!(
-        server,
-        "      proxy_buffering on;\n      proxy_buffers 16 64k;\n      proxy_buffer_size 64k;"
-    )?;
-    writeln!(server, "      proxy_max_temp_file_size 0;\n    }}\n  }}")?;
-    let mut nginx = launch_nginx("nginx", binary, s.dir, s.workers, &server, port)?;
+    let mut nginx = launch_nginx("nginx", binary, s.dir, s.workers, |port| {
+        let mut server = String::new();
+        writeln!(
+            server,
+            "  upstream origin {{\n    server 127.0.0.1:{origin_port};\n    keepalive 32;\n  }}"
+        )?;
+        tls_server(&mut server, port, s)?;
+        writeln!(server, "    location / {{")?;
+        writeln!(server, "      proxy_pass http://origin;")?;
+        writeln!(
+            server,
+            "      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";"
+        )?;
+        writeln!(
+            server,
+            "      proxy_buffering on;\n      proxy_buffers 16 64k;\n      proxy_buffer_size 64k;"
+        )?;
+        writeln!(server, "      proxy_max_temp_file_size 0;\n    }}\n  }}")?;
+        Ok(server)
+    })?;
     nginx.host = "localhost";
     Ok(nginx)
 }
@@ -364,39 +332,67 @@ fn tls_server(conf: &mut String, port: u16, s: &Settings<'_>) -> Result<()> {
     Ok(())
 }
 
-/// Writes `nginx.conf` in `dir` around the `http` block's `servers` and starts nginx.
+/// Writes `nginx.conf` in `dir` around the `http` block's `servers(port)` and starts nginx.
 fn launch_nginx(
     name: &'static str,
     binary: &Path,
     dir: &Path,
     workers: u32,
-    servers: &str,
-    port: u16,
+    mut servers: impl FnMut(u16) -> Result<String>,
 ) -> Result<Server> {
-    let shown = dir.display();
+    spawn(name, dir.join("nginx.log"), None, |port| {
+        let shown = dir.display();
+        let mut conf = nginx_main(dir, workers, 64)?;
+        writeln!(conf, "http {{")?;
+        writeln!(
+            conf,
+            "  access_log off;\n  default_type application/octet-stream;"
+        )?;
+        writeln!(conf, "  sendfile on;\n  tcp_nopush on;")?;
+        for temp in ["client_body", "proxy", "fastcgi", "uwsgi", "scgi"] {
+            writeln!(conf, "  {temp}_temp_path {shown}/{temp}_temp;")?;
+        }
+        conf.push_str(&servers(port)?);
+        writeln!(conf, "}}")?;
+        nginx_command(binary, dir, &conf)
+    })
+}
+
+/// Writes `conf` to `path`; then `binary ARGS path`, the configuration last.
+fn with_config(binary: &Path, path: PathBuf, conf: &str, args: &[&str]) -> Result<Command> {
+    fs::write(&path, conf).with_context(|| format!("writing {}", path.display()))?;
+    let mut command = Command::new(binary);
+    command.args(args).arg(&path);
+    Ok(command)
+}
+
+/// The `global` and `defaults` sections of both HAProxy setups: `workers` threads,
+/// 64k buffers, `mode` (tcp or http) and the same timeouts.
+fn haproxy_head(workers: u32, mode: &str, global: &str) -> String {
+    format!(
+        "global\n  nbthread {workers}\n  maxconn 1024\n  tune.bufsize 65536\n{global}\
+         defaults\n  mode {mode}\n  timeout connect 5s\n  timeout client 150s\n  timeout server 150s\n"
+    )
+}
+
+/// The main context of every nginx here: one master plus `workers` workers, in the
+/// foreground so it stays our child. Every path nginx writes is inside `dir`, so it
+/// runs beside a system nginx.
+fn nginx_main(dir: &Path, workers: u32, connections: u32) -> Result<String> {
     let mut conf = String::new();
-    // One master plus `workers` workers, in the foreground so it stays our child.
-    // Every path nginx writes is inside `dir`, so it runs beside a system nginx.
     writeln!(
         conf,
         "daemon off;\nmaster_process on;\nworker_processes {workers};"
     )?;
-    writeln!(conf, "pid {shown}/nginx.pid;\nerror_log stderr warn;")?;
-    writeln!(conf, "events {{ worker_connections 64; }}")?;
-    writeln!(conf, "http {{")?;
-    writeln!(
-        conf,
-        "  access_log off;\n  default_type application/octet-stream;"
-    )?;
-    writeln!(conf, "  sendfile on;\n  tcp_nopush on;")?;
-    for temp in ["client_body", "proxy", "fastcgi", "uwsgi", "scgi"] {
-        writeln!(conf, "  {temp}_temp_path {shown}/{temp}_temp;")?;
-    }
-    conf.push_str(servers);
-    writeln!(conf, "}}")?;
+    writeln!(conf, "pid {}/nginx.pid;\nerror_log stderr warn;", dir.display())?;
+    writeln!(conf, "events {{ worker_connections {connections}; }}")?;
+    Ok(conf)
+}
+
+/// Writes `conf` as `dir/nginx.conf`; nginx in the foreground with its prefix in `dir`.
+fn nginx_command(binary: &Path, dir: &Path, conf: &str) -> Result<Command> {
     let config = dir.join("nginx.conf");
     fs::write(&config, conf)?;
-
     let mut command = Command::new(binary);
     // -e: otherwise the compiled-in error log is opened before the config is read.
     command
@@ -405,7 +401,7 @@ fn launch_nginx(
         .arg("-c")
         .arg(&config)
         .args(["-e", "stderr"]);
-    spawn(name, command, port, dir.join("nginx.log"), None)
+    Ok(command)
 }
 
 /// Where Debian's nginx keeps the dynamic `stream` module (package libnginx-mod-stream).
@@ -416,42 +412,26 @@ pub const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.
 /// forwards every datagram to the origin's QUIC port, one session per client
 /// address (nginx's UDP proxying, no QUIC awareness).
 pub fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
-    let port = free_port()?;
-    let shown = s.dir.display();
-    let mut conf = String::new();
-    writeln!(conf, "load_module {NGINX_STREAM_MODULE};")?;
-    writeln!(
-        conf,
-        "daemon off;\nmaster_process on;\nworker_processes {};",
-        s.workers
-    )?;
-    writeln!(conf, "pid {shown}/nginx.pid;\nerror_log stderr warn;")?;
-    writeln!(conf, "events {{ worker_connections 1024; }}")?;
-    writeln!(conf, "stream {{")?;
-    writeln!(
-        conf,
-        "  map $ssl_preread_server_name $origin {{\n    localhost 127.0.0.1:{origin_port};\n    default 127.0.0.1:1;\n  }}"
-    )?;
-    writeln!(
-        conf,
-        "  server {{\n    listen 127.0.0.1:{port};\n    ssl_preread on;\n    proxy_pass $origin;\n    \
-         proxy_buffer_size 256k;\n  }}"
-    )?;
-    writeln!(
-        conf,
-        "  server {{\n    listen 127.0.0.1:{port} udp;\n    proxy_pass 127.0.0.1:{origin_port};\n    \
-         proxy_timeout 30s;\n  }}\n}}"
-    )?;
-    let config = s.dir.join("nginx.conf");
-    fs::write(&config, conf)?;
-    let mut command = Command::new(binary);
-    command
-        .arg("-p")
-        .arg(s.dir)
-        .arg("-c")
-        .arg(&config)
-        .args(["-e", "stderr"]);
-    let mut server = spawn("nginx", command, port, s.dir.join("nginx.log"), None)?;
+    let mut server = spawn("nginx", s.dir.join("nginx.log"), None, |port| {
+        let mut conf = format!("load_module {NGINX_STREAM_MODULE};\n");
+        conf.push_str(&nginx_main(s.dir, s.workers, 1024)?);
+        writeln!(conf, "stream {{")?;
+        writeln!(
+            conf,
+            "  map $ssl_preread_server_name $origin {{\n    localhost 127.0.0.1:{origin_port};\n    default 127.0.0.1:1;\n  }}"
+        )?;
+        writeln!(
+            conf,
+            "  server {{\n    listen 127.0.0.1:{port};\n    ssl_preread on;\n    proxy_pass $origin;\n    \
+             proxy_buffer_size 256k;\n  }}"
+        )?;
+        writeln!(
+            conf,
+            "  server {{\n    listen 127.0.0.1:{port} udp;\n    proxy_pass 127.0.0.1:{origin_port};\n    \
+             proxy_timeout 30s;\n  }}\n}}"
+        )?;
+        nginx_command(binary, s.dir, &conf)
+    })?;
     server.host = "localhost";
     Ok(server)
 }
@@ -460,29 +440,18 @@ pub fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16
 /// (`tcp-request inspect-delay` + `req.ssl_hello_type`) and routing on
 /// `req.ssl_sni`, as its documentation describes; one thread, 64k buffers.
 pub fn start_haproxy_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
-    let port = free_port()?;
-    let mut conf = String::new();
-    writeln!(
-        conf,
-        "global\n  nbthread {}\n  maxconn 1024\n  tune.bufsize 65536",
-        s.workers
-    )?;
-    writeln!(
-        conf,
-        "defaults\n  mode tcp\n  timeout connect 5s\n  timeout client 150s\n  timeout server 150s"
-    )?;
-    writeln!(
-        conf,
-        "frontend fe\n  bind 127.0.0.1:{port}\n  tcp-request inspect-delay 5s\n  \
-         tcp-request content accept if {{ req.ssl_hello_type 1 }}\n  \
-         use_backend origin if {{ req.ssl_sni -i localhost }}"
-    )?;
-    writeln!(conf, "backend origin\n  server origin 127.0.0.1:{origin_port}")?;
-    let config = s.dir.join("haproxy.cfg");
-    fs::write(&config, conf)?;
-    let mut command = Command::new(binary);
-    command.arg("-db").arg("-f").arg(&config);
-    let mut server = spawn(HAPROXY, command, port, s.dir.join("haproxy.log"), None)?;
+    let mut server = spawn(HAPROXY, s.dir.join("haproxy.log"), None, |port| {
+        let mut conf = haproxy_head(s.workers, "tcp", "");
+        writeln!(
+            conf,
+            "frontend fe\n  bind 127.0.0.1:{port}\n  tcp-request inspect-delay 5s\n  \
+             tcp-request content accept if {{ req.ssl_hello_type 1 }}\n  \
+             use_backend origin if {{ req.ssl_sni -i localhost }}"
+        )?;
+        writeln!(conf, "backend origin\n  server origin 127.0.0.1:{origin_port}")?;
+        // -db: foreground, no daemon; stays our child.
+        with_config(binary, s.dir.join("haproxy.cfg"), &conf, &["-db", "-f"])
+    })?;
     server.host = "localhost";
     Ok(server)
 }
@@ -508,66 +477,54 @@ pub fn nginx_version(binary: &Path) -> String {
 /// for large static files: the `sendfile` network backend, and OpenSSL's kTLS
 /// option so sendfile can reach the socket where the kernel offers kTLS.
 pub fn start_lighttpd(binary: &Path, s: &Settings<'_>) -> Result<Server> {
-    let port = free_port()?;
-    let mut conf = String::new();
-    writeln!(conf, "server.document-root = {:?}", s.root.display().to_string())?;
-    writeln!(conf, "server.bind = \"127.0.0.1\"\nserver.port = {port}")?;
-    writeln!(conf, "server.modules += (\"mod_openssl\")")?;
-    writeln!(conf, "server.network-backend = \"sendfile\"")?;
-    writeln!(conf, "server.feature-flags += (\"server.h2proto\" => \"enable\")")?;
-    writeln!(conf, "server.upload-dirs = ({:?})", s.dir.display().to_string())?;
-    writeln!(conf, "mimetype.assign = (\"\" => \"application/octet-stream\")")?;
-    writeln!(conf, "ssl.engine = \"enable\"")?;
-    writeln!(conf, "ssl.pemfile = {:?}", s.identity.cert.display().to_string())?;
-    writeln!(conf, "ssl.privkey = {:?}", s.identity.key.display().to_string())?;
-    writeln!(
-        conf,
-        "ssl.openssl.ssl-conf-cmd = (\"MinProtocol\" => \"TLSv1.3\", \"Options\" => \"KTLS\")"
-    )?;
-    let config = s.dir.join("lighttpd.conf");
-    fs::write(&config, conf)?;
-    let mut command = Command::new(binary);
-    // -D: foreground, so it stays our child; errors go to stderr (no server.errorlog).
-    command.arg("-D").arg("-f").arg(&config);
-    spawn(LIGHTTPD, command, port, s.dir.join("lighttpd.log"), None)
+    spawn(LIGHTTPD, s.dir.join("lighttpd.log"), None, |port| {
+        let mut conf = String::new();
+        writeln!(conf, "server.document-root = {:?}", s.root.display().to_string())?;
+        writeln!(conf, "server.bind = \"127.0.0.1\"\nserver.port = {port}")?;
+        writeln!(conf, "server.modules += (\"mod_openssl\")")?;
+        writeln!(conf, "server.network-backend = \"sendfile\"")?;
+        writeln!(conf, "server.feature-flags += (\"server.h2proto\" => \"enable\")")?;
+        writeln!(conf, "server.upload-dirs = ({:?})", s.dir.display().to_string())?;
+        writeln!(conf, "mimetype.assign = (\"\" => \"application/octet-stream\")")?;
+        writeln!(conf, "ssl.engine = \"enable\"")?;
+        writeln!(conf, "ssl.pemfile = {:?}", s.identity.cert.display().to_string())?;
+        writeln!(conf, "ssl.privkey = {:?}", s.identity.key.display().to_string())?;
+        writeln!(
+            conf,
+            "ssl.openssl.ssl-conf-cmd = (\"MinProtocol\" => \"TLSv1.3\", \"Options\" => \"KTLS\")"
+        )?;
+        // -D: foreground, so it stays our child; errors go to stderr (no server.errorlog).
+        with_config(binary, s.dir.join("lighttpd.conf"), &conf, &["-D", "-f"])
+    })
 }
 
 /// HAProxy as the TLS-terminating proxy (h1 and h2 via ALPN) in front of the
 /// origin: one thread (`nbthread`, like nginx's one worker), `tune.bufsize`
 /// 64k for large responses, `http-reuse always` for the origin connections.
 pub fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
-    let port = free_port()?;
-    // HAProxy wants certificate and key in one PEM.
-    let pem = s.dir.join("haproxy.pem");
-    let mut both = fs::read_to_string(&s.identity.cert)?;
-    both.push_str(&fs::read_to_string(&s.identity.key)?);
-    fs::write(&pem, both)?;
-    let mut conf = String::new();
-    writeln!(
-        conf,
-        "global\n  nbthread {}\n  maxconn 1024\n  tune.bufsize 65536\n  \
-         ssl-default-bind-options ssl-min-ver TLSv1.3",
-        s.workers
-    )?;
-    writeln!(
-        conf,
-        "defaults\n  mode http\n  timeout connect 5s\n  timeout client 150s\n  timeout server 150s"
-    )?;
-    writeln!(
-        conf,
-        "frontend fe\n  bind 127.0.0.1:{port} ssl crt {} alpn h2,http/1.1\n  default_backend origin",
-        pem.display()
-    )?;
-    writeln!(
-        conf,
-        "backend origin\n  http-reuse always\n  server origin 127.0.0.1:{origin_port}"
-    )?;
-    let config = s.dir.join("haproxy.cfg");
-    fs::write(&config, conf)?;
-    let mut command = Command::new(binary);
-    // -db: foreground, no daemon; stays our child.
-    command.arg("-db").arg("-f").arg(&config);
-    let mut server = spawn(HAPROXY, command, port, s.dir.join("haproxy.log"), None)?;
+    let mut server = spawn(HAPROXY, s.dir.join("haproxy.log"), None, |port| {
+        // HAProxy wants certificate and key in one PEM.
+        let pem = s.dir.join("haproxy.pem");
+        let mut both = fs::read_to_string(&s.identity.cert)?;
+        both.push_str(&fs::read_to_string(&s.identity.key)?);
+        fs::write(&pem, both)?;
+        let mut conf = haproxy_head(
+            s.workers,
+            "http",
+            "  ssl-default-bind-options ssl-min-ver TLSv1.3\n",
+        );
+        writeln!(
+            conf,
+            "frontend fe\n  bind 127.0.0.1:{port} ssl crt {} alpn h2,http/1.1\n  default_backend origin",
+            pem.display()
+        )?;
+        writeln!(
+            conf,
+            "backend origin\n  http-reuse always\n  server origin 127.0.0.1:{origin_port}"
+        )?;
+        // -db: foreground, no daemon; stays our child.
+        with_config(binary, s.dir.join("haproxy.cfg"), &conf, &["-db", "-f"])
+    })?;
     server.host = "localhost";
     Ok(server)
 }
@@ -577,42 +534,40 @@ pub fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Resul
 /// 2.6 enables HTTP/3 by default), `GOMAXPROCS` = workers, admin endpoint off
 /// and all its state inside `dir`.
 pub fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> Result<Server> {
-    let port = free_port()?;
-    let dir = s.dir.display();
-    let mut conf = String::new();
-    writeln!(
-        conf,
-        "{{\n  admin off\n  auto_https disable_redirects\n  storage file_system {dir}/data\n  \
-         servers {{\n    protocols h1 h2 h3\n  }}\n}}"
-    )?;
-    writeln!(conf, ":{port} {{\n  bind 127.0.0.1")?;
-    writeln!(
-        conf,
-        "  tls {} {}",
-        s.identity.cert.display(),
-        s.identity.key.display()
-    )?;
-    match origin_port {
-        Some(origin) => writeln!(conf, "  reverse_proxy 127.0.0.1:{origin}")?,
-        None => writeln!(conf, "  root * {}\n  file_server", s.root.display())?,
-    }
-    writeln!(conf, "}}")?;
-    let config = s.dir.join("Caddyfile");
-    fs::write(&config, conf)?;
-    let mut command = Command::new(binary);
-    command
-        .args(["run", "--adapter", "caddyfile", "--config"])
-        .arg(&config)
-        .env("GOMAXPROCS", s.workers.to_string())
-        .env("HOME", s.dir)
-        .env("XDG_DATA_HOME", s.dir.join("xdg-data"))
-        .env("XDG_CONFIG_HOME", s.dir.join("xdg-config"));
     let mut server = spawn(
         CADDY,
-        command,
-        port,
         s.dir.join("caddy.log"),
         Some("serving initial configuration"),
+        |port| {
+            let dir = s.dir.display();
+            let mut conf = String::new();
+            writeln!(
+                conf,
+                "{{\n  admin off\n  auto_https disable_redirects\n  storage file_system {dir}/data\n  \
+                 servers {{\n    protocols h1 h2 h3\n  }}\n}}"
+            )?;
+            writeln!(conf, ":{port} {{\n  bind 127.0.0.1")?;
+            writeln!(
+                conf,
+                "  tls {} {}",
+                s.identity.cert.display(),
+                s.identity.key.display()
+            )?;
+            match origin_port {
+                Some(origin) => writeln!(conf, "  reverse_proxy 127.0.0.1:{origin}")?,
+                None => writeln!(conf, "  root * {}\n  file_server", s.root.display())?,
+            }
+            writeln!(conf, "}}")?;
+            let caddyfile = s.dir.join("Caddyfile");
+            let run = ["run", "--adapter", "caddyfile", "--config"];
+            let mut command = with_config(binary, caddyfile, &conf, &run)?;
+            command
+                .env("GOMAXPROCS", s.workers.to_string())
+                .env("HOME", s.dir)
+                .env("XDG_DATA_HOME", s.dir.join("xdg-data"))
+                .env("XDG_CONFIG_HOME", s.dir.join("xdg-config"));
+            Ok(command)
+        },
     )?;
     if origin_port.is_some() {
         server.host = "localhost";
@@ -626,44 +581,41 @@ pub fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) ->
 /// through its buffers); `proxy.preserve-host` keeps the client's Host, as the
 /// other proxies do.
 pub fn start_h2o(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> Result<Server> {
-    let port = free_port()?;
-    let mut conf = String::new();
-    // Started as root, h2o drops to `nobody` unless told otherwise, and could then
-    // not read the scratch directory.
-    writeln!(conf, "user: root\nnum-threads: {}", s.workers)?;
-    // Responses bigger than its buffer go to mmap'ed temporary files (the proxy's
-    // case here): on a disk-backed /tmp every sample then takes major page faults.
-    if Path::new("/dev/shm").is_dir() {
-        writeln!(conf, "temp-buffer-path: /dev/shm")?;
-    }
-    writeln!(
-        conf,
-        "pid-file: {:?}",
-        s.dir.join("h2o.pid").display().to_string()
-    )?;
-    writeln!(
-        conf,
-        "hosts:\n  default:\n    listen:\n      host: 127.0.0.1\n      port: {port}"
-    )?;
-    writeln!(
-        conf,
-        "      ssl:\n        certificate-file: {:?}\n        key-file: {:?}\n        minimum-version: TLSv1.2",
-        s.identity.cert.display().to_string(),
-        s.identity.key.display().to_string()
-    )?;
-    writeln!(conf, "    paths:\n      \"/\":")?;
-    match origin_port {
-        Some(origin) => writeln!(
+    let mut server = spawn(H2O, s.dir.join("h2o.log"), None, |port| {
+        let mut conf = String::new();
+        // Started as root, h2o drops to `nobody` unless told otherwise, and could then
+        // not read the scratch directory.
+        writeln!(conf, "user: root\nnum-threads: {}", s.workers)?;
+        // Responses bigger than its buffer go to mmap'ed temporary files (the proxy's
+        // case here): on a disk-backed /tmp every sample then takes major page faults.
+        if Path::new("/dev/shm").is_dir() {
+            writeln!(conf, "temp-buffer-path: /dev/shm")?;
+        }
+        writeln!(
             conf,
-            "        proxy.reverse.url: \"http://127.0.0.1:{origin}/\"\n        proxy.preserve-host: ON"
-        )?,
-        None => writeln!(conf, "        file.dir: {:?}", s.root.display().to_string())?,
-    }
-    let config = s.dir.join("h2o.conf");
-    fs::write(&config, conf)?;
-    let mut command = Command::new(binary);
-    command.arg("-c").arg(&config);
-    let mut server = spawn(H2O, command, port, s.dir.join("h2o.log"), None)?;
+            "pid-file: {:?}",
+            s.dir.join("h2o.pid").display().to_string()
+        )?;
+        writeln!(
+            conf,
+            "hosts:\n  default:\n    listen:\n      host: 127.0.0.1\n      port: {port}"
+        )?;
+        writeln!(
+            conf,
+            "      ssl:\n        certificate-file: {:?}\n        key-file: {:?}\n        minimum-version: TLSv1.2",
+            s.identity.cert.display().to_string(),
+            s.identity.key.display().to_string()
+        )?;
+        writeln!(conf, "    paths:\n      \"/\":")?;
+        match origin_port {
+            Some(origin) => writeln!(
+                conf,
+                "        proxy.reverse.url: \"http://127.0.0.1:{origin}/\"\n        proxy.preserve-host: ON"
+            )?,
+            None => writeln!(conf, "        file.dir: {:?}", s.root.display().to_string())?,
+        }
+        with_config(binary, s.dir.join("h2o.conf"), &conf, &["-c"])
+    })?;
     if origin_port.is_some() {
         server.host = "localhost";
     }

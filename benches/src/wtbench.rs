@@ -10,18 +10,19 @@
 //! Server CPU is the origin's plus the front's, per GB received.
 
 use std::fmt::Write as _;
-use std::fs;
 use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 
+use serde_json::json;
+use webship_testkit::fixture::{hex, FIXTURE_LEN};
+
 use crate::clients::{Clients, Protocol};
-use crate::fixture::{self, hex, FIXTURE_BYTES};
 use crate::proc::{clock_ticks_per_second, cpu_ticks};
-use crate::report::{json_string, Section};
-use crate::servers::{self, Server, Settings, WebshipSpec};
+use crate::report::{fixed, Section};
+use crate::servers::{self, Server, Settings, Stage, WebshipSpec};
 
 #[derive(Debug, Args)]
 pub struct WtBenchArgs {
@@ -55,39 +56,28 @@ struct Tally {
 
 /// `webtransport` on its own: the table on stdout and in target/bench/webtransport.md.
 pub fn run(args: &WtBenchArgs) -> Result<()> {
-    let section = measure(args)?;
-    print!("{}", section.markdown);
-    let out = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench"));
-    fs::create_dir_all(&out)?;
-    fs::write(out.join("webtransport.md"), &section.markdown)?;
-    Ok(())
+    measure(args)?.publish("webtransport")
 }
 
 /// Every target × cell, interleaved, `args.samples` rounds; the table as a report section.
 pub fn measure(args: &WtBenchArgs) -> Result<Section> {
-    let scratch = tempfile::tempdir().context("creating a scratch directory")?;
-    let root = args
-        .cache_dir
-        .clone()
-        .unwrap_or_else(|| scratch.path().join("root"));
-    let fixture = fixture::ensure(&root)?;
-    let identity = fixture::write_identity(scratch.path())?;
-    let clients = Clients::new(&identity.cert)?;
+    let stage = Stage::new(args.cache_dir.as_deref())?;
+    let (root, identity, fixture) = (&stage.root, &stage.identity, &stage.fixture);
+    let clients = Clients::new(&identity.ca)?;
     let spec = |name| WebshipSpec {
         name,
         binary: &args.webship,
         ktls: "auto",
         runtime: Vec::new(),
     };
-    let dir = |name: &str| -> Result<PathBuf> {
-        let d = scratch.path().join(name);
-        fs::create_dir_all(&d)?;
-        Ok(d)
-    };
-    let (origin_dir, user_dir, ebpf_dir) = (dir("origin")?, dir("front-user")?, dir("front-ebpf")?);
+    let (origin_dir, user_dir, ebpf_dir) = (
+        stage.dir("origin")?,
+        stage.dir("front-user")?,
+        stage.dir("front-ebpf")?,
+    );
     let settings = |d| Settings {
-        root: &root,
-        identity: &identity,
+        root,
+        identity,
         workers: args.workers,
         dir: d,
     };
@@ -137,7 +127,7 @@ pub fn measure(args: &WtBenchArgs) -> Result<Section> {
                     1 => wt_get(
                         &clients,
                         server,
-                        &["--stream", &FIXTURE_BYTES.to_string()],
+                        &["--stream", &FIXTURE_LEN.to_string()],
                         Some(&hex(&fixture.sha256)),
                     )?,
                     _ => wt_get(
@@ -194,12 +184,13 @@ pub fn measure(args: &WtBenchArgs) -> Result<Section> {
                     .iter()
                     .fold((0u64, 0u64), |(b, t), (sb, _, st)| (b + sb, t + st));
                 let cpu = ticks as f64 / hz / (bytes as f64 / 1e9);
-                json.push(format!(
-                    "{{\"path\":{},\"cell\":{},\"samples\":{},\"median_mib_s\":{median:.3},\"cpu_s_per_gb\":{cpu:.4}}}",
-                    json_string(label),
-                    json_string(cell),
-                    samples.len()
-                ));
+                json.push(json!({
+                    "path": label,
+                    "cell": cell,
+                    "samples": samples.len(),
+                    "median_mib_s": fixed(median, 3),
+                    "cpu_s_per_gb": fixed(cpu, 4),
+                }));
                 bars.push((format!("{cell}, {label}"), median));
                 format!("{median:.1} ({cpu:.2})")
             })
@@ -211,17 +202,17 @@ pub fn measure(args: &WtBenchArgs) -> Result<Section> {
             tally.lost,
             tally.sent
         );
-        json.push(format!(
-            "{{\"path\":{},\"cell\":\"datagrams lost\",\"lost\":{},\"sent\":{}}}",
-            json_string(label),
-            tally.lost,
-            tally.sent
-        ));
+        json.push(json!({
+            "path": label,
+            "cell": "datagrams lost",
+            "lost": tally.lost,
+            "sent": tally.sent,
+        }));
     }
     Ok(Section {
         title: "WebTransport: the diagnostic endpoint's source mode, beside an h3 download".to_owned(),
         markdown: report,
-        json: format!("[{}]", json.join(",")),
+        json: json.into(),
         bars,
     })
 }
@@ -266,8 +257,8 @@ fn wt_get(
     let (bytes, seconds): (u64, f64) = (bytes.parse()?, seconds.parse()?);
     if let Some(want) = sha256 {
         ensure!(
-            bytes == FIXTURE_BYTES && digest == want,
-            "{}: WebTransport stream: {bytes} bytes with SHA-256 {digest}, expected {FIXTURE_BYTES} with {want}",
+            bytes == FIXTURE_LEN && digest == want,
+            "{}: WebTransport stream: {bytes} bytes with SHA-256 {digest}, expected {FIXTURE_LEN} with {want}",
             server.name
         );
     }

@@ -24,8 +24,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use bytes::{Buf, BufMut, BytesMut};
 use clap::Args;
 use sha2::{Digest, Sha256};
+use webship_testkit::fixture::hex;
+use webship_testkit::h3::{H3Client, H3Options};
 
-use crate::fixture::hex;
+use crate::h3client::quic_tls;
 
 /// Datagrams the client's QUIC stack may queue before it drops (bytes).
 const DATAGRAM_RECEIVE_BUFFER: usize = 32 << 20;
@@ -75,23 +77,14 @@ pub fn run(args: &WtGetArgs) -> Result<()> {
 type Outcome = (u64, f64, u16, String, String);
 
 async fn session(args: &WtGetArgs) -> Result<Outcome> {
-    let endpoint = crate::h3client::endpoint_for(args.addr, &args.ca, |t| {
-        t.datagram_receive_buffer_size(Some(DATAGRAM_RECEIVE_BUFFER));
-    })?;
-    let conn = endpoint
-        .connect(args.addr, &args.sni)
-        .context("starting the QUIC handshake")?
-        .await
-        .with_context(|| format!("QUIC handshake with {}", args.addr))?;
-    let (mut driver, mut send) = h3::client::builder()
-        .enable_extended_connect(true)
-        .enable_datagram(true)
-        .build::<_, _, bytes::Bytes>(h3_quinn::Connection::new(conn.clone()))
-        .await
-        .context("HTTP/3 connection setup")?;
-    let driver = tokio::spawn(async move {
-        let _ = std::future::poll_fn(|cx| driver.poll_close(cx)).await;
-    });
+    let options = H3Options {
+        datagram_receive_buffer: Some(DATAGRAM_RECEIVE_BUFFER),
+        webtransport: true,
+        ..H3Options::bulk()
+    };
+    let tls = quic_tls(&args.ca)?;
+    let mut client = H3Client::connect(args.addr, &args.sni, &tls, &options).await?;
+    let conn = client.connection().clone();
     let mut request = http::Request::connect(format!(
         "https://{}:{}{}?mode=source",
         args.sni,
@@ -103,7 +96,11 @@ async fn session(args: &WtGetArgs) -> Result<Outcome> {
     .body(())
     .context("building the CONNECT")?;
     request.extensions_mut().insert(h3::ext::Protocol::WEB_TRANSPORT);
-    let mut connect = send.send_request(request).await.context("sending the CONNECT")?;
+    let mut connect = client
+        .send
+        .send_request(request)
+        .await
+        .context("sending the CONNECT")?;
     let response = connect
         .recv_response()
         .await
@@ -200,9 +197,8 @@ async fn session(args: &WtGetArgs) -> Result<Outcome> {
         );
         (bytes, seconds, status, "-".to_owned(), notes)
     };
-    conn.close(0u32.into(), b"done");
-    let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
-    driver.abort();
+    drop(connect);
+    client.close().await;
     Ok(outcome)
 }
 

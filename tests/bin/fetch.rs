@@ -10,10 +10,11 @@ use std::net::TcpStream;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::ServerName;
 use rustls::CipherSuite;
 use sha2::{Digest, Sha256};
+use webship_testkit::fixture::hex;
+use webship_testkit::pki::roots_from_pem;
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -45,13 +46,9 @@ fn main() -> anyhow::Result<()> {
     } else {
         &[&rustls::version::TLS12]
     };
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(ca).context("reading the CA file")? {
-        roots.add(cert?)?;
-    }
     let mut config = rustls::ClientConfig::builder_with_provider(Arc::new(provider))
         .with_protocol_versions(versions)?
-        .with_root_certificates(roots)
+        .with_root_certificates(roots_from_pem(ca.as_ref())?)
         .with_no_client_auth();
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     let name = ServerName::try_from(sni.clone())?;
@@ -95,7 +92,6 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
-    println!("{status} {len} {digest}");
+    println!("{status} {len} {}", hex(&hasher.finalize()));
     Ok(())
 }

@@ -114,7 +114,7 @@ fn runtime_settings_are_checked() {
 #[test]
 fn a_key_that_does_not_match_the_certificate() {
     let env = Env::new();
-    let (_, other_key) = env.pki.leaf("other", &["other.test"]);
+    let (_, other_key) = env.leaf("other", &["other.test"]);
     let bad = env
         .config("")
         .replace(env.key.to_str().unwrap(), other_key.to_str().unwrap());
@@ -130,7 +130,7 @@ fn a_key_that_does_not_match_the_certificate() {
 #[test]
 fn serve_fails_before_binding() {
     let env = Env::new();
-    let port = free_port();
+    let port = free_port().unwrap();
     let path = env.dir.path().join("bad.toml");
     let bad = env
         .config("")

@@ -120,7 +120,7 @@ async fn unsatisfiable_and_malformed_ranges() {
 #[test]
 fn curl_ranges_over_both_protocols() {
     let w = world();
-    let ca = w.env.pki.ca_file();
+    let ca = w.env.ca_file();
     let url = format!("https://{HOST}:{}/data.bin", w.server.port);
     for flag in ["--http1.1", "--http2"] {
         let out = curl(

@@ -5,18 +5,16 @@
 use std::process::Command;
 use std::time::Duration;
 
-use webship_tests::client::{fetch_h3, hex, H3Client, Proto};
+use webship_tests::client::{fetch_h3, hex, recv_body, request, H3Client, H3Options, Proto};
 use webship_tests::server::eventually;
-use webship_tests::{fixture, FIXTURE_LEN};
+use webship_tests::{fixture, Server, FIXTURE_LEN};
 
-use crate::support::{pattern, Env, HOST};
-
-const MIB: u64 = 1024 * 1024;
+use crate::support::{aioquic_fetch, assert_rss_within, pattern, Env, HOST, MIB};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fixture_with_quinn_h3_client() {
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     let server = env.start("");
     let got = fetch_h3(server.addr(), HOST, env.client(b"h3"), "GET", "/fixture.bin", &[]).await;
     assert_eq!(got.status, 200);
@@ -28,66 +26,18 @@ async fn fixture_with_quinn_h3_client() {
 #[test]
 fn fixture_with_aioquic() {
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     env.write("data.bin", &pattern(10_000));
     let server = env.start("");
-    let ca = env.pki.ca_file();
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/h3_fetch.py");
-    let run = |path: &str, headers: &[&str]| -> serde_like::Json {
-        let out = Command::new("python3")
-            .args([
-                script,
-                "127.0.0.1",
-                &server.port.to_string(),
-                HOST,
-                path,
-                ca.to_str().unwrap(),
-            ])
-            .args(headers)
-            .output()
-            .expect("python3 with aioquic is required; `cargo xtask test` installs it");
-        assert!(
-            out.status.success(),
-            "aioquic: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_like::Json(String::from_utf8_lossy(&out.stdout).into_owned())
-    };
-    let full = run("/fixture.bin", &[]);
-    assert_eq!(full.number("status"), 200, "{}", full.0);
-    assert_eq!(full.number("len"), FIXTURE_LEN, "{}", full.0);
-    assert_eq!(full.string("sha256"), hex(&fixture().sha256));
-    let part = run("/data.bin", &["range: bytes=100-199"]);
-    assert_eq!(part.number("status"), 206, "{}", part.0);
-    assert_eq!(part.number("len"), 100);
-    assert!(part.0.contains("bytes 100-199/10000"), "{}", part.0);
-}
-
-/// Just enough JSON reading for the client's one-line output, without a JSON crate.
-mod serde_like {
-    pub struct Json(pub String);
-
-    impl Json {
-        fn raw(&self, key: &str) -> &str {
-            let needle = format!("\"{key}\": ");
-            let start = self
-                .0
-                .find(&needle)
-                .unwrap_or_else(|| panic!("{key} not in {}", self.0))
-                + needle.len();
-            let rest = &self.0[start..];
-            let end = rest.find([',', '}']).unwrap();
-            rest[..end].trim()
-        }
-
-        pub fn number(&self, key: &str) -> u64 {
-            self.raw(key).parse().unwrap()
-        }
-
-        pub fn string(&self, key: &str) -> String {
-            self.raw(key).trim_matches('"').to_owned()
-        }
-    }
+    let ca = env.ca_file();
+    let (full, line) = aioquic_fetch(server.port, HOST, "/fixture.bin", &ca, &[]);
+    assert_eq!(full["status"], 200, "{line}");
+    assert_eq!(full["len"], FIXTURE_LEN, "{line}");
+    assert_eq!(full["sha256"], hex(&fixture().sha256));
+    let (part, line) = aioquic_fetch(server.port, HOST, "/data.bin", &ca, &["range: bytes=100-199"]);
+    assert_eq!(part["status"], 206, "{line}");
+    assert_eq!(part["len"], 100);
+    assert!(line.contains("bytes 100-199/10000"), "{line}");
 }
 
 #[tokio::test]
@@ -97,7 +47,9 @@ async fn files_semantics_match_h1_and_h2() {
     env.write("data.bin", &data);
     std::fs::write(env.dir.path().join("secret.txt"), "secret").unwrap();
     let server = env.start("");
-    let mut h3 = H3Client::connect(server.addr(), HOST, env.client(b"h3")).await;
+    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap();
 
     let got = h3.fetch("GET", "/data.bin", &[("range", "bytes=10-19")]).await;
     assert_eq!(got.status, 206);
@@ -134,26 +86,21 @@ async fn thirty_two_concurrent_streams_on_one_connection() {
     let data = pattern(2 * 1024 * 1024);
     env.write("data.bin", &data);
     let server = env.start("");
-    let h3 = H3Client::connect(server.addr(), HOST, env.client(b"h3")).await;
+    let h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap();
     let mut tasks = Vec::new();
     for i in 0..32u64 {
-        let mut send = h3.send.clone();
-        let authority = format!("{HOST}:{}", server.port);
+        let (mut send, origin) = (h3.send.clone(), h3.origin());
         let (start, end) = (i * 60_000, i * 60_000 + 59_999 + i * 1000);
         tasks.push(tokio::spawn(async move {
-            let req = http::Request::get(format!("https://{authority}/data.bin"))
-                .header("range", format!("bytes={start}-{end}"))
-                .body(())
+            let range = format!("bytes={start}-{end}");
+            let (head, mut stream) = request(&mut send, &origin, "GET", "/data.bin", &[("range", &range)])
+                .await
                 .unwrap();
-            let mut stream = send.send_request(req).await.unwrap();
-            stream.finish().await.unwrap();
-            let resp = stream.recv_response().await.unwrap();
-            assert_eq!(resp.status(), 206);
+            assert_eq!(head.status, 206);
             let mut body = Vec::new();
-            while let Some(chunk) = stream.recv_data().await.unwrap() {
-                use bytes::Buf;
-                body.extend_from_slice(chunk.chunk());
-            }
+            recv_body(&mut stream, &mut body).await.unwrap();
             (start as usize, end as usize, body)
         }));
     }
@@ -167,22 +114,19 @@ async fn thirty_two_concurrent_streams_on_one_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancelled_download_frees_the_stream_and_the_connection_lives_on() {
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     env.write("small.txt", b"small");
     let server = env.start("");
-    let mut h3 = H3Client::connect(server.addr(), HOST, env.client(b"h3")).await;
+    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap();
     let warm = h3
         .fetch("GET", "/fixture.bin", &[("range", "bytes=0-4194303")])
         .await;
     assert_eq!(warm.len, 4 * MIB);
     let base = server.rss();
     for _ in 0..3 {
-        let req = http::Request::get(format!("https://{HOST}:{}/fixture.bin", server.port))
-            .body(())
-            .unwrap();
-        let mut stream = h3.send.send_request(req).await.unwrap();
-        stream.finish().await.unwrap();
-        let _ = stream.recv_response().await.unwrap();
+        let (_, mut stream) = h3.send("GET", "/fixture.bin", &[]).await.unwrap();
         let mut got = 0u64;
         while got < 10 * MIB {
             use bytes::Buf;
@@ -203,36 +147,35 @@ async fn cancelled_download_frees_the_stream_and_the_connection_lives_on() {
         "the server did not stop the three cancelled responses:\n{}",
         server.log()
     );
-    let rss = server.rss();
-    assert!(
-        rss < base + 24 * MIB,
-        "RSS {} MiB vs baseline {} MiB",
-        rss / MIB,
-        base / MIB
-    );
+    assert_rss_within(&server, base, 24);
     h3.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_responses_switch_their_connection_to_bbr() {
+    /// The first 8 MiB of the fixture over a fresh h3 connection to `server`.
+    async fn eight_mib(env: &Env, server: &Server) -> u64 {
+        let range = [("range", "bytes=0-8388607")];
+        fetch_h3(
+            server.addr(),
+            HOST,
+            env.client(b"h3"),
+            "GET",
+            "/fixture.bin",
+            &range,
+        )
+        .await
+        .len
+    }
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     env.write("small.txt", b"small");
     let server = env.start("");
     let switched = || server.log().matches("switches to BBR").count();
     let got = fetch_h3(server.addr(), HOST, env.client(b"h3"), "GET", "/small.txt", &[]).await;
     assert_eq!(got.status, 200);
     assert_eq!(switched(), 0, "a small response must not switch");
-    let got = fetch_h3(
-        server.addr(),
-        HOST,
-        env.client(b"h3"),
-        "GET",
-        "/fixture.bin",
-        &[("range", "bytes=0-8388607")],
-    )
-    .await;
-    assert_eq!(got.len, 8 * MIB);
+    assert_eq!(eight_mib(&env, &server).await, 8 * MIB);
     assert!(
         eventually(Duration::from_secs(2), || switched() == 1),
         "{}",
@@ -241,18 +184,9 @@ async fn bulk_responses_switch_their_connection_to_bbr() {
 
     // `[kernel] bbr = "off"` never switches.
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     let server = env.start("[kernel]\nbbr = \"off\"\n");
-    let got = fetch_h3(
-        server.addr(),
-        HOST,
-        env.client(b"h3"),
-        "GET",
-        "/fixture.bin",
-        &[("range", "bytes=0-8388607")],
-    )
-    .await;
-    assert_eq!(got.len, 8 * MIB);
+    assert_eq!(eight_mib(&env, &server).await, 8 * MIB);
     assert!(!server.log().contains("switches to BBR"));
 }
 
@@ -274,7 +208,7 @@ async fn alt_svc_advertises_h3_only_for_h3_sites() {
     let config = env
         .config("")
         .replace("[sites.tls]", "[sites.protocols]\nh3 = false\n[sites.tls]");
-    let server = webship_tests::Server::start(env.dir.path(), &config);
+    let server = Server::start(env.dir.path(), &config);
     for proto in [Proto::H1, Proto::H2] {
         let got = env.get(proto, &server, "/small.txt", &[]).await;
         assert!(got.headers.get("alt-svc").is_none(), "{proto:?}");
@@ -306,7 +240,7 @@ async fn retry_validates_addresses_when_configured() {
 #[test]
 fn fixture_with_ngtcp2_client() {
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     let server = env.start("");
     let download = env.dir.path().join("ngtcp2");
     std::fs::create_dir(&download).unwrap();
@@ -325,7 +259,7 @@ fn fixture_with_ngtcp2_client() {
     let file = download.join("fixture.bin");
     assert_eq!(std::fs::metadata(&file).unwrap().len(), FIXTURE_LEN);
     assert_eq!(
-        hex(&webship_tests::fixture::sha256_file(&file)),
+        hex(&webship_tests::fixture::sha256_file(&file).unwrap()),
         hex(&fixture().sha256)
     );
 }

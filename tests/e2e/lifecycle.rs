@@ -8,18 +8,18 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use webship_tests::client::{connect, fetch, hex, raw_h1, raw_status, Proto};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use webship_tests::client::{connect, fetch, hex, raw_h1, raw_status, Conn, Proto, Tuning};
 use webship_tests::pki::insecure_client;
 use webship_tests::server::{eventually, listening};
 use webship_tests::{fixture, Server, FIXTURE_LEN};
 
-use crate::support::{Env, HOST};
-
-const MIB: u64 = 1024 * 1024;
+use crate::support::{assert_rss_within, Env, HOST, MIB};
 
 fn fixture_server(extra: &str) -> (Env, Server) {
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     env.write("small.txt", b"small");
     let server = env.start(extra);
     (env, server)
@@ -27,6 +27,15 @@ fn fixture_server(extra: &str) -> (Env, Server) {
 
 fn get_request(path: &str) -> String {
     format!("GET {path} HTTP/1.1\r\nHost: {HOST}\r\n\r\n")
+}
+
+/// An HTTP/1.1 connection that has sent `GET path`, its response not read yet.
+async fn h1_get(env: &Env, server: &Server, path: &str) -> TlsStream<TcpStream> {
+    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    tls.write_all(get_request(path).as_bytes()).await.unwrap();
+    tls
 }
 
 /// Warm the server up (TLS, both drivers, the blocking pool) so RSS has a baseline.
@@ -45,12 +54,7 @@ async fn h1_disconnect_mid_body_frees_the_connection() {
     let (env, server) = fixture_server("");
     let base = baseline(&env, &server).await;
     for _ in 0..3 {
-        let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
-            .await
-            .unwrap();
-        tls.write_all(get_request("/fixture.bin").as_bytes())
-            .await
-            .unwrap();
+        let mut tls = h1_get(&env, &server, "/fixture.bin").await;
         let mut buf = vec![0u8; 256 * 1024];
         let mut got = 0u64;
         while got < 10 * MIB {
@@ -66,13 +70,7 @@ async fn h1_disconnect_mid_body_frees_the_connection() {
         "the server kept {} connections after the clients left",
         server.established()
     );
-    let rss = server.rss();
-    assert!(
-        rss < base + 16 * MIB,
-        "RSS {} MiB vs baseline {} MiB",
-        rss / MIB,
-        base / MIB
-    );
+    assert_rss_within(&server, base, 16);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,14 +78,12 @@ async fn h2_reset_stream_and_disconnect_free_resources() {
     let (env, server) = fixture_server("");
     let base = baseline(&env, &server).await;
     let tls = connect(server.addr(), HOST, env.client(b"h2")).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+    let authority = format!("{HOST}:{}", server.port);
+    let mut conn = Conn::handshake(tls, Proto::H2, &authority, Tuning::default())
         .await
         .unwrap();
-    let conn = tokio::spawn(conn);
-    let uri = format!("https://{HOST}:{}/fixture.bin", server.port);
     for _ in 0..3 {
-        let req = http::Request::get(&uri).body(Empty::<Bytes>::new()).unwrap();
-        let resp = sender.send_request(req).await.unwrap();
+        let resp = conn.send("GET", "/fixture.bin", &[], Bytes::new()).await.unwrap();
         let mut body = resp.into_body();
         let mut got = 0u64;
         while got < 10 * MIB {
@@ -97,36 +93,24 @@ async fn h2_reset_stream_and_disconnect_free_resources() {
         drop(body); // RST_STREAM(CANCEL)
     }
     // The connection survives the resets and still serves.
-    let req = http::Request::get(format!("https://{HOST}:{}/small.txt", server.port))
-        .body(Empty::<Bytes>::new())
+    let mut small = Vec::new();
+    conn.fetch_into("GET", "/small.txt", &[], &mut small)
+        .await
         .unwrap();
-    let resp = sender.send_request(req).await.unwrap();
-    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "small");
-    drop(sender);
-    conn.abort();
+    assert_eq!(small, b"small");
+    conn.close().await;
     assert!(
         eventually(Duration::from_secs(10), || server.established() == 0),
         "h2 connection not released"
     );
-    let rss = server.rss();
-    assert!(
-        rss < base + 16 * MIB,
-        "RSS {} MiB vs baseline {} MiB",
-        rss / MIB,
-        base / MIB
-    );
+    assert_rss_within(&server, base, 16);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_reader_keeps_memory_bounded() {
     let (env, server) = fixture_server("");
     let base = baseline(&env, &server).await;
-    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
-        .await
-        .unwrap();
-    tls.write_all(get_request("/fixture.bin").as_bytes())
-        .await
-        .unwrap();
+    let mut tls = h1_get(&env, &server, "/fixture.bin").await;
     let mut buf = vec![0u8; 64 * 1024];
     let mut peak = 0;
     let start = Instant::now();
@@ -165,7 +149,7 @@ async fn pipelined_requests_are_answered_in_order() {
 #[test]
 fn curl_reuses_one_connection() {
     let (env, server) = fixture_server("");
-    let ca = env.pki.ca_file();
+    let ca = env.ca_file();
     let url = format!("https://{HOST}:{}/small.txt", server.port);
     let out = webship_tests::client::curl(
         HOST,
@@ -234,12 +218,7 @@ async fn connection_cap_holds_new_connections_until_one_closes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_responses_then_exits_zero() {
     let (env, mut server) = fixture_server("");
-    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
-        .await
-        .unwrap();
-    tls.write_all(get_request("/fixture.bin").as_bytes())
-        .await
-        .unwrap();
+    let mut tls = h1_get(&env, &server, "/fixture.bin").await;
     let mut buf = vec![0u8; 256 * 1024];
     let n = tls.read(&mut buf).await.unwrap();
     let mut received: Vec<u8> = buf[..n].to_vec();
@@ -267,12 +246,7 @@ async fn sigterm_drains_in_flight_responses_then_exits_zero() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_grace_has_a_deadline() {
     let (env, mut server) = fixture_server("[limits]\nshutdown_grace_secs = 1\n");
-    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
-        .await
-        .unwrap();
-    tls.write_all(get_request("/fixture.bin").as_bytes())
-        .await
-        .unwrap();
+    let mut tls = h1_get(&env, &server, "/fixture.bin").await;
     let mut buf = [0u8; 1024];
     let _ = tls.read(&mut buf).await.unwrap();
     // Never read again: the response stalls on a full socket buffer.
@@ -302,7 +276,7 @@ async fn no_config_serves_the_current_directory_on_8443() {
             proto,
             addr,
             "localhost",
-            insecure_client(&[proto.alpn()]),
+            insecure_client(&[proto.alpn()]).unwrap(),
             "GET",
             "/hello.txt",
             &[],
@@ -339,10 +313,7 @@ async fn idle_connections_are_closed_after_the_idle_timeout() {
     env.write("small.txt", b"small");
     let server = env.start("[limits]\nidle_timeout_secs = 1\n");
     // HTTP/1.1: one request, then silence.
-    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
-        .await
-        .unwrap();
-    tls.write_all(get_request("/small.txt").as_bytes()).await.unwrap();
+    let mut tls = h1_get(&env, &server, "/small.txt").await;
     let start = Instant::now();
     let mut all = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut all))

@@ -2,10 +2,10 @@
 //! TCP: `Origin` over HTTP/1.1 and h2c, `HalfCloseOrigin` with raw bytes, and nginx
 //! serving a file. If these fail, a proxy test failing says nothing about the proxy.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::client::conn::{http1, http2};
@@ -13,53 +13,21 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use webship_tests::client::hex;
+use webship_tests::client::{hex, outcome, Outcome};
 use webship_tests::nginx::Nginx;
 use webship_tests::origin::{HalfCloseOrigin, Origin};
+use webship_tests::server::eventually;
 
 use crate::support::pattern;
 
-/// A response read to its end, or to the error that cut it short.
-struct Got {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Vec<u8>,
-    trailers: Option<HeaderMap>,
-    error: Option<String>,
-}
+/// How long an origin's counters or nginx's access log may lag the response.
+const WAIT: Duration = Duration::from_secs(5);
 
-impl Got {
-    fn header(&self, name: &str) -> &str {
-        self.headers.get(name).map_or("", |v| v.to_str().unwrap())
-    }
-}
-
-async fn collect(response: Response<Incoming>) -> Got {
-    let (parts, mut body) = response.into_parts();
-    let mut got = Got {
-        status: parts.status,
-        headers: parts.headers,
-        body: Vec::new(),
-        trailers: None,
-        error: None,
-    };
-    let read = tokio::time::timeout(Duration::from_secs(20), async {
-        while let Some(frame) = body.frame().await {
-            match frame {
-                Ok(frame) => match frame.into_data() {
-                    Ok(data) => got.body.extend_from_slice(&data),
-                    Err(frame) => got.trailers = frame.into_trailers().ok(),
-                },
-                Err(e) => {
-                    got.error = Some(e.to_string());
-                    return;
-                }
-            }
-        }
-    })
-    .await;
-    assert!(read.is_ok(), "body not read within 20 s");
-    got
+/// A response read to its end, or to the error that cut it short, within 20 s.
+async fn collect(response: Response<Incoming>) -> Outcome {
+    tokio::time::timeout(Duration::from_secs(20), outcome(response))
+        .await
+        .expect("body not read within 20 s")
 }
 
 fn request(uri: &str, method: &str, body: &[u8]) -> Request<Full<Bytes>> {
@@ -88,25 +56,13 @@ async fn h2c(origin: &Origin) -> http2::SendRequest<Full<Bytes>> {
 }
 
 /// One request on an HTTP/1.1 connection, once it is ready for the next one.
-async fn send(tx: &mut http1::SendRequest<Full<Bytes>>, req: Request<Full<Bytes>>) -> Got {
+async fn send(tx: &mut http1::SendRequest<Full<Bytes>>, req: Request<Full<Bytes>>) -> Outcome {
     tx.ready().await.unwrap();
     collect(tx.send_request(req).await.unwrap()).await
 }
 
 fn sha(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes))
-}
-
-/// Polls `cond` every 20 ms for up to 5 s, without blocking the runtime.
-async fn eventually(mut cond: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while Instant::now() < deadline {
-        if cond() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    cond()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -122,7 +78,7 @@ async fn origin_serves_http1() {
 
     let got = send(&mut tx, with_host("/echo?q=1", "POST", b"abc")).await;
     assert_eq!(got.status, StatusCode::OK);
-    let text = String::from_utf8(got.body).unwrap();
+    let text = String::from_utf8(got.fetched.body).unwrap();
     assert!(text.contains("x-test: origins\n"), "{text}");
     assert!(
         text.contains("method: POST\npath: /echo?q=1\nbody-len: 3\n"),
@@ -160,7 +116,7 @@ async fn origin_serves_http1() {
     let got = send(&mut tx, te).await;
     assert_eq!(got.header("transfer-encoding"), "chunked");
     assert_eq!(got.body, b"hello");
-    let trailers = got.trailers.expect("trailers on HTTP/1.1");
+    let trailers = got.trailers.as_ref().expect("trailers on HTTP/1.1");
     assert_eq!(trailers["x-checksum"], "12345");
     assert_eq!(trailers["x-origin"], "rust");
 
@@ -219,7 +175,7 @@ async fn origin_serves_h2c() {
             .unwrap(),
     )
     .await;
-    let text = String::from_utf8(got.body).unwrap();
+    let text = String::from_utf8(got.fetched.body).unwrap();
     assert!(
         text.contains(&format!("body-len: 300000\nbody-sha256: {}\n", sha(&body))),
         "{text}"
@@ -240,7 +196,7 @@ async fn origin_serves_h2c() {
     )
     .await;
     assert_eq!(got.body, b"hello");
-    let trailers = got.trailers.expect("trailers on h2");
+    let trailers = got.trailers.as_ref().expect("trailers on h2");
     assert_eq!(trailers["x-checksum"], "12345");
     assert_eq!(trailers["x-origin"], "rust");
 
@@ -292,7 +248,7 @@ async fn origin_counts_responses_the_client_abandons() {
     body.frame().await.unwrap().unwrap();
     drop((body, tx));
     conn.abort();
-    assert!(eventually(|| origin.aborted_responses() == 1).await);
+    assert!(eventually(WAIT, || origin.aborted_responses() == 1));
 
     // h2: dropping the body resets the stream; the connection lives on.
     let mut tx = h2c(&origin).await;
@@ -303,7 +259,7 @@ async fn origin_counts_responses_the_client_abandons() {
     let mut body = response.into_body();
     body.frame().await.unwrap().unwrap();
     drop(body);
-    assert!(eventually(|| origin.aborted_responses() == 2).await);
+    assert!(eventually(WAIT, || origin.aborted_responses() == 2));
     let got = collect(
         tx.send_request(request(&format!("{base}/status/200"), "GET", b""))
             .await
@@ -355,7 +311,7 @@ async fn nginx_serves_a_file() {
     }
     let line = "GET /big.bin HTTP/1.1 200 1000000 \"origin.test\" \"192.0.2.1\" \"-\" \"-\" \"-\" \"-\"";
     assert!(
-        eventually(|| nginx.access_log().matches(line).count() == 2).await,
+        eventually(WAIT, || nginx.access_log().matches(line).count() == 2),
         "{}",
         nginx.access_log()
     );

@@ -7,14 +7,20 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
-use webship_tests::client::{connect, curl, fetch, fetch_h3, hex, raw_status, Proto};
+use webship_testkit::proc::{established, End};
+use webship_tests::client::{connect, fetch, fetch_h3, hex, raw_status, Proto};
 use webship_tests::fixture::sha256_file;
 use webship_tests::nginx::Nginx;
+use webship_tests::server::eventually;
 use webship_tests::{fixture, Server, FIXTURE_LEN};
 
-use crate::support::{Env, HOST};
+use crate::support::{
+    aioquic_fetch, curl_download, h3_passthrough_front, origin_server, passthrough_config, passthrough_toml,
+    stats_json, Env, HOST,
+};
 
 struct World {
     env: Env,
@@ -34,47 +40,25 @@ fn world(with_site: bool) -> World {
 /// in a folder of this server's own, so tests can run side by side.
 fn world_with(with_site: bool, engine: &str) -> World {
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     let a_root = env.dir.path().join("a");
     let b_root = env.dir.path().join("b");
     std::fs::create_dir(&a_root).unwrap();
     std::fs::create_dir(&b_root).unwrap();
-    fixture().place(&a_root, "fixture.bin");
+    fixture().place(&a_root, "fixture.bin").unwrap();
     std::fs::write(a_root.join("who.txt"), "origin a").unwrap();
     std::fs::write(b_root.join("who.txt"), "origin b").unwrap();
-    let (a_cert, a_key) = env.pki.leaf("a", &["a.pass"]);
-    let (b_cert, b_key) = env.pki.leaf("b", &["b.pass", "*.b.pass"]);
+    let (a_cert, a_key) = env.leaf("a", &["a.pass"]);
+    let (b_cert, b_key) = env.leaf("b", &["b.pass", "*.b.pass"]);
     let a = Nginx::start_tls(&a_root, &a_cert, &a_key);
     let b = Nginx::start_tls(&b_root, &b_cert, &b_key);
-    let passthrough = format!(
-        r#"
-[kernel]
-bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
-
-[reverse_proxy]
-enabled = true
-tls_termination = false
-passthrough_engine = "{engine}"
-[reverse_proxy.protocols]
-h1 = true
-h2 = true
-h3 = false
-[[reverse_proxy.routes]]
-domain = "a.pass"
-upstreams = ["{}"]
-[[reverse_proxy.routes]]
-domain = "*.b.pass"
-upstreams = ["{}"]
-[[reverse_proxy.routes]]
-domain = "b.pass"
-upstreams = ["{}"]
-"#,
-        a.addr, b.addr, b.addr
-    );
+    let engine = format!("passthrough_engine = \"{engine}\"\n");
+    let routes = [("a.pass", a.addr), ("*.b.pass", b.addr), ("b.pass", b.addr)];
     let config = if with_site {
+        let passthrough = passthrough_toml(&engine, false, &routes);
         env.config(&passthrough.replace("[kernel]", "[protocols]\nh3 = false\n\n[kernel]"))
     } else {
-        format!("listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{passthrough}")
+        passthrough_config(&engine, false, &routes)
     };
     let server = Server::start(env.dir.path(), &config);
     World {
@@ -112,17 +96,19 @@ async fn exact_bytes_with(engine: &str) {
         w.server.log()
     );
     for proto in [Proto::H1, Proto::H2] {
+        let get = |sni, path| {
+            fetch(
+                proto,
+                w.server.addr(),
+                sni,
+                w.env.client(proto.alpn()),
+                "GET",
+                path,
+                &[],
+            )
+        };
         // The client verifies the chain for a.pass: only the origin holds that key.
-        let got = fetch(
-            proto,
-            w.server.addr(),
-            "a.pass",
-            w.env.client(proto.alpn()),
-            "GET",
-            "/fixture.bin",
-            &[],
-        )
-        .await;
+        let got = get("a.pass", "/fixture.bin").await;
         assert_eq!(got.status, 200, "{proto:?}");
         assert_eq!(got.len, FIXTURE_LEN, "{proto:?}");
         assert_eq!(hex(&got.sha256), hex(&fixture().sha256), "{proto:?}");
@@ -130,33 +116,15 @@ async fn exact_bytes_with(engine: &str) {
             got.header("server").starts_with("nginx"),
             "{proto:?}: served by the origin"
         );
-        let got = fetch(
-            proto,
-            w.server.addr(),
-            "b.pass",
-            w.env.client(proto.alpn()),
-            "GET",
-            "/who.txt",
-            &[],
-        )
-        .await;
+        let got = get("b.pass", "/who.txt").await;
         assert_eq!(got.body, b"origin b", "{proto:?}");
-        let got = fetch(
-            proto,
-            w.server.addr(),
-            "x.b.pass",
-            w.env.client(proto.alpn()),
-            "GET",
-            "/who.txt",
-            &[],
-        )
-        .await;
+        let got = get("x.b.pass", "/who.txt").await;
         assert_eq!(got.status, 200, "wildcard route");
     }
     let pins = format!("/sys/fs/bpf/webship-e2e-{}", w.server.port);
     // Six connections; the userspace counters are published twice a second.
-    let mut stats = String::new();
-    let published = webship_tests::server::eventually(Duration::from_secs(5), || {
+    let mut stats = Value::Null;
+    let published = eventually(Duration::from_secs(5), || {
         stats = stats_json(&pins);
         counter(&stats, "connections_steered", "total") == 6
     });
@@ -184,50 +152,30 @@ async fn exact_bytes_with(engine: &str) {
     );
 }
 
-fn stats_json(pins: &str) -> String {
-    let out =
-        webship_tests::server::webship(&["stats", "--json", "--pin-dir", pins], std::path::Path::new("/"));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
-
 /// `counters.<name>.<part>` from `webship stats --json`.
-fn counter(json: &str, name: &str, part: &str) -> u64 {
-    let value: serde_json::Value = serde_json::from_str(json).unwrap();
-    value["counters"][name][part].as_u64().unwrap()
+fn counter(stats: &Value, name: &str, part: &str) -> u64 {
+    stats["counters"][name][part]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no counter {name}.{part} in {stats}"))
 }
 
 #[test]
 fn curl_through_passthrough() {
     let w = world(false);
-    let ca = w.env.pki.ca_file();
+    let ca = w.env.ca_file();
     let out = w.env.dir.path().join("curl.bin");
     for flag in ["--http1.1", "--http2"] {
-        let result = curl(
+        let stdout = curl_download(
             "a.pass",
             w.server.port,
-            &[
-                "--cacert",
-                ca.to_str().unwrap(),
-                flag,
-                "-o",
-                out.to_str().unwrap(),
-                "-w",
-                "%{http_code} %{size_download}",
-                &format!("https://a.pass:{}/fixture.bin", w.server.port),
-            ],
+            &ca,
+            flag,
+            &format!("https://a.pass:{}/fixture.bin", w.server.port),
+            &out,
+            "%{http_code} %{size_download}",
         );
-        assert!(
-            result.status.success(),
-            "{}",
-            String::from_utf8_lossy(&result.stderr)
-        );
-        assert_eq!(
-            String::from_utf8_lossy(&result.stdout),
-            format!("200 {FIXTURE_LEN}"),
-            "{flag}"
-        );
-        assert_eq!(hex(&sha256_file(&out)), hex(&fixture().sha256), "{flag}");
+        assert_eq!(stdout, format!("200 {FIXTURE_LEN}"), "{flag}");
+        assert_eq!(hex(&sha256_file(&out).unwrap()), hex(&fixture().sha256), "{flag}");
     }
 }
 
@@ -377,42 +325,9 @@ async fn h3_through_passthrough(udp_engine: &str) {
     let env = Env::new();
     let origin_root = env.dir.path().join("origin");
     std::fs::create_dir(&origin_root).unwrap();
-    fixture().place(&origin_root, "fixture.bin");
-    let (cert, key) = env.pki.leaf("quic-origin", &["a.pass"]);
-    let origin = Server::start(
-        env.dir.path(),
-        &format!(
-            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n[[sites]]\ndomain = \"a.pass\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
-            origin_root.display(),
-            cert.display(),
-            key.display()
-        ),
-    );
-    let start_front = || {
-        Server::start(
-            env.dir.path(),
-            &format!(
-                r#"listen = "127.0.0.1:{{port}}"
-workers = 2
-[kernel]
-bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
-[reverse_proxy]
-enabled = true
-tls_termination = false
-udp_upstream = "{origin}"
-udp_engine = "{udp_engine}"
-[reverse_proxy.protocols]
-h1 = true
-h2 = true
-h3 = true
-[[reverse_proxy.routes]]
-domain = "a.pass"
-upstreams = ["{origin}"]
-"#,
-                origin = origin.addr()
-            ),
-        )
-    };
+    fixture().place(&origin_root, "fixture.bin").unwrap();
+    let origin = origin_server(&env, "quic-origin", "a.pass", &origin_root, "", "");
+    let start_front = || h3_passthrough_front(&env, origin.addr(), udp_engine);
     // With eBPF, another front's classifier attaches first on the same hook:
     // it must pass every packet on, not end the chain.
     let _decoy = (udp_engine == "ebpf").then(&start_front);
@@ -428,34 +343,15 @@ upstreams = ["{origin}"]
     assert_eq!(got.len, FIXTURE_LEN);
     assert_eq!(hex(&got.sha256), hex(&fixture().sha256));
 
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/h3_fetch.py");
-    let ca = env.pki.ca_file();
-    let out = std::process::Command::new("python3")
-        .args([
-            script,
-            "127.0.0.1",
-            &front.port.to_string(),
-            "a.pass",
-            "/fixture.bin",
-            ca.to_str().unwrap(),
-        ])
-        .output()
-        .expect("python3 with aioquic is required; `cargo xtask test` installs it");
-    assert!(
-        out.status.success(),
-        "aioquic: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let line = String::from_utf8_lossy(&out.stdout);
-    let value: serde_json::Value = serde_json::from_str(line.trim()).unwrap();
+    let (value, line) = aioquic_fetch(front.port, "a.pass", "/fixture.bin", &env.ca_file(), &[]);
     assert_eq!(value["status"], 200, "{line}");
     assert_eq!(value["len"], FIXTURE_LEN, "{line}");
     assert_eq!(value["sha256"], hex(&fixture().sha256), "{line}");
 
     // Two client flows, each a real QUIC connection carried whole.
     let pins = format!("/sys/fs/bpf/webship-e2e-{}", front.port);
-    let mut stats = String::new();
-    let counted = webship_tests::server::eventually(Duration::from_secs(5), || {
+    let mut stats = Value::Null;
+    let counted = eventually(Duration::from_secs(5), || {
         stats = stats_json(&pins);
         counter(&stats, "udp_flows", "total") == 2
     });
@@ -540,41 +436,16 @@ fn client_hello(env: &Env, sni: &str) -> Vec<u8> {
 }
 
 fn passthrough_only(origin: std::net::SocketAddr, engine: &str) -> String {
-    format!(
-        r#"listen = "127.0.0.1:{{port}}"
-workers = 2
-[kernel]
-bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
-[reverse_proxy]
-enabled = true
-tls_termination = false
-passthrough_engine = "{engine}"
-[reverse_proxy.protocols]
-h3 = false
-[[reverse_proxy.routes]]
-domain = "raw.pass"
-upstreams = ["{origin}"]
-"#
+    passthrough_config(
+        &format!("passthrough_engine = \"{engine}\"\n"),
+        false,
+        &[("raw.pass", origin)],
     )
 }
 
 /// Sockets of the front connected to `origin` (its upstream side).
 fn upstream_sockets(origin: std::net::SocketAddr) -> usize {
-    let port_hex = format!(":{:04X}", origin.port());
-    ["/proc/net/tcp", "/proc/net/tcp6"]
-        .iter()
-        .filter_map(|f| std::fs::read_to_string(f).ok())
-        .map(|table| {
-            table
-                .lines()
-                .skip(1)
-                .filter(|l| {
-                    let cols: Vec<&str> = l.split_whitespace().collect();
-                    cols.len() > 3 && cols[2].ends_with(&port_hex) && cols[3] == "01"
-                })
-                .count()
-        })
-        .sum()
+    established(origin.port(), End::Remote)
 }
 
 /// An origin that half-closes after its reply still receives everything the
@@ -680,7 +551,7 @@ async fn a_client_reset_ends_the_upstream_side() {
 
 /// No client or upstream socket left open, no sockmap link left behind.
 fn assert_nothing_left(front: &Server, origin: std::net::SocketAddr, engine: &str) {
-    let closed = webship_tests::server::eventually(Duration::from_secs(10), || {
+    let closed = eventually(Duration::from_secs(10), || {
         front.established() == 0 && upstream_sockets(origin) == 0
     });
     assert!(
@@ -691,6 +562,5 @@ fn assert_nothing_left(front: &Server, origin: std::net::SocketAddr, engine: &st
         front.log()
     );
     let stats = stats_json(&format!("/sys/fs/bpf/webship-e2e-{}", front.port));
-    let value: serde_json::Value = serde_json::from_str(&stats).unwrap();
-    assert_eq!(value["linked_sockets"], 0, "{engine}: {stats}");
+    assert_eq!(stats["linked_sockets"], 0, "{engine}: {stats}");
 }

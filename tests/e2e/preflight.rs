@@ -26,7 +26,7 @@ fn kernel(ktls: &str, bbr: &str) -> String {
 #[test]
 fn required_ktls_follows_the_host() {
     let env = Env::new();
-    let port = free_port();
+    let port = free_port().unwrap();
     let path = env.dir.path().join("ktls.toml");
     std::fs::write(
         &path,
@@ -77,7 +77,7 @@ async fn required_bbr_follows_the_host_and_auto_serves() {
     let env = Env::new();
     env.write("hello.txt", b"hello");
     if !host_has_bbr() {
-        let port = free_port();
+        let port = free_port().unwrap();
         let path = env.dir.path().join("bbr.toml");
         std::fs::write(
             &path,

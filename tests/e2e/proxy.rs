@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, StatusCode};
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use http_body_util::BodyExt;
 use rustls::ClientConfig;
 use sha2::{Digest, Sha256};
-use webship_tests::client::{connect, hex, H3Client, Proto};
+use webship_tests::client::{
+    connect, hex, outcome, recv_body, Conn, H3Client, H3Options, Outcome, Proto, Tuning,
+};
 use webship_tests::nginx::Nginx;
 use webship_tests::origin::{HalfCloseOrigin, Origin};
 use webship_tests::server::eventually;
@@ -33,10 +33,10 @@ struct World {
 /// origin with inspection rules; `extra_routes` are appended as TOML.
 async fn world(extra_routes: &str) -> World {
     let env = Env::new();
-    fixture().place(&env.root, "fixture.bin");
+    fixture().place(&env.root, "fixture.bin").unwrap();
     let nginx = Nginx::start(&env.root);
     let origin = Origin::start().await;
-    let (cert, key) = env.pki.leaf("proxy", &[HOST]);
+    let (cert, key) = env.leaf("proxy", &[HOST]);
     let config = format!(
         r#"listen = "127.0.0.1:{{port}}"
 workers = 2
@@ -79,18 +79,6 @@ max_header_bytes = 4096
     }
 }
 
-/// What a client saw of one exchange, errors included.
-#[derive(Debug)]
-struct Seen {
-    status: StatusCode,
-    headers: HeaderMap,
-    len: u64,
-    sha256: String,
-    body: Vec<u8>,
-    trailers: Option<HeaderMap>,
-    error: Option<String>,
-}
-
 async fn exchange(
     proto: Proto,
     addr: SocketAddr,
@@ -99,71 +87,25 @@ async fn exchange(
     path: &str,
     headers: &[(&str, &str)],
     body: &[u8],
-) -> Seen {
+) -> Outcome {
     let tls = connect(addr, HOST, config).await.unwrap();
-    let io = TokioIo::new(tls);
-    let authority = format!("{HOST}:{}", addr.port());
-    let mut builder = Request::builder().method(method);
-    builder = match proto {
-        Proto::H1 => builder.uri(path).header("host", &authority),
-        Proto::H2 => builder.uri(format!("https://{authority}{path}")),
+    // Room for the huge-header test: the limit is the client's to set.
+    let tuning = Tuning {
+        h2_max_header_list: Some(1 << 20),
+        ..Tuning::default()
     };
-    for (k, v) in headers {
-        builder = builder.header(*k, *v);
-    }
-    let req = builder.body(Full::new(Bytes::copy_from_slice(body))).unwrap();
-    let resp = match proto {
-        Proto::H1 => {
-            let (mut send, conn) = hyper::client::conn::http1::handshake(io).await.unwrap();
-            tokio::spawn(conn);
-            send.send_request(req).await.unwrap()
-        }
-        Proto::H2 => {
-            // Room for the huge-header test: the limit is the client's to set.
-            let (mut send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-                .max_header_list_size(1 << 20)
-                .handshake(io)
-                .await
-                .unwrap();
-            tokio::spawn(conn);
-            send.send_request(req).await.unwrap()
-        }
-    };
-    let (parts, mut body) = resp.into_parts();
-    let mut hasher = Sha256::new();
-    let (mut len, mut kept, mut trailers, mut error) = (0u64, Vec::new(), None, None);
-    while let Some(frame) = body.frame().await {
-        match frame {
-            Ok(frame) => {
-                if let Some(data) = frame.data_ref() {
-                    hasher.update(data);
-                    len += data.len() as u64;
-                    if kept.len() < 1 << 20 {
-                        kept.extend_from_slice(data);
-                    }
-                } else if let Some(t) = frame.trailers_ref() {
-                    trailers = Some(t.clone());
-                }
-            }
-            Err(e) => {
-                error = Some(e.to_string());
-                break;
-            }
-        }
-    }
-    Seen {
-        status: parts.status,
-        headers: parts.headers,
-        len,
-        sha256: hex(&hasher.finalize()),
-        body: kept,
-        trailers,
-        error,
-    }
+    let mut conn = Conn::handshake(tls, proto, &format!("{HOST}:{}", addr.port()), tuning)
+        .await
+        .unwrap();
+    let response = conn
+        .send(method, path, headers, Bytes::copy_from_slice(body))
+        .await
+        .unwrap();
+    outcome(response).await
 }
 
 impl World {
-    async fn get(&self, proto: Proto, path: &str, headers: &[(&str, &str)]) -> Seen {
+    async fn get(&self, proto: Proto, path: &str, headers: &[(&str, &str)]) -> Outcome {
         exchange(
             proto,
             self.server.addr(),
@@ -185,13 +127,15 @@ async fn fixture_through_the_proxy_over_h1_h2_and_h3() {
         assert_eq!(got.status, 200, "{proto:?}");
         assert_eq!(got.error, None, "{proto:?}");
         assert_eq!(got.len, FIXTURE_LEN, "{proto:?}");
-        assert_eq!(got.sha256, hex(&fixture().sha256), "{proto:?}");
+        assert_eq!(hex(&got.sha256), hex(&fixture().sha256), "{proto:?}");
         assert!(
             got.headers["via"].to_str().unwrap().ends_with("webship"),
             "{proto:?}"
         );
     }
-    let mut h3 = H3Client::connect(w.server.addr(), HOST, w.env.client(b"h3")).await;
+    let mut h3 = H3Client::connect(w.server.addr(), HOST, &w.env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap();
     let got = h3.fetch("GET", "/fixture.bin", &[]).await;
     assert_eq!(got.status, 200);
     assert_eq!(got.len, FIXTURE_LEN);
@@ -342,7 +286,10 @@ async fn trailers_pass_and_origin_death_is_an_error_not_a_short_success() {
         let got = w.get(proto, "/api/trailers", &[("te", "trailers")]).await;
         assert_eq!(got.status, 200, "{proto:?}");
         assert_eq!(got.body, b"hello");
-        let trailers = got.trailers.unwrap_or_else(|| panic!("{proto:?}: no trailers"));
+        let trailers = got
+            .trailers
+            .as_ref()
+            .unwrap_or_else(|| panic!("{proto:?}: no trailers"));
         assert_eq!(trailers["x-checksum"], "12345", "{proto:?}");
 
         for path in ["/api/die/100000", "/api/die-chunked/100000"] {
@@ -355,7 +302,9 @@ async fn trailers_pass_and_origin_death_is_an_error_not_a_short_success() {
             );
         }
     }
-    let mut h3 = H3Client::connect(w.server.addr(), HOST, w.env.client(b"h3")).await;
+    let mut h3 = H3Client::connect(w.server.addr(), HOST, &w.env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap();
     let got = h3.fetch("GET", "/api/echo", &[]).await;
     assert_eq!(got.status, 200);
     assert_eq!(w.origin.seen().pop().unwrap().header("via"), Some("3 webship"));
@@ -366,19 +315,18 @@ async fn trailers_pass_and_origin_death_is_an_error_not_a_short_success() {
 async fn a_client_that_leaves_aborts_the_upstream_request() {
     let w = world("").await;
     let tls = connect(w.server.addr(), HOST, w.env.client(b"h2")).await.unwrap();
-    let (mut send, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+    let authority = format!("{HOST}:{}", w.server.port);
+    let mut conn = Conn::handshake(tls, Proto::H2, &authority, Tuning::default())
         .await
         .unwrap();
-    let conn = tokio::spawn(conn);
-    let req = Request::get(format!("https://{HOST}:{}/api/wait-abort", w.server.port))
-        .body(Full::new(Bytes::new()))
+    let resp = conn
+        .send("GET", "/api/wait-abort", &[], Bytes::new())
+        .await
         .unwrap();
-    let resp = send.send_request(req).await.unwrap();
     let mut body = resp.into_body();
     let _ = body.frame().await;
     drop(body);
-    drop(send);
-    conn.abort();
+    drop(conn);
     assert!(
         eventually(Duration::from_secs(5), || w.origin.aborted_responses() >= 1),
         "the origin never saw the request aborted"
@@ -388,7 +336,7 @@ async fn a_client_that_leaves_aborts_the_upstream_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_ejection_and_502() {
     // Held for the whole test: a free port could be taken by a parallel test's server.
-    let (_dead_socket, dead) = webship_tests::server::refused_port();
+    let (_dead_socket, dead) = webship_tests::server::refused_port().unwrap();
     let origin = Origin::start().await;
     let w = world(&format!(
         "\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/failover/\"\nstrip_prefix = true\nupstreams = [\"127.0.0.1:{dead}\", \"{}\"]\n\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/down/\"\nupstreams = [\"127.0.0.1:{dead}\"]\n",
@@ -486,7 +434,7 @@ async fn http2_to_the_origin_over_h2c_and_over_tls() {
             files.key.display()
         ),
     );
-    let ca = files.pki.ca_file();
+    let ca = files.ca_file();
     let w = world(&format!(
         "\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/h2c/\"\nstrip_prefix = true\nupstream_protocol = \"h2c\"\nupstreams = [\"{}\"]\n\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/tls/\"\nstrip_prefix = true\nupstream_protocol = \"h2\"\nupstream_ca = \"{}\"\nupstream_tls_name = \"files.test\"\nupstreams = [\"{}\"]\n",
         origin.addr,
@@ -515,28 +463,20 @@ async fn http2_to_the_origin_over_h2c_and_over_tls() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h3_front_relays_trailers() {
     let w = world("").await;
-    let h3 = H3Client::connect(w.server.addr(), HOST, w.env.client(b"h3")).await;
-    let mut send = h3.send.clone();
-    let req = Request::get(format!("https://{HOST}:{}/api/trailers", w.server.port))
-        .header("te", "trailers")
-        .body(())
-        .unwrap();
-    let mut stream = send.send_request(req).await.unwrap();
-    stream
-        .finish()
+    let mut h3 = H3Client::connect(w.server.addr(), HOST, &w.env.client(b"h3"), &H3Options::default())
         .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", w.server.log()));
-    assert_eq!(stream.recv_response().await.unwrap().status(), 200);
+        .unwrap();
+    let (head, mut stream) = h3
+        .send("GET", "/api/trailers", &[("te", "trailers")])
+        .await
+        .unwrap_or_else(|e| panic!("{e:#}\n{}", w.server.log()));
+    assert_eq!(head.status, 200);
     let mut body = Vec::new();
-    while let Some(chunk) = stream.recv_data().await.unwrap() {
-        use bytes::Buf;
-        body.extend_from_slice(chunk.chunk());
-    }
+    recv_body(&mut stream, &mut body).await.unwrap();
     assert_eq!(body, b"hello");
     let trailers = stream.recv_trailers().await.unwrap().expect("trailers over h3");
     assert_eq!(trailers["x-checksum"], "12345");
     drop(stream);
-    drop(send);
     h3.close().await;
 }
 

@@ -17,8 +17,8 @@ struct TwoSites {
 
 fn two_sites(h2_on_b: bool) -> TwoSites {
     let env = Env::new();
-    let (a_cert, a_key) = env.pki.leaf("a", &["a.test"]);
-    let (b_cert, b_key) = env.pki.leaf("b", &["b.test"]);
+    let (a_cert, a_key) = env.leaf("a", &["a.test"]);
+    let (b_cert, b_key) = env.leaf("b", &["b.test"]);
     for (site, body) in [("a", "site a"), ("b", "site b")] {
         let root = env.dir.path().join(site);
         std::fs::create_dir(&root).unwrap();
@@ -85,7 +85,7 @@ async fn certificate_and_content_follow_the_name() {
 async fn no_or_unknown_sni_gets_the_first_site_certificate() {
     let t = two_sites(true);
     for sni in ["c.test", "127.0.0.1"] {
-        let tls = connect(t.server.addr(), sni, insecure_client(&[b"http/1.1"]))
+        let tls = connect(t.server.addr(), sni, insecure_client(&[b"http/1.1"]).unwrap())
             .await
             .unwrap();
         let presented = tls.get_ref().1.peer_certificates().unwrap()[0].to_vec();
@@ -119,16 +119,24 @@ async fn unknown_host_is_misdirected() {
 #[tokio::test]
 async fn alpn_follows_the_site_protocols() {
     let t = two_sites(false);
-    let tls = connect(t.server.addr(), "b.test", t.env.pki.client(&[b"h2", b"http/1.1"]))
-        .await
-        .unwrap();
+    let tls = connect(
+        t.server.addr(),
+        "b.test",
+        t.env.pki.client(&[b"h2", b"http/1.1"]).unwrap(),
+    )
+    .await
+    .unwrap();
     assert_eq!(
         tls.get_ref().1.alpn_protocol(),
         Some(&b"http/1.1"[..]),
         "b.test has h2 off"
     );
-    let tls = connect(t.server.addr(), "a.test", t.env.pki.client(&[b"h2", b"http/1.1"]))
-        .await
-        .unwrap();
+    let tls = connect(
+        t.server.addr(),
+        "a.test",
+        t.env.pki.client(&[b"h2", b"http/1.1"]).unwrap(),
+    )
+    .await
+    .unwrap();
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
 }

@@ -30,7 +30,7 @@ async fn tls12_and_tls13_with_resumption() {
     let server = env.start("");
     for version in [&rustls::version::TLS13, &rustls::version::TLS12] {
         let mut roots = rustls::RootCertStore::empty();
-        let ca = std::fs::read(env.pki.ca_file()).unwrap();
+        let ca = std::fs::read(env.ca_file()).unwrap();
         for cert in rustls::pki_types::pem::PemObject::pem_slice_iter(&ca) {
             roots.add(cert.unwrap()).unwrap();
         }

@@ -11,7 +11,7 @@ use serde_json::Value;
 use webship_tests::client::{hex, Proto};
 use webship_tests::{fixture, Server, FIXTURE_LEN};
 
-use crate::support::{Env, HOST};
+use crate::support::{h3_passthrough_front, origin_server, stats_json, Env, HOST};
 
 const ORIGIN: &str = "https://app.test";
 const SCRIPT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/clients/wt_client.py");
@@ -51,7 +51,7 @@ pub fn wt(env: &Env, addr: SocketAddr, sni: &str, path: &str, origin: &str, scen
             &addr.port().to_string(),
             sni,
             path,
-            env.pki.ca_file().to_str().unwrap(),
+            env.ca_file().to_str().unwrap(),
             origin,
         ])
         .args(scenario)
@@ -69,7 +69,7 @@ pub fn wt(env: &Env, addr: SocketAddr, sni: &str, path: &str, origin: &str, scen
 /// An aioquic session on `/wt` that only idles, in a thread, returned once the
 /// server counts it as active.
 async fn idle_session(env: &Env, server: &Server) -> std::thread::JoinHandle<std::process::Output> {
-    let (port, ca) = (server.port, env.pki.ca_file());
+    let (port, ca) = (server.port, env.ca_file());
     let session = std::thread::spawn(move || {
         Command::new("python3")
             .args([
@@ -297,39 +297,15 @@ async fn through_passthrough(udp_engine: &str) {
     let env = Env::new();
     let origin_root = env.dir.path().join("origin");
     std::fs::create_dir(&origin_root).unwrap();
-    let (cert, key) = env.pki.leaf("wt-origin", &["a.pass"]);
-    let origin = Server::start(
-        env.dir.path(),
-        &format!(
-            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n[kernel]\nebpf = \"off\"\n[[sites]]\ndomain = \"a.pass\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n[sites.webtransport]\npath = \"/wt\"\nallowed_origins = [\"{ORIGIN}\"]\n",
-            origin_root.display(),
-            cert.display(),
-            key.display()
-        ),
+    let origin = origin_server(
+        &env,
+        "wt-origin",
+        "a.pass",
+        &origin_root,
+        "[kernel]\nebpf = \"off\"\n",
+        &format!("[sites.webtransport]\npath = \"/wt\"\nallowed_origins = [\"{ORIGIN}\"]\n"),
     );
-    let front = Server::start(
-        env.dir.path(),
-        &format!(
-            r#"listen = "127.0.0.1:{{port}}"
-workers = 2
-[kernel]
-bpf_pin_dir = "/sys/fs/bpf/webship-e2e-{{port}}"
-[reverse_proxy]
-enabled = true
-tls_termination = false
-udp_upstream = "{origin}"
-udp_engine = "{udp_engine}"
-[reverse_proxy.protocols]
-h1 = true
-h2 = true
-h3 = true
-[[reverse_proxy.routes]]
-domain = "a.pass"
-upstreams = ["{origin}"]
-"#,
-            origin = origin.addr()
-        ),
-    );
+    let front = h3_passthrough_front(&env, origin.addr(), udp_engine);
     let echo = wt(
         &env,
         front.addr(),
@@ -357,13 +333,7 @@ upstreams = ["{origin}"]
     assert_eq!(source["sha256"].as_str().unwrap(), hex(&fixture().sha256));
     println!("{udp_engine}: echo {echo}; source {source}");
     // The front relayed both sessions as UDP flows of its own engine.
-    let pins = format!("/sys/fs/bpf/webship-e2e-{}", front.port);
-    let out = webship_tests::webship(
-        &["stats", "--json", "--pin-dir", &pins],
-        std::path::Path::new("/"),
-    );
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let stats: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let stats = stats_json(&format!("/sys/fs/bpf/webship-e2e-{}", front.port));
     assert_eq!(
         stats["counters"]["udp_flows"]["total"].as_u64(),
         Some(2),
@@ -638,11 +608,13 @@ async fn http2_sessions_echo_streams_and_datagrams_as_capsules() {
 async fn chromium_echoes_a_stream_and_a_datagram() {
     use sha2::Digest;
     let env = Env::new();
-    let (cert_path, key_path, der) = env
+    let leaf = env
         .pki
-        .short_lived_leaf("short", &[HOST, "localhost", "127.0.0.1"]);
-    let hash = base64(&sha2::Sha256::digest(&der));
-    let page_port = webship_tests::server::free_port();
+        .short_lived_leaf("short", &[HOST, "localhost", "127.0.0.1"])
+        .unwrap();
+    let (cert_path, key_path) = (&leaf.cert, &leaf.key);
+    let hash = base64(&sha2::Sha256::digest(&leaf.der));
+    let page_port = webship_tests::server::free_port().unwrap();
     let server = Server::start(
         env.dir.path(),
         &format!(
@@ -662,7 +634,7 @@ async fn chromium_echoes_a_stream_and_a_datagram() {
         .arg(format!("https://127.0.0.1:{}/wt?mode=echo", server.port))
         .arg(&hash)
         .arg(page_port.to_string())
-        .arg(webship_tests::server::free_port().to_string())
+        .arg(webship_tests::server::free_port().unwrap().to_string())
         .output()
         .expect("python3 and chromium-driver are required; `cargo xtask test` installs them");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));

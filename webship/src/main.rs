@@ -196,25 +196,24 @@ fn stats(config: Option<&Path>, pin_dir: Option<PathBuf>, json: bool) -> anyhow:
     };
     let snapshot = ebpf::read_pinned(&dir)?;
     if json {
-        let fields: Vec<String> = Counter::ALL
+        let counters: serde_json::Map<String, serde_json::Value> = Counter::ALL
             .iter()
             .map(|&c| {
                 let i = c as usize;
-                format!(
-                    "\"{}\":{{\"kernel\":{},\"userspace\":{},\"total\":{}}}",
-                    c.name(),
-                    snapshot.kernel[i],
-                    snapshot.user[i],
-                    snapshot.total(c)
-                )
+                let value = serde_json::json!({
+                    "kernel": snapshot.kernel[i],
+                    "userspace": snapshot.user[i],
+                    "total": snapshot.total(c),
+                });
+                (c.name().to_owned(), value)
             })
             .collect();
-        println!(
-            "{{\"pin_dir\":{},\"linked_sockets\":{},\"counters\":{{{}}}}}",
-            json_string(&dir.display().to_string()),
-            snapshot.linked_sockets,
-            fields.join(",")
-        );
+        let report = serde_json::json!({
+            "pin_dir": dir.display().to_string(),
+            "linked_sockets": snapshot.linked_sockets,
+            "counters": counters,
+        });
+        println!("{report}");
     } else {
         println!("passthrough counters (pinned under {})", dir.display());
         println!(
@@ -237,19 +236,4 @@ fn stats(config: Option<&Path>, pin_dir: Option<PathBuf>, json: bool) -> anyhow:
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for ch in s.chars() {
-        match ch {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }

@@ -8,7 +8,9 @@
 //!   (`{"stream_bytes": …, "datagrams": …, "datagram_bytes": …}`), which is how a
 //!   client measures datagram loss towards the server.
 //! - **source**: a bidirectional stream carries one command, ended by FIN or a
-//!   newline: `stream N` returns N bytes of the [`Pattern`] on that stream;
+//!   newline: `stream N` returns N bytes of the fixture stream ([`Pattern`], the
+//!   test kit's generator: its first 99,943,778 bytes are the benchmark fixture)
+//!   on that stream;
 //!   `datagrams COUNT SIZE` sends COUNT datagrams of SIZE bytes (an 8-byte big-endian
 //!   sequence number, then pattern bytes), then `sent COUNT` on the stream.
 //!
@@ -20,6 +22,7 @@ use std::sync::Arc;
 
 use bytes::{BufMut, Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use webship_testkit::fixture::Pattern;
 
 use super::{Code, RecvHalf, SendHalf, SessionState, Transport};
 use crate::config::WtMode;
@@ -28,46 +31,6 @@ use crate::config::WtMode;
 const BUF: usize = 64 * 1024;
 /// The longest source command.
 const MAX_COMMAND: usize = 128;
-
-/// The byte stream source mode sends: xorshift64* from a fixed seed, as
-/// little-endian words. Its first 99,943,778 bytes are the benchmark fixture.
-#[derive(Debug, Clone)]
-pub(crate) struct Pattern {
-    state: u64,
-}
-
-impl Default for Pattern {
-    fn default() -> Self {
-        Self {
-            state: 0x9E37_79B9_7F4A_7C15,
-        }
-    }
-}
-
-impl Pattern {
-    /// Fills `out` with the next bytes. Every call but the last must ask for a
-    /// multiple of 8 bytes (a partial word's rest is dropped).
-    pub(crate) fn fill(&mut self, out: &mut [u8]) {
-        let mut chunks = out.chunks_exact_mut(8);
-        for word in &mut chunks {
-            word.copy_from_slice(&self.next().to_le_bytes());
-        }
-        let rest = chunks.into_remainder();
-        if !rest.is_empty() {
-            let word = self.next().to_le_bytes();
-            rest.copy_from_slice(&word[..rest.len()]);
-        }
-    }
-
-    fn next(&mut self) -> u64 {
-        let mut s = self.state;
-        s ^= s >> 12;
-        s ^= s << 25;
-        s ^= s >> 27;
-        self.state = s;
-        s.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-}
 
 /// A source-mode command.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -322,23 +285,5 @@ mod tests {
         ] {
             assert_eq!(parse_command(bad), None, "{bad:?}");
         }
-    }
-
-    #[test]
-    fn pattern_is_the_fixture_generator_in_any_chunking() {
-        let mut whole = vec![0u8; 4096 + 3];
-        Pattern::default().fill(&mut whole);
-        let mut parts = vec![0u8; 4096 + 3];
-        let mut p = Pattern::default();
-        let (a, b) = parts.split_at_mut(1024);
-        p.fill(a);
-        p.fill(b);
-        assert_eq!(whole, parts);
-        // The fixture's first word (tests/fixture.rs generates the same stream).
-        let mut s: u64 = 0x9E37_79B9_7F4A_7C15;
-        s ^= s >> 12;
-        s ^= s << 25;
-        s ^= s >> 27;
-        assert_eq!(whole[..8], s.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
     }
 }
