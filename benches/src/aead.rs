@@ -34,7 +34,7 @@ const TLS_WRITE: usize = 16 * RECORD;
 /// Seals one record in place with the given nonce counter.
 type Sealer = Box<dyn FnMut(u64, &mut [u8]) -> Result<()>>;
 
-pub fn run() -> Result<()> {
+pub(crate) fn run() -> Result<()> {
     println!(
         "\nAES-GCM seal, {} KiB records, up to 1 GiB or 2 s each\n",
         RECORD / 1024

@@ -22,16 +22,16 @@ use crate::servers::Server;
 const MAX_TIME: Duration = Duration::from_secs(120);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Protocol {
+pub(crate) enum Protocol {
     H1,
     H2,
     H3,
 }
 
 impl Protocol {
-    pub const ALL: [Protocol; 3] = [Protocol::H1, Protocol::H2, Protocol::H3];
+    pub(crate) const ALL: [Protocol; 3] = [Protocol::H1, Protocol::H2, Protocol::H3];
 
-    pub fn label(self) -> &'static str {
+    pub(crate) fn label(self) -> &'static str {
         match self {
             Protocol::H1 => "h1",
             Protocol::H2 => "h2",
@@ -42,7 +42,7 @@ impl Protocol {
 
 /// One completed download that passed the size and status checks.
 #[derive(Debug)]
-pub struct Sample {
+pub(crate) struct Sample {
     pub size: u64,
     pub seconds: f64,
     /// Clock ticks the client process used (user + system).
@@ -57,7 +57,7 @@ pub struct Sample {
 
 /// How to reach each client.
 #[derive(Debug)]
-pub struct Clients {
+pub(crate) struct Clients {
     /// The certificate the clients trust (the only root).
     pub ca: PathBuf,
     /// This executable, which runs `get`, `h3-get` and `wt-get`.
@@ -65,7 +65,7 @@ pub struct Clients {
 }
 
 impl Clients {
-    pub fn new(ca: &Path) -> Result<Self> {
+    pub(crate) fn new(ca: &Path) -> Result<Self> {
         Ok(Self {
             ca: ca.to_owned(),
             exe: std::env::current_exe().context("locating this executable for its clients")?,
@@ -76,7 +76,12 @@ impl Clients {
     /// speaks no TLS (the baseline). The client compares the body with the fixture
     /// byte for byte and drops it; `sha256` (the fixture's digest, hex) has it hashed
     /// too and the digest checked.
-    pub fn download(&self, server: &Server, protocol: Protocol, sha256: Option<&str>) -> Result<Sample> {
+    pub(crate) fn download(
+        &self,
+        server: &Server,
+        protocol: Protocol,
+        sha256: Option<&str>,
+    ) -> Result<Sample> {
         let addr = format!("127.0.0.1:{}", server.port);
         let path = format!("/{FIXTURE_NAME}");
         let scheme = if server.plain { "http" } else { "https" };
@@ -149,7 +154,7 @@ impl Clients {
 
 /// What a client subcommand (`get`, `h3-get`) reports for one download.
 #[derive(Debug)]
-pub struct Download {
+pub(crate) struct Download {
     pub status: u16,
     pub bytes: u64,
     pub seconds: f64,
@@ -160,7 +165,12 @@ pub struct Download {
 
 impl Download {
     /// A download whose body went through `check`, expecting the whole fixture.
-    pub fn checked(status: http::StatusCode, seconds: f64, check: FixtureCheck, notes: String) -> Self {
+    pub(crate) fn checked(
+        status: http::StatusCode,
+        seconds: f64,
+        check: FixtureCheck,
+        notes: String,
+    ) -> Self {
         Self {
             status: status.as_u16(),
             bytes: check.len(),
@@ -173,7 +183,7 @@ impl Download {
 
 /// Runs one client download on a current-thread runtime, bounded by `max_time`
 /// seconds, and prints its result lines.
-pub fn run_client(
+pub(crate) fn run_client(
     what: &str,
     max_time: u64,
     get: impl std::future::Future<Output = Result<Download>>,
@@ -213,7 +223,7 @@ fn check_verdict(what: &str, verdict: &str, sha256: Option<&str>) -> Result<()> 
 
 /// Writes a client's result lines to stdout: an error (the runner went away and
 /// closed the pipe) instead of `println!`'s panic.
-pub fn emit(lines: &[&str]) -> Result<()> {
+pub(crate) fn emit(lines: &[&str]) -> Result<()> {
     use std::io::Write as _;
     let mut out = std::io::stdout().lock();
     for line in lines {

@@ -29,7 +29,7 @@ use crate::report::{fixed, Section};
 use crate::servers::{self, Settings, WebshipSpec};
 
 #[derive(Debug, Args)]
-pub struct ConcurrencyArgs {
+pub(crate) struct ConcurrencyArgs {
     /// The Webship binary (build it with `cargo build --release -p webship`).
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/webship"))]
     pub webship: PathBuf,
@@ -76,12 +76,12 @@ const FILE: &str = "concurrency.bin";
 const DEADLINE: Duration = Duration::from_secs(600);
 
 /// `concurrency` on its own: the table on stdout and in target/bench/concurrency.md.
-pub fn run(args: &ConcurrencyArgs) -> Result<()> {
+pub(crate) fn run(args: &ConcurrencyArgs) -> Result<()> {
     measure(args)?.publish("concurrency")
 }
 
 /// Runs every (protocol, level) row against a fresh Webship; the rows as a report section.
-pub fn measure(args: &ConcurrencyArgs) -> Result<Section> {
+pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     let stage = servers::Stage::new(args.cache_dir.as_deref())?;
     let (root, identity) = (&stage.root, &stage.identity);
     // The first MIB MiB of the fixture.

@@ -36,7 +36,7 @@ use crate::clients::{run_client, Download};
 use crate::proc::udp_socket_drops;
 
 #[derive(Debug, Args)]
-pub struct H3GetArgs {
+pub(crate) struct H3GetArgs {
     /// Server UDP address, e.g. 127.0.0.1:8443.
     #[arg(long)]
     pub addr: SocketAddr,
@@ -57,12 +57,12 @@ pub struct H3GetArgs {
     pub sha256: bool,
 }
 
-pub fn run(args: &H3GetArgs) -> Result<()> {
+pub(crate) fn run(args: &H3GetArgs) -> Result<()> {
     run_client(&format!("h3-get {}", args.addr), args.max_time, get(args))
 }
 
 /// TLS 1.3 only (QUIC's), the certificates in `ca` as the only roots.
-pub fn quic_tls(ca: &Path) -> Result<Arc<rustls::ClientConfig>> {
+pub(crate) fn quic_tls(ca: &Path) -> Result<Arc<rustls::ClientConfig>> {
     client_config(roots_from_pem(ca)?, &[&rustls::version::TLS13], &[b"h3"])
 }
 

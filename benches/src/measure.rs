@@ -38,25 +38,25 @@ use crate::servers::{self, Server, Settings, Stage, WebshipSpec};
 use crate::wtbench::WtBenchArgs;
 use crate::DownloadArgs;
 
-pub const WEBSHIP: &str = "webship";
-pub const WEBSHIP_NO_GSO: &str = "webship gso=off";
+pub(crate) const WEBSHIP: &str = "webship";
+pub(crate) const WEBSHIP_NO_GSO: &str = "webship gso=off";
 /// Passthrough with a named engine (plain `webship` runs `auto`).
-pub const WEBSHIP_SOCKMAP: &str = "webship sockmap";
-pub const WEBSHIP_SPLICE: &str = "webship splice";
-pub const WEBSHIP_COPY: &str = "webship copy";
+pub(crate) const WEBSHIP_SOCKMAP: &str = "webship sockmap";
+pub(crate) const WEBSHIP_SPLICE: &str = "webship splice";
+pub(crate) const WEBSHIP_COPY: &str = "webship copy";
 /// Passthrough h3 relayed by the daemon (plain `webship` uses the eBPF redirect
 /// where it applies, as it does here on loopback).
-pub const WEBSHIP_UDP_RELAY: &str = "webship udp=userspace";
+pub(crate) const WEBSHIP_UDP_RELAY: &str = "webship udp=userspace";
 /// The passthrough origin: Webship serving the fixture directly over h1/h2/h3.
-pub const ORIGIN_WEBSHIP: &str = "origin webship";
+pub(crate) const ORIGIN_WEBSHIP: &str = "origin webship";
 /// The baselines of [`Mode::Limit`].
-pub const LIMIT_PLAIN: &str = "plain HTTP/1.1, nginx sendfile";
-pub const LIMIT_TLS: &str = "TLS 1.3 from memory, rustls";
-pub const NGINX: &str = "nginx";
-pub const LIGHTTPD: &str = "lighttpd";
-pub const HAPROXY: &str = "haproxy";
-pub const CADDY: &str = "caddy";
-pub const H2O: &str = "h2o";
+pub(crate) const LIMIT_PLAIN: &str = "plain HTTP/1.1, nginx sendfile";
+pub(crate) const LIMIT_TLS: &str = "TLS 1.3 from memory, rustls";
+pub(crate) const NGINX: &str = "nginx";
+pub(crate) const LIGHTTPD: &str = "lighttpd";
+pub(crate) const HAPROXY: &str = "haproxy";
+pub(crate) const CADDY: &str = "caddy";
+pub(crate) const H2O: &str = "h2o";
 
 /// What the servers under test do with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -106,11 +106,11 @@ struct ModeServers {
 }
 
 /// The peers this runner knows, in table order.
-pub const PEERS: [&str; 5] = [NGINX, LIGHTTPD, HAPROXY, CADDY, H2O];
+pub(crate) const PEERS: [&str; 5] = [NGINX, LIGHTTPD, HAPROXY, CADDY, H2O];
 
 /// Why `server` has no cell for (`mode`, `protocol`); None where it has one.
 /// `nginx_version` is e.g. "nginx 1.22" (Debian's build has no HTTP/3 module).
-pub fn cell_gap(server: &str, mode: Mode, protocol: Protocol, nginx_version: &str) -> Option<String> {
+pub(crate) fn cell_gap(server: &str, mode: Mode, protocol: Protocol, nginx_version: &str) -> Option<String> {
     let reason = match (server, mode, protocol) {
         (NGINX, Mode::Passthrough, _) if !Path::new(servers::NGINX_STREAM_MODULE).exists() => {
             "nginx's stream module is missing (Debian package libnginx-mod-stream)"
@@ -148,7 +148,7 @@ fn short(error: &anyhow::Error) -> String {
     line.chars().take(240).collect()
 }
 
-pub fn run(args: &DownloadArgs) -> Result<()> {
+pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
     ensure!(
         args.webship.is_file(),
         "webship binary {} not found; build it with `cargo build --release -p webship` or pass --webship",
@@ -546,15 +546,15 @@ pub fn run(args: &DownloadArgs) -> Result<()> {
 }
 
 /// Where the report files go: the workspace's `target/bench`.
-pub const REPORT_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench");
+pub(crate) const REPORT_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench");
 
 /// A baseline of the machine's limit.
-pub fn is_limit(server: &str) -> bool {
+pub(crate) fn is_limit(server: &str) -> bool {
     [LIMIT_PLAIN, LIMIT_TLS].contains(&server)
 }
 
 /// Webship under test, in any of its variants.
-pub fn is_webship(server: &str) -> bool {
+pub(crate) fn is_webship(server: &str) -> bool {
     [
         WEBSHIP,
         WEBSHIP_NO_GSO,

@@ -12,7 +12,7 @@ use webship_testkit::proc::{descendants, parse_stat, read_stat, status_kib};
 
 /// utime + stime, in clock ticks, of `pid` and every process below it (nginx
 /// serves from worker processes; the master alone would read as idle).
-pub fn cpu_ticks(pid: u32) -> u64 {
+pub(crate) fn cpu_ticks(pid: u32) -> u64 {
     let mut total = 0;
     for pid in std::iter::once(pid).chain(descendants(pid)) {
         // A process may exit between listing and reading; it no longer counts.
@@ -26,7 +26,7 @@ pub fn cpu_ticks(pid: u32) -> u64 {
 /// Busy clock ticks of the whole host (every CPU's user, nice, system, irq and
 /// softirq time from /proc/stat): what a sample cost everyone, including kernel work
 /// no process is charged for (softirq, workqueues), such as sockmap redirection.
-pub fn host_busy_ticks() -> u64 {
+pub(crate) fn host_busy_ticks() -> u64 {
     std::fs::read_to_string("/proc/stat")
         .ok()
         .and_then(|stat| {
@@ -44,7 +44,7 @@ pub fn host_busy_ticks() -> u64 {
 
 /// Major page faults (field 12 of proc(5) stat) of `pid` and every process below it.
 /// A sample during which this grows had the server wait on the disk, so it is rejected.
-pub fn major_faults(pid: u32) -> u64 {
+pub(crate) fn major_faults(pid: u32) -> u64 {
     std::iter::once(pid)
         .chain(descendants(pid))
         .filter_map(read_stat)
@@ -61,13 +61,13 @@ const RSS_MAX: Duration = Duration::from_secs(600);
 /// [`RSS_PERIOD`] by a thread (summed VmRSS: VmHWM alone would miss nginx's
 /// workers, and would carry the peak of earlier cells).
 #[derive(Debug)]
-pub struct RssWatch {
+pub(crate) struct RssWatch {
     stop: Arc<AtomicBool>,
     thread: JoinHandle<u64>,
 }
 
 impl RssWatch {
-    pub fn start(pid: u32) -> Self {
+    pub(crate) fn start(pid: u32) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&stop);
         let thread = thread::spawn(move || {
@@ -87,7 +87,7 @@ impl RssWatch {
     }
 
     /// Stops the watch and returns the peak, in KiB.
-    pub fn finish(self) -> u64 {
+    pub(crate) fn finish(self) -> u64 {
         self.stop.store(true, Ordering::Relaxed);
         self.thread.join().unwrap_or(0)
     }
@@ -96,7 +96,7 @@ impl RssWatch {
 /// cutime + cstime of this process: the CPU of every child it has waited for.
 /// The difference across one `Command::output()` is that client's CPU, measured
 /// the same way for curl and for h3-get (servers are waited for only at the end).
-pub fn waited_children_ticks() -> u64 {
+pub(crate) fn waited_children_ticks() -> u64 {
     fs::read_to_string("/proc/self/stat")
         .ok()
         .and_then(|stat| parse_stat(&stat))
@@ -107,7 +107,7 @@ pub fn waited_children_ticks() -> u64 {
 /// receive buffer was full (the `drops` column of /proc/net/udp{,6}): loss at
 /// that endpoint, as opposed to loss on the path. Loopback only: it matches on
 /// the port alone.
-pub fn udp_socket_drops(port: u16) -> Option<u64> {
+pub(crate) fn udp_socket_drops(port: u16) -> Option<u64> {
     let port = format!(":{port:04X}");
     ["/proc/net/udp", "/proc/net/udp6"].iter().find_map(|table| {
         let text = fs::read_to_string(table).ok()?;
@@ -133,7 +133,7 @@ pub fn udp_socket_drops(port: u16) -> Option<u64> {
 /// processed on different CPUs arrive reordered, and the sender's fast
 /// retransmits that follow are spurious (undone by D-SACK), not loss.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Loss {
+pub(crate) struct Loss {
     pub tcp_drops: u64,
     pub udp_receive_errors: u64,
 }
@@ -149,7 +149,7 @@ const TCP_DROPS: [&str; 6] = [
 ];
 
 impl Loss {
-    pub fn read() -> Option<Self> {
+    pub(crate) fn read() -> Option<Self> {
         let snmp = fs::read_to_string("/proc/net/snmp").ok()?;
         let netstat = fs::read_to_string("/proc/net/netstat").ok()?;
         let snmp6 = fs::read_to_string("/proc/net/snmp6").unwrap_or_default();
@@ -157,7 +157,7 @@ impl Loss {
     }
 
     /// What grew since `before`, as a rejection reason; None when nothing did.
-    pub fn since(self, before: Self) -> Option<String> {
+    pub(crate) fn since(self, before: Self) -> Option<String> {
         let tcp = self.tcp_drops.saturating_sub(before.tcp_drops);
         let udp = self.udp_receive_errors.saturating_sub(before.udp_receive_errors);
         match (tcp, udp) {
@@ -197,7 +197,7 @@ fn parse_loss(snmp: &str, netstat: &str, snmp6: &str) -> Option<Loss> {
 }
 
 /// USER_HZ, which is 100 on every mainstream Linux build; asked of getconf to be sure.
-pub fn clock_ticks_per_second() -> f64 {
+pub(crate) fn clock_ticks_per_second() -> f64 {
     Command::new("getconf")
         .arg("CLK_TCK")
         .output()

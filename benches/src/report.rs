@@ -16,7 +16,7 @@ const GB: f64 = 1e9;
 
 /// All samples of one cell (mode, server, protocol).
 #[derive(Debug)]
-pub struct Series {
+pub(crate) struct Series {
     pub mode: Mode,
     pub server: &'static str,
     pub protocol: Protocol,
@@ -49,7 +49,7 @@ pub struct Series {
 /// already rendered: its Markdown table, its rows as a JSON array, and the bars
 /// it adds to the chart (label, MiB/s).
 #[derive(Debug)]
-pub struct Section {
+pub(crate) struct Section {
     pub title: String,
     pub markdown: String,
     pub json: Value,
@@ -58,7 +58,7 @@ pub struct Section {
 
 impl Section {
     /// A scenario run on its own: the table on stdout and in `target/bench/<name>.md`.
-    pub fn publish(&self, name: &str) -> Result<()> {
+    pub(crate) fn publish(&self, name: &str) -> Result<()> {
         print!("{}", self.markdown);
         let dir = Path::new(crate::measure::REPORT_DIR);
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -69,7 +69,7 @@ impl Section {
 
 /// A cell a server does not have, and why.
 #[derive(Debug, Clone)]
-pub struct Gap {
+pub(crate) struct Gap {
     pub mode: Mode,
     pub protocol: Protocol,
     pub server: &'static str,
@@ -77,7 +77,7 @@ pub struct Gap {
 }
 
 impl Gap {
-    pub fn new(mode: Mode, protocol: Protocol, server: &'static str, reason: String) -> Self {
+    pub(crate) fn new(mode: Mode, protocol: Protocol, server: &'static str, reason: String) -> Self {
         Self {
             mode,
             protocol,
@@ -88,7 +88,7 @@ impl Gap {
 }
 
 impl Series {
-    pub fn new(mode: Mode, server: &'static str, protocol: Protocol, notes: String) -> Self {
+    pub(crate) fn new(mode: Mode, server: &'static str, protocol: Protocol, notes: String) -> Self {
         Self {
             mode,
             server,
@@ -106,12 +106,12 @@ impl Series {
         }
     }
 
-    pub fn accepted(&self) -> u32 {
+    pub(crate) fn accepted(&self) -> u32 {
         u32::try_from(self.mib_s.len()).unwrap_or(u32::MAX)
     }
 
     /// Counts a rejected sample; returns the reason for the caller's log line.
-    pub fn reject(&mut self, reason: String) -> String {
+    pub(crate) fn reject(&mut self, reason: String) -> String {
         self.rejected.push(reason.clone());
         reason
     }
@@ -136,7 +136,7 @@ impl Series {
         self.peak_rss_kib as f64 / 1024.0
     }
 
-    pub fn add_udp_drops(&mut self, client: Option<u64>, server: Option<u64>) {
+    pub(crate) fn add_udp_drops(&mut self, client: Option<u64>, server: Option<u64>) {
         let sum = |total: Option<u64>, n: Option<u64>| Some(total? + n?);
         self.udp_drops = Some(match self.udp_drops {
             None => (client, server),
@@ -158,7 +158,13 @@ impl Series {
         )
     }
 
-    pub fn add(&mut self, sample: &Sample, server_ticks: u64, origin_ticks: Option<u64>, host_ticks: u64) {
+    pub(crate) fn add(
+        &mut self,
+        sample: &Sample,
+        server_ticks: u64,
+        origin_ticks: Option<u64>,
+        host_ticks: u64,
+    ) {
         self.mib_s.push(sample.size as f64 / sample.seconds / MIB);
         self.cpu_ticks += server_ticks;
         self.host_ticks += host_ticks;
@@ -206,7 +212,7 @@ struct BestPeer<'a> {
 }
 
 #[derive(Debug)]
-pub struct Report {
+pub(crate) struct Report {
     pub series: Vec<Series>,
     pub ticks_per_s: f64,
     /// Accepted samples wanted per cell.
@@ -262,7 +268,7 @@ impl Report {
     /// Webship's cells ranked by how far they are behind the best peer of their
     /// cell or the TLS limit of their protocol, whichever is further: (cell,
     /// Webship's MiB/s, what it is compared with, that MiB/s, the ratio).
-    pub fn furthest_behind(&self) -> Vec<(String, f64, String, f64, f64)> {
+    pub(crate) fn furthest_behind(&self) -> Vec<(String, f64, String, f64, f64)> {
         let mut rows = Vec::new();
         for mode in self.modes().into_iter().filter(|m| *m != Mode::Limit) {
             for row in self.best_peers(mode) {
@@ -405,7 +411,7 @@ impl Report {
         }
     }
 
-    pub fn markdown(&self) -> String {
+    pub(crate) fn markdown(&self) -> String {
         let mut out = String::new();
         let mtu = self
             .h3_mtu
@@ -598,7 +604,7 @@ impl Report {
     }
 
     /// The results as JSON (report.json).
-    pub fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         let results: Vec<Value> = self.series.iter().map(|s| self.series_json(s)).collect();
         // `head`: the fields before the values, e.g. mode and protocol.
         let ratio_json = |mut head: Value, r: &Ratio, note: &str| {
@@ -731,13 +737,13 @@ impl Report {
     }
 
     /// [`Report::json`] as report.json holds it.
-    pub fn json_text(&self) -> String {
+    pub(crate) fn json_text(&self) -> String {
         format!("{}\n", self.json())
     }
 
     /// A horizontal bar chart of the median MiB/s, one bar per cell (Webship blue,
     /// peers grey, the limit green) and one per scenario row (orange), as plain SVG.
-    pub fn svg(&self) -> String {
+    pub(crate) fn svg(&self) -> String {
         const LABEL_W: f64 = 300.0;
         const BAR_W: f64 = 520.0;
         const ROW_H: f64 = 22.0;
@@ -803,7 +809,7 @@ impl Report {
     }
 
     /// Writes report.md, report.json and report.svg into `dir`, creating it.
-    pub fn write_files(&self, dir: &Path) -> Result<()> {
+    pub(crate) fn write_files(&self, dir: &Path) -> Result<()> {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         for (name, text) in [
             ("report.md", self.markdown()),
@@ -823,7 +829,7 @@ fn xml_escape(s: &str) -> String {
 
 /// `v` rounded to `places` decimals: the precision the figures have, and all a
 /// reader of the JSON needs. Not finite (no samples) becomes null in JSON.
-pub fn fixed(v: f64, places: i32) -> f64 {
+pub(crate) fn fixed(v: f64, places: i32) -> f64 {
     let scale = 10f64.powi(places);
     (v * scale).round() / scale
 }

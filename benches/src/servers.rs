@@ -22,7 +22,7 @@ use crate::measure::{CADDY, H2O, HAPROXY, LIGHTTPD};
 const READY_TIMEOUT: Duration = Duration::from_secs(15);
 
 #[derive(Debug)]
-pub struct Server {
+pub(crate) struct Server {
     pub name: &'static str,
     pub port: u16,
     /// The host clients put in the URL (and so in SNI and `Host`): "127.0.0.1" for the
@@ -34,16 +34,16 @@ pub struct Server {
 }
 
 impl Server {
-    pub fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.process.pid()
     }
 
     /// Everything the server wrote to stdout and stderr so far.
-    pub fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         self.process.log()
     }
 
-    pub fn log_tail(&self) -> String {
+    pub(crate) fn log_tail(&self) -> String {
         self.process.log_tail()
     }
 }
@@ -73,14 +73,14 @@ fn spawn(
 /// The certificate every server presents (for localhost and 127.0.0.1), issued by
 /// the test kit's private CA, which is all the clients trust.
 #[derive(Debug)]
-pub struct Identity {
+pub(crate) struct Identity {
     pub cert: PathBuf,
     pub key: PathBuf,
     /// The CA certificate, PEM.
     pub ca: PathBuf,
 }
 
-pub fn write_identity(dir: &Path) -> Result<Identity> {
+pub(crate) fn write_identity(dir: &Path) -> Result<Identity> {
     let pki = Pki::new(dir)?;
     let leaf = pki.leaf("server", &["localhost", "127.0.0.1"])?;
     Ok(Identity {
@@ -93,7 +93,7 @@ pub fn write_identity(dir: &Path) -> Result<Identity> {
 /// What a run serves from: a scratch directory (removed when dropped), the
 /// fixture in the served root, and the identity every server presents.
 #[derive(Debug)]
-pub struct Stage {
+pub(crate) struct Stage {
     pub scratch: tempfile::TempDir,
     pub root: PathBuf,
     pub fixture: Fixture,
@@ -103,7 +103,7 @@ pub struct Stage {
 impl Stage {
     /// The root is `root` when given (a cache kept between runs), else in the scratch
     /// directory.
-    pub fn new(root: Option<&Path>) -> Result<Self> {
+    pub(crate) fn new(root: Option<&Path>) -> Result<Self> {
         let scratch = tempfile::Builder::new()
             .prefix("webship-bench-")
             .tempdir()
@@ -120,7 +120,7 @@ impl Stage {
     }
 
     /// A fresh directory for one server's configuration and logs.
-    pub fn dir(&self, name: &str) -> Result<PathBuf> {
+    pub(crate) fn dir(&self, name: &str) -> Result<PathBuf> {
         let dir = self.scratch.path().join(name);
         fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         Ok(dir)
@@ -128,7 +128,7 @@ impl Stage {
 }
 
 #[derive(Debug, Clone, Copy)]
-pub struct Settings<'a> {
+pub(crate) struct Settings<'a> {
     pub root: &'a Path,
     pub identity: &'a Identity,
     pub workers: u32,
@@ -138,7 +138,7 @@ pub struct Settings<'a> {
 
 /// One Webship instance: h1, h2 and h3 (UDP, same port), plus `[runtime.settings]`.
 #[derive(Debug)]
-pub struct WebshipSpec<'a> {
+pub(crate) struct WebshipSpec<'a> {
     pub name: &'static str,
     pub binary: &'a Path,
     pub ktls: &'a str,
@@ -146,7 +146,7 @@ pub struct WebshipSpec<'a> {
     pub runtime: Vec<(&'static str, String)>,
 }
 
-pub fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
+pub(crate) fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
     let serve = format!(
         "root = {root:?}\n\n[tls]\ncert = {cert:?}\nkey = {key:?}\n",
         root = s.root,
@@ -158,7 +158,7 @@ pub fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server>
 
 /// Webship serving the fixture directly and the WebTransport diagnostic endpoint at
 /// `/wt` (origin `https://bench.webship`), with limits far above what a run moves.
-pub fn start_webship_webtransport(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
+pub(crate) fn start_webship_webtransport(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
     let serve = format!(
         "root = {root:?}\n\n[tls]\ncert = {cert:?}\nkey = {key:?}\n\n\
          [webtransport]\npath = \"/wt\"\nallowed_origins = [\"https://bench.webship\"]\n\
@@ -174,7 +174,11 @@ pub fn start_webship_webtransport(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> R
 /// Webship as a TLS-terminating reverse proxy for `localhost`, every path forwarded
 /// to the plain-HTTP origin on `origin_port`. The proxy site speaks h1 (through
 /// hyper), h2 and h3 on one port, like the direct site.
-pub fn start_webship_proxy(spec: &WebshipSpec<'_>, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+pub(crate) fn start_webship_proxy(
+    spec: &WebshipSpec<'_>,
+    s: &Settings<'_>,
+    origin_port: u16,
+) -> Result<Server> {
     let serve = format!(
         "[reverse_proxy]\nenabled = true\ntls_termination = true\n\n\
          [reverse_proxy.tls]\ncert = {cert:?}\nkey = {key:?}\n\n\
@@ -192,7 +196,7 @@ pub fn start_webship_proxy(spec: &WebshipSpec<'_>, s: &Settings<'_>, origin_port
 /// `origin_port` (TCP for h1/h2, UDP for h3), with the given engine ("auto",
 /// "sockmap", "splice", "copy", or "udp=userspace" for the userspace UDP relay).
 /// Its counter maps are pinned in a folder of its own.
-pub fn start_webship_passthrough(
+pub(crate) fn start_webship_passthrough(
     spec: &WebshipSpec<'_>,
     s: &Settings<'_>,
     origin_port: u16,
@@ -248,7 +252,7 @@ fn webship_config(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &s
 
 /// The memory-to-memory TLS baseline: this binary's `tls-source`, serving `file`
 /// from memory over TLS 1.3 (h1 and h2 by ALPN).
-pub fn start_tls_source(name: &'static str, s: &Settings<'_>, file: &Path) -> Result<Server> {
+pub(crate) fn start_tls_source(name: &'static str, s: &Settings<'_>, file: &Path) -> Result<Server> {
     let exe = std::env::current_exe().context("locating this executable")?;
     spawn(
         name,
@@ -268,7 +272,7 @@ pub fn start_tls_source(name: &'static str, s: &Settings<'_>, file: &Path) -> Re
     )
 }
 
-pub fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
+pub(crate) fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
     launch_nginx("nginx", binary, s.dir, s.workers, |port| {
         let mut server = String::new();
         tls_server(&mut server, port, s)?;
@@ -279,7 +283,7 @@ pub fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
 
 /// The proxies' origin: nginx serving `root` over plain HTTP on loopback, one
 /// worker, keep-alive connections reused for as long as the proxies like.
-pub fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: &Path) -> Result<Server> {
+pub(crate) fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: &Path) -> Result<Server> {
     let mut origin = launch_nginx(name, binary, dir, 1, |port| {
         let mut server = String::new();
         writeln!(server, "  keepalive_requests 100000;")?;
@@ -297,7 +301,7 @@ pub fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: &Path) 
 /// connections; buffering on with 16 × 64k buffers (`proxy_buffer_size` 64k for
 /// the header); `proxy_max_temp_file_size 0`, so a response larger than the
 /// buffers is relayed synchronously through them and never spooled to disk.
-pub fn start_nginx_proxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+pub(crate) fn start_nginx_proxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
     let mut nginx = launch_nginx("nginx", binary, s.dir, s.workers, |port| {
         let mut server = String::new();
         writeln!(
@@ -405,13 +409,13 @@ fn nginx_command(binary: &Path, dir: &Path, conf: &str) -> Result<Command> {
 }
 
 /// Where Debian's nginx keeps the dynamic `stream` module (package libnginx-mod-stream).
-pub const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
+pub(crate) const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_module.so";
 
 /// nginx passing TLS through with its `stream` module: `ssl_preread` reads the SNI
 /// and a `map` picks the upstream (the documented recipe), plus a UDP server that
 /// forwards every datagram to the origin's QUIC port, one session per client
 /// address (nginx's UDP proxying, no QUIC awareness).
-pub fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+pub(crate) fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
     let mut server = spawn("nginx", s.dir.join("nginx.log"), None, |port| {
         let mut conf = format!("load_module {NGINX_STREAM_MODULE};\n");
         conf.push_str(&nginx_main(s.dir, s.workers, 1024)?);
@@ -439,7 +443,7 @@ pub fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16
 /// HAProxy passing TLS through: `mode tcp`, waiting for the ClientHello
 /// (`tcp-request inspect-delay` + `req.ssl_hello_type`) and routing on
 /// `req.ssl_sni`, as its documentation describes; one thread, 64k buffers.
-pub fn start_haproxy_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+pub(crate) fn start_haproxy_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
     let mut server = spawn(HAPROXY, s.dir.join("haproxy.log"), None, |port| {
         let mut conf = haproxy_head(s.workers, "tcp", "");
         writeln!(
@@ -457,7 +461,7 @@ pub fn start_haproxy_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u
 }
 
 /// "nginx 1.22" from `nginx -v`, for the cells nginx cannot serve.
-pub fn nginx_version(binary: &Path) -> String {
+pub(crate) fn nginx_version(binary: &Path) -> String {
     Command::new(binary)
         .arg("-v")
         .output()
@@ -476,7 +480,7 @@ pub fn nginx_version(binary: &Path) -> String {
 /// default `server.max-worker = 0`), with the settings its documentation gives
 /// for large static files: the `sendfile` network backend, and OpenSSL's kTLS
 /// option so sendfile can reach the socket where the kernel offers kTLS.
-pub fn start_lighttpd(binary: &Path, s: &Settings<'_>) -> Result<Server> {
+pub(crate) fn start_lighttpd(binary: &Path, s: &Settings<'_>) -> Result<Server> {
     spawn(LIGHTTPD, s.dir.join("lighttpd.log"), None, |port| {
         let mut conf = String::new();
         writeln!(conf, "server.document-root = {:?}", s.root.display().to_string())?;
@@ -501,7 +505,7 @@ pub fn start_lighttpd(binary: &Path, s: &Settings<'_>) -> Result<Server> {
 /// HAProxy as the TLS-terminating proxy (h1 and h2 via ALPN) in front of the
 /// origin: one thread (`nbthread`, like nginx's one worker), `tune.bufsize`
 /// 64k for large responses, `http-reuse always` for the origin connections.
-pub fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
+pub(crate) fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
     let mut server = spawn(HAPROXY, s.dir.join("haproxy.log"), None, |port| {
         // HAProxy wants certificate and key in one PEM.
         let pem = s.dir.join("haproxy.pem");
@@ -533,7 +537,7 @@ pub fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Resul
 /// (`reverse_proxy`), with the given certificate, over h1, h2 and h3 (Caddy
 /// 2.6 enables HTTP/3 by default), `GOMAXPROCS` = workers, admin endpoint off
 /// and all its state inside `dir`.
-pub fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> Result<Server> {
+pub(crate) fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> Result<Server> {
     let mut server = spawn(
         CADDY,
         s.dir.join("caddy.log"),
@@ -580,7 +584,7 @@ pub fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) ->
 /// buffers in memory. h2o 2.2 has no other large-file switches (it streams files
 /// through its buffers); `proxy.preserve-host` keeps the client's Host, as the
 /// other proxies do.
-pub fn start_h2o(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> Result<Server> {
+pub(crate) fn start_h2o(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> Result<Server> {
     let mut server = spawn(H2O, s.dir.join("h2o.log"), None, |port| {
         let mut conf = String::new();
         // Started as root, h2o drops to `nobody` unless told otherwise, and could then
@@ -623,7 +627,7 @@ pub fn start_h2o(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> R
 }
 
 /// The first line of `binary ARGS`' output (stdout, else stderr), e.g. "lighttpd/1.4.69 (ssl)".
-pub fn version_line(binary: &Path, args: &[&str]) -> String {
+pub(crate) fn version_line(binary: &Path, args: &[&str]) -> String {
     Command::new(binary)
         .args(args)
         .output()

@@ -34,13 +34,13 @@ use webship_testkit::pki::{client_config, roots_from_pem};
 use crate::clients::{run_client, Download};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum Http {
+pub(crate) enum Http {
     H1,
     H2,
 }
 
 #[derive(Debug, Args)]
-pub struct GetArgs {
+pub(crate) struct GetArgs {
     /// Server TCP address, e.g. 127.0.0.1:8443.
     #[arg(long)]
     pub addr: SocketAddr,
@@ -64,13 +64,13 @@ pub struct GetArgs {
     pub sha256: bool,
 }
 
-pub fn run(args: &GetArgs) -> Result<()> {
+pub(crate) fn run(args: &GetArgs) -> Result<()> {
     run_client(&format!("get {}", args.addr), args.max_time, get(args))
 }
 
 /// Seeds aws-lc's random generator, whose first use samples CPU jitter for tens
 /// of milliseconds: paid once per process, so not inside the timed download.
-pub fn warm_up_rng() -> Result<()> {
+pub(crate) fn warm_up_rng() -> Result<()> {
     aws_lc_rs::rand::fill(&mut [0u8; 32]).map_err(|_| anyhow!("aws-lc's random generator failed"))
 }
 

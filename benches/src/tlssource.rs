@@ -27,7 +27,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 
 #[derive(Debug, Args)]
-pub struct TlsSourceArgs {
+pub(crate) struct TlsSourceArgs {
     /// The loopback port to listen on.
     #[arg(long)]
     pub port: u16,
@@ -40,7 +40,7 @@ pub struct TlsSourceArgs {
     pub file: PathBuf,
 }
 
-pub fn run(args: &TlsSourceArgs) -> Result<()> {
+pub(crate) fn run(args: &TlsSourceArgs) -> Result<()> {
     let body =
         Bytes::from(std::fs::read(&args.file).with_context(|| format!("reading {}", args.file.display()))?);
     let certs = CertificateDer::pem_file_iter(&args.cert)

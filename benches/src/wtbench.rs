@@ -25,7 +25,7 @@ use crate::report::{fixed, Section};
 use crate::servers::{self, Server, Settings, Stage, WebshipSpec};
 
 #[derive(Debug, Args)]
-pub struct WtBenchArgs {
+pub(crate) struct WtBenchArgs {
     /// The Webship binary (build it with `cargo build --release -p webship`).
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/webship"))]
     pub webship: PathBuf,
@@ -55,12 +55,12 @@ struct Tally {
 }
 
 /// `webtransport` on its own: the table on stdout and in target/bench/webtransport.md.
-pub fn run(args: &WtBenchArgs) -> Result<()> {
+pub(crate) fn run(args: &WtBenchArgs) -> Result<()> {
     measure(args)?.publish("webtransport")
 }
 
 /// Every target × cell, interleaved, `args.samples` rounds; the table as a report section.
-pub fn measure(args: &WtBenchArgs) -> Result<Section> {
+pub(crate) fn measure(args: &WtBenchArgs) -> Result<Section> {
     let stage = Stage::new(args.cache_dir.as_deref())?;
     let (root, identity, fixture) = (&stage.root, &stage.identity, &stage.fixture);
     let clients = Clients::new(&identity.ca)?;

@@ -35,7 +35,7 @@ const DATAGRAM_RECEIVE_BUFFER: usize = 32 << 20;
 const DATAGRAM_GRACE: Duration = Duration::from_millis(300);
 
 #[derive(Debug, Args)]
-pub struct WtGetArgs {
+pub(crate) struct WtGetArgs {
     /// Server UDP address, e.g. 127.0.0.1:8443.
     #[arg(long)]
     pub addr: SocketAddr,
@@ -62,7 +62,7 @@ pub struct WtGetArgs {
     pub max_time: u64,
 }
 
-pub fn run(args: &WtGetArgs) -> Result<()> {
+pub(crate) fn run(args: &WtGetArgs) -> Result<()> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

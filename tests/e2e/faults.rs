@@ -7,7 +7,7 @@ use std::time::Duration;
 use bytes::{Buf, Bytes};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use webship_tests::client::{connect, H3Client, Proto};
+use webship_tests::client::{connect, H3Client, H3Options, Proto};
 
 use crate::support::{Env, HOST};
 
@@ -87,7 +87,9 @@ async fn download_tcp(env: &Env, proto: Proto, port: u16, path: &std::path::Path
 
 async fn download_h3(env: &Env, port: u16, path: &std::path::Path) -> End {
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let mut h3 = H3Client::connect(addr, HOST, env.client(b"h3")).await;
+    let mut h3 = H3Client::connect(addr, HOST, &env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap();
     let req = http::Request::get(format!("https://{HOST}:{port}/shrinks.bin"))
         .body(())
         .unwrap();

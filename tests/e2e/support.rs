@@ -10,13 +10,13 @@ use std::sync::Arc;
 use rustls::ClientConfig;
 use serde_json::Value;
 use webship_tests::client::{curl, fetch, Fetched, Proto};
-pub use webship_tests::origin::pattern;
+pub(crate) use webship_tests::origin::pattern;
 use webship_tests::{webship, Pki, Server};
 
-pub const HOST: &str = "files.test";
-pub const MIB: u64 = 1024 * 1024;
+pub(crate) const HOST: &str = "files.test";
+pub(crate) const MIB: u64 = 1024 * 1024;
 
-pub struct Env {
+pub(crate) struct Env {
     pub dir: tempfile::TempDir,
     pub root: PathBuf,
     pub pki: Pki,
@@ -25,7 +25,7 @@ pub struct Env {
 }
 
 impl Env {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path().join("root");
         std::fs::create_dir(&root).unwrap();
@@ -41,7 +41,7 @@ impl Env {
     }
 
     /// One site, `HOST`, on `root`, with `extra` TOML appended.
-    pub fn config(&self, extra: &str) -> String {
+    pub(crate) fn config(&self, extra: &str) -> String {
         format!(
             "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n\n{extra}\n\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
             self.root.display(),
@@ -50,28 +50,34 @@ impl Env {
         )
     }
 
-    pub fn start(&self, extra: &str) -> Server {
+    pub(crate) fn start(&self, extra: &str) -> Server {
         Server::start(self.dir.path(), &self.config(extra))
     }
 
     /// A client that trusts this PKI and offers `alpn`.
-    pub fn client(&self, alpn: &[u8]) -> Arc<ClientConfig> {
+    pub(crate) fn client(&self, alpn: &[u8]) -> Arc<ClientConfig> {
         self.pki.client(&[alpn]).unwrap()
     }
 
     /// A leaf for `names` from this PKI: (certificate, key) files named after `name`.
-    pub fn leaf(&self, name: &str, names: &[&str]) -> (PathBuf, PathBuf) {
+    pub(crate) fn leaf(&self, name: &str, names: &[&str]) -> (PathBuf, PathBuf) {
         let leaf = self.pki.leaf(name, names).unwrap();
         (leaf.cert, leaf.key)
     }
 
     /// The CA certificate as a PEM file.
-    pub fn ca_file(&self) -> PathBuf {
+    pub(crate) fn ca_file(&self) -> PathBuf {
         self.pki.ca_file().unwrap()
     }
 
     /// One GET to `server` for `HOST` over `proto`, verified against this PKI.
-    pub async fn get(&self, proto: Proto, server: &Server, path: &str, headers: &[(&str, &str)]) -> Fetched {
+    pub(crate) async fn get(
+        &self,
+        proto: Proto,
+        server: &Server,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> Fetched {
         fetch(
             proto,
             server.addr(),
@@ -84,7 +90,7 @@ impl Env {
         .await
     }
 
-    pub fn write(&self, name: &str, contents: &[u8]) -> PathBuf {
+    pub(crate) fn write(&self, name: &str, contents: &[u8]) -> PathBuf {
         let path = self.root.join(name);
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent).unwrap();
@@ -97,7 +103,13 @@ impl Env {
 /// Fetches `path` over HTTP/3 with aioquic (`clients/h3_fetch.py`) from the server
 /// on loopback `port` as `sni`, trusting `ca`; its one-line JSON report
 /// (status, headers, len, sha256) and the line itself, for messages.
-pub fn aioquic_fetch(port: u16, sni: &str, path: &str, ca: &Path, headers: &[&str]) -> (Value, String) {
+pub(crate) fn aioquic_fetch(
+    port: u16,
+    sni: &str,
+    path: &str,
+    ca: &Path,
+    headers: &[&str],
+) -> (Value, String) {
     let out = Command::new("python3")
         .args([
             concat!(env!("CARGO_MANIFEST_DIR"), "/clients/h3_fetch.py"),
@@ -123,7 +135,14 @@ pub fn aioquic_fetch(port: u16, sni: &str, path: &str, ca: &Path, headers: &[&st
 /// A second webship serving `domain` from `root` directly, with a certificate of
 /// its own from this PKI: an origin behind a passthrough front. `kernel` and
 /// `site` are TOML appended before the site and inside it.
-pub fn origin_server(env: &Env, name: &str, domain: &str, root: &Path, kernel: &str, site: &str) -> Server {
+pub(crate) fn origin_server(
+    env: &Env,
+    name: &str,
+    domain: &str,
+    root: &Path,
+    kernel: &str,
+    site: &str,
+) -> Server {
     let (cert, key) = env.leaf(name, &[domain]);
     Server::start(
         env.dir.path(),
@@ -140,7 +159,7 @@ pub fn origin_server(env: &Env, name: &str, domain: &str, root: &Path, kernel: &
 /// maps pinned in a folder of this server's own (so tests run side by side),
 /// `settings` added to `[reverse_proxy]` (engines, the UDP upstream), HTTP/3 on or
 /// off, and one route per `(domain, upstream)`.
-pub fn passthrough_toml(settings: &str, h3: bool, routes: &[(&str, SocketAddr)]) -> String {
+pub(crate) fn passthrough_toml(settings: &str, h3: bool, routes: &[(&str, SocketAddr)]) -> String {
     let mut toml = format!(
         "\n[kernel]\nbpf_pin_dir = \"/sys/fs/bpf/webship-e2e-{{port}}\"\n\n\
          [reverse_proxy]\nenabled = true\ntls_termination = false\n{settings}\
@@ -155,7 +174,7 @@ pub fn passthrough_toml(settings: &str, h3: bool, routes: &[(&str, SocketAddr)])
 }
 
 /// A whole passthrough front's configuration: [`passthrough_toml`] on a free port.
-pub fn passthrough_config(settings: &str, h3: bool, routes: &[(&str, SocketAddr)]) -> String {
+pub(crate) fn passthrough_config(settings: &str, h3: bool, routes: &[(&str, SocketAddr)]) -> String {
     format!(
         "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{}",
         passthrough_toml(settings, h3, routes)
@@ -164,7 +183,7 @@ pub fn passthrough_config(settings: &str, h3: bool, routes: &[(&str, SocketAddr)
 
 /// A front passing TLS and QUIC for `a.pass` through to `origin` (TCP and UDP),
 /// its UDP side carried by `udp_engine`.
-pub fn h3_passthrough_front(env: &Env, origin: SocketAddr, udp_engine: &str) -> Server {
+pub(crate) fn h3_passthrough_front(env: &Env, origin: SocketAddr, udp_engine: &str) -> Server {
     let udp = format!("udp_upstream = \"{origin}\"\nudp_engine = \"{udp_engine}\"\n");
     Server::start(
         env.dir.path(),
@@ -173,7 +192,7 @@ pub fn h3_passthrough_front(env: &Env, origin: SocketAddr, udp_engine: &str) -> 
 }
 
 /// `webship stats --json` for the maps pinned at `pins`.
-pub fn stats_json(pins: &str) -> Value {
+pub(crate) fn stats_json(pins: &str) -> Value {
     let out = webship(&["stats", "--json", "--pin-dir", pins], Path::new("/"));
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     serde_json::from_slice(&out.stdout).unwrap()
@@ -181,7 +200,7 @@ pub fn stats_json(pins: &str) -> Value {
 
 /// The server's resident memory is under `base` plus `mib` MiB: what it holds for
 /// connections and responses that are gone (or going) was given back.
-pub fn assert_rss_within(server: &Server, base: u64, mib: u64) {
+pub(crate) fn assert_rss_within(server: &Server, base: u64, mib: u64) {
     let rss = server.rss();
     assert!(
         rss < base + mib * MIB,
@@ -194,7 +213,7 @@ pub fn assert_rss_within(server: &Server, base: u64, mib: u64) {
 /// curl downloads `url` over `flag` (`--http1.1`, `--http2`) into `out`, trusting
 /// `ca`, with `host` resolved to the server on `port`; it must succeed. Returns
 /// what `-w write_out` printed.
-pub fn curl_download(
+pub(crate) fn curl_download(
     host: &str,
     port: u16,
     ca: &Path,

@@ -28,7 +28,7 @@ const PROTOCOL_ERROR: u64 = 0x5708;
 const SHUTDOWN: u64 = 0x5709;
 
 /// A server whose one site has the diagnostic endpoint at `/wt` with `limits`.
-pub fn start_wt(env: &Env, limits: &str) -> Server {
+pub(crate) fn start_wt(env: &Env, limits: &str) -> Server {
     Server::start(
         env.dir.path(),
         &format!(
@@ -41,7 +41,14 @@ pub fn start_wt(env: &Env, limits: &str) -> Server {
 }
 
 /// Runs one aioquic scenario against `addr` and returns its JSON report.
-pub fn wt(env: &Env, addr: SocketAddr, sni: &str, path: &str, origin: &str, scenario: &[&str]) -> Value {
+pub(crate) fn wt(
+    env: &Env,
+    addr: SocketAddr,
+    sni: &str,
+    path: &str,
+    origin: &str,
+    scenario: &[&str],
+) -> Value {
     let out = Command::new("timeout")
         .arg("300")
         .arg("python3")

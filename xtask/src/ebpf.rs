@@ -22,9 +22,9 @@ const BPF_LINKER: &str = "0.13.0";
 const APT: &[&str] = &["rustc-web", "libstd-rust-web-dev-bpf", "llvm-22-dev"];
 
 /// The object's path relative to the workspace root.
-pub const OBJECT: &str = "target/bpf/webship-ebpf.o";
+pub(crate) const OBJECT: &str = "target/bpf/webship-ebpf.o";
 
-pub fn build_ebpf() -> anyhow::Result<PathBuf> {
+pub(crate) fn build_ebpf() -> anyhow::Result<PathBuf> {
     let root = workspace_root()?;
     install_toolchain()?;
     let build_dir = root.join("target/bpf-build");
@@ -129,7 +129,7 @@ fn path_with_cargo_bin() -> String {
     format!("{}:{path}", home.join("bin").display())
 }
 
-pub fn workspace_root() -> anyhow::Result<PathBuf> {
+pub(crate) fn workspace_root() -> anyhow::Result<PathBuf> {
     let manifest = std::env::var("CARGO_MANIFEST_DIR").context("run through `cargo xtask`")?;
     Ok(Path::new(&manifest)
         .parent()

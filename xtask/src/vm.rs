@@ -16,7 +16,7 @@ use crate::run;
 /// Fixture size: the capacity benchmark's.
 const FIXTURE_LEN: u64 = 99_943_778;
 
-pub fn vm_test(release: bool) -> anyhow::Result<()> {
+pub(crate) fn vm_test(release: bool) -> anyhow::Result<()> {
     let root = workspace_root()?;
     let vm = root.join("target/vm");
     std::fs::create_dir_all(&vm)?;
