@@ -75,4 +75,12 @@ mod tests {
         ]);
         assert_eq!(t.lookup("x.a.test"), Some(&0));
     }
+
+    #[test]
+    fn every_trailing_dot_is_ignored_as_before_the_name_table() {
+        // service::SiteTable (65ec5f3) trimmed every trailing dot of a Host or SNI
+        // (`trim_end_matches('.')`); the refactor promised no change in routing.
+        let t = table(&[DomainPattern::Exact("a.test".into()), DomainPattern::Any]);
+        assert_eq!(t.lookup("a.test.."), Some(&0), "`Host: a.test..` went to a.test's site");
+    }
 }
