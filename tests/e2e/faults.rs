@@ -139,3 +139,44 @@ async fn a_file_that_shrinks_mid_response_ends_it_as_incomplete_on_h1_h2_and_h3(
         );
     }
 }
+
+/// A proxied response on the HTTP/1.1 file driver (the certificate's site serves files,
+/// `Host` names a proxy site) goes out head first, as soon as the upstream answers: a
+/// client must see the status even when the first body byte is slow or never comes
+/// (server-sent events, long polls, an upstream that dies first). At 65ec5f3 the h1
+/// driver wrote the head before relaying; since the seam, `h1::Writer` holds it back
+/// until the first data frame, so an upstream that fails before its first byte leaves
+/// the client with no response at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relayed_head_goes_out_before_the_first_body_byte_on_the_h1_driver() {
+    use webship_tests::client::raw_h1;
+    use webship_tests::origin::Origin;
+    let env = Env::new();
+    let origin = Origin::start().await;
+    let (cert, key) = env.pki.leaf("api", &["api.test"]);
+    let server = env.start(&format!(
+        "[reverse_proxy]\nenabled = true\ntls_termination = true\n[reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+         [[reverse_proxy.routes]]\ndomain = \"api.test\"\npath_prefix = \"/\"\nupstreams = [\"{}\"]\n",
+        cert.display(),
+        key.display(),
+        origin.addr
+    ));
+    // `die-chunked/0`: a 200 without a length, then (50 ms later) a failure, no data.
+    let raw = raw_h1(
+        server.addr(),
+        HOST,
+        env.client(Proto::H1.alpn()),
+        b"GET /die-chunked/0 HTTP/1.1\r\nHost: api.test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    let text = String::from_utf8_lossy(&raw);
+    assert!(
+        text.starts_with("HTTP/1.1 200 "),
+        "the upstream answered 200 before failing; the client must see that head \
+         (then a chunked body that never ends), got {text:?}"
+    );
+    assert!(
+        !text.ends_with("0\r\n\r\n"),
+        "a relayed body that failed must not end with the last chunk: {text:?}"
+    );
+}
