@@ -153,7 +153,8 @@ async fn a_relayed_head_goes_out_before_the_first_body_byte_on_the_h1_driver() {
     use webship_tests::origin::Origin;
     let env = Env::new();
     let origin = Origin::start().await;
-    let (cert, key) = env.pki.leaf("api", &["api.test"]);
+    let leaf = env.pki.leaf("api", &["api.test"]).unwrap();
+    let (cert, key) = (leaf.cert, leaf.key);
     let server = env.start(&format!(
         "[reverse_proxy]\nenabled = true\ntls_termination = true\n[reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
          [[reverse_proxy.routes]]\ndomain = \"api.test\"\npath_prefix = \"/\"\nupstreams = [\"{}\"]\n",

@@ -140,7 +140,7 @@ impl ConnContext {
         RequestHead::new(self.client, method, uri, version, headers)
     }
 
-    /// Serves one request: the service's response, logged, with the `Server` header.
+    /// Serves one request: the service's response, logged, stamped (`Server`, `Date`).
     pub(crate) async fn handle(&self, head: &RequestHead<'_>, body: StreamBody) -> Response {
         let mut resp = self.service.handle(head, body).await;
         if self.access_log {
@@ -194,7 +194,14 @@ impl ConnContext {
     }
 }
 
+/// The fields every response of ours carries: `Server`, and `Date` unless an
+/// upstream gave one (an origin with a clock must send it, RFC 9110 §6.6.1).
 fn stamp(resp: &mut Response) {
     resp.headers
         .insert(http::header::SERVER, HeaderValue::from_static(SERVER));
+    if !resp.headers.contains_key(http::header::DATE) {
+        if let Ok(date) = HeaderValue::try_from(httpdate::fmt_http_date(std::time::SystemTime::now())) {
+            resp.headers.insert(http::header::DATE, date);
+        }
+    }
 }

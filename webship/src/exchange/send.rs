@@ -51,7 +51,8 @@ pub(crate) trait BodyWriter {
     /// The body is complete (after its trailers, if any): end the response cleanly.
     async fn finish(&mut self) -> Result<(), SendError>;
 
-    /// The body failed: end the response so the peer can tell it is incomplete.
+    /// The response failed (its body, or a write): end it so the peer can tell it
+    /// is incomplete.
     fn abort(&mut self);
 
     /// After each data chunk: the driver may act on the bytes sent so far (h1's
@@ -72,12 +73,18 @@ pub(crate) trait BodyWriter {
     }
 }
 
-/// Sends `body` through `writer` until it ends, then finishes the response; on a body
-/// error, aborts it instead.
-pub(crate) async fn send_body<W: BodyWriter>(
-    mut body: ResponseBody,
-    writer: &mut W,
-) -> Result<(), SendError> {
+/// Sends `body` through `writer` until it ends, then finishes the response. Any
+/// error (the body's, or writing to the peer) aborts the response instead: only a
+/// response that was finished may look finished.
+pub(crate) async fn send_body<W: BodyWriter>(body: ResponseBody, writer: &mut W) -> Result<(), SendError> {
+    let sent = send_all(body, writer).await;
+    if sent.is_err() {
+        writer.abort();
+    }
+    sent
+}
+
+async fn send_all<W: BodyWriter>(mut body: ResponseBody, writer: &mut W) -> Result<(), SendError> {
     loop {
         if writer.sends_files() {
             if let Some(range) = body.take_file_range() {
@@ -88,10 +95,7 @@ pub(crate) async fn send_body<W: BodyWriter>(
         let frame = match body.frame().await {
             None => break,
             Some(Ok(frame)) => frame,
-            Some(Err(e)) => {
-                writer.abort();
-                return Err(SendError::Body(e));
-            }
+            Some(Err(e)) => return Err(SendError::Body(e)),
         };
         match frame.into_data() {
             Ok(data) => {

@@ -3,8 +3,9 @@
 //!
 //! One buffer per response: each chunk is split off it and frozen, and once the
 //! driver drops the chunk (written, or framed and encrypted) the next chunk reuses the
-//! same allocation. A driver that still holds a chunk (h2 waiting for window) makes
-//! the next one allocate; memory per response is still bounded by two chunks.
+//! same allocation. A driver that still holds a chunk makes the next one allocate, so
+//! the bound is the driver's: one chunk for h1 (written before the next is read), and
+//! for h2 and h3 what their flow control lets wait per stream plus one chunk.
 //!
 //! Bytes already in the page cache are read on the reactor thread without blocking
 //! (`RWF_NOWAIT`); only a miss goes to the blocking pool, so a slow disk never stalls

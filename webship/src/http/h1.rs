@@ -316,7 +316,17 @@ impl Conn {
             promotion,
             peer: self.ctx.client.peer,
         };
-        let sent = send_body(body, &mut writer).await;
+        // A relayed body may be slow to start (or fail first): its head goes now, not
+        // with the first body bytes.
+        let relay = body.is_relay();
+        let sent = match relay {
+            true => writer.send_head_now().await,
+            false => Ok(()),
+        };
+        let sent = match sent {
+            Ok(()) => send_body(body, &mut writer).await,
+            Err(e) => Err(e),
+        };
         if corked {
             if let Some(tcp) = writer.stream.tcp() {
                 let _ = sys::set_cork(tcp, false);
@@ -357,6 +367,12 @@ impl Writer<'_> {
         }
         self.send_head().await?;
         timed(self.send_timeout, self.stream.write_all(data)).await
+    }
+
+    /// The head, on the wire now.
+    async fn send_head_now(&mut self) -> Result<(), SendError> {
+        self.send_head().await?;
+        timed(self.send_timeout, self.stream.flush()).await
     }
 
     /// The head, unless it has gone already: every way a body leaves (bytes, a file
@@ -566,16 +582,14 @@ fn build(req: &httparse::Request<'_, '_>) -> Next {
     })
 }
 
-/// The status line and fields (`Server` is among them: the seam stamps it), and
-/// `date` as HTTP/1.1 requires of an origin with a clock (RFC 9110 §6.6.1).
+/// The status line and fields (`Server` and `Date` are among them: the seam stamps
+/// them).
 fn write_head(out: &mut Vec<u8>, status: StatusCode, headers: &HeaderMap, keep_alive: bool) {
     // Always answered as HTTP/1.1, whatever the request's minor version (RFC 9110 §6.2).
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(status.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\ndate: ");
-    out.extend_from_slice(httpdate::fmt_http_date(std::time::SystemTime::now()).as_bytes());
     out.extend_from_slice(b"\r\n");
     write_fields(out, headers);
     if !keep_alive {

@@ -31,7 +31,7 @@ use crate::message::{BoxError, Response};
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum HyperError {
-    #[error("http2: {0}")]
+    #[error("hyper: {0}")]
     Hyper(#[from] hyper::Error),
 }
 
