@@ -24,6 +24,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use bytes::{Buf, BufMut, BytesMut};
 use clap::Args;
 use sha2::{Digest, Sha256};
+use webship::webtransport::capsule::{put_varint, read_varint};
 use webship_testkit::fixture::hex;
 use webship_testkit::h3::{H3Client, H3Options};
 
@@ -173,7 +174,8 @@ async fn session(args: &WtGetArgs) -> Result<Outcome> {
                 }
                 d = conn.read_datagram() => {
                     let mut d = d.context("reading datagrams")?;
-                    let Some(quarter) = get_varint(&mut d) else { continue };
+                    let Some((quarter, len)) = read_varint(&d) else { continue };
+                    d.advance(len);
                     if quarter != prefix || d.len() < 8 {
                         continue;
                     }
@@ -200,30 +202,4 @@ async fn session(args: &WtGetArgs) -> Result<Outcome> {
     drop(connect);
     client.close().await;
     Ok(outcome)
-}
-
-fn put_varint(out: &mut BytesMut, v: u64) {
-    if v < 1 << 6 {
-        out.put_u8(v as u8);
-    } else if v < 1 << 14 {
-        out.put_u16(0x4000 | v as u16);
-    } else if v < 1 << 30 {
-        out.put_u32(0x8000_0000 | v as u32);
-    } else {
-        out.put_u64(0xc000_0000_0000_0000 | v);
-    }
-}
-
-fn get_varint(buf: &mut bytes::Bytes) -> Option<u64> {
-    let first = *buf.first()?;
-    let len = 1usize << (first >> 6);
-    if buf.len() < len {
-        return None;
-    }
-    let mut v = u64::from(first & 0x3f);
-    for b in &buf[1..len] {
-        v = (v << 8) | u64::from(*b);
-    }
-    buf.advance(len);
-    Some(v)
 }

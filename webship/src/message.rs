@@ -95,6 +95,15 @@ pub(crate) struct Response {
 }
 
 impl Response {
+    /// The head as the `http` crate's type (what hyper, h2 and h3 take), and the body
+    /// apart.
+    pub(crate) fn into_http(self) -> (http::Response<()>, Body) {
+        let mut head = http::Response::new(());
+        *head.status_mut() = self.status;
+        *head.headers_mut() = self.headers;
+        (head, self.body)
+    }
+
     /// A bodiless response with just a status, for errors and redirects.
     pub(crate) fn status(status: StatusCode) -> Self {
         let mut headers = HeaderMap::new();

@@ -417,25 +417,24 @@ async fn webtransport_connect(
     signal: &BulkSignal,
 ) {
     let admitted = ctx.admit_webtransport(head);
-    let admission = match admitted {
-        Ok(admission) => admission,
-        Err(_) => {
-            let Response { status, headers, .. } = ctx.webtransport_response(&admitted);
-            let mut resp = http::Response::new(());
-            *resp.status_mut() = status;
-            *resp.headers_mut() = headers;
-            if stream.send_response(resp).await.is_ok() {
-                let _ = stream.finish().await;
-            }
-            return;
+    let (mut resp, _) = ctx.webtransport_response(&admitted).into_http();
+    let Ok(admission) = admitted else {
+        if stream.send_response(resp).await.is_ok() {
+            let _ = stream.finish().await;
         }
+        return;
     };
+    // The draft-02 answer, which Chromium and aioquic check for.
+    resp.headers_mut().insert(
+        "sec-webtransport-http3-draft",
+        http::HeaderValue::from_static("draft02"),
+    );
     let on_bulk = || {
         if ctx.bbr && signal.raise() {
             tracing::info!(peer = %ctx.peer(), "h3: WebTransport session, connection switches to BBR");
         }
     };
-    crate::webtransport::h3::run(wt, admission, stream, on_bulk, ctx.shutdown.clone()).await;
+    crate::webtransport::h3::run(wt, admission, stream, resp, on_bulk, ctx.shutdown.clone()).await;
 }
 
 async fn respond(
@@ -444,14 +443,7 @@ async fn respond(
     ctx: &ConnContext,
     signal: &BulkSignal,
 ) -> Result<(), SendError> {
-    let Response {
-        status,
-        headers,
-        body,
-    } = resp;
-    let mut head = http::Response::new(());
-    *head.status_mut() = status;
-    *head.headers_mut() = headers;
+    let (head, body) = resp.into_http();
     stream.send_response(head).await.map_err(SendError::peer)?;
     send_body(
         ResponseBody::new(body, STREAM_CHUNK),

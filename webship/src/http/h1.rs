@@ -314,7 +314,7 @@ impl Conn {
             chunked,
             send_timeout: self.ctx.limits.send_timeout,
             promotion,
-            peer: self.ctx.client.peer,
+            peer: self.ctx.peer(),
         };
         // A relayed body may be slow to start (or fail first): its head goes now, not
         // with the first body bytes.

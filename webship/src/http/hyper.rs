@@ -206,18 +206,11 @@ fn webtransport_connect(
 }
 
 fn into_hyper(resp: Response, guard: InFlight) -> http::Response<HyperBody> {
-    let Response {
-        status,
-        headers,
-        body,
-    } = resp;
-    let mut out = http::Response::new(HyperBody {
+    let (head, body) = resp.into_http();
+    head.map(|()| HyperBody {
         body: ResponseBody::new(body, STREAM_CHUNK),
         _guard: guard,
-    });
-    *out.status_mut() = status;
-    *out.headers_mut() = headers;
-    out
+    })
 }
 
 /// Counts a request as in flight until its response body is dropped.

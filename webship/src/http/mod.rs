@@ -15,15 +15,20 @@ use crate::tls::{Accepted, Alpn};
 
 pub(crate) use batch::WriteBatch;
 
-/// Serves one accepted connection until it ends; the error says why it ended early.
-pub(crate) async fn serve(accepted: Accepted, ctx: ConnContext) -> Result<(), String> {
+/// Why a connection ended early.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ConnError {
+    #[error(transparent)]
+    H1(#[from] h1::H1Error),
+    #[error(transparent)]
+    Hyper(#[from] hyper::HyperError),
+}
+
+/// Serves one accepted connection until it ends.
+pub(crate) async fn serve(accepted: Accepted, ctx: ConnContext) -> Result<(), ConnError> {
     match accepted.alpn {
-        Alpn::H1 if ctx.service.is_proxy(accepted.site) => hyper::serve_h1(accepted.stream, ctx)
-            .await
-            .map_err(|e| e.to_string()),
-        Alpn::H1 => h1::serve(accepted.stream, ctx).await.map_err(|e| e.to_string()),
-        Alpn::H2 => hyper::serve_h2(accepted.stream, ctx)
-            .await
-            .map_err(|e| e.to_string()),
+        Alpn::H1 if ctx.service.is_proxy(accepted.site) => Ok(hyper::serve_h1(accepted.stream, ctx).await?),
+        Alpn::H1 => Ok(h1::serve(accepted.stream, ctx).await?),
+        Alpn::H2 => Ok(hyper::serve_h2(accepted.stream, ctx).await?),
     }
 }

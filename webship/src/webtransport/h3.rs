@@ -260,22 +260,13 @@ fn refuse(stream: Incoming, code: Code) {
     }
 }
 
-/// The response that accepts a draft-02 session.
-pub(crate) fn accepted_response() -> http::Response<()> {
-    let mut resp = http::Response::new(());
-    resp.headers_mut().insert(
-        "sec-webtransport-http3-draft",
-        http::HeaderValue::from_static("draft02"),
-    );
-    resp
-}
-
 /// Runs one admitted session on its CONNECT stream until the client closes it, a
-/// limit ends it, or the server shuts down.
+/// limit ends it, or the server shuts down; `accepted` is the answer to the CONNECT.
 pub(crate) async fn run(
     conn: Arc<WtConn>,
     admission: Admission,
     mut stream: ConnectStream,
+    accepted: http::Response<()>,
     on_bulk: impl Fn() + Send,
     mut shutdown: Shutdown,
 ) {
@@ -293,7 +284,7 @@ pub(crate) async fn run(
             state: state.clone(),
         },
     );
-    if let Err(e) = stream.send_response(accepted_response()).await {
+    if let Err(e) = stream.send_response(accepted).await {
         conn.unregister(id);
         return tracing::debug!(error = %e, "webtransport: CONNECT response failed");
     }
