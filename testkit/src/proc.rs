@@ -75,6 +75,60 @@ pub fn status_kib(pid: u32, field: &str) -> Option<u64> {
         .ok()
 }
 
+/// Open file descriptors of a process (entries of /proc/PID/fd), or `None` once
+/// it is gone.
+pub fn open_fds(pid: u32) -> Option<usize> {
+    Some(fs::read_dir(format!("/proc/{pid}/fd")).ok()?.count())
+}
+
+/// What a process holds at one instant: resident memory and open descriptors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Footprint {
+    pub rss_kib: u64,
+    pub fds: usize,
+}
+
+impl Footprint {
+    /// The process's footprint now, or `None` once it is gone.
+    pub fn of(pid: u32) -> Option<Footprint> {
+        Some(Footprint {
+            rss_kib: status_kib(pid, "VmRSS:")?,
+            fds: open_fds(pid)?,
+        })
+    }
+}
+
+impl std::fmt::Display for Footprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "rss {:.1} MiB, {} fds", self.rss_kib as f64 / 1024.0, self.fds)
+    }
+}
+
+/// One flood's record for the hardening report: the server's footprint before,
+/// at the height of and after the flood, and how long a normal download took
+/// while it ran. Printed as one `FLOOD` line (run the test with `--nocapture`).
+#[derive(Debug, Clone, Copy)]
+pub struct FloodReport<'a> {
+    pub flood: &'a str,
+    pub before: Footprint,
+    pub during: Footprint,
+    pub after: Footprint,
+    pub download: Option<std::time::Duration>,
+}
+
+impl FloodReport<'_> {
+    pub fn print(&self) {
+        let download = match self.download {
+            Some(took) => format!("{} ms", took.as_millis()),
+            None => "not measured".to_string(),
+        };
+        eprintln!(
+            "FLOOD {}: before {}; during {}; after {}; a normal download during it: {}",
+            self.flood, self.before, self.during, self.after, download
+        );
+    }
+}
+
 /// Which end of a TCP connection a port is matched against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum End {
