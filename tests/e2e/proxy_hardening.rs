@@ -586,3 +586,56 @@ async fn a_slow_upload_is_not_an_upstream_timeout_and_ejects_nothing() {
         "round-robin skipped an upstream: one was ejected"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_descriptor_shortage_ejects_no_upstream() {
+    let env = Env::new();
+    let a = Origin::start().await;
+    let b = Origin::start().await;
+    let server = proxy(&env, "", &route(HOST, "/", &[a.addr, b.addr], ""));
+    let pid = server.pid().to_string();
+    let limit = |soft: &str| {
+        let out = std::process::Command::new("prlimit")
+            .args(["--pid", &pid, &format!("--nofile={soft}:")])
+            .output()
+            .expect("prlimit (util-linux) is required");
+        assert!(
+            out.status.success(),
+            "prlimit: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    // The client's connection is open first; then the daemon may open no descriptor
+    // more, so the connect to an upstream fails with EMFILE.
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).unwrap();
+    let soft = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3))
+        .expect("Max open files in /proc/PID/limits")
+        .to_owned();
+    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    // The lowest free descriptor number: below it every slot is taken.
+    let open: std::collections::BTreeSet<usize> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    let lowest_free = (0..).find(|n| !open.contains(n)).unwrap();
+    limit(&lowest_free.to_string());
+    tls.write_all(format!("GET /echo HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut out)).await;
+    limit(&soft);
+    let text = String::from_utf8_lossy(&out);
+    assert_eq!(raw_status(&out), 503, "{text}\n{}", server.log());
+    assert!(!server.log().contains("ejected"), "{}", server.log());
+    for _ in 0..4 {
+        let (status, text) = raw_get(&env, &server, HOST, HOST, "/echo", "").await;
+        assert_eq!(status, 200, "{text}");
+    }
+    assert_eq!((a.seen().len(), b.seen().len()), (2, 2));
+}
