@@ -266,7 +266,7 @@ impl RawOrigin {
 
 /// The lies: `/te-cl` announces 5 bytes but sends a chunked body whose decoded bytes
 /// hold a whole second response; `/te-cl-short` announces 100 and sends 2 (chunked);
-/// `/plain` is honest.
+/// `/long` sends a second response after its 5 announced bytes; `/plain` is honest.
 fn lying_origin(path: &str) -> Option<Vec<u8>> {
     let smuggled = "HTTP/1.1 200 OK\r\nContent-Length: 7\r\nX-Smuggled: yes\r\n\r\nsmuggle";
     let chunked = |body: &str| format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
@@ -280,6 +280,7 @@ fn lying_origin(path: &str) -> Option<Vec<u8>> {
                 "HTTP/1.1 200 OK\r\nContent-Length: 100\r\nTransfer-Encoding: chunked\r\n\r\n{}",
                 chunked("hi")
             ),
+            "/long" => format!("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello{smuggled}"),
             "/plain" => "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nplain".to_owned(),
             _ => return None,
         }
@@ -374,7 +375,7 @@ async fn an_origin_cannot_split_the_clients_keep_alive_connection() {
     ));
     let server = Server::start(env.dir.path(), &config);
     for sni in [crate::support::HOST, HOST] {
-        for first in ["/te-cl", "/te-cl-short"] {
+        for first in ["/te-cl", "/te-cl-short", "/long"] {
             let responses = two_on_one_connection(&env, &server, sni, first).await;
             for (status, headers, body, _) in &responses {
                 assert!(
@@ -386,6 +387,7 @@ async fn an_origin_cannot_split_the_clients_keep_alive_connection() {
             let first_body = responses.first().map(|r| r.2.clone()).unwrap_or_default();
             let expected: &[u8] = match first {
                 "/te-cl" => b"helloHTTP/1.1 200 OK\r\nContent-Length: 7\r\nX-Smuggled: yes\r\n\r\nsmuggle",
+                "/long" => b"hello",
                 _ => b"hi",
             };
             // Either the whole decoded body in honest framing, or nothing complete.
