@@ -147,7 +147,18 @@ impl Validator<'_> {
         }
         out
     }
+}
 
+/// Whether a configured path could equal a normalized request path (the proxy
+/// decodes escapes and resolves `//`, `.` and `..` before matching).
+fn normal_form(path: &str) -> bool {
+    !path.contains('%')
+        && !path.contains('\\')
+        && !path.contains("//")
+        && !path.split('/').any(|seg| seg == "." || seg == "..")
+}
+
+impl Validator<'_> {
     /// One route's HTTP rules; `None` when any of them is refused.
     fn route(&mut self, key: &str, r: &RawRoute, trusted: &[IpNet]) -> Option<Route> {
         let before = self.problems.len();
@@ -158,6 +169,24 @@ impl Validator<'_> {
                 format!("`{path_prefix}` does not start with `/`"),
                 "write it as \"/api/\"",
             );
+        } else if !normal_form(&path_prefix) {
+            self.problem(
+                format!("{key}.path_prefix"),
+                format!("`{path_prefix}` can never match: requests are matched in their normal form"),
+                "write the path decoded, without `//`, `.` or `..` segments (\"/api/\")",
+            );
+        }
+        let deny_paths = r.deny_paths.clone().unwrap_or_default();
+        for (i, pattern) in deny_paths.iter().enumerate() {
+            let literal = pattern.trim_start_matches('*').trim_end_matches('*');
+            let anchored = pattern.starts_with('/') || pattern.starts_with('*');
+            if !anchored || !normal_form(literal) || literal.contains('*') {
+                self.problem(
+                    format!("{key}.deny_paths[{i}]"),
+                    format!("`{pattern}` can never match a normalized path"),
+                    "use \"/prefix*\", \"*suffix\" or \"/exact\", decoded, without `//`, `.` or `..` segments",
+                );
+            }
         }
         let upstreams = self.upstreams(key, &r.upstreams);
         let upstream_protocol = self.upstream_protocol(key, r);
@@ -202,7 +231,7 @@ impl Validator<'_> {
             max_body_bytes: r.max_body_bytes,
             max_header_bytes,
             allowed_methods,
-            deny_paths: r.deny_paths.clone().unwrap_or_default(),
+            deny_paths,
             required_content_types: r
                 .required_content_types
                 .iter()
