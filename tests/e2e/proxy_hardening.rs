@@ -641,3 +641,21 @@ async fn a_local_descriptor_shortage_ejects_no_upstream() {
     }
     assert_eq!((a.seen().len(), b.seen().len()), (2, 2));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_body_over_the_limit_is_413_not_a_client_error() {
+    let env = Env::new();
+    let origin = Origin::start().await;
+    let server = proxy(
+        &env,
+        "",
+        &route(HOST, "/", &[origin.addr], "max_body_bytes = 1000"),
+    );
+    // Chunked: no length to refuse up front; the limit trips while streaming.
+    let chunk = "x".repeat(800);
+    let request = format!(
+        "POST /echo HTTP/1.1\r\nHost: {HOST}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n320\r\n{chunk}\r\n320\r\n{chunk}\r\n0\r\n\r\n"
+    );
+    let out = raw_h1(server.addr(), HOST, env.client(b"http/1.1"), request.as_bytes()).await;
+    assert_eq!(raw_status(&out), 413, "{}", String::from_utf8_lossy(&out));
+}

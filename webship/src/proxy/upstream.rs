@@ -231,31 +231,36 @@ fn local_errno(code: i32) -> bool {
 pub(super) struct ClientBodyFailed(#[source] pub(super) BoxError);
 
 pub(super) fn classify(e: &hyper_util::client::legacy::Error) -> Fault {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
-    let mut hyper_parse = false;
+    classify_chain(std::error::Error::source(e), e.is_connect())
+}
+
+/// Sorts an error by every cause in its chain; the most specific wins whatever its
+/// depth (the client's body error wraps `BodyTooLarge`, hyper wraps both).
+fn classify_chain(mut source: Option<&(dyn std::error::Error + 'static)>, is_connect: bool) -> Fault {
+    let (mut too_large, mut queue, mut client, mut local, mut parse) = (false, false, false, false, false);
     while let Some(s) = source {
-        if s.is::<super::body::BodyTooLarge>() {
-            return Fault::TooLarge;
-        }
-        if s.is::<QueueTimeout>() {
-            return Fault::QueueFull;
-        }
-        if s.is::<ClientBodyFailed>() {
-            return Fault::Client;
-        }
+        too_large |= s.is::<super::body::BodyTooLarge>();
+        queue |= s.is::<QueueTimeout>();
+        client |= s.is::<ClientBodyFailed>();
         if let Some(io) = s.downcast_ref::<std::io::Error>() {
-            if io.raw_os_error().is_some_and(local_errno) {
-                return Fault::Local;
-            }
+            local |= io.raw_os_error().is_some_and(local_errno);
         }
         if let Some(h) = s.downcast_ref::<hyper::Error>() {
-            hyper_parse |= h.is_parse() || h.is_parse_status();
+            parse |= h.is_parse() || h.is_parse_status();
         }
         source = s.source();
     }
-    if e.is_connect() {
+    if too_large {
+        Fault::TooLarge
+    } else if queue {
+        Fault::QueueFull
+    } else if client {
+        Fault::Client
+    } else if local {
+        Fault::Local
+    } else if is_connect {
         Fault::Unreachable
-    } else if hyper_parse {
+    } else if parse {
         Fault::Garbage
     } else {
         Fault::Broken
