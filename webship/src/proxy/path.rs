@@ -4,7 +4,8 @@
 //! empty segments (`//`) merged. A path that cannot be normalized without guessing
 //! how the origin reads it is refused: an encoded `/` or `\` (a segment boundary to
 //! some origins, not to others), a raw `\`, NUL, bytes that are not UTF-8 once
-//! decoded, a `%` not followed by two hex digits, and `..` above the root.
+//! decoded, a `%` not followed by two hex digits, `..` above the root, and `.` or
+//! `..` with `;` parameters (Tomcat reads `/..;/admin` as `/../admin`).
 //!
 //! Pure and allocation-bounded by the input; the proxy calls [`normalize`] once per
 //! request and matches routes and `deny_paths` on the result, and forwards it.
@@ -25,6 +26,8 @@ pub(crate) enum PathError {
     NotUtf8,
     #[error("`..` above the root")]
     AboveRoot,
+    #[error("a `.` or `..` segment with `;` parameters")]
+    DotParameters,
 }
 
 fn hex(b: u8) -> Option<u8> {
@@ -100,6 +103,11 @@ pub(crate) fn normalize(path: &str) -> Result<String, PathError> {
     for (n, raw_segment) in raw.iter().enumerate() {
         let last = n + 1 == raw.len();
         let seg = segment(raw_segment, &mut decoded)?;
+        if let Some((name, _)) = seg.split_once(';') {
+            if name == "." || name == ".." {
+                return Err(PathError::DotParameters);
+            }
+        }
         match seg.as_str() {
             "" => trailing = last,
             "." => trailing = last,
@@ -220,6 +228,9 @@ mod tests {
             ("/%", PathError::BadEscape),
             ("/%4", PathError::BadEscape),
             ("/%zz", PathError::BadEscape),
+            ("/x/..;/admin", PathError::DotParameters),
+            ("/.;x/admin", PathError::DotParameters),
+            ("/%2e%2e;/admin", PathError::DotParameters),
         ];
         for (raw, err) in table {
             assert_eq!(normalize(raw), Err(err), "{raw}");
