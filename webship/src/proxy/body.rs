@@ -60,6 +60,9 @@ impl http_body::Body for LimitedBody {
 /// Which side a stalled exchange waits on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Waiting {
+    /// No connection was ready long after the connector's own limits (a TLS
+    /// handshake or an HTTP/2 connection another request is opening): no blame.
+    Connection,
     /// The request is sent; the response head is late: the upstream's fault.
     Response,
     /// The upload pauses because the client sends nothing.

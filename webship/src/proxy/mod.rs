@@ -179,62 +179,71 @@ impl RouteState {
                 Ok(resp) => return relay(resp, req.method, self.route.body_idle_timeout),
                 Err(failed) => failed,
             };
-            match failed {
-                Failed::Timeout(waiting) => {
-                    tracing::warn!(target: "proxy", %domain, %upstream, ?waiting, "upstream exchange timed out");
-                    return match waiting {
-                        Waiting::Client => {
-                            text(StatusCode::REQUEST_TIMEOUT, "webship: the request body stalled\n")
-                        }
-                        Waiting::Response | Waiting::UpstreamReading => {
-                            self.eject(i, domain, upstream, "no answer in time");
-                            text(
-                                StatusCode::GATEWAY_TIMEOUT,
-                                "webship: the upstream did not answer in time\n",
-                            )
-                        }
-                    };
-                }
-                Failed::Error(e) => {
-                    let fault = upstream::classify(&e);
-                    tracing::warn!(target: "proxy", %domain, %upstream, ?fault, error = %chain(&e), "upstream exchange failed");
-                    match fault {
-                        Fault::Unreachable => {
-                            self.eject(i, domain, upstream, "unreachable");
-                            if !retryable {
-                                break;
-                            }
-                        }
-                        Fault::QueueFull | Fault::Local => {
-                            let mut resp = text(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                "webship: the upstream is busy; try again later\n",
-                            );
-                            resp.headers
-                                .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
-                            return resp;
-                        }
-                        Fault::TooLarge => {
-                            return text(
-                                StatusCode::PAYLOAD_TOO_LARGE,
-                                "webship: request body over the route's max_body_bytes\n",
-                            )
-                        }
-                        Fault::Client => {
-                            return text(StatusCode::BAD_REQUEST, "webship: the request body failed\n")
-                        }
-                        Fault::Garbage => {
-                            self.eject(i, domain, upstream, "not HTTP");
-                            return text(StatusCode::BAD_GATEWAY, "webship: the upstream failed\n");
-                        }
-                        Fault::Broken => {
-                            return text(StatusCode::BAD_GATEWAY, "webship: the upstream failed\n")
-                        }
-                    }
-                }
+            // An unreachable upstream is the only failure another upstream may fix.
+            if let Some(resp) = self.answer(failed, i, domain) {
+                return resp;
+            }
+            if !retryable {
+                break;
             }
         }
         text(StatusCode::BAD_GATEWAY, "webship: no upstream answered\n")
+    }
+
+    /// What the client gets for a failed exchange with upstream `i`, ejecting it
+    /// for its own faults; `None` when the next upstream may be tried.
+    fn answer(&self, failed: Failed, i: usize, domain: &str) -> Option<Response> {
+        let upstream = self.route.upstreams[i];
+        let late = || {
+            text(
+                StatusCode::GATEWAY_TIMEOUT,
+                "webship: the upstream did not answer in time\n",
+            )
+        };
+        let failed_text = || text(StatusCode::BAD_GATEWAY, "webship: the upstream failed\n");
+        let e = match failed {
+            Failed::Timeout(waiting) => {
+                tracing::warn!(target: "proxy", %domain, %upstream, ?waiting, "upstream exchange timed out");
+                return Some(match waiting {
+                    Waiting::Client => {
+                        text(StatusCode::REQUEST_TIMEOUT, "webship: the request body stalled\n")
+                    }
+                    Waiting::Connection => late(),
+                    Waiting::Response | Waiting::UpstreamReading => {
+                        self.eject(i, domain, upstream, "no answer in time");
+                        late()
+                    }
+                });
+            }
+            Failed::Error(e) => e,
+        };
+        let fault = upstream::classify(&e);
+        tracing::warn!(target: "proxy", %domain, %upstream, ?fault, error = %chain(&e), "upstream exchange failed");
+        Some(match fault {
+            Fault::Unreachable => {
+                self.eject(i, domain, upstream, "unreachable");
+                return None;
+            }
+            Fault::QueueFull | Fault::Local => {
+                let mut resp = text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "webship: the upstream is busy; try again later\n",
+                );
+                resp.headers
+                    .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+                resp
+            }
+            Fault::TooLarge => text(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "webship: request body over the route's max_body_bytes\n",
+            ),
+            Fault::Client => text(StatusCode::BAD_REQUEST, "webship: the request body failed\n"),
+            Fault::Garbage => {
+                self.eject(i, domain, upstream, "not HTTP");
+                failed_text()
+            }
+            Fault::Broken => failed_text(),
+        })
     }
 
     fn eject(&self, i: usize, domain: &str, upstream: SocketAddr, why: &str) {
@@ -264,7 +273,7 @@ impl RouteState {
         tokio::select! {
             r = &mut sent => return r.map_err(Failed::Error),
             _ = captured.wait_for_connection_metadata() => upload.connected(bodiless),
-            _ = tokio::time::sleep(connecting) => return Err(Failed::Timeout(Waiting::Response)),
+            _ = tokio::time::sleep(connecting) => return Err(Failed::Timeout(Waiting::Connection)),
         }
         loop {
             let (deadline, _) = upload.deadline(self.route.response_timeout, self.route.body_idle_timeout);
