@@ -92,6 +92,20 @@ async fn deny_paths_cannot_be_bypassed_by_another_spelling_of_the_path() {
         let (status, text) = raw_get(&env, &server, HOST, HOST, path, "").await;
         assert_eq!(status, 403, "{path} was not denied: {text}");
     }
+    // The h2 front hands hyper's :path to the same normalization.
+    let tls = connect(server.addr(), HOST, env.client(b"h2")).await.unwrap();
+    let mut h2 = Conn::handshake(
+        tls,
+        Proto::H2,
+        &format!("{HOST}:{}", server.port),
+        Tuning::default(),
+    )
+    .await
+    .unwrap();
+    for path in ["/%61dmin.txt", "/x/../admin.txt", "/index.ph%70"] {
+        let got = outcome(h2.send("GET", path, &[], Bytes::new()).await.unwrap()).await;
+        assert_eq!(got.status, 403, "h2 {path}");
+    }
     let unnormalizable = [
         "/%2e%2e/admin.txt",
         "/../admin.txt",
@@ -659,4 +673,37 @@ async fn a_streamed_body_over_the_limit_is_413_not_a_client_error() {
     );
     let out = raw_h1(server.addr(), HOST, env.client(b"http/1.1"), request.as_bytes()).await;
     assert_eq!(raw_status(&out), 413, "{}", String::from_utf8_lossy(&out));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stalls_its_upload_gets_408_and_ejects_nothing() {
+    let env = Env::new();
+    let a = Origin::start().await;
+    let routes = route(
+        HOST,
+        "/",
+        &[a.addr],
+        "response_timeout_secs = 1\nbody_idle_timeout_secs = 2",
+    );
+    let server = proxy(&env, "", &routes);
+    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    tls.write_all(
+        format!("POST /echo HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 8000\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .unwrap();
+    tls.write_all(&[b'x'; 1000]).await.unwrap();
+    tls.flush().await.unwrap();
+    let started = Instant::now();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut out)).await;
+    assert_eq!(raw_status(&out), 408, "{}", String::from_utf8_lossy(&out));
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "408 before the body idle timeout"
+    );
+    assert!(!server.log().contains("ejected"), "{}", server.log());
 }
