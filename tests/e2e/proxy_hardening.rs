@@ -183,6 +183,16 @@ async fn forwarding_headers_cannot_be_forged() {
         let (status, text) = raw_get(&env, &server, "a.example.test", bad, "/echo", "").await;
         assert_eq!(status, 400, "Host {bad:?} accepted: {text}");
     }
+    let (status, text) = raw_get(
+        &env,
+        &server,
+        "a.example.test",
+        "a.example.test",
+        "/echo",
+        "Host: b.example.test\r\n",
+    )
+    .await;
+    assert_eq!(status, 400, "two Host lines accepted: {text}");
     assert!(origin.seen().is_empty(), "{:?}", origin.seen());
 
     // From an untrusted peer, the client's forwarding fields are replaced or dropped.

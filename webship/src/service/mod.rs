@@ -148,6 +148,10 @@ impl Service {
 /// port is refused (400), like nginx does: it would otherwise reach wildcard
 /// matching, logs and the proxy's forwarding fields as the client wrote it.
 fn host_of<'a>(req: &'a RequestHead<'_>) -> Result<Option<&'a str>, StatusCode> {
+    // Two Host lines leave which one an origin reads to chance (RFC 9112 §3.2: 400).
+    if req.headers.get_all(header::HOST).iter().nth(1).is_some() {
+        return Err(StatusCode::BAD_REQUEST);
+    }
     let authority = match req.uri.authority() {
         Some(a) => Some(a.as_str()),
         None => match req.headers.get(header::HOST) {
