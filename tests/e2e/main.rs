@@ -14,6 +14,7 @@ mod passthrough;
 mod paths;
 mod preflight;
 mod proxy;
+mod proxy_hardening;
 mod sites;
 mod support;
 mod tls;

@@ -172,11 +172,8 @@ async fn forwarding_headers_as_the_origin_saw_them() {
         );
         let seen = w.origin.seen().pop().unwrap();
         assert_eq!(seen.path, "/echo?q=1", "strip_prefix removes /api");
-        assert_eq!(
-            seen.header("x-forwarded-for"),
-            Some("203.0.113.9, 127.0.0.1"),
-            "{proto:?}"
-        );
+        // The client is not a trusted proxy: its own claim is replaced.
+        assert_eq!(seen.header("x-forwarded-for"), Some("127.0.0.1"), "{proto:?}");
         assert_eq!(seen.header("x-forwarded-proto"), Some("https"));
         let authority = format!("{HOST}:{}", w.server.port);
         assert_eq!(seen.header("x-forwarded-host"), Some(authority.as_str()));
@@ -357,8 +354,9 @@ async fn failover_ejection_and_502() {
     let got = w.get(Proto::H1, "/down/x", &[]).await;
     assert_eq!(got.status, 502);
     let text = String::from_utf8_lossy(&got.body);
+    // The body names no upstream (the log does).
     assert!(
-        text.contains("no upstream answered") && text.contains(&dead.to_string()),
+        text.contains("no upstream answered") && !text.contains(&dead.to_string()),
         "{text}"
     );
 }

@@ -6,7 +6,7 @@
 //! `settings.rs`, next to each key's name and range.
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -203,8 +203,69 @@ pub struct Route {
     pub deny_paths: Vec<String>,
     /// Lower-case media types a request body must carry; empty means any.
     pub required_content_types: Vec<String>,
+    /// The TCP (and TLS) connect to one upstream.
     pub connect_timeout: Duration,
-    pub read_timeout: Duration,
+    /// From the end of the request (its body sent) to the response head.
+    pub response_timeout: Duration,
+    /// The longest pause between body bytes, either way: the client's upload and
+    /// the upstream's response body.
+    pub body_idle_timeout: Duration,
+    /// Connections to one upstream of this route, in use or idle.
+    pub max_connections_per_upstream: usize,
+    /// How long a request waits for a free connection (then 503).
+    pub queue_timeout: Duration,
+    /// Peers whose `X-Forwarded-*`, `Forwarded`, `X-Real-IP` and `True-Client-IP`
+    /// are kept (the `[reverse_proxy]` list, on every route).
+    pub trusted_proxies: Vec<IpNet>,
+}
+
+/// An address block of `trusted_proxies`: `10.0.0.0/8`, `::1/128`, or one address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpNet {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl IpNet {
+    /// `ADDR/LEN` or `ADDR`; `None` when either part is wrong or host bits are set.
+    pub fn parse(text: &str) -> Option<IpNet> {
+        let (addr, prefix) = match text.split_once('/') {
+            Some((a, p)) => (a.parse::<IpAddr>().ok()?, p.parse::<u8>().ok()?),
+            None => {
+                let a = text.parse::<IpAddr>().ok()?;
+                (a, if a.is_ipv4() { 32 } else { 128 })
+            }
+        };
+        let net = IpNet { addr, prefix };
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        (prefix <= max && net.contains(addr) && net.mask(addr) == net.bits()).then_some(net)
+    }
+
+    fn bits(&self) -> u128 {
+        match self.addr {
+            IpAddr::V4(a) => u128::from(u32::from(a)),
+            IpAddr::V6(a) => u128::from(a),
+        }
+    }
+
+    fn mask(&self, ip: IpAddr) -> u128 {
+        let (value, width) = match ip {
+            IpAddr::V4(a) => (u128::from(u32::from(a)), 32u32),
+            IpAddr::V6(a) => (u128::from(a), 128),
+        };
+        let host_bits = width - u32::from(self.prefix).min(width);
+        value
+            .checked_shr(host_bits)
+            .unwrap_or(0)
+            .checked_shl(host_bits)
+            .unwrap_or(0)
+    }
+
+    /// Whether `ip` (an IPv4-mapped IPv6 address counts as IPv4) is in the block.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        ip.is_ipv4() == self.addr.is_ipv4() && self.mask(ip) == self.mask(self.addr)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

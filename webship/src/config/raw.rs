@@ -37,6 +37,8 @@ pub(super) struct RawReverseProxy {
     pub passthrough_engine: Option<super::Engine>,
     pub udp_flow_idle_secs: Option<u64>,
     pub udp_engine: Option<super::UdpEngine>,
+    /// Peers (CIDR blocks) whose forwarding fields are kept and extended.
+    pub trusted_proxies: Option<Vec<String>>,
     #[serde(default)]
     pub routes: Vec<RawRoute>,
 }
@@ -65,7 +67,12 @@ pub(super) struct RawRoute {
     pub deny_paths: Option<Vec<String>>,
     pub required_content_types: Option<Vec<String>>,
     pub connect_timeout_ms: Option<u64>,
+    /// Before `response_timeout_secs` and `body_idle_timeout_secs`: sets both.
     pub read_timeout_secs: Option<u64>,
+    pub response_timeout_secs: Option<u64>,
+    pub body_idle_timeout_secs: Option<u64>,
+    pub max_connections_per_upstream: Option<usize>,
+    pub queue_timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Deserialize)]

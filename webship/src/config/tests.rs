@@ -249,6 +249,118 @@ fn bad_routes_are_named() {
 }
 
 #[test]
+fn proxy_timeouts_caps_and_trusted_proxies() {
+    let f = Files::new();
+    let with = |proxy: &str, route: &str| {
+        format!(
+            "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\n{proxy}\n[reverse_proxy.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"127.0.0.1:1\"]\n{route}\n"
+        )
+    };
+    let route_of = |config: Config| match &config.sites[0].serve {
+        Serve::Proxy(routes) => routes[0].clone(),
+        Serve::Files(_) => panic!("not a proxy site"),
+    };
+    // Defaults: nginx's 60 s, HAProxy's queue timeout = the connect timeout.
+    let r = route_of(f.parse(&with("", "")).unwrap());
+    assert_eq!(
+        (
+            r.connect_timeout,
+            r.response_timeout,
+            r.body_idle_timeout,
+            r.queue_timeout
+        ),
+        (
+            Duration::from_secs(3),
+            Duration::from_secs(60),
+            Duration::from_secs(60),
+            Duration::from_secs(3)
+        )
+    );
+    assert_eq!((r.max_connections_per_upstream, r.trusted_proxies.len()), (64, 0));
+    // The older key sets both timeouts.
+    let r = route_of(
+        f.parse(&with("", "read_timeout_secs = 7\nconnect_timeout_ms = 500"))
+            .unwrap(),
+    );
+    assert_eq!(
+        (r.response_timeout, r.body_idle_timeout, r.queue_timeout),
+        (
+            Duration::from_secs(7),
+            Duration::from_secs(7),
+            Duration::from_millis(500)
+        )
+    );
+    let r = route_of(
+        f.parse(&with(
+            "trusted_proxies = [\"10.0.0.0/8\", \"::1\"]",
+            "response_timeout_secs = 5\nbody_idle_timeout_secs = 9\nmax_connections_per_upstream = 2\nqueue_timeout_ms = 100",
+        ))
+        .unwrap(),
+    );
+    assert_eq!(
+        (
+            r.response_timeout,
+            r.body_idle_timeout,
+            r.max_connections_per_upstream,
+            r.queue_timeout
+        ),
+        (
+            Duration::from_secs(5),
+            Duration::from_secs(9),
+            2,
+            Duration::from_millis(100)
+        )
+    );
+    assert!(r.trusted_proxies[0].contains("10.1.2.3".parse().unwrap()));
+    assert!(r.trusted_proxies[0].contains("::ffff:10.1.2.3".parse().unwrap()));
+    assert!(!r.trusted_proxies[0].contains("11.0.0.1".parse().unwrap()));
+    assert!(r.trusted_proxies[1].contains("::1".parse().unwrap()));
+
+    let keys = |text: String| -> Vec<String> { f.problems(&text).into_iter().map(|p| p.key).collect() };
+    assert_eq!(
+        keys(with("", "read_timeout_secs = 5\nresponse_timeout_secs = 5")),
+        ["reverse_proxy.routes[0].read_timeout_secs"]
+    );
+    assert_eq!(
+        keys(with("", "max_connections_per_upstream = 0")),
+        ["reverse_proxy.routes[0].max_connections_per_upstream"]
+    );
+    assert_eq!(
+        keys(with("", "body_idle_timeout_secs = 0")),
+        ["reverse_proxy.routes[0].body_idle_timeout_secs"]
+    );
+    assert_eq!(
+        keys(with(
+            "trusted_proxies = [\"10.0.0.1/8\", \"10.0.0.0/33\", \"nope\"]",
+            ""
+        )),
+        [
+            "reverse_proxy.trusted_proxies[0]",
+            "reverse_proxy.trusted_proxies[1]",
+            "reverse_proxy.trusted_proxies[2]"
+        ]
+    );
+    assert_eq!(
+        keys(with("", "path_prefix = \"/a/../b/\"\ndeny_paths = [\"/%61dmin*\", \"admin\", \"/x//y\", \"/a*b*\", \"*.php\", \"/ok*\"]")),
+        [
+            "reverse_proxy.routes[0].path_prefix",
+            "reverse_proxy.routes[0].deny_paths[0]",
+            "reverse_proxy.routes[0].deny_paths[1]",
+            "reverse_proxy.routes[0].deny_paths[2]",
+            "reverse_proxy.routes[0].deny_paths[3]"
+        ]
+    );
+    let passthrough = "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\ntls_termination = false\ntrusted_proxies = [\"10.0.0.0/8\"]\n[reverse_proxy.protocols]\nh3 = false\n[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"127.0.0.1:1\"]\nqueue_timeout_ms = 5\n";
+    assert_eq!(
+        keys(passthrough.to_owned()),
+        [
+            "reverse_proxy.trusted_proxies",
+            "reverse_proxy.routes[0].queue_timeout_ms"
+        ]
+    );
+}
+
+#[test]
 fn passthrough_routes_by_sni_alone() {
     let f = Files::new();
     let base = "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\ntls_termination = false\n[reverse_proxy.protocols]\nh3 = false\n";

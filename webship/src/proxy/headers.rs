@@ -1,5 +1,13 @@
 //! Header rewriting at the proxy boundary (RFC 9110 §7.6): hop-by-hop fields stay
 //! behind, forwarding fields are added.
+//!
+//! Forwarding fields say who the client is, so a client may not write its own: from a
+//! peer outside `trusted_proxies`, `X-Forwarded-For`, `Forwarded`,
+//! `X-Forwarded-Proto`, `X-Forwarded-Host`, `X-Real-IP` and `True-Client-IP` are
+//! replaced by ours or dropped; a trusted peer's are kept and extended. The
+//! request-rewrite fields some origins obey over the request line
+//! (`X-Original-URL`, `X-Rewrite-URL`) never pass: they would route around the
+//! proxy's path filters.
 
 use std::net::SocketAddr;
 
@@ -61,6 +69,47 @@ fn append(out: &mut HeaderMap, name: HeaderName, existing: Option<&HeaderValue>,
     }
 }
 
+/// Every value of `name` as one comma-separated list (a client may split a list
+/// over several lines).
+fn joined(from: &HeaderMap, name: &str) -> Option<HeaderValue> {
+    let values: Vec<&str> = from
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    if values.is_empty() {
+        return None;
+    }
+    HeaderValue::from_str(&values.join(", ")).ok()
+}
+
+/// An RFC 7239 `quoted-string` (RFC 9110 §5.6.4): `"` and `\` escaped.
+fn quoted(value: &str) -> String {
+    let mut out = String::with_capacity(value.len() + 2);
+    out.push('"');
+    for c in value.chars() {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
+    out
+}
+
+/// Fields a client may state only through a trusted proxy.
+const CLAIMS: [&str; 6] = [
+    "x-forwarded-for",
+    "forwarded",
+    "x-forwarded-proto",
+    "x-forwarded-host",
+    "x-real-ip",
+    "true-client-ip",
+];
+
+/// Fields that rewrite the request's target on some origins (IIS, Symfony).
+const REWRITES: [&str; 2] = ["x-original-url", "x-rewrite-url"];
+
 /// The request headers the upstream sees.
 pub(super) fn upstream_request(req: &RequestHead<'_>, upstream: SocketAddr, route: &Route) -> HeaderMap {
     let mut out = end_to_end(req.headers);
@@ -83,19 +132,33 @@ pub(super) fn upstream_request(req: &RequestHead<'_>, upstream: SocketAddr, rout
                 .map(str::to_owned)
         })
         .unwrap_or_default();
-    let ip = req.peer.ip();
+    for name in REWRITES {
+        out.remove(name);
+    }
+    let ip = req.peer.ip().to_canonical();
+    let trusted = route.trusted_proxies.iter().any(|net| net.contains(ip));
+    if !trusted {
+        for name in CLAIMS {
+            out.remove(name);
+        }
+    }
+    let theirs = |name: &str| if trusted { joined(req.headers, name) } else { None };
     append(
         &mut out,
         HeaderName::from_static("x-forwarded-for"),
-        req.headers.get("x-forwarded-for"),
+        theirs("x-forwarded-for").as_ref(),
         &ip.to_string(),
     );
-    out.insert(
-        HeaderName::from_static("x-forwarded-proto"),
-        HeaderValue::from_static("https"),
-    );
-    if let Ok(v) = HeaderValue::from_str(&host) {
-        out.insert(HeaderName::from_static("x-forwarded-host"), v);
+    if !out.contains_key("x-forwarded-proto") {
+        out.insert(
+            HeaderName::from_static("x-forwarded-proto"),
+            HeaderValue::from_static("https"),
+        );
+    }
+    if !out.contains_key("x-forwarded-host") {
+        if let Ok(v) = HeaderValue::from_str(&host) {
+            out.insert(HeaderName::from_static("x-forwarded-host"), v);
+        }
     }
     let node = match ip {
         std::net::IpAddr::V4(v4) => v4.to_string(),
@@ -104,12 +167,12 @@ pub(super) fn upstream_request(req: &RequestHead<'_>, upstream: SocketAddr, rout
     let forwarded = if host.is_empty() {
         format!("for={node};proto=https")
     } else {
-        format!("for={node};proto=https;host=\"{host}\"")
+        format!("for={node};proto=https;host={}", quoted(&host))
     };
     append(
         &mut out,
         header::FORWARDED,
-        req.headers.get(header::FORWARDED),
+        theirs("forwarded").as_ref(),
         &forwarded,
     );
     let via = format!("{} webship", version_token(req.version));
@@ -180,7 +243,11 @@ mod tests {
             deny_paths: vec![],
             required_content_types: vec![],
             connect_timeout: std::time::Duration::from_secs(1),
-            read_timeout: std::time::Duration::from_secs(1),
+            response_timeout: std::time::Duration::from_secs(1),
+            body_idle_timeout: std::time::Duration::from_secs(1),
+            max_connections_per_upstream: 4,
+            queue_timeout: std::time::Duration::from_secs(1),
+            trusted_proxies: vec![crate::config::IpNet::parse("::1").unwrap()],
         };
         let out = upstream_request(&req, "127.0.0.1:9".parse().unwrap(), &route);
         assert_eq!(out["x-forwarded-for"], "203.0.113.7, ::1");
@@ -194,9 +261,23 @@ mod tests {
         assert_eq!(out[header::HOST], "media.example.com");
         let rewrite = Route {
             rewrite_host: true,
-            ..route
+            ..route.clone()
         };
         let out = upstream_request(&req, "127.0.0.1:9".parse().unwrap(), &rewrite);
         assert_eq!(out[header::HOST], "127.0.0.1:9");
+        // Untrusted: the client's claim is replaced.
+        let untrusted = Route {
+            trusted_proxies: vec![],
+            ..route
+        };
+        let out = upstream_request(&req, "127.0.0.1:9".parse().unwrap(), &untrusted);
+        assert_eq!(out["x-forwarded-for"], "::1");
+    }
+
+    #[test]
+    fn forwarded_host_is_a_quoted_string() {
+        assert_eq!(quoted("a.test:443"), "\"a.test:443\"");
+        assert_eq!(quoted("x\",for=6.6.6.6"), "\"x\\\",for=6.6.6.6\"");
+        assert_eq!(quoted("a\\b"), "\"a\\\\b\"");
     }
 }

@@ -17,12 +17,12 @@ fn refuse(status: StatusCode, reason: &'static str) -> Result<(), Refusal> {
     Err(Refusal { status, reason })
 }
 
-pub(super) fn check(route: &Route, req: &RequestHead<'_>) -> Result<(), Refusal> {
+/// `path` is the request's normal form ([`super::path::normalize`]).
+pub(super) fn check(route: &Route, req: &RequestHead<'_>, path: &str) -> Result<(), Refusal> {
     if !route.allowed_methods.is_empty() && !route.allowed_methods.iter().any(|m| m == req.method.as_str()) {
         return refuse(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this route");
     }
-    let path = req.uri.path();
-    if route.deny_paths.iter().any(|p| path_matches(p, path)) {
+    if route.deny_paths.iter().any(|p| super::path::denied_by(p, path)) {
         return refuse(StatusCode::FORBIDDEN, "path denied on this route");
     }
     let header_bytes: usize = req
@@ -64,29 +64,4 @@ pub(super) fn check(route: &Route, req: &RequestHead<'_>) -> Result<(), Refusal>
         }
     }
     Ok(())
-}
-
-/// `/admin*` by prefix, `*.php` by suffix, anything else exactly.
-fn path_matches(pattern: &str, path: &str) -> bool {
-    if let Some(prefix) = pattern.strip_suffix('*') {
-        path.starts_with(prefix)
-    } else if let Some(suffix) = pattern.strip_prefix('*') {
-        path.ends_with(suffix)
-    } else {
-        path == pattern
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn patterns() {
-        assert!(path_matches("/admin*", "/admin/users"));
-        assert!(path_matches("*.php", "/x/index.php"));
-        assert!(path_matches("/exact", "/exact"));
-        assert!(!path_matches("/exact", "/exact/more"));
-        assert!(!path_matches("/admin*", "/public"));
-    }
 }

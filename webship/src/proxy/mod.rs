@@ -9,34 +9,41 @@
 //! dies mid-body ends the client's response as a protocol error. A client that goes
 //! away drops the relayed body, which drops the upstream exchange at once.
 //!
-//! Health is passive: an upstream that refuses or times out a connection is ejected
-//! for [`EJECT_FOR`]; idempotent requests without a body then retry on the next one.
+//! The path is normalized once ([`path`]) and routes, `deny_paths` and the upstream
+//! all see that one form. Connections per upstream are capped, with a queue timeout
+//! ([`upstream`]); the wait for a response head starts when the request has gone,
+//! and a stalled upload is the client's (408) or the upstream's fault, never both.
+//!
+//! Health is passive: an upstream that refuses or times out a connection, answers
+//! garbage or sends no response head in time is ejected for [`EJECT_FOR`];
+//! idempotent requests without a body then retry on the next one. Local shortages
+//! (descriptors, buffers) and slow clients eject nothing. Error bodies name no
+//! upstream: the log does.
 
+mod body;
 mod headers;
 mod inspect;
+pub(crate) mod path;
+mod upstream;
 
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, StatusCode};
-use http_body::Frame;
 use http_body_util::BodyExt;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::client::legacy::connect::capture_connection;
 
 use crate::config::{Route, UpstreamProtocol};
 use crate::message::{empty_body, Body, BoxError, RequestHead, Response, StreamBody};
 
+use body::{LimitedBody, RelayBody, Upload, Waiting};
+use upstream::{Fault, Upstream};
+
 /// How long a failing upstream is skipped.
 pub(crate) const EJECT_FOR: Duration = Duration::from_secs(10);
-/// Idle pooled connections kept per upstream.
-const POOL_IDLE_PER_UPSTREAM: usize = 64;
 
 /// The proxy of one site (one domain): its routes and their upstream state.
 #[derive(Debug)]
@@ -64,7 +71,16 @@ impl Proxy {
     }
 
     pub(crate) async fn forward(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
-        let path = req.uri.path();
+        // Routes, filters and the origin all see one spelling of the path.
+        let path = match path::normalize(req.uri.path()) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::info!(target: "proxy", domain = %self.domain, peer = %req.peer, method = %req.method,
+                    path = req.uri.path(), status = 400, reason = %e, "request refused");
+                return text(StatusCode::BAD_REQUEST, &format!("webship: the path has {e}\n"));
+            }
+        };
+        let path = path.as_str();
         let Some(state) = self
             .routes
             .iter()
@@ -72,7 +88,7 @@ impl Proxy {
         else {
             return text(StatusCode::NOT_FOUND, "webship: no route for this path\n");
         };
-        if let Err(refusal) = inspect::check(&state.route, req) {
+        if let Err(refusal) = inspect::check(&state.route, req, path) {
             tracing::info!(target: "proxy", domain = %self.domain, peer = %req.peer, method = %req.method,
                 path, status = refusal.status.as_u16(), reason = refusal.reason, "request refused");
             let mut resp = text(refusal.status, &format!("webship: {}\n", refusal.reason));
@@ -98,23 +114,7 @@ impl Proxy {
             .boxed_unsync(),
             None => body,
         };
-        state.send(req, body, &self.domain).await
-    }
-}
-
-/// The pooled client of one route: plain TCP, or TLS to the upstreams.
-#[derive(Debug)]
-enum Upstream {
-    Plain(Client<HttpConnector, StreamBody>),
-    Tls(Client<hyper_rustls::HttpsConnector<HttpConnector>, StreamBody>),
-}
-
-impl Upstream {
-    fn request(&self, req: http::Request<StreamBody>) -> hyper_util::client::legacy::ResponseFuture {
-        match self {
-            Upstream::Plain(c) => c.request(req),
-            Upstream::Tls(c) => c.request(req),
-        }
+        state.send(req, path, body, &self.domain).await
     }
 }
 
@@ -132,33 +132,8 @@ pub enum ProxyError {
 
 impl RouteState {
     fn new(route: &Route) -> Result<Self, ProxyError> {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(route.connect_timeout));
-        connector.set_nodelay(true);
-        let mut builder = Client::builder(TokioExecutor::new());
-        builder
-            .pool_timer(TokioTimer::new())
-            .timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(POOL_IDLE_PER_UPSTREAM);
-        let client = match &route.upstream_protocol {
-            UpstreamProtocol::H1 => {
-                connector.enforce_http(true);
-                Upstream::Plain(builder.build(connector))
-            }
-            UpstreamProtocol::H2c => {
-                connector.enforce_http(true);
-                builder.http2_only(true);
-                Upstream::Plain(builder.build(connector))
-            }
-            UpstreamProtocol::H2 { ca, name } => {
-                connector.enforce_http(false);
-                builder.http2_only(true);
-                Upstream::Tls(builder.build(tls_connector(connector, ca, name)?))
-            }
-        };
         Ok(Self {
-            client,
+            client: Upstream::new(route)?,
             next: AtomicUsize::new(0),
             ejected_until: Mutex::new(vec![None; route.upstreams.len()]),
             route: route.clone(),
@@ -179,7 +154,100 @@ impl RouteState {
         healthy
     }
 
-    fn eject(&self, i: usize) {
+    async fn send(&self, req: &RequestHead<'_>, path: &str, body: StreamBody, domain: &str) -> Response {
+        let retryable = is_idempotent(req.method) && !req.has_body();
+        let mut body = Some(body);
+        for i in self.candidates() {
+            let upstream = self.route.upstreams[i];
+            let Some(this_body) = body.take().or_else(|| retryable.then(empty_body)) else {
+                break;
+            };
+            let bodiless = http_body::Body::is_end_stream(&this_body);
+            let upload = Upload::new();
+            let this_body = upload.watch(this_body).boxed_unsync();
+            let request = match build_request(req, path, this_body, upstream, &self.route) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::info!(target: "proxy", %domain, %upstream, error = %e, "request cannot be forwarded");
+                    return text(
+                        StatusCode::BAD_REQUEST,
+                        "webship: the request cannot be forwarded\n",
+                    );
+                }
+            };
+            let failed = match self.exchange(request, &upload, bodiless).await {
+                Ok(resp) => return relay(resp, req.method, self.route.body_idle_timeout),
+                Err(failed) => failed,
+            };
+            // An unreachable upstream is the only failure another upstream may fix.
+            if let Some(resp) = self.answer(failed, i, domain) {
+                return resp;
+            }
+            if !retryable {
+                break;
+            }
+        }
+        text(StatusCode::BAD_GATEWAY, "webship: no upstream answered\n")
+    }
+
+    /// What the client gets for a failed exchange with upstream `i`, ejecting it
+    /// for its own faults; `None` when the next upstream may be tried.
+    fn answer(&self, failed: Failed, i: usize, domain: &str) -> Option<Response> {
+        let upstream = self.route.upstreams[i];
+        let late = || {
+            text(
+                StatusCode::GATEWAY_TIMEOUT,
+                "webship: the upstream did not answer in time\n",
+            )
+        };
+        let failed_text = || text(StatusCode::BAD_GATEWAY, "webship: the upstream failed\n");
+        let e = match failed {
+            Failed::Timeout(waiting) => {
+                tracing::warn!(target: "proxy", %domain, %upstream, ?waiting, "upstream exchange timed out");
+                return Some(match waiting {
+                    Waiting::Client => {
+                        text(StatusCode::REQUEST_TIMEOUT, "webship: the request body stalled\n")
+                    }
+                    Waiting::Connection => late(),
+                    Waiting::Response | Waiting::UpstreamReading => {
+                        self.eject(i, domain, upstream, "no answer in time");
+                        late()
+                    }
+                });
+            }
+            Failed::Error(e) => e,
+        };
+        let fault = upstream::classify(&e);
+        tracing::warn!(target: "proxy", %domain, %upstream, ?fault, error = %chain(&e), "upstream exchange failed");
+        Some(match fault {
+            Fault::Unreachable => {
+                self.eject(i, domain, upstream, "unreachable");
+                return None;
+            }
+            Fault::QueueFull | Fault::Local => {
+                let mut resp = text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "webship: the upstream is busy; try again later\n",
+                );
+                resp.headers
+                    .insert(http::header::RETRY_AFTER, HeaderValue::from_static("1"));
+                resp
+            }
+            Fault::TooLarge => text(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "webship: request body over the route's max_body_bytes\n",
+            ),
+            Fault::Client => text(StatusCode::BAD_REQUEST, "webship: the request body failed\n"),
+            Fault::Garbage => {
+                self.eject(i, domain, upstream, "not HTTP");
+                failed_text()
+            }
+            Fault::Broken => failed_text(),
+        })
+    }
+
+    fn eject(&self, i: usize, domain: &str, upstream: SocketAddr, why: &str) {
+        tracing::warn!(target: "proxy", %domain, %upstream, why, "upstream ejected for {} s", EJECT_FOR.as_secs());
         if let Ok(mut e) = self.ejected_until.lock() {
             if let Some(slot) = e.get_mut(i) {
                 *slot = Some(Instant::now() + EJECT_FOR);
@@ -187,71 +255,56 @@ impl RouteState {
         }
     }
 
-    async fn send(&self, req: &RequestHead<'_>, body: StreamBody, domain: &str) -> Response {
-        let retryable = is_idempotent(req.method) && !req.has_body();
-        let mut body = Some(body);
-        let mut tried = Vec::new();
-        for i in self.candidates() {
-            let upstream = self.route.upstreams[i];
-            let Some(this_body) = body.take().or_else(|| retryable.then(empty_body)) else {
-                break;
-            };
-            let request = match build_request(req, this_body, upstream, &self.route) {
-                Ok(r) => r,
-                Err(e) => return text(StatusCode::BAD_REQUEST, &format!("webship: {e}\n")),
-            };
-            tried.push(upstream.to_string());
-            let sent = tokio::time::timeout(self.route.read_timeout, self.client.request(request)).await;
-            match sent {
-                Ok(Ok(resp)) => return relay(resp, self.route.read_timeout),
-                Ok(Err(e)) if e.is_connect() => {
-                    tracing::warn!(target: "proxy", %domain, %upstream, error = %chain(&e), "upstream unreachable; ejected");
-                    self.eject(i);
-                    if !retryable {
-                        break;
+    /// One request to one upstream, up to its response head. Queue and connect are
+    /// bounded by the connector; then the upload may pause up to `body_idle_timeout`
+    /// at a time, and the head must come within `response_timeout` of the request's
+    /// end.
+    async fn exchange(
+        &self,
+        mut request: http::Request<StreamBody>,
+        upload: &Upload,
+        bodiless: bool,
+    ) -> Result<http::Response<hyper::body::Incoming>, Failed> {
+        let mut captured = capture_connection(&mut request);
+        let sent = self.client.request(request);
+        tokio::pin!(sent);
+        // A backstop only: the connector gives up on its own before this.
+        let connecting = self.route.queue_timeout + self.route.connect_timeout + Duration::from_secs(1);
+        tokio::select! {
+            r = &mut sent => return r.map_err(Failed::Error),
+            _ = captured.wait_for_connection_metadata() => upload.connected(bodiless),
+            _ = tokio::time::sleep(connecting) => return Err(Failed::Timeout(Waiting::Connection)),
+        }
+        loop {
+            let (deadline, _) = upload.deadline(self.route.response_timeout, self.route.body_idle_timeout);
+            tokio::select! {
+                r = &mut sent => return r.map_err(Failed::Error),
+                _ = tokio::time::sleep_until(deadline.into()) => {
+                    let (deadline, waiting) =
+                        upload.deadline(self.route.response_timeout, self.route.body_idle_timeout);
+                    if deadline <= Instant::now() {
+                        return Err(Failed::Timeout(waiting));
                     }
-                }
-                Ok(Err(e)) => {
-                    tracing::warn!(target: "proxy", %domain, %upstream, error = %chain(&e), "upstream exchange failed");
-                    if limited(&e) {
-                        return text(
-                            StatusCode::PAYLOAD_TOO_LARGE,
-                            "webship: request body over the route's max_body_bytes\n",
-                        );
-                    }
-                    return text(
-                        StatusCode::BAD_GATEWAY,
-                        &format!("webship: upstream {upstream} failed: {e}\n"),
-                    );
-                }
-                Err(_) => {
-                    tracing::warn!(target: "proxy", %domain, %upstream, "upstream timed out; ejected");
-                    self.eject(i);
-                    return text(
-                        StatusCode::GATEWAY_TIMEOUT,
-                        &format!("webship: upstream {upstream} did not answer in time\n"),
-                    );
                 }
             }
         }
-        text(
-            StatusCode::BAD_GATEWAY,
-            &format!(
-                "webship: no upstream answered for `{domain}{}` (tried {})\n",
-                self.route.path_prefix,
-                tried.join(", ")
-            ),
-        )
     }
+}
+
+/// How an exchange failed before a response head.
+#[derive(Debug)]
+enum Failed {
+    Timeout(Waiting),
+    Error(hyper_util::client::legacy::Error),
 }
 
 /// rustls towards the upstreams: only `ca` is trusted, certificates are checked for
 /// `name` whatever address was dialled, and only h2 is offered.
 fn tls_connector(
-    http: HttpConnector,
+    http: upstream::CappedConnector,
     ca: &std::path::Path,
     name: &str,
-) -> Result<hyper_rustls::HttpsConnector<HttpConnector>, ProxyError> {
+) -> Result<hyper_rustls::HttpsConnector<upstream::CappedConnector>, ProxyError> {
     use rustls::pki_types::pem::PemObject;
     let ca_error = |reason: String| ProxyError::Ca {
         path: ca.to_owned(),
@@ -301,16 +354,22 @@ fn is_idempotent(m: &Method) -> bool {
     )
 }
 
+/// The upstream request: the normalized `path` (less the route's prefix with
+/// `strip_prefix`) and the query as the client sent it.
 fn build_request(
     req: &RequestHead<'_>,
+    path: &str,
     body: StreamBody,
     upstream: SocketAddr,
     route: &Route,
 ) -> Result<http::Request<StreamBody>, http::Error> {
-    let path_and_query = req.uri.path_and_query().map_or("/", |p| p.as_str());
-    let path_and_query = match path_and_query.strip_prefix(route.path_prefix.as_str()) {
+    let path = match path.strip_prefix(route.path_prefix.as_str()) {
         Some(rest) if route.strip_prefix => format!("/{}", rest.trim_start_matches('/')),
-        _ => path_and_query.to_owned(),
+        _ => path.to_owned(),
+    };
+    let path_and_query = match req.uri.query() {
+        Some(q) => format!("{path}?{q}"),
+        None => path,
     };
     let scheme = match route.upstream_protocol {
         UpstreamProtocol::H2 { .. } => "https",
@@ -328,14 +387,42 @@ fn build_request(
     Ok(out)
 }
 
-/// Turns the upstream's response into ours, relaying the body as it arrives.
-fn relay(resp: http::Response<hyper::body::Incoming>, idle: Duration) -> Response {
+/// Turns the upstream's response into ours, relaying the body as it arrives. A
+/// `Content-Length` goes to the client only when it frames the body: never beside a
+/// `Transfer-Encoding` (RFC 9112 §6.3: the length is then wrong, and a client on a
+/// keep-alive connection would take the surplus for the next response), and the
+/// body is checked against it.
+fn relay(resp: http::Response<hyper::body::Incoming>, method: &Method, idle: Duration) -> Response {
     let (parts, body) = resp.into_parts();
-    let headers = headers::downstream_response(&parts.headers, parts.version);
-    let body = IdleTimeout {
+    let mut headers = headers::downstream_response(&parts.headers, parts.version);
+    if parts.headers.contains_key(http::header::TRANSFER_ENCODING) {
+        headers.remove(http::header::CONTENT_LENGTH);
+    }
+    let bodiless = *method == Method::HEAD
+        || parts.status.is_informational()
+        || parts.status == StatusCode::NO_CONTENT
+        || parts.status == StatusCode::NOT_MODIFIED;
+    let lengths: Vec<&HeaderValue> = headers.get_all(http::header::CONTENT_LENGTH).iter().collect();
+    let expected = match lengths.as_slice() {
+        [] => None,
+        [one] => match one.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+            Some(n) => Some(n),
+            None => {
+                headers.remove(http::header::CONTENT_LENGTH);
+                None
+            }
+        },
+        _ => {
+            headers.remove(http::header::CONTENT_LENGTH);
+            None
+        }
+    };
+    let body = RelayBody {
         inner: body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync(),
         idle,
         timer: None,
+        expected: expected.filter(|_| !bodiless),
+        seen: 0,
     };
     Response {
         status: parts.status,
@@ -355,104 +442,3 @@ fn text(status: StatusCode, message: &str) -> Response {
     resp.body = Body::Bytes(Bytes::copy_from_slice(message.as_bytes()));
     resp
 }
-
-/// The error a [`LimitedBody`] ends with, recognisable through hyper's error chain.
-#[derive(Debug, thiserror::Error)]
-#[error("request body over the route's max_body_bytes")]
-struct BodyTooLarge;
-
-fn limited(e: &hyper_util::client::legacy::Error) -> bool {
-    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
-    while let Some(s) = source {
-        if s.is::<BodyTooLarge>() {
-            return true;
-        }
-        source = s.source();
-    }
-    false
-}
-
-/// Ends a request body with an error once it exceeds the route's limit, so the
-/// upstream sees an aborted request rather than a truncated one.
-struct LimitedBody {
-    inner: StreamBody,
-    left: u64,
-}
-
-impl http_body::Body for LimitedBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let frame = std::task::ready!(Pin::new(&mut self.inner).poll_frame(cx));
-        if let Some(Ok(f)) = &frame {
-            if let Some(data) = f.data_ref() {
-                let n = data.len() as u64;
-                if n > self.left {
-                    return Poll::Ready(Some(Err(Box::new(BodyTooLarge))));
-                }
-                self.left -= n;
-            }
-        }
-        Poll::Ready(frame)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-/// Fails a relayed body whose upstream sends nothing for `idle`.
-struct IdleTimeout {
-    inner: StreamBody,
-    idle: Duration,
-    timer: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl http_body::Body for IdleTimeout {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let this = &mut *self;
-        match Pin::new(&mut this.inner).poll_frame(cx) {
-            Poll::Ready(frame) => {
-                this.timer = None;
-                if let Some(Err(e)) = &frame {
-                    tracing::debug!(target: "proxy", error = %e, "upstream body failed");
-                }
-                Poll::Ready(frame)
-            }
-            Poll::Pending => {
-                let idle = this.idle;
-                let timer = this
-                    .timer
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(idle)));
-                match timer.as_mut().poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(Some(Err("upstream body stalled".into()))),
-                    Poll::Pending => Poll::Pending,
-                }
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-use std::future::Future as _;

@@ -144,16 +144,65 @@ impl Service {
 }
 
 /// The host the request names, without port. HTTP/1.1 requires one (RFC 9112 §3.2).
+/// An authority that is not a host name, an IP address or `[IPv6]` with an optional
+/// port is refused (400), like nginx does: it would otherwise reach wildcard
+/// matching, logs and the proxy's forwarding fields as the client wrote it.
 fn host_of<'a>(req: &'a RequestHead<'_>) -> Result<Option<&'a str>, StatusCode> {
-    let raw = match req.uri.authority() {
-        Some(a) => Some(a.host()),
+    // Two Host lines leave which one an origin reads to chance (RFC 9112 §3.2: 400).
+    if req.headers.get_all(header::HOST).iter().nth(1).is_some() {
+        return Err(StatusCode::BAD_REQUEST);
+    }
+    let authority = match req.uri.authority() {
+        Some(a) => Some(a.as_str()),
         None => match req.headers.get(header::HOST) {
-            Some(v) => Some(v.to_str().map_err(|_| StatusCode::BAD_REQUEST).map(strip_port)?),
+            Some(v) => Some(v.to_str().map_err(|_| StatusCode::BAD_REQUEST)?),
             None if req.version == Version::HTTP_11 => return Err(StatusCode::BAD_REQUEST),
             None => None,
         },
     };
-    Ok(raw.map(|h| h.trim_start_matches('[').trim_end_matches(']')))
+    match authority {
+        Some(a) if !valid_authority(a) => Err(StatusCode::BAD_REQUEST),
+        Some(a) => Ok(Some(strip_port(a).trim_start_matches('[').trim_end_matches(']'))),
+        None => Ok(None),
+    }
+}
+
+/// `reg-name` (letters, digits, `-`, `.`, `_`; IPv4 included), or `[IPv6]`, then an
+/// optional `:port` (1 to 65535): RFC 9110 §7.2 without userinfo and escapes.
+pub(crate) fn valid_authority(authority: &str) -> bool {
+    let (host, port) = if let Some(rest) = authority.strip_prefix('[') {
+        let Some((v6, after)) = rest.split_once(']') else {
+            return false;
+        };
+        if v6.parse::<std::net::Ipv6Addr>().is_err() {
+            return false;
+        }
+        (
+            None,
+            after
+                .strip_prefix(':')
+                .map(Some)
+                .unwrap_or((!after.is_empty()).then_some("")),
+        )
+    } else {
+        match authority.rsplit_once(':') {
+            Some((host, port)) => (Some(host), Some(port)),
+            None => (Some(authority), None),
+        }
+    };
+    let host_ok = host.is_none_or(|h| {
+        !h.is_empty()
+            && h.len() <= 253
+            && h.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+    });
+    let port_ok = port.is_none_or(|p| {
+        !p.is_empty()
+            && p.len() <= 5
+            && p.bytes().all(|b| b.is_ascii_digit())
+            && p.parse::<u16>().is_ok_and(|n| n > 0)
+    });
+    host_ok && port_ok
 }
 
 fn strip_port(host: &str) -> &str {
@@ -177,5 +226,39 @@ mod tests {
         assert_eq!(strip_port("a.test"), "a.test");
         assert_eq!(strip_port("[::1]:443"), "::1");
         assert_eq!(strip_port("[::1]"), "::1");
+    }
+
+    #[test]
+    fn authorities() {
+        for good in [
+            "a.test",
+            "a.test:8443",
+            "a_b-c.test.",
+            "127.0.0.1",
+            "127.0.0.1:1",
+            "[::1]",
+            "[::1]:443",
+        ] {
+            assert!(valid_authority(good), "{good}");
+        }
+        for bad in [
+            "",
+            ":443",
+            "a.test:",
+            "a.test:0",
+            "a.test:65536",
+            "a.test:x",
+            "a b",
+            "x\",for=6.6.6.6;host=\"a.test",
+            "user@a.test",
+            "a.test:1:2",
+            "[::1",
+            "[::1]x",
+            "[::1]:",
+            "[zz]",
+            "a%2e.test",
+        ] {
+            assert!(!valid_authority(bad), "{bad}");
+        }
     }
 }

@@ -25,6 +25,13 @@ impl Validator<'_> {
                 "remove [reverse_proxy.tls] (the upstreams present their own certificates)",
             );
         }
+        if raw.trusted_proxies.is_some() {
+            self.problem(
+                "reverse_proxy.trusted_proxies",
+                "applies to HTTP forwarding fields, which passthrough never sees",
+                "remove `trusted_proxies`, or set `tls_termination = true`",
+            );
+        }
         let protocols = self.protocols("reverse_proxy.protocols", raw.protocols);
         let udp = self.udp_origin(raw, protocols);
         if raw.routes.is_empty() {
@@ -147,6 +154,13 @@ impl Validator<'_> {
             ("deny_paths", r.deny_paths.is_some()),
             ("required_content_types", r.required_content_types.is_some()),
             ("read_timeout_secs", r.read_timeout_secs.is_some()),
+            ("response_timeout_secs", r.response_timeout_secs.is_some()),
+            ("body_idle_timeout_secs", r.body_idle_timeout_secs.is_some()),
+            (
+                "max_connections_per_upstream",
+                r.max_connections_per_upstream.is_some(),
+            ),
+            ("queue_timeout_ms", r.queue_timeout_ms.is_some()),
         ];
         for (name, present) in http_only {
             if present {

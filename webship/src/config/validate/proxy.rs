@@ -6,12 +6,26 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use crate::config::raw::{RawReverseProxy, RawRoute};
-use crate::config::{DomainPattern, PassthroughRoute, Route, Serve, Site, UdpPassthrough, UpstreamProtocol};
+use crate::config::{
+    DomainPattern, IpNet, PassthroughRoute, Route, Serve, Site, UdpPassthrough, UpstreamProtocol,
+};
 
 use super::Validator;
 
 /// Proxy routes grouped by domain, before they become sites.
 type ByDomain = BTreeMap<String, (DomainPattern, Vec<Route>)>;
+
+/// Connections one route keeps to each upstream unless `max_connections_per_upstream`
+/// says otherwise (as many as the pool keeps idle).
+const DEFAULT_MAX_CONNECTIONS_PER_UPSTREAM: usize = 64;
+
+struct RouteTimeouts {
+    connect: Duration,
+    response: Duration,
+    body_idle: Duration,
+    queue: Duration,
+    max_connections: usize,
+}
 
 impl Validator<'_> {
     /// Each distinct route domain becomes a proxy site with the proxy's certificate
@@ -54,7 +68,8 @@ impl Validator<'_> {
                 "add at least one [[reverse_proxy.routes]] with `domain`, `path_prefix` and `upstreams`",
             );
         }
-        let by_domain = self.proxy_routes(&raw.routes, seen);
+        let trusted = self.trusted_proxies(raw.trusted_proxies.as_deref().unwrap_or_default());
+        let by_domain = self.proxy_routes(&raw.routes, seen, &trusted);
         let Some(tls) = tls else {
             return (Vec::new(), None);
         };
@@ -74,14 +89,19 @@ impl Validator<'_> {
 
     /// The valid routes by domain. A domain a `[[sites]]` entry serves from files
     /// cannot also be proxied, and two routes of a domain cannot share a prefix.
-    fn proxy_routes(&mut self, routes: &[RawRoute], seen: &BTreeMap<String, usize>) -> ByDomain {
+    fn proxy_routes(
+        &mut self,
+        routes: &[RawRoute],
+        seen: &BTreeMap<String, usize>,
+        trusted: &[IpNet],
+    ) -> ByDomain {
         let mut by_domain = ByDomain::new();
         for (i, r) in routes.iter().enumerate() {
             let key = format!("reverse_proxy.routes[{i}]");
             let Some(domain) = self.domain(&format!("{key}.domain"), &r.domain) else {
                 continue;
             };
-            let Some(route) = self.route(&key, r) else {
+            let Some(route) = self.route(&key, r, trusted) else {
                 continue;
             };
             let name = domain.to_string();
@@ -112,8 +132,35 @@ impl Validator<'_> {
         by_domain
     }
 
+    /// `trusted_proxies`: CIDR blocks (or single addresses) without host bits.
+    fn trusted_proxies(&mut self, raw: &[String]) -> Vec<IpNet> {
+        let mut out = Vec::new();
+        for (i, text) in raw.iter().enumerate() {
+            match IpNet::parse(text.trim()) {
+                Some(net) => out.push(net),
+                None => self.problem(
+                    format!("reverse_proxy.trusted_proxies[{i}]"),
+                    format!("`{text}` is not an address block"),
+                    "write it as \"10.0.0.0/8\", \"2001:db8::/32\" or one address, with no host bits set",
+                ),
+            }
+        }
+        out
+    }
+}
+
+/// Whether a configured path could equal a normalized request path (the proxy
+/// decodes escapes and resolves `//`, `.` and `..` before matching).
+fn normal_form(path: &str) -> bool {
+    !path.contains('%')
+        && !path.contains('\\')
+        && !path.contains("//")
+        && !path.split('/').any(|seg| seg == "." || seg == "..")
+}
+
+impl Validator<'_> {
     /// One route's HTTP rules; `None` when any of them is refused.
-    fn route(&mut self, key: &str, r: &RawRoute) -> Option<Route> {
+    fn route(&mut self, key: &str, r: &RawRoute, trusted: &[IpNet]) -> Option<Route> {
         let before = self.problems.len();
         let path_prefix = r.path_prefix.clone().unwrap_or_else(|| "/".into());
         if !path_prefix.starts_with('/') {
@@ -122,6 +169,24 @@ impl Validator<'_> {
                 format!("`{path_prefix}` does not start with `/`"),
                 "write it as \"/api/\"",
             );
+        } else if !normal_form(&path_prefix) {
+            self.problem(
+                format!("{key}.path_prefix"),
+                format!("`{path_prefix}` can never match: requests are matched in their normal form"),
+                "write the path decoded, without `//`, `.` or `..` segments (\"/api/\")",
+            );
+        }
+        let deny_paths = r.deny_paths.clone().unwrap_or_default();
+        for (i, pattern) in deny_paths.iter().enumerate() {
+            let literal = pattern.trim_start_matches('*').trim_end_matches('*');
+            let anchored = pattern.starts_with('/') || pattern.starts_with('*');
+            if !anchored || !normal_form(literal) || literal.contains('*') {
+                self.problem(
+                    format!("{key}.deny_paths[{i}]"),
+                    format!("`{pattern}` can never match a normalized path"),
+                    "use \"/prefix*\", \"*suffix\" or \"/exact\", decoded, without `//`, `.` or `..` segments",
+                );
+            }
         }
         let upstreams = self.upstreams(key, &r.upstreams);
         let upstream_protocol = self.upstream_protocol(key, r);
@@ -156,15 +221,7 @@ impl Validator<'_> {
                 "use 1024 to 1048576",
             );
         }
-        let connect_timeout = Duration::from_millis(r.connect_timeout_ms.unwrap_or(3_000));
-        let read_timeout = Duration::from_secs(r.read_timeout_secs.unwrap_or(60));
-        if connect_timeout.is_zero() || read_timeout.is_zero() {
-            self.problem(
-                key,
-                "a timeout of zero",
-                "use a positive connect_timeout_ms and read_timeout_secs",
-            );
-        }
+        let timeouts = self.route_timeouts(key, r);
         (self.problems.len() == before).then(|| Route {
             path_prefix,
             strip_prefix: r.strip_prefix.unwrap_or(false),
@@ -174,16 +231,71 @@ impl Validator<'_> {
             max_body_bytes: r.max_body_bytes,
             max_header_bytes,
             allowed_methods,
-            deny_paths: r.deny_paths.clone().unwrap_or_default(),
+            deny_paths,
             required_content_types: r
                 .required_content_types
                 .iter()
                 .flatten()
                 .map(|t| t.to_ascii_lowercase())
                 .collect(),
-            connect_timeout,
-            read_timeout,
+            connect_timeout: timeouts.connect,
+            response_timeout: timeouts.response,
+            body_idle_timeout: timeouts.body_idle,
+            max_connections_per_upstream: timeouts.max_connections,
+            queue_timeout: timeouts.queue,
+            trusted_proxies: trusted.to_vec(),
         })
+    }
+
+    /// The route's timeouts and connection cap. `read_timeout_secs`, the key before
+    /// the response and body-idle timeouts were separate, still sets both, alone.
+    fn route_timeouts(&mut self, key: &str, r: &RawRoute) -> RouteTimeouts {
+        if r.read_timeout_secs.is_some()
+            && (r.response_timeout_secs.is_some() || r.body_idle_timeout_secs.is_some())
+        {
+            self.problem(
+                format!("{key}.read_timeout_secs"),
+                "`read_timeout_secs` sets both `response_timeout_secs` and `body_idle_timeout_secs`; it cannot be combined with them",
+                "replace `read_timeout_secs` with `response_timeout_secs` and `body_idle_timeout_secs`",
+            );
+        }
+        let mut positive = |name: &str, value: Option<u64>, default: u64| -> u64 {
+            match value {
+                Some(0) => {
+                    self.problem(
+                        format!("{key}.{name}"),
+                        "a timeout of zero",
+                        format!("give `{name}` a positive value"),
+                    );
+                    default
+                }
+                Some(v) => v,
+                None => default,
+            }
+        };
+        let connect_ms = positive("connect_timeout_ms", r.connect_timeout_ms, 3_000);
+        let legacy = positive("read_timeout_secs", r.read_timeout_secs, 60);
+        let response = positive("response_timeout_secs", r.response_timeout_secs, legacy);
+        let body_idle = positive("body_idle_timeout_secs", r.body_idle_timeout_secs, legacy);
+        // HAProxy's rule: without its own `timeout queue`, the connect timeout.
+        let queue_ms = positive("queue_timeout_ms", r.queue_timeout_ms, connect_ms);
+        let max_connections = r
+            .max_connections_per_upstream
+            .unwrap_or(DEFAULT_MAX_CONNECTIONS_PER_UPSTREAM);
+        if !(1..=65_536).contains(&max_connections) {
+            self.problem(
+                format!("{key}.max_connections_per_upstream"),
+                "out of range",
+                "use 1 to 65536",
+            );
+        }
+        RouteTimeouts {
+            connect: Duration::from_millis(connect_ms),
+            response: Duration::from_secs(response),
+            body_idle: Duration::from_secs(body_idle),
+            queue: Duration::from_millis(queue_ms),
+            max_connections: max_connections.clamp(1, 65_536),
+        }
     }
 
     /// `upstream_protocol`, with the CA and name that HTTP/2 over TLS checks the
