@@ -264,3 +264,111 @@ async fn range_near_the_end_of_a_sparse_file_over_4_gib() {
         assert_eq!(got.header("content-length"), len.to_string());
     }
 }
+
+#[tokio::test]
+async fn dotfiles_are_hidden_but_well_known_is_served() {
+    let w = world();
+    w.env.write(".env", b"SECRET=1");
+    w.env.write(".git/config", b"[core]");
+    w.env.write("sub/.htpasswd", b"admin:x");
+    w.env.write(".well-known/acme-challenge/token", b"challenge");
+    for proto in BOTH {
+        for path in [
+            "/.env",
+            "/%2eenv",
+            "/.git/config",
+            "/.git/",
+            "/sub/.htpasswd",
+            "/sub/%2Ehtpasswd",
+            "//.env",
+            "/./.env",
+        ] {
+            let got = w.get(proto, "GET", path, &[]).await;
+            assert_eq!(got.status, 404, "{proto:?} {path}: a dotfile is not served");
+            assert!(!got.body.starts_with(b"SECRET"), "{proto:?} {path}");
+        }
+        let got = w
+            .get(proto, "GET", "/.well-known/acme-challenge/token", &[])
+            .await;
+        assert_eq!(got.status, 200, "{proto:?}: .well-known stays served (ACME)");
+        assert_eq!(got.body, b"challenge");
+    }
+}
+
+#[tokio::test]
+async fn a_site_may_allow_dotfiles() {
+    let env = Env::new();
+    env.write(".env", b"PUBLIC=1");
+    let config = env
+        .config("")
+        .replace("[sites.tls]", "dotfiles = \"allow\"\n[sites.tls]");
+    let server = Server::start(env.dir.path(), &config);
+    let got = env.get(Proto::H1, &server, "/.env", &[]).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.body, b"PUBLIC=1");
+}
+
+#[tokio::test]
+async fn a_fifo_in_the_root_is_refused_at_once() {
+    let w = world();
+    let fifo = w.env.root.join("pipe");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success(), "mkfifo failed");
+    for proto in BOTH {
+        // More requests than the blocking pool would notice, each bounded in time: a
+        // FIFO opened for reading waits for a writer, forever.
+        for _ in 0..4 {
+            let got = tokio::time::timeout(
+                std::time::Duration::from_secs(3),
+                w.get(proto, "GET", "/pipe", &[]),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{proto:?}: GET of a FIFO still unanswered after 3 s"));
+            assert!(
+                got.status == 403 || got.status == 404,
+                "{proto:?}: a FIFO answered {}",
+                got.status
+            );
+        }
+        let got = w.get(proto, "GET", "/data.bin", &[]).await;
+        assert_eq!(got.status, 200, "{proto:?}: still serving");
+        assert_eq!(got.body, w.data);
+    }
+}
+
+#[tokio::test]
+async fn overlapping_ranges_never_amplify_the_file() {
+    let w = world();
+    let many = format!("bytes={}", vec!["0-"; 64].join(","));
+    let small = format!("bytes={}", vec!["0-0"; 64].join(","));
+    for proto in BOTH {
+        let got = w.get(proto, "GET", "/data.bin", &[("range", &many)]).await;
+        assert!(
+            got.body.len() <= LEN,
+            "{proto:?}: 64 × `0-` returned {} bytes for a {LEN}-byte file",
+            got.body.len()
+        );
+        assert_eq!(
+            got.status, 200,
+            "{proto:?}: ranges larger than the file → the whole file (nginx)"
+        );
+        assert_eq!(got.body, w.data);
+        // The same byte 64 times is one range.
+        let got = w.get(proto, "GET", "/data.bin", &[("range", &small)]).await;
+        assert_eq!(got.status, 206, "{proto:?}");
+        assert_eq!(got.header("content-range"), format!("bytes 0-0/{LEN}"));
+        assert_eq!(got.body, &w.data[..1]);
+        // Overlapping and adjacent ranges coalesce into one part.
+        let got = w
+            .get(
+                proto,
+                "GET",
+                "/data.bin",
+                &[("range", "bytes=100-199,150-299,300-399")],
+            )
+            .await;
+        assert_eq!(got.status, 206, "{proto:?}");
+        assert_eq!(got.header("content-range"), format!("bytes 100-399/{LEN}"));
+        assert_eq!(got.body, &w.data[100..400]);
+    }
+}

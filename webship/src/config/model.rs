@@ -103,6 +103,21 @@ pub struct Site {
     pub tls: TlsSource,
     /// The diagnostic WebTransport endpoint, when the site enables one.
     pub webtransport: Option<WebTransport>,
+    /// Whether a file site serves paths with a segment that starts with `.`.
+    pub dotfiles: Dotfiles,
+}
+
+/// `dotfiles`: what a file site does with `/.git/config`, `/.env`, `/a/.htpasswd`.
+/// `/.well-known/` is served either way (RFC 8615: ACME challenges live there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dotfiles {
+    /// 404, as if the file did not exist (nginx's customary `location ~ /\.` rule,
+    /// Caddy's `hide`; 404 rather than 403 tells nothing about what exists).
+    #[default]
+    Deny,
+    /// Served like any other file.
+    Allow,
 }
 
 /// A site's bounded WebTransport diagnostic endpoint (`[sites.webtransport]`).

@@ -12,6 +12,8 @@ pub(super) struct RawConfig {
     pub listen: Option<String>,
     pub workers: Option<usize>,
     pub root: Option<PathBuf>,
+    /// The default of every file site, and the top-level `root` site's own.
+    pub dotfiles: Option<super::Dotfiles>,
     pub tls: Option<RawTls>,
     pub protocols: Option<RawProtocols>,
     #[serde(default)]
@@ -73,6 +75,7 @@ pub(super) struct RawRoute {
 pub(super) struct RawSite {
     pub domain: String,
     pub root: Option<PathBuf>,
+    pub dotfiles: Option<super::Dotfiles>,
     pub protocols: Option<RawProtocols>,
     pub tls: Option<RawTls>,
     pub webtransport: Option<RawWebTransport>,

@@ -5,6 +5,8 @@
 //! rest of the crate compiles and falls back to the portable rustls path everywhere.
 #![allow(unsafe_code)]
 
+pub(crate) mod file;
+
 use std::io;
 use std::net::TcpStream;
 

@@ -67,6 +67,7 @@ impl Validator<'_> {
                 protocols,
                 tls: tls.clone(),
                 webtransport: None,
+                dotfiles: crate::config::Dotfiles::Deny,
             });
         }
         (Vec::new(), None)
