@@ -88,5 +88,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         passthrough_engine: Engine::Auto,
         passthrough_udp: None,
         access_log: false,
+        user: None,
+        group: None,
     })
 }

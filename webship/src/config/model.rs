@@ -33,6 +33,10 @@ pub struct Config {
     /// HTTP/3 passthrough: every QUIC datagram on the listen port goes to this origin.
     pub passthrough_udp: Option<UdpPassthrough>,
     pub access_log: bool,
+    /// The service account to switch to once bound (`None`: stay as started).
+    pub user: Option<String>,
+    /// Its group (`None`: the user's primary group).
+    pub group: Option<String>,
 }
 
 /// A TLS passthrough route: connections whose ClientHello names `domain`.
@@ -363,6 +367,9 @@ impl fmt::Display for Engine {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     pub max_connections: usize,
+    /// Whether the file set `max_connections`: a default that does not fit the
+    /// open-file limit is lowered to fit, a configured one refuses to start.
+    pub max_connections_configured: bool,
     pub max_header_bytes: usize,
     pub handshake_timeout: Duration,
     pub header_read_timeout: Duration,
@@ -377,6 +384,7 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_connections: 10_000,
+            max_connections_configured: false,
             max_header_bytes: 32 * 1024,
             handshake_timeout: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(15),

@@ -11,6 +11,9 @@ use serde::Deserialize;
 pub(super) struct RawConfig {
     pub listen: Option<String>,
     pub workers: Option<usize>,
+    /// The service account to switch to after binding.
+    pub user: Option<String>,
+    pub group: Option<String>,
     pub root: Option<PathBuf>,
     /// The default of every file site, and the top-level `root` site's own.
     pub dotfiles: Option<super::Dotfiles>,

@@ -6,6 +6,8 @@
 #![allow(unsafe_code)]
 
 pub(crate) mod file;
+pub(crate) mod privilege;
+pub(crate) mod rlimit;
 
 use std::io;
 use std::net::TcpStream;
