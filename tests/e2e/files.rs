@@ -372,3 +372,74 @@ async fn overlapping_ranges_never_amplify_the_file() {
         assert_eq!(got.body, &w.data[100..400]);
     }
 }
+
+/// 200 GETs of a FIFO and 200 of `bytes=0-,0-,…` (20 at a time): each answered
+/// quickly, a normal download meanwhile intact, and the footprint back where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_and_overlapping_range_floods_leave_nothing_behind() {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    use webship_testkit::proc::{FloodReport, Footprint};
+
+    let w = Arc::new(world());
+    let big = pattern(4 << 20);
+    w.env.write("big.bin", &big);
+    let made = std::process::Command::new("mkfifo")
+        .arg(w.env.root.join("pipe"))
+        .status()
+        .unwrap();
+    assert!(made.success(), "mkfifo failed");
+    let many = format!("bytes={}", vec!["0-"; 64].join(","));
+    let pid = w.server.pid();
+    for (flood, path, range) in [
+        ("GET of a FIFO x200", "/pipe", None),
+        ("Range: 64 x `0-` x200", "/data.bin", Some(many.clone())),
+    ] {
+        let before = Footprint::of(pid).unwrap();
+        let mut during = before;
+        let mut download = None;
+        for round in 0..10 {
+            let mut set = tokio::task::JoinSet::new();
+            for _ in 0..20 {
+                let (w, range) = (w.clone(), range.clone());
+                set.spawn(async move {
+                    let headers: Vec<(&str, &str)> = range.iter().map(|r| ("range", r.as_str())).collect();
+                    let got =
+                        tokio::time::timeout(Duration::from_secs(5), w.get(Proto::H1, "GET", path, &headers))
+                            .await
+                            .unwrap_or_else(|_| panic!("GET {path} unanswered after 5 s"));
+                    assert!(got.body.len() <= LEN, "{path}: {} bytes", got.body.len());
+                    got.status
+                });
+            }
+            if round == 5 {
+                let start = Instant::now();
+                let got = w.get(Proto::H2, "GET", "/big.bin", &[]).await;
+                download = Some(start.elapsed());
+                assert_eq!(got.body.len(), big.len(), "{flood}: the normal download");
+                during = Footprint::of(pid).unwrap();
+            }
+            while let Some(status) = set.join_next().await {
+                let status = status.unwrap();
+                assert!([200, 403, 404].contains(&status.as_u16()), "{flood}: {status}");
+            }
+        }
+        let mut after = Footprint::of(pid).unwrap();
+        for _ in 0..40 {
+            if after.fds <= before.fds + 4 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            after = Footprint::of(pid).unwrap();
+        }
+        FloodReport {
+            flood,
+            before,
+            during,
+            after,
+            download,
+        }
+        .print();
+        assert!(after.fds <= before.fds + 4, "{flood}: fds {before} → {after}");
+    }
+}
