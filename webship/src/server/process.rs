@@ -7,7 +7,8 @@
 //! read the certificates, loaded eBPF and bound the sockets; then the main thread
 //! switches itself, opens the gate, and every waiting thread switches itself too
 //! (`sys::privilege` says why each thread must). Nothing is accepted before the last
-//! of them has.
+//! of them has. So the setup before the switch must never wait on the runtime's
+//! threads (no `spawn_blocking` awaited, no I/O awaited): they are not running yet.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};

@@ -263,9 +263,14 @@ pub(crate) fn switch_thread(account: &Account, keep: Caps) -> Result<(), Privile
         }
         // SAFETY: prctl with integer arguments only; no memory is passed.
         let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, libc::c_ulong::from(cap), 0, 0, 0) };
-        // EINVAL: a capability this kernel does not have.
-        if rc != 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINVAL) {
-            return Err(fail("dropping the capability bounding set")());
+        // EINVAL: a capability this kernel does not have. EPERM: started without
+        // CAP_SETPCAP (a container that dropped it); the bounding set then stays as
+        // it is, which no-new-privs below makes moot (it only limits what an exec
+        // could gain, and no exec gains anything any more).
+        match (rc, io::Error::last_os_error().raw_os_error()) {
+            (0, _) | (_, Some(libc::EINVAL)) => {}
+            (_, Some(libc::EPERM)) => break,
+            _ => return Err(fail("dropping the capability bounding set")()),
         }
     }
     // SAFETY: prctl with integer arguments only.
