@@ -114,14 +114,24 @@ async fn passthrough_runs_as_the_service_account_keeping_only_what_ebpf_needs() 
     std::fs::write(origin_root.join("who.txt"), "the origin").unwrap();
     let origin = origin_server(&env, "a", "a.pass", &origin_root, "", "");
     for engine in ["sockmap", "splice"] {
-        let settings = format!("passthrough_engine = \"{engine}\"\n");
+        // splice also carries HTTP/3 passthrough through the userspace relay, whose
+        // per-flow sockets are made after the switch.
+        let h3 = engine != "sockmap";
+        let settings = if h3 {
+            format!(
+                "passthrough_engine = \"{engine}\"\nudp_upstream = \"{}\"\nudp_engine = \"userspace\"\n",
+                origin.addr()
+            )
+        } else {
+            format!("passthrough_engine = \"{engine}\"\n")
+        };
         // splice without eBPF: nothing loaded, so nothing is kept.
         let kernel = if engine == "sockmap" {
             "[kernel]\nbbr = \"off\"\n"
         } else {
             "[kernel]\nbbr = \"off\"\nebpf = \"off\"\n"
         };
-        let config = passthrough_config(&settings, false, &[("a.pass", origin.addr())])
+        let config = passthrough_config(&settings, h3, &[("a.pass", origin.addr())])
             .replacen("[kernel]\n", kernel, 1)
             .replacen(
                 "workers = 2\n",
@@ -154,6 +164,11 @@ async fn passthrough_runs_as_the_service_account_keeping_only_what_ebpf_needs() 
             .await;
             assert_eq!(got.status, 200, "{engine} {proto:?}");
             assert_eq!(got.body, b"the origin", "{engine} {proto:?}");
+        }
+        if h3 {
+            let got = fetch_h3(front.addr(), "a.pass", env.client(b"h3"), "GET", "/who.txt", &[]).await;
+            assert_eq!(got.status, 200, "{engine}: h3 passthrough");
+            assert_eq!(got.body, b"the origin", "{engine}: h3 passthrough");
         }
         front.terminate();
         assert!(
