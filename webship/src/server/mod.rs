@@ -60,7 +60,7 @@ pub enum ServerError {
 /// privileges, kernel).
 pub fn check(config: &Config) -> Result<(), ServerError> {
     Stack::build(config)?;
-    Privilege::plan(config)?;
+    process::resolve(config)?;
     Ok(())
 }
 

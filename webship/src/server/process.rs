@@ -144,9 +144,9 @@ impl Privilege {
     /// Resolves `user`/`group` of `config` (also what `webship check` reports); a
     /// daemon started as root without them stays root, and says so.
     pub fn plan(config: &Config) -> Result<Self, ProcessError> {
-        let account = match &config.user {
-            Some(user) => {
-                let account = privilege::lookup(user, config.group.as_deref())?;
+        let account = match resolve(config)? {
+            Some(account) => {
+                let user = &account.user;
                 let [_, euid, _] = privilege::thread_uids();
                 if account.uid == euid {
                     None // already that user: nothing to switch
@@ -303,6 +303,15 @@ pub(super) struct AbandonGuard<'a>(&'a Privilege);
 impl Drop for AbandonGuard<'_> {
     fn drop(&mut self) {
         self.0.abandon();
+    }
+}
+
+/// The service account `config` names, looked up (what `webship check` verifies,
+/// whoever runs it).
+pub(super) fn resolve(config: &Config) -> Result<Option<Account>, ProcessError> {
+    match &config.user {
+        Some(user) => Ok(Some(privilege::lookup(user, config.group.as_deref())?)),
+        None => Ok(None),
     }
 }
 
