@@ -20,8 +20,9 @@ impl ByteRange {
 /// What a `Range` header asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum RangeRequest {
-    /// Not a `bytes` range, malformed, or too many parts: serve the whole file, as the
-    /// RFC lets a server do with a Range header it does not understand.
+    /// Not a `bytes` range, malformed, too many parts, or parts adding up to more than
+    /// the file: serve the whole file once, as the RFC lets a server do with a Range
+    /// header it does not understand or will not honour (RFC 9110 §14.2).
     Ignore,
     /// At least one range overlaps the file; in request order.
     Satisfiable(Vec<ByteRange>),
