@@ -264,3 +264,182 @@ async fn range_near_the_end_of_a_sparse_file_over_4_gib() {
         assert_eq!(got.header("content-length"), len.to_string());
     }
 }
+
+#[tokio::test]
+async fn dotfiles_are_hidden_but_well_known_is_served() {
+    let w = world();
+    w.env.write(".env", b"SECRET=1");
+    w.env.write(".git/config", b"[core]");
+    w.env.write("sub/.htpasswd", b"admin:x");
+    w.env.write(".well-known/acme-challenge/token", b"challenge");
+    for proto in BOTH {
+        for path in [
+            "/.env",
+            "/%2eenv",
+            "/.git/config",
+            "/.git/",
+            "/sub/.htpasswd",
+            "/sub/%2Ehtpasswd",
+            "//.env",
+            "/./.env",
+        ] {
+            let got = w.get(proto, "GET", path, &[]).await;
+            assert_eq!(got.status, 404, "{proto:?} {path}: a dotfile is not served");
+            assert!(!got.body.starts_with(b"SECRET"), "{proto:?} {path}");
+        }
+        let got = w
+            .get(proto, "GET", "/.well-known/acme-challenge/token", &[])
+            .await;
+        assert_eq!(got.status, 200, "{proto:?}: .well-known stays served (ACME)");
+        assert_eq!(got.body, b"challenge");
+    }
+}
+
+#[tokio::test]
+async fn a_site_may_allow_dotfiles() {
+    let env = Env::new();
+    env.write(".env", b"PUBLIC=1");
+    let config = env
+        .config("")
+        .replace("[sites.tls]", "dotfiles = \"allow\"\n[sites.tls]");
+    let server = Server::start(env.dir.path(), &config);
+    let got = env.get(Proto::H1, &server, "/.env", &[]).await;
+    assert_eq!(got.status, 200);
+    assert_eq!(got.body, b"PUBLIC=1");
+}
+
+#[tokio::test]
+async fn a_fifo_in_the_root_is_refused_at_once() {
+    let w = world();
+    let fifo = w.env.root.join("pipe");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success(), "mkfifo failed");
+    for proto in BOTH {
+        // More requests than the blocking pool would notice, each bounded in time: a
+        // FIFO opened for reading waits for a writer, forever.
+        for _ in 0..4 {
+            let got = tokio::time::timeout(
+                std::time::Duration::from_secs(3),
+                w.get(proto, "GET", "/pipe", &[]),
+            )
+            .await
+            .unwrap_or_else(|_| panic!("{proto:?}: GET of a FIFO still unanswered after 3 s"));
+            assert!(
+                got.status == 403 || got.status == 404,
+                "{proto:?}: a FIFO answered {}",
+                got.status
+            );
+        }
+        let got = w.get(proto, "GET", "/data.bin", &[]).await;
+        assert_eq!(got.status, 200, "{proto:?}: still serving");
+        assert_eq!(got.body, w.data);
+    }
+}
+
+#[tokio::test]
+async fn overlapping_ranges_never_amplify_the_file() {
+    let w = world();
+    let many = format!("bytes={}", vec!["0-"; 64].join(","));
+    let small = format!("bytes={}", vec!["0-0"; 64].join(","));
+    for proto in BOTH {
+        let got = w.get(proto, "GET", "/data.bin", &[("range", &many)]).await;
+        assert!(
+            got.body.len() <= LEN,
+            "{proto:?}: 64 × `0-` returned {} bytes for a {LEN}-byte file",
+            got.body.len()
+        );
+        assert_eq!(
+            got.status, 200,
+            "{proto:?}: ranges larger than the file → the whole file (nginx)"
+        );
+        assert_eq!(got.body, w.data);
+        // The same byte 64 times is one range.
+        let got = w.get(proto, "GET", "/data.bin", &[("range", &small)]).await;
+        assert_eq!(got.status, 206, "{proto:?}");
+        assert_eq!(got.header("content-range"), format!("bytes 0-0/{LEN}"));
+        assert_eq!(got.body, &w.data[..1]);
+        // Overlapping and adjacent ranges coalesce into one part.
+        let got = w
+            .get(
+                proto,
+                "GET",
+                "/data.bin",
+                &[("range", "bytes=100-199,150-299,300-399")],
+            )
+            .await;
+        assert_eq!(got.status, 206, "{proto:?}");
+        assert_eq!(got.header("content-range"), format!("bytes 100-399/{LEN}"));
+        assert_eq!(got.body, &w.data[100..400]);
+    }
+}
+
+/// 200 GETs of a FIFO and 200 of `bytes=0-,0-,…` (20 at a time): each answered
+/// quickly, a normal download meanwhile intact, and the footprint back where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_and_overlapping_range_floods_leave_nothing_behind() {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    use webship_testkit::proc::{FloodReport, Footprint};
+
+    let w = Arc::new(world());
+    let big = pattern(4 << 20);
+    w.env.write("big.bin", &big);
+    let made = std::process::Command::new("mkfifo")
+        .arg(w.env.root.join("pipe"))
+        .status()
+        .unwrap();
+    assert!(made.success(), "mkfifo failed");
+    let many = format!("bytes={}", vec!["0-"; 64].join(","));
+    let pid = w.server.pid();
+    for (flood, path, range) in [
+        ("GET of a FIFO x200", "/pipe", None),
+        ("Range: 64 x `0-` x200", "/data.bin", Some(many.clone())),
+    ] {
+        let before = Footprint::of(pid).unwrap();
+        let mut during = before;
+        let mut download = None;
+        for round in 0..10 {
+            let mut set = tokio::task::JoinSet::new();
+            for _ in 0..20 {
+                let (w, range) = (w.clone(), range.clone());
+                set.spawn(async move {
+                    let headers: Vec<(&str, &str)> = range.iter().map(|r| ("range", r.as_str())).collect();
+                    let got =
+                        tokio::time::timeout(Duration::from_secs(5), w.get(Proto::H1, "GET", path, &headers))
+                            .await
+                            .unwrap_or_else(|_| panic!("GET {path} unanswered after 5 s"));
+                    assert!(got.body.len() <= LEN, "{path}: {} bytes", got.body.len());
+                    got.status
+                });
+            }
+            if round == 5 {
+                let start = Instant::now();
+                let got = w.get(Proto::H2, "GET", "/big.bin", &[]).await;
+                download = Some(start.elapsed());
+                assert_eq!(got.body.len(), big.len(), "{flood}: the normal download");
+                during = Footprint::of(pid).unwrap();
+            }
+            while let Some(status) = set.join_next().await {
+                let status = status.unwrap();
+                assert!([200, 403, 404].contains(&status.as_u16()), "{flood}: {status}");
+            }
+        }
+        let mut after = Footprint::of(pid).unwrap();
+        for _ in 0..40 {
+            if after.fds <= before.fds + 4 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            after = Footprint::of(pid).unwrap();
+        }
+        FloodReport {
+            flood,
+            before,
+            during,
+            after,
+            download,
+        }
+        .print();
+        assert!(after.fds <= before.fds + 4, "{flood}: fds {before} → {after}");
+    }
+}

@@ -13,6 +13,7 @@ mod origins;
 mod passthrough;
 mod paths;
 mod preflight;
+mod process;
 mod proxy;
 mod proxy_hardening;
 mod sites;

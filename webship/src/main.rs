@@ -96,7 +96,7 @@ fn load(path: Option<&Path>) -> anyhow::Result<Config> {
 }
 
 fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
-    let config = load(path)?;
+    let mut config = load(path)?;
     let report = preflight::run(&config.kernel, !config.passthrough.is_empty());
     let missing = report.missing_required();
     if !missing.is_empty() {
@@ -108,6 +108,8 @@ fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
     for finding in [&report.ktls, &report.bbr, &report.ebpf] {
         tracing::info!("preflight: {finding}");
     }
+    server::raise_fd_limit(&mut config).with_context(|| config.source.clone())?;
+    let privilege = server::Privilege::plan(&config).with_context(|| config.source.clone())?;
     if path.is_none() {
         let root = &config.sites[0].serve;
         println!(
@@ -115,15 +117,19 @@ fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
             root, config.listen
         );
     }
+    // Every runtime thread starts as root and switches itself to the service account
+    // once the sockets are bound (see `server::Privilege`).
+    let hook = privilege.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.workers)
         .thread_name("webship-worker")
+        .on_thread_start(move || hook.thread_start())
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
     let source = config.source.clone();
     runtime
-        .block_on(server::run(config, report, shutdown_signal()))
+        .block_on(server::run(config, report, privilege, shutdown_signal()))
         .with_context(|| source)?;
     Ok(ExitCode::SUCCESS)
 }
@@ -155,6 +161,10 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
     println!("{}: OK", config.source);
     println!("  listen   {}", config.listen);
     println!("  workers  {}", config.workers);
+    if let Some(user) = &config.user {
+        let group = config.group.as_deref().unwrap_or("(its primary group)");
+        println!("  user     {user} group {group}");
+    }
     for site in &config.sites {
         println!("  site     {} → {} [{}]", site.domain, site.serve, site.protocols);
     }

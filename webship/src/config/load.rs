@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use super::raw::RawConfig;
 use super::validate::{self, check_root, default_workers};
 use super::{
-    Config, ConfigError, DomainPattern, Engine, H2Settings, H3Settings, Kernel, Limits, Policy, Problem,
-    Protocols, ProxyH2Settings, Serve, Site, TlsSource,
+    Config, ConfigError, DomainPattern, Dotfiles, Engine, H2Settings, H3Settings, Kernel, Limits, Policy,
+    Problem, Protocols, ProxyH2Settings, Serve, Site, TlsSource,
 };
 
 /// Where the configuration came from, for messages.
@@ -72,6 +72,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
                 names: vec!["localhost".into(), "127.0.0.1".into(), "::1".into()],
             },
             webtransport: None,
+            dotfiles: Dotfiles::Deny,
         }],
         kernel: Kernel {
             ktls: Policy::Auto,
@@ -87,5 +88,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         passthrough_engine: Engine::Auto,
         passthrough_udp: None,
         access_log: false,
+        user: None,
+        group: None,
     })
 }

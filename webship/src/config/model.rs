@@ -33,6 +33,10 @@ pub struct Config {
     /// HTTP/3 passthrough: every QUIC datagram on the listen port goes to this origin.
     pub passthrough_udp: Option<UdpPassthrough>,
     pub access_log: bool,
+    /// The service account to switch to once bound (`None`: stay as started).
+    pub user: Option<String>,
+    /// Its group (`None`: the user's primary group).
+    pub group: Option<String>,
 }
 
 /// A TLS passthrough route: connections whose ClientHello names `domain`.
@@ -103,6 +107,21 @@ pub struct Site {
     pub tls: TlsSource,
     /// The diagnostic WebTransport endpoint, when the site enables one.
     pub webtransport: Option<WebTransport>,
+    /// Whether a file site serves paths with a segment that starts with `.`.
+    pub dotfiles: Dotfiles,
+}
+
+/// `dotfiles`: what a file site does with `/.git/config`, `/.env`, `/a/.htpasswd`.
+/// `/.well-known/` is served either way (RFC 8615: ACME challenges live there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dotfiles {
+    /// 404, as if the file did not exist (nginx's customary `location ~ /\.` rule,
+    /// Caddy's `hide`; 404 rather than 403 tells nothing about what exists).
+    #[default]
+    Deny,
+    /// Served like any other file.
+    Allow,
 }
 
 /// A site's bounded WebTransport diagnostic endpoint (`[sites.webtransport]`).
@@ -409,6 +428,9 @@ impl fmt::Display for Engine {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Limits {
     pub max_connections: usize,
+    /// Whether the file set `max_connections`: a default that does not fit the
+    /// open-file limit is lowered to fit, a configured one refuses to start.
+    pub max_connections_configured: bool,
     pub max_header_bytes: usize,
     pub handshake_timeout: Duration,
     pub header_read_timeout: Duration,
@@ -423,6 +445,7 @@ impl Default for Limits {
     fn default() -> Self {
         Self {
             max_connections: 10_000,
+            max_connections_configured: false,
             max_header_bytes: 32 * 1024,
             handshake_timeout: Duration::from_secs(10),
             header_read_timeout: Duration::from_secs(15),

@@ -11,7 +11,12 @@ use serde::Deserialize;
 pub(super) struct RawConfig {
     pub listen: Option<String>,
     pub workers: Option<usize>,
+    /// The service account to switch to after binding.
+    pub user: Option<String>,
+    pub group: Option<String>,
     pub root: Option<PathBuf>,
+    /// The default of every file site, and the top-level `root` site's own.
+    pub dotfiles: Option<super::Dotfiles>,
     pub tls: Option<RawTls>,
     pub protocols: Option<RawProtocols>,
     #[serde(default)]
@@ -80,6 +85,7 @@ pub(super) struct RawRoute {
 pub(super) struct RawSite {
     pub domain: String,
     pub root: Option<PathBuf>,
+    pub dotfiles: Option<super::Dotfiles>,
     pub protocols: Option<RawProtocols>,
     pub tls: Option<RawTls>,
     pub webtransport: Option<RawWebTransport>,

@@ -613,3 +613,45 @@ fn the_readme_lists_every_setting_with_its_default() {
         .collect();
     assert_eq!(documented, table);
 }
+
+#[test]
+fn dotfiles_default_to_deny_and_sites_inherit_the_top_level() {
+    let f = Files::new();
+    let config = f.parse(SPEC_EXAMPLE).unwrap();
+    assert!(config.sites.iter().all(|s| s.dotfiles == Dotfiles::Deny));
+    let text = SPEC_EXAMPLE.replace("workers = 8\n", "workers = 8\ndotfiles = \"allow\"\n");
+    let config = f.parse(&text).unwrap();
+    assert!(config.sites.iter().all(|s| s.dotfiles == Dotfiles::Allow));
+    let text = SPEC_EXAMPLE.replace("[sites.protocols]", "dotfiles = \"allow\"\n[sites.protocols]");
+    let config = f.parse(&text).unwrap();
+    assert_eq!(config.sites[0].dotfiles, Dotfiles::Allow);
+    assert_eq!(config.sites[1].dotfiles, Dotfiles::Deny);
+    let text = SPEC_EXAMPLE.replace("[sites.protocols]", "dotfiles = \"hide\"\n[sites.protocols]");
+    match f.parse(&text) {
+        Err(ConfigError::Parse { message, .. }) => {
+            assert!(message.contains("deny") && message.contains("allow"), "{message}")
+        }
+        other => panic!("expected a parse error, got {other:?}"),
+    }
+}
+
+#[test]
+fn user_and_group_are_account_names() {
+    let f = Files::new();
+    let config = f.parse(SPEC_EXAMPLE).unwrap();
+    assert_eq!((config.user, config.group), (None, None));
+    let text = SPEC_EXAMPLE.replace(
+        "workers = 8\n",
+        "workers = 8\nuser = \"webship\"\ngroup = \"www\"\n",
+    );
+    let config = f.parse(&text).unwrap();
+    assert_eq!(config.user.as_deref(), Some("webship"));
+    assert_eq!(config.group.as_deref(), Some("www"));
+    let text = SPEC_EXAMPLE.replace("workers = 8\n", "workers = 8\nuser = \"\"\ngroup = \"a b\"\n");
+    let keys: Vec<String> = f.problems(&text).into_iter().map(|p| p.key).collect();
+    assert_eq!(keys, ["user", "group"]);
+    let text = SPEC_EXAMPLE.replace("workers = 8\n", "workers = 8\ngroup = \"www\"\n");
+    let problems = f.problems(&text);
+    assert_eq!(problems[0].key, "group");
+    assert!(problems[0].fix.contains("user"), "{problems:?}");
+}

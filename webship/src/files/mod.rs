@@ -28,9 +28,20 @@ pub(crate) use range::{ByteRange, RangeRequest};
 const INDEX: &str = "index.html";
 const ALLOW: &str = "GET, HEAD";
 
-/// Serves `path` (the request target's path, still percent-encoded) from `root`
-/// (canonical). File-system work runs on the blocking pool, never on a reactor thread.
-pub(crate) async fn serve(root: Arc<Path>, method: &Method, path: &str, headers: &HeaderMap) -> Response {
+/// A file site's document root and what of it is served.
+#[derive(Debug, Clone)]
+pub(crate) struct Docroot {
+    /// Canonical.
+    pub(crate) root: Arc<Path>,
+    /// Serve paths with a segment that starts with `.` (`.git`, `.env`,
+    /// `.htpasswd`). Off by default: such a path is 404, as if it did not exist;
+    /// `/.well-known/` is served either way (RFC 8615; ACME challenges live there).
+    pub(crate) dotfiles: bool,
+}
+
+/// Serves `path` (the request target's path, still percent-encoded) from the site's
+/// root. File-system work runs on the blocking pool, never on a reactor thread.
+pub(crate) async fn serve(site: &Docroot, method: &Method, path: &str, headers: &HeaderMap) -> Response {
     if method != Method::GET && method != Method::HEAD {
         let mut r = Response::status(StatusCode::METHOD_NOT_ALLOWED);
         r.headers.insert(header::ALLOW, HeaderValue::from_static(ALLOW));
@@ -43,6 +54,12 @@ pub(crate) async fn serve(root: Arc<Path>, method: &Method, path: &str, headers:
             return Response::status(StatusCode::BAD_REQUEST);
         }
     };
+    if !site.dotfiles && path::hidden(&relative) {
+        // 404 rather than 403: a hidden file's existence is not told either.
+        tracing::debug!(path, "refused a dotfile");
+        return Response::status(StatusCode::NOT_FOUND);
+    }
+    let root = site.root.clone();
     let trailing_slash = path.ends_with('/');
     let opened = tokio::task::spawn_blocking(move || open(&root, &relative, trailing_slash)).await;
     let opened = match opened {
@@ -90,7 +107,9 @@ fn open(root: &Path, relative: &Path, trailing_slash: bool) -> Result<Opened, St
     } else if trailing_slash {
         return Err(StatusCode::NOT_FOUND);
     }
-    let file = File::open(&candidate).map_err(io_status)?;
+    // Never blocks: a FIFO opens at once (and is refused below), where a plain open
+    // would wait for a writer and hold this blocking-pool thread forever.
+    let file = crate::sys::file::open_nonblocking(&candidate).map_err(io_status)?;
     // The lexical and canonical checks above can race with a symlink swap; the path the
     // kernel actually opened cannot.
     match path::opened_path(&file) {
@@ -104,6 +123,7 @@ fn open(root: &Path, relative: &Path, trailing_slash: bool) -> Result<Opened, St
         // Devices, FIFOs and sockets are never served; there are no directory listings.
         return Err(StatusCode::FORBIDDEN);
     }
+    crate::sys::file::set_blocking(&file).map_err(io_status)?;
     Ok(Opened::File {
         file,
         meta,

@@ -52,6 +52,18 @@ pub(super) fn normalize(raw: &str) -> Result<PathBuf, PathError> {
     Ok(out)
 }
 
+/// Whether a normalized path names a hidden entry: any segment that starts with `.`,
+/// except a leading `.well-known` (RFC 8615), which is public by definition.
+pub(super) fn hidden(relative: &Path) -> bool {
+    relative.components().enumerate().any(|(i, c)| match c {
+        Component::Normal(name) => {
+            let name = name.as_encoded_bytes();
+            name.starts_with(b".") && !(i == 0 && name == b".well-known")
+        }
+        _ => false,
+    })
+}
+
 /// Whether `real` (a fully resolved path) lies inside `root` (canonical).
 pub(super) fn contained(root: &Path, real: &Path) -> bool {
     real.starts_with(root)
@@ -102,6 +114,29 @@ mod tests {
             ("", PathError::NotAbsolute),
         ] {
             assert_eq!(normalize(raw), Err(want), "{raw}");
+        }
+    }
+
+    #[test]
+    fn dotfiles_are_hidden_except_well_known() {
+        for raw in [
+            "/.env",
+            "/%2egit/config",
+            "/a/.htpasswd",
+            "/a/.well-known/x",
+            "/.well-known/.x",
+            "/...",
+        ] {
+            assert!(hidden(&normalize(raw).unwrap()), "{raw}");
+        }
+        for raw in [
+            "/",
+            "/a.b",
+            "/a/b.",
+            "/.well-known/acme-challenge/t",
+            "/.well-known/",
+        ] {
+            assert!(!hidden(&normalize(raw).unwrap()), "{raw}");
         }
     }
 

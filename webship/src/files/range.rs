@@ -20,8 +20,9 @@ impl ByteRange {
 /// What a `Range` header asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum RangeRequest {
-    /// Not a `bytes` range, malformed, or too many parts: serve the whole file, as the
-    /// RFC lets a server do with a Range header it does not understand.
+    /// Not a `bytes` range, malformed, too many parts, or parts adding up to more than
+    /// the file: serve the whole file once, as the RFC lets a server do with a Range
+    /// header it does not understand or will not honour (RFC 9110 §14.2).
     Ignore,
     /// At least one range overlaps the file; in request order.
     Satisfiable(Vec<ByteRange>),
@@ -32,6 +33,11 @@ pub(crate) enum RangeRequest {
 /// More parts than this and the header is ignored: a request for thousands of tiny
 /// ranges is an amplification attempt, not a download.
 pub(super) const MAX_RANGES: usize = 64;
+
+/// Ranges closer than this are sent as one part: a part's own head (boundary,
+/// Content-Type, Content-Range) costs about this much, so the gap is cheaper to send
+/// than the split (RFC 9110 §14.2 lets a server coalesce).
+const COALESCE_GAP: u64 = 80;
 
 /// Parses `header` against a representation of `len` bytes.
 pub(super) fn parse(header: &[u8], len: u64) -> RangeRequest {
@@ -94,12 +100,38 @@ pub(super) fn parse(header: &[u8], len: u64) -> RangeRequest {
         ranges.extend(range);
     }
     if parts == 0 {
-        RangeRequest::Ignore
-    } else if ranges.is_empty() {
-        RangeRequest::Unsatisfiable
-    } else {
-        RangeRequest::Satisfiable(ranges)
+        return RangeRequest::Ignore;
     }
+    if ranges.is_empty() {
+        return RangeRequest::Unsatisfiable;
+    }
+    // nginx's rule: ranges that add up to more than the file ask for some bytes twice
+    // (`bytes=0-,0-,…` would send the file once per part), so the whole file goes out
+    // instead, once.
+    let asked = ranges.iter().fold(0u64, |sum, r| sum.saturating_add(r.len()));
+    if asked > len {
+        return RangeRequest::Ignore;
+    }
+    RangeRequest::Satisfiable(coalesce(ranges))
+}
+
+/// Ranges that overlap, touch or sit closer than [`COALESCE_GAP`] become one, in file
+/// order; ranges that need no merging keep the order they were asked in.
+fn coalesce(mut ranges: Vec<ByteRange>) -> Vec<ByteRange> {
+    let mut sorted = ranges.clone();
+    sorted.sort_by_key(|r| r.start);
+    let close = |a: &ByteRange, b: &ByteRange| b.start <= a.end.saturating_add(COALESCE_GAP + 1);
+    if !sorted.windows(2).any(|w| close(&w[0], &w[1])) {
+        return ranges;
+    }
+    ranges.clear();
+    for r in sorted {
+        match ranges.last_mut() {
+            Some(last) if close(last, &r) => last.end = last.end.max(r.end),
+            _ => ranges.push(r),
+        }
+    }
+    ranges
 }
 
 fn number(s: &str) -> Option<u64> {
@@ -175,9 +207,28 @@ mod tests {
     #[test]
     fn too_many_parts_are_ignored() {
         let many = format!("bytes={}", vec!["0-0"; MAX_RANGES + 1].join(","));
-        assert_eq!(parse(many.as_bytes(), 10), RangeRequest::Ignore);
-        let ok = format!("bytes={}", vec!["0-0"; MAX_RANGES].join(","));
-        assert!(matches!(parse(ok.as_bytes(), 10), RangeRequest::Satisfiable(v) if v.len() == MAX_RANGES));
+        assert_eq!(parse(many.as_bytes(), 1000), RangeRequest::Ignore);
+        let parts: Vec<String> = (0..MAX_RANGES).map(|i| format!("{0}-{0}", i * 200)).collect();
+        let ok = format!("bytes={}", parts.join(","));
+        assert!(
+            matches!(parse(ok.as_bytes(), 100_000), RangeRequest::Satisfiable(v) if v.len() == MAX_RANGES)
+        );
+    }
+
+    #[test]
+    fn ranges_adding_up_to_more_than_the_file_are_ignored() {
+        let many = format!("bytes={}", vec!["0-"; MAX_RANGES].join(","));
+        assert_eq!(parse(many.as_bytes(), 1000), RangeRequest::Ignore);
+        assert_eq!(parse(b"bytes=0-599,400-999", 1000), RangeRequest::Ignore);
+    }
+
+    #[test]
+    fn overlapping_adjacent_and_close_ranges_coalesce() {
+        assert_eq!(parse(b"bytes=0-0,0-0,0-0", 1000), sat(&[(0, 0)]));
+        assert_eq!(parse(b"bytes=300-399,100-199,150-299", 1000), sat(&[(100, 399)]));
+        assert_eq!(parse(b"bytes=0-9,50-59", 1000), sat(&[(0, 59)]));
+        // Far apart: separate parts, in the order asked.
+        assert_eq!(parse(b"bytes=500-509,0-9", 1000), sat(&[(500, 509), (0, 9)]));
     }
 
     #[test]

@@ -1,13 +1,14 @@
 //! The supervisor: builds TLS and the service, binds, accepts within the connection
 //! limit, and drains on shutdown. [`run`] is those steps in order: [`Stack::build`]
 //! (what `webship check` builds too), the passthrough [`Plan`], [`Bound::bind`], the
-//! accept loop, and the drain.
+//! switch to the service account (`process.rs`), the accept loop, and the drain.
 //!
 //! Every connection holds one permit of a semaphore sized `max_connections`; a full
 //! server stops accepting (the kernel backlog absorbs the burst) instead of failing
 //! new clients. Draining is waiting for every permit to come back.
 
 mod plan;
+mod process;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -24,6 +25,7 @@ use crate::preflight::Report;
 use crate::service::Service;
 use crate::tls::{Acceptor, SiteNames};
 use plan::Plan;
+pub use process::{raise_fd_limit, Privilege, ProcessError};
 
 // The errors a server can fail with, nameable by the binary.
 pub use crate::h3::H3Error;
@@ -38,6 +40,8 @@ pub enum ServerError {
     H3(#[from] H3Error),
     #[error(transparent)]
     Proxy(#[from] ProxyError),
+    #[error(transparent)]
+    Process(#[from] ProcessError),
     #[error("eBPF is required but could not be loaded: {0}")]
     Ebpf(#[from] crate::ebpf::EbpfError),
     #[error(
@@ -51,23 +55,33 @@ pub enum ServerError {
 }
 
 /// Builds everything a configuration needs before anything binds (certificates,
-/// keys, upstream TLS), as `webship check` does: a configuration that passes here
-/// fails later only for the host's reasons (ports, privileges, kernel).
+/// keys, upstream TLS, the service account), as `webship check` does: a
+/// configuration that passes here fails later only for the host's reasons (ports,
+/// privileges, kernel).
 pub fn check(config: &Config) -> Result<(), ServerError> {
-    Stack::build(config).map(drop)
+    Stack::build(config)?;
+    process::resolve(config)?;
+    Ok(())
 }
 
 /// Serves `config` until `signal` completes, then drains for up to
 /// `limits.shutdown_grace`. Certificates are loaded before the port is bound, so a
-/// bad certificate never leaves a half-started server.
+/// bad certificate never leaves a half-started server. Everything that needs root
+/// (certificates and keys, eBPF, binding) happens before `privilege` switches every
+/// thread to the service account; nothing is accepted before.
 pub async fn run(
     config: Config,
     report: Report,
+    privilege: Privilege,
     signal: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
+    // The runtime's threads wait for the switch; whatever fails first releases them.
+    let guard = privilege.guard();
     let stack = Stack::build(&config)?;
     let plan = Plan::load(&config, &report)?;
     let bound = Bound::bind(&config, &stack, &plan)?;
+    drop_privileges(&config, &report, &plan, &privilege)?;
+    drop(guard);
     announce(&config, &report, &bound);
 
     let (trigger, shutdown) = crate::shutdown::channel();
@@ -98,6 +112,44 @@ pub async fn run(
     }
     plan.finish();
     Ok(())
+}
+
+/// Switches to the service account keeping only what serving still needs; the pinned
+/// maps become the account's, so it can remove them at shutdown.
+fn drop_privileges(
+    config: &Config,
+    report: &Report,
+    plan: &Plan,
+    privilege: &Privilege,
+) -> Result<(), ServerError> {
+    let keep = process::kept_capabilities(plan.ebpf_loaded(), report.use_bbr());
+    if let (Some((uid, gid)), true) = (privilege.ids(), plan.ebpf_loaded()) {
+        give_pins(&config.kernel.bpf_pin_dir, uid, gid);
+    }
+    privilege.switch(keep)?;
+    if privilege.switches() {
+        process::check_roots(config);
+    }
+    Ok(())
+}
+
+/// Hands the pin folder and what is pinned in it to the service account.
+fn give_pins(dir: &std::path::Path, uid: u32, gid: u32) {
+    #[cfg(unix)]
+    {
+        let entries = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.path());
+        for path in std::iter::once(dir.to_path_buf()).chain(entries) {
+            if let Err(e) = std::os::unix::fs::chown(&path, Some(uid), Some(gid)) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot hand a pinned map to the service account; it stays after shutdown");
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = (dir, uid, gid);
 }
 
 /// What serves requests: the TLS acceptor and the service, which share one table of

@@ -48,6 +48,11 @@ impl Plan {
         })
     }
 
+    /// Whether eBPF programs were loaded (the process keeps what they need at run time).
+    pub(super) fn ebpf_loaded(&self) -> bool {
+        self.programs.is_some()
+    }
+
     /// HTTP/3 passthrough on the UDP side of `listen`: the kernel redirect when it
     /// applies, and the userspace relay, which owns the port either way.
     pub(super) fn bind_udp(

@@ -3,20 +3,19 @@
 //! themselves; they translate their protocol to a request head and body, call
 //! [`Service::handle`], and send the [`Response`].
 
-use std::path::Path;
 use std::sync::Arc;
 
 use http::header::{self, HeaderValue};
 use http::{Method, StatusCode, Version};
 
-use crate::config::{Config, Serve};
+use crate::config::{Config, Dotfiles, Serve};
 use crate::message::{RequestHead, Response, StreamBody};
 use crate::proxy::Proxy;
 use crate::tls::SiteNames;
 
 #[derive(Debug)]
 enum Handler {
-    Files(Arc<Path>),
+    Files(crate::files::Docroot),
     Proxy(Proxy),
 }
 
@@ -45,7 +44,10 @@ impl Service {
                 .iter()
                 .map(|s| {
                     Ok(match &s.serve {
-                        Serve::Files(root) => Handler::Files(Arc::from(root.as_path())),
+                        Serve::Files(root) => Handler::Files(crate::files::Docroot {
+                            root: Arc::from(root.as_path()),
+                            dotfiles: s.dotfiles == Dotfiles::Allow,
+                        }),
                         Serve::Proxy(routes) => Handler::Proxy(Proxy::new(routes, s.domain.to_string())?),
                     })
                 })
@@ -126,8 +128,8 @@ impl Service {
             };
         }
         let mut resp = match &self.serve[site] {
-            Handler::Files(root) => {
-                crate::files::serve(root.clone(), req.method, req.uri.path(), req.headers).await
+            Handler::Files(docroot) => {
+                crate::files::serve(docroot, req.method, req.uri.path(), req.headers).await
             }
             Handler::Proxy(_) if req.has_body() && !req.body_forwardable => {
                 Response::status(StatusCode::MISDIRECTED_REQUEST)

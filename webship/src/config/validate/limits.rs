@@ -44,6 +44,7 @@ impl Validator<'_> {
         }
         Limits {
             max_connections,
+            max_connections_configured: raw.max_connections.is_some(),
             max_header_bytes,
             handshake_timeout,
             header_read_timeout,

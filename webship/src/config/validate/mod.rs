@@ -79,6 +79,7 @@ impl Validator<'_> {
     fn config(&mut self, raw: RawConfig, source: &str) -> Config {
         let listen = self.listen(raw.listen.as_deref());
         let workers = self.workers(raw.workers);
+        self.account(raw.user.as_deref(), raw.group.as_deref());
         let top = self.top_level(&raw);
         // Domains taken so far: site index, or `usize::MAX` for proxy and passthrough.
         let mut seen: BTreeMap<String, usize> = BTreeMap::new();
@@ -109,6 +110,8 @@ impl Validator<'_> {
             passthrough_engine,
             passthrough_udp,
             access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
+            user: raw.user,
+            group: raw.group,
         }
     }
 
@@ -130,6 +133,29 @@ impl Validator<'_> {
             self.problem("workers", format!("{workers} is out of range"), "use 1 to 1024");
         }
         workers
+    }
+
+    /// `user` and `group` are names (or numbers); whether they exist is checked by
+    /// `webship check` and at start, against the account database of that host.
+    fn account(&mut self, user: Option<&str>, group: Option<&str>) {
+        for (key, value) in [("user", user), ("group", group)] {
+            if let Some(v) = value {
+                if v.is_empty() || v.contains(['\0', ':', '/']) || v.chars().any(char::is_whitespace) {
+                    self.problem(
+                        key,
+                        format!("`{v}` is not an account name"),
+                        "name an account, e.g. \"webship\"",
+                    );
+                }
+            }
+        }
+        if group.is_some() && user.is_none() {
+            self.problem(
+                "group",
+                "a group without a user",
+                "set `user` too, or remove `group`",
+            );
+        }
     }
 
     /// A route's `upstreams`: IP:port each, at least one.

@@ -82,6 +82,7 @@ impl Validator<'_> {
                 protocols,
                 tls: tls.clone(),
                 webtransport: None,
+                dotfiles: crate::config::Dotfiles::Deny,
             });
         }
         (Vec::new(), None)

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use crate::config::raw::{RawConfig, RawSite, RawWebTransport};
-use crate::config::{DomainPattern, Protocols, Serve, Site, TlsSource};
+use crate::config::{DomainPattern, Dotfiles, Protocols, Serve, Site, TlsSource};
 
 use super::Validator;
 
@@ -16,6 +16,7 @@ pub(super) struct TopLevel {
     root: Option<PathBuf>,
     tls: Option<TlsSource>,
     protocols: Protocols,
+    dotfiles: Dotfiles,
 }
 
 impl Validator<'_> {
@@ -24,6 +25,7 @@ impl Validator<'_> {
             root: raw.root.as_ref().and_then(|r| self.root("root", r)),
             tls: raw.tls.as_ref().map(|t| self.tls("tls", t)),
             protocols: self.protocols("protocols", raw.protocols),
+            dotfiles: raw.dotfiles.unwrap_or_default(),
         }
     }
 
@@ -102,6 +104,7 @@ impl Validator<'_> {
             protocols,
             tls,
             webtransport,
+            dotfiles: site.dotfiles.unwrap_or(top.dotfiles),
         })
     }
 
@@ -143,6 +146,7 @@ impl Validator<'_> {
             protocols: top.protocols,
             tls,
             webtransport,
+            dotfiles: top.dotfiles,
         });
     }
 }
