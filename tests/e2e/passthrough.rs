@@ -427,7 +427,7 @@ async fn half_closing_origin(
 }
 
 /// A real rustls ClientHello naming `sni`.
-fn client_hello(env: &Env, sni: &str) -> Vec<u8> {
+pub(crate) fn client_hello(env: &Env, sni: &str) -> Vec<u8> {
     let name = rustls::pki_types::ServerName::try_from(sni.to_owned()).unwrap();
     let mut conn = rustls::ClientConnection::new(env.client(b"h2"), name).unwrap();
     let mut hello = Vec::new();
@@ -529,8 +529,11 @@ async fn a_client_reset_ends_the_upstream_side() {
         tcp.write_all(&hello).await.unwrap();
         let mut buf = vec![0; 256 * 1024];
         let mut got = 0;
+        // Bounded: EOF or an error ends it (an early close used to spin here).
         while got < 1 << 20 {
-            got += tcp.read(&mut buf).await.unwrap();
+            let n = tcp.read(&mut buf).await.unwrap();
+            assert!(n > 0, "{engine}: closed after {got} bytes; log:\n{}", front.log());
+            got += n;
         }
         // Reset, not FIN: linger 0 then close with unread data.
         socket2::SockRef::from(&tcp)

@@ -14,9 +14,12 @@
 //!   the daemon only watches for the ends ([`sockmap`]).
 //!
 //! Every engine forwards a FIN as a half-close and waits for the other direction,
-//! so an origin that half-closes still gets the client's remaining bytes.
+//! so an origin that half-closes still gets the client's remaining bytes. None
+//! waits forever: a connection that carries nothing for the idle timeout is
+//! closed, whatever the engine ([`idle`]), and every close is counted by reason.
 
 pub mod client_hello;
+pub(crate) mod idle;
 mod sockmap;
 mod splice;
 pub(crate) mod udp;
@@ -32,6 +35,7 @@ use crate::config::{Config, Engine, PassthroughRoute};
 use crate::ebpf::{Counter, Programs, Values, COUNTERS};
 use crate::names::NameTable;
 use client_hello::{Hello, HelloError, MAX_HELLO};
+use idle::{End, Timeouts};
 
 /// Per-direction copy buffer of the `copy` engine.
 const COPY_BUFFER: usize = 256 * 1024;
@@ -76,6 +80,7 @@ pub(crate) struct Passthrough {
     programs: Option<Arc<Programs>>,
     /// How long a finished direction may wait for the receiver to take the rest.
     drain_timeout: Duration,
+    timeouts: Timeouts,
 }
 
 impl Passthrough {
@@ -99,6 +104,11 @@ impl Passthrough {
             engine,
             programs,
             drain_timeout: config.limits.send_timeout,
+            timeouts: Timeouts {
+                idle: config.passthrough_idle_timeout,
+                half_closed: config.passthrough_idle_timeout.min(config.limits.idle_timeout),
+                unacknowledged: config.limits.send_timeout,
+            },
         })
     }
 
@@ -187,28 +197,81 @@ impl Passthrough {
         };
         count(Counter::Steered, 1);
         tracing::debug!(%peer, upstream = %addr, domain = %r.domain, engine = %self.engine, "passthrough: steered");
-        let result = match (self.engine, &self.programs) {
-            (Engine::Sockmap, Some(programs)) => {
-                sockmap::run(programs, client, tcp, self.drain_timeout).await
+        self.timeouts.arm(&client);
+        self.timeouts.arm(&tcp);
+        let moved = async {
+            match (self.engine, &self.programs) {
+                (Engine::Sockmap, Some(programs)) => {
+                    sockmap::run(programs, &client, &tcp, self.drain_timeout).await
+                }
+                (Engine::Splice, _) => splice::run(&client, &tcp, 0).await,
+                (Engine::Auto, _) => splice::run(&client, &tcp, splice::ADAPTIVE_COPY_BYTES).await,
+                _ => copy(&client, &tcp).await,
             }
-            (Engine::Splice, _) => splice::run(client, tcp, 0).await,
-            (Engine::Auto, _) => splice::run(client, tcp, splice::ADAPTIVE_COPY_BYTES).await,
-            _ => copy(client, tcp).await,
         };
-        if let Err(e) = result {
-            tracing::debug!(%peer, upstream = %addr, error = %e, "passthrough: connection ended");
-        }
+        // Whichever ends first: dropping the engine drops its pipes and links, and
+        // the sockets close when this returns.
+        let end = tokio::select! {
+            result = moved => {
+                if let Err(e) = &result {
+                    tracing::debug!(%peer, upstream = %addr, error = %e, "passthrough: connection ended");
+                }
+                End::of(&result)
+            }
+            () = idle::expired(&client, &tcp, self.timeouts) => {
+                tracing::debug!(%peer, upstream = %addr, "passthrough: idle, closed");
+                End::Idle
+            }
+        };
+        count(end.counter(), 1);
     }
 }
 
-/// The `copy` engine.
-async fn copy(mut client: TcpStream, mut upstream: TcpStream) -> std::io::Result<()> {
-    let (up, down) =
-        tokio::io::copy_bidirectional_with_sizes(&mut client, &mut upstream, COPY_BUFFER, COPY_BUFFER)
-            .await?;
-    count(Counter::BytesUp, up);
-    count(Counter::BytesDown, down);
-    Ok(())
+/// The `copy` engine: one [`COPY_BUFFER`] per direction.
+async fn copy(client: &TcpStream, upstream: &TcpStream) -> std::io::Result<()> {
+    let up = copy_one_way(client, upstream, Counter::BytesUp, COPY_BUFFER, u64::MAX);
+    let down = copy_one_way(upstream, client, Counter::BytesDown, COPY_BUFFER, u64::MAX);
+    tokio::try_join!(up, down).map(drop)
+}
+
+/// Copies what `from` receives to `to` through a buffer of `buffer` bytes until
+/// `limit` bytes have moved (`true`) or `from` ends first (`false`, and `to` is
+/// half-closed). An error (a reset on either side) ends it.
+async fn copy_one_way(
+    from: &TcpStream,
+    to: &TcpStream,
+    counter: Counter,
+    buffer: usize,
+    limit: u64,
+) -> std::io::Result<bool> {
+    use std::io::ErrorKind::{WouldBlock, WriteZero};
+    let mut buf = vec![0u8; buffer];
+    let mut moved = 0u64;
+    while moved < limit {
+        from.readable().await?;
+        let n = match from.try_read(&mut buf) {
+            Ok(0) => {
+                let _ = socket2::SockRef::from(to).shutdown(std::net::Shutdown::Write);
+                return Ok(false);
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        let mut data = &buf[..n];
+        while !data.is_empty() {
+            to.writable().await?;
+            match to.try_write(data) {
+                Ok(0) => return Err(WriteZero.into()),
+                Ok(w) => data = &data[w..],
+                Err(e) if e.kind() == WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        moved += n as u64;
+        count(counter, n as u64);
+    }
+    Ok(true)
 }
 
 /// The engine to run for `configured`. `auto` stays itself: each direction copies
