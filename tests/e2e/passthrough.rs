@@ -264,6 +264,9 @@ async fn unknown_sni_and_garbage_are_closed_and_counted() {
     // A truncated hello is closed when the handshake timeout ends it.
     let mut tcp = TcpStream::connect(w.server.addr()).await.unwrap();
     tcp.write_all(&[22, 3, 1, 2, 0, 1, 0, 1]).await.unwrap();
+    // Let the daemon accept it before the signal stops its accept loop (under
+    // load the signal could win, and the hello would never be counted).
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let mut server = w.server;
     server.terminate();
     assert!(server.wait_exit(Duration::from_secs(20)).is_some());

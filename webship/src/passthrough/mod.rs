@@ -144,11 +144,19 @@ impl Passthrough {
     }
 
     /// `Err(None)`: the peer closed before sending a byte.
+    ///
+    /// Peeked bytes keep the socket readable, so waiting for readiness alone
+    /// would spin; instead a turn whose receive queue has not grown since the last
+    /// peek clears the readiness and waits for the next segment (or the end).
+    /// A stalled partial hello costs nothing until its timeout.
     async fn peek_hello(&self, tcp: &TcpStream) -> Result<Hello, Option<HelloError>> {
         let mut buf = vec![0u8; MAX_HELLO + 1024];
         let mut seen = 0;
         // Bounded: the caller's timeout ends it; each turn waits for new bytes.
         loop {
+            if seen > 0 {
+                wait_for_more(tcp, seen).await?;
+            }
             let n = match tcp.peek(&mut buf).await {
                 Ok(0) if seen == 0 => return Err(None),
                 Ok(0) | Err(_) => return Err(Some(HelloError::Malformed)),
@@ -156,14 +164,7 @@ impl Passthrough {
             };
             match client_hello::parse(&buf[..n]).map_err(Some)? {
                 Hello::Incomplete if n == buf.len() => return Err(Some(HelloError::TooLarge)),
-                Hello::Incomplete => {
-                    if n == seen {
-                        // Readiness stays set while peeked bytes wait: back off briefly
-                        // instead of spinning until the rest of the hello arrives.
-                        tokio::time::sleep(Duration::from_millis(2)).await;
-                    }
-                    seen = n;
-                }
+                Hello::Incomplete => seen = n,
                 done => return Ok(done),
             }
         }
@@ -224,6 +225,35 @@ impl Passthrough {
             }
         };
         count(end.counter(), 1);
+    }
+}
+
+/// Waits until more than `seen` bytes are queued on `tcp`. A peer that half-closed
+/// or reset instead ends the hello (truncated).
+async fn wait_for_more(tcp: &TcpStream, seen: usize) -> Result<(), Option<HelloError>> {
+    use std::io::ErrorKind::WouldBlock;
+    let truncated = Some(HelloError::Malformed);
+    // Bounded by the caller's timeout; every turn follows a readiness event.
+    loop {
+        tcp.readable().await.map_err(|_| truncated)?;
+        let grew = tcp.try_io(tokio::io::Interest::READABLE, || {
+            let queued = usize::try_from(rustix::io::ioctl_fionread(tcp)?).unwrap_or(usize::MAX);
+            if queued != seen {
+                return Ok(true);
+            }
+            // Nothing new: a FIN (no more bytes will come), or clear the readiness
+            // so that only the next segment wakes this task.
+            match crate::sys::tcp_activity(tcp) {
+                Ok(a) if a.half_closed => Ok(false),
+                _ => Err(WouldBlock.into()),
+            }
+        });
+        match grew {
+            Ok(true) => return Ok(()),
+            Ok(false) => return Err(truncated),
+            Err(e) if e.kind() == WouldBlock => continue,
+            Err(_) => return Err(truncated),
+        }
     }
 }
 
