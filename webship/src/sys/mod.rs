@@ -322,6 +322,23 @@ fn setsockopt_struct<T>(fd: libc::c_int, level: libc::c_int, name: libc::c_int, 
     }
 }
 
+/// Room for control messages, aligned for `cmsghdr`: `CMSG_FIRSTHDR` hands back the
+/// buffer's start as a `*mut cmsghdr`, and writing through a misaligned one is
+/// undefined behaviour (a plain byte array has alignment 1).
+#[cfg(target_os = "linux")]
+#[repr(C, align(8))]
+struct CmsgBuffer([u8; 64]);
+
+#[cfg(target_os = "linux")]
+const _: () = assert!(std::mem::align_of::<CmsgBuffer>() >= std::mem::align_of::<libc::cmsghdr>());
+
+#[cfg(target_os = "linux")]
+impl CmsgBuffer {
+    fn new() -> Self {
+        Self([0; 64])
+    }
+}
+
 /// Sends a TLS `close_notify` alert through kernel TLS (a record of type alert, not
 /// application data, chosen with the `TLS_SET_RECORD_TYPE` control message).
 #[cfg(target_os = "linux")]
@@ -330,8 +347,8 @@ pub(crate) fn ktls_send_close_notify<S: std::os::fd::AsRawFd>(sock: &S) -> io::R
     let mut payload = [1u8, 0u8]; // level warning, description close_notify
                                   // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(1) } as usize;
-    let mut control = [0u8; 64];
-    let control = &mut control[..space];
+    let mut control = CmsgBuffer::new();
+    let control = &mut control.0[..space];
     let mut iov = libc::iovec {
         iov_base: payload.as_mut_ptr().cast(),
         iov_len: payload.len(),
@@ -468,4 +485,32 @@ pub(crate) fn loopback_pair() -> io::Result<(TcpStream, TcpStream)> {
     let client = TcpStream::connect(listener.local_addr()?)?;
     let (server, _) = listener.accept()?;
     Ok((client, server))
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_buffers_are_aligned_for_cmsghdr() {
+        // On the stack after an odd-sized local and inside a struct after a byte:
+        // wherever it lands, its start can hold a cmsghdr.
+        let odd = [0u8; 3];
+        let plain = CmsgBuffer::new();
+        struct After {
+            _byte: u8,
+            buffer: CmsgBuffer,
+        }
+        let after = After {
+            _byte: odd[0],
+            buffer: CmsgBuffer::new(),
+        };
+        for buffer in [&plain, &after.buffer] {
+            let addr = buffer.0.as_ptr() as usize;
+            assert_eq!(addr % std::mem::align_of::<libc::cmsghdr>(), 0);
+        }
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE(1) } as usize;
+        assert!(space <= plain.0.len());
+    }
 }
