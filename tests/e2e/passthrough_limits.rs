@@ -365,6 +365,15 @@ async fn a_udp_flow_flood_does_not_lock_out_http3() {
         download: Some(download),
     }
     .print();
+    // The junk flows made room for each other and for the client: evicted, not
+    // refused, since the origin never answered one.
+    let mut stats = Value::Null;
+    let counted = eventually(Duration::from_secs(3), || {
+        stats = stats_json(&pins(&server));
+        counter(&stats, "udp_flows_evicted") >= (SOCKETS - 64) as u64
+    });
+    assert!(counted, "{stats}");
+    assert_eq!(counter(&stats, "udp_flows_refused"), 0, "{stats}");
     // The per-address cap (64 by default) bounds what one address holds.
     assert!(
         during.fds < before.fds + 200,
