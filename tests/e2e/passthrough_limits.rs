@@ -469,3 +469,72 @@ async fn a_second_daemon_on_the_same_pin_dir_is_refused() {
     assert!(first.wait_exit(Duration::from_secs(20)).is_some());
     assert!(!std::path::Path::new(&shared).exists(), "pins left behind");
 }
+
+/// The case of the report: the origin gives up on a silent client (here it
+/// answers and half-closes at once) and the client never sends its FIN. Once a
+/// FIN went one way the connection is half-closed, and the shorter `[limits]
+/// idle_timeout_secs` (2 s, against a 60 s tunnel timeout) releases both sockets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_closed_tunnel_is_released_by_the_shorter_timeout() {
+    let env = Env::new();
+    let hello = client_hello(&env, "raw.pass");
+    for engine in ["splice", "sockmap"] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let origin = listener.local_addr().unwrap();
+        let hello_len = hello.len();
+        let task = tokio::spawn(async move {
+            let (mut tcp, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+                .await
+                .unwrap()
+                .unwrap();
+            let mut seen = vec![0; hello_len];
+            tcp.read_exact(&mut seen).await.unwrap();
+            tcp.write_all(b"bye").await.unwrap();
+            tcp.shutdown().await.unwrap();
+            // Holds its read half until the front lets go (bounded).
+            let mut rest = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(30), tcp.read_to_end(&mut rest)).await;
+        });
+        let config = passthrough_config(
+            &format!("passthrough_engine = \"{engine}\"\npassthrough_idle_timeout_secs = 60\n"),
+            false,
+            &[("raw.pass", origin)],
+        );
+        let server = Server::start(
+            env.dir.path(),
+            &format!("{config}\n[limits]\nidle_timeout_secs = {IDLE_SECS}\n"),
+        );
+        let base = Footprint::of(server.pid()).unwrap();
+        let mut tcp = TcpStream::connect(server.addr()).await.unwrap();
+        tcp.write_all(&hello).await.unwrap();
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut got))
+            .await
+            .unwrap_or_else(|_| panic!("{engine}: the origin's FIN never came"))
+            .unwrap();
+        assert_eq!(got, b"bye", "{engine}");
+        let start = Instant::now();
+        // The client stays silent and keeps its write half open; both of the
+        // daemon's sockets are half-closed, so only its fd count tells.
+        let released = eventually(Duration::from_secs(IDLE_SECS + 4), || {
+            Footprint::of(server.pid()).is_some_and(|f| f.fds <= base.fds)
+        });
+        assert!(
+            released,
+            "{engine}: after {:?} the half-closed tunnel is still held; log:\n{}",
+            start.elapsed(),
+            server.log()
+        );
+        let mut stats = Value::Null;
+        let counted = eventually(Duration::from_secs(3), || {
+            stats = stats_json(&pins(&server));
+            counter(&stats, "closed_idle") == 1
+        });
+        assert!(counted, "{engine}: {stats}");
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the origin saw the end")
+            .unwrap();
+        drop(tcp);
+    }
+}

@@ -58,7 +58,8 @@ impl Timeouts {
 /// applies. Never completes where `TCP_INFO` is unavailable (not Linux).
 pub(super) async fn expired(client: &TcpStream, upstream: &TcpStream, timeouts: Timeouts) {
     // Bounded: each turn sleeps until the earliest moment the connection could be
-    // idle, so an active one costs two getsockopt calls per timeout.
+    // idle (at most a quarter of the half-close timeout), so an active one costs
+    // a few getsockopt calls per timeout.
     loop {
         let (a, b) = match (sys::tcp_activity(client), sys::tcp_activity(upstream)) {
             (Ok(a), Ok(b)) => (a, b),
@@ -76,8 +77,11 @@ pub(super) async fn expired(client: &TcpStream, upstream: &TcpStream, timeouts: 
         if quiet >= limit {
             return;
         }
-        // The kernel's clock ticks in jiffies: a few ms of margin saves a turn.
-        tokio::time::sleep(limit - quiet + Duration::from_millis(5)).await;
+        // A FIN may come while this sleeps and shorten the limit: look again at
+        // least every quarter of the half-close timeout. The kernel's clock ticks
+        // in jiffies: a few ms of margin saves a turn.
+        let next = (limit - quiet).min(timeouts.half_closed / 4);
+        tokio::time::sleep(next + Duration::from_millis(5)).await;
     }
 }
 
