@@ -274,6 +274,7 @@ async fn a_stalled_hello_costs_no_cpu() {
     let ticks = cpu_ticks(server.pid());
     tokio::time::sleep(Duration::from_secs(3)).await;
     let used = cpu_ticks(server.pid()) - ticks;
+    eprintln!("{N} stalled hellos: {used} CPU ticks in 3 s");
     assert_eq!(
         established(origin.addr.port(), End::Remote),
         0,

@@ -16,6 +16,10 @@
 //!
 //! A segment the program leaves in a socket (none are expected once both
 //! directions are open) is read and forwarded from userspace, so no byte is lost.
+//! That includes segments for a peer that has left the map (the kernel unhashes a
+//! reset or closed socket): they wait in the socket, so the sender is held back
+//! by its window instead of being drained into nothing, and the daemon's write to
+//! the dead peer ends the connection.
 
 use std::io;
 use std::sync::Arc;
