@@ -38,7 +38,7 @@ pub enum ServerError {
     H3(#[from] H3Error),
     #[error(transparent)]
     Proxy(#[from] ProxyError),
-    #[error("eBPF is required but could not be loaded: {0}")]
+    #[error("eBPF could not be set up")]
     Ebpf(#[from] crate::ebpf::EbpfError),
     #[error(
         "cannot listen on {addr}: {source} (fix: choose a free port, or run with the privilege to bind it)"
