@@ -204,12 +204,13 @@ impl Table {
 
     fn insert(&mut self, client: SocketAddr, entry: Entry) {
         let key = (client, entry.flow.id);
+        // Into the table first: pruning keeps only keys the table still holds.
+        self.flows.insert(client, entry);
         let address = self.addresses.entry(client.ip()).or_default();
         address.flows += 1;
         address.unanswered.push_back(key);
         prune(&mut address.unanswered, address.flows, &self.flows);
         self.unanswered.push_back(key);
-        self.flows.insert(client, entry);
         prune(&mut self.unanswered, self.flows.len(), &self.flows);
     }
 
@@ -470,4 +471,103 @@ async fn replies(
 
 fn millis(epoch: Instant) -> u64 {
     u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table entry for `client`, with a socket and a task that never ends.
+    fn entry(table: &mut Table, tasks: &mut JoinSet<()>) -> Entry {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").expect("a UDP socket");
+        let flow = Arc::new(Flow {
+            upstream: Side::new(socket).expect("registered"),
+            last: AtomicU64::new(0),
+            answered: AtomicBool::new(false),
+            id: table.next_id,
+        });
+        table.next_id += 1;
+        let task = tasks.spawn(std::future::pending());
+        Entry { flow, task }
+    }
+
+    fn client(ip: u8, port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, ip], port))
+    }
+
+    fn admit(table: &mut Table, tasks: &mut JoinSet<()>, c: SocketAddr) -> bool {
+        if !table.make_room(c) {
+            return false;
+        }
+        let e = entry(table, tasks);
+        table.insert(c, e);
+        true
+    }
+
+    fn answer(table: &Table, c: SocketAddr) {
+        table.flows[&c].flow.answered.store(true, Ordering::Relaxed);
+    }
+
+    #[tokio::test]
+    async fn an_address_at_its_cap_gives_up_its_oldest_unanswered_flow() {
+        let mut tasks = JoinSet::new();
+        let mut table = Table::new(100, 2);
+        assert!(admit(&mut table, &mut tasks, client(1, 1)));
+        assert!(admit(&mut table, &mut tasks, client(1, 2)));
+        // The oldest unanswered one goes.
+        assert!(admit(&mut table, &mut tasks, client(1, 3)));
+        assert!(!table.flows.contains_key(&client(1, 1)));
+        // Answered flows stay: only the unanswered one makes room.
+        answer(&table, client(1, 2));
+        assert!(admit(&mut table, &mut tasks, client(1, 4)));
+        assert!(table.flows.contains_key(&client(1, 2)));
+        assert!(!table.flows.contains_key(&client(1, 3)));
+        // Everything answered: refused, and other addresses are not affected.
+        answer(&table, client(1, 4));
+        assert!(!admit(&mut table, &mut tasks, client(1, 5)));
+        assert!(admit(&mut table, &mut tasks, client(2, 1)));
+        assert_eq!(table.addresses[&client(1, 0).ip()].flows, 2);
+    }
+
+    #[tokio::test]
+    async fn a_full_table_evicts_the_oldest_unanswered_flow_of_any_address() {
+        let mut tasks = JoinSet::new();
+        let mut table = Table::new(3, 10);
+        assert!(admit(&mut table, &mut tasks, client(1, 1)));
+        assert!(admit(&mut table, &mut tasks, client(2, 1)));
+        assert!(admit(&mut table, &mut tasks, client(3, 1)));
+        answer(&table, client(1, 1));
+        assert!(admit(&mut table, &mut tasks, client(4, 1)));
+        assert!(table.flows.contains_key(&client(1, 1)));
+        assert!(!table.flows.contains_key(&client(2, 1)));
+        assert_eq!(table.flows.len(), 3);
+        assert!(!table.addresses.contains_key(&client(2, 1).ip()));
+    }
+
+    #[tokio::test]
+    async fn the_queues_stay_bounded_and_keep_live_flows() {
+        let mut tasks = JoinSet::new();
+        let mut table = Table::new(1000, 2);
+        // An answered flow keeps its address's queue alive while 200 others come
+        // and go: stale keys pile up in both queues until pruned.
+        assert!(admit(&mut table, &mut tasks, client(2, 1000)));
+        answer(&table, client(2, 1000));
+        for port in 1..=200 {
+            let c = client(2, port);
+            assert!(admit(&mut table, &mut tasks, c));
+            let id = table.flows[&c].flow.id;
+            // The newest key survives every pruning, in both queues.
+            let address = &table.addresses[&c.ip()];
+            assert!(address.unanswered.contains(&(c, id)), "port {port}");
+            assert!(table.unanswered.contains(&(c, id)), "port {port}");
+            assert!(address.unanswered.len() <= 2 * address.flows + 64);
+            assert!(table.unanswered.len() <= 2 * table.flows.len() + 64);
+            assert!(table.remove(c, None).is_some());
+        }
+        // At the address's cap, the oldest unanswered flow makes room.
+        assert!(admit(&mut table, &mut tasks, client(2, 201)));
+        assert!(admit(&mut table, &mut tasks, client(2, 202)));
+        assert!(!table.flows.contains_key(&client(2, 201)));
+        assert!(table.flows.contains_key(&client(2, 1000)));
+    }
 }
