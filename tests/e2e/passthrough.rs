@@ -518,8 +518,12 @@ async fn a_client_reset_ends_the_upstream_side() {
             let mut seen = vec![0; hello_len];
             tcp.read_exact(&mut seen).await.unwrap();
             let chunk = vec![7u8; 64 * 1024];
-            // Bounded: 64 MiB at most, or until the write fails.
-            for _ in 0..1024 {
+            // Bounded: 1 GiB at most, or until the write fails (or, with the
+            // buffers full, the caller's timeout). 64 MiB was not enough: with
+            // tcp_rmem's maximum at 32 MiB, the kernel's buffers on the way
+            // (two receive buffers, two send buffers, the pipe) hold all of it
+            // before the client resets, and the origin finished without an error.
+            for _ in 0..16 * 1024 {
                 if tcp.write_all(&chunk).await.is_err() {
                     return true;
                 }
@@ -549,7 +553,7 @@ async fn a_client_reset_ends_the_upstream_side() {
             .unwrap();
         assert!(
             origin_saw_error,
-            "{engine}: the origin sent 64 MiB to a reset client"
+            "{engine}: the origin sent 1 GiB to a reset client"
         );
         assert_nothing_left(&front, origin, engine);
     }
