@@ -11,6 +11,7 @@ mod h3;
 mod lifecycle;
 mod origins;
 mod passthrough;
+mod passthrough_limits;
 mod paths;
 mod preflight;
 mod process;

@@ -264,6 +264,9 @@ async fn unknown_sni_and_garbage_are_closed_and_counted() {
     // A truncated hello is closed when the handshake timeout ends it.
     let mut tcp = TcpStream::connect(w.server.addr()).await.unwrap();
     tcp.write_all(&[22, 3, 1, 2, 0, 1, 0, 1]).await.unwrap();
+    // Let the daemon accept it before the signal stops its accept loop (under
+    // load the signal could win, and the hello would never be counted).
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let mut server = w.server;
     server.terminate();
     assert!(server.wait_exit(Duration::from_secs(20)).is_some());
@@ -427,7 +430,7 @@ async fn half_closing_origin(
 }
 
 /// A real rustls ClientHello naming `sni`.
-fn client_hello(env: &Env, sni: &str) -> Vec<u8> {
+pub(crate) fn client_hello(env: &Env, sni: &str) -> Vec<u8> {
     let name = rustls::pki_types::ServerName::try_from(sni.to_owned()).unwrap();
     let mut conn = rustls::ClientConnection::new(env.client(b"h2"), name).unwrap();
     let mut hello = Vec::new();
@@ -515,8 +518,12 @@ async fn a_client_reset_ends_the_upstream_side() {
             let mut seen = vec![0; hello_len];
             tcp.read_exact(&mut seen).await.unwrap();
             let chunk = vec![7u8; 64 * 1024];
-            // Bounded: 64 MiB at most, or until the write fails.
-            for _ in 0..1024 {
+            // Bounded: 1 GiB at most, or until the write fails (or, with the
+            // buffers full, the caller's timeout). 64 MiB was not enough: with
+            // tcp_rmem's maximum at 32 MiB, the kernel's buffers on the way
+            // (two receive buffers, two send buffers, the pipe) hold all of it
+            // before the client resets, and the origin finished without an error.
+            for _ in 0..16 * 1024 {
                 if tcp.write_all(&chunk).await.is_err() {
                     return true;
                 }
@@ -529,8 +536,11 @@ async fn a_client_reset_ends_the_upstream_side() {
         tcp.write_all(&hello).await.unwrap();
         let mut buf = vec![0; 256 * 1024];
         let mut got = 0;
+        // Bounded: EOF or an error ends it (an early close used to spin here).
         while got < 1 << 20 {
-            got += tcp.read(&mut buf).await.unwrap();
+            let n = tcp.read(&mut buf).await.unwrap();
+            assert!(n > 0, "{engine}: closed after {got} bytes; log:\n{}", front.log());
+            got += n;
         }
         // Reset, not FIN: linger 0 then close with unread data.
         socket2::SockRef::from(&tcp)
@@ -543,7 +553,7 @@ async fn a_client_reset_ends_the_upstream_side() {
             .unwrap();
         assert!(
             origin_saw_error,
-            "{engine}: the origin sent 64 MiB to a reset client"
+            "{engine}: the origin sent 1 GiB to a reset client"
         );
         assert_nothing_left(&front, origin, engine);
     }

@@ -105,10 +105,24 @@ pub enum Counter {
     UdpPacketsUp = 8,
     /// Datagrams origin → client.
     UdpPacketsDown = 9,
+    /// Passthrough connections that ended with a FIN each way.
+    ClosedClean = 10,
+    /// Passthrough connections ended by a reset or another socket error.
+    ClosedReset = 11,
+    /// Passthrough connections closed after carrying nothing for the idle timeout.
+    ClosedIdle = 12,
+    /// Passthrough connections whose peer stopped acknowledging (keepalive,
+    /// `TCP_USER_TIMEOUT`, or a receiver that never drained the last bytes).
+    ClosedStalled = 13,
+    /// UDP flows dropped to make room for a new client (never answered by the
+    /// origin, or over the per-address cap).
+    UdpFlowsEvicted = 14,
+    /// Datagrams of new UDP flows dropped: the table or the address was full.
+    UdpFlowsRefused = 15,
 }
 
 impl Counter {
-    pub const ALL: [Counter; 10] = [
+    pub const ALL: [Counter; 16] = [
         Counter::Steered,
         Counter::BytesUp,
         Counter::BytesDown,
@@ -119,6 +133,12 @@ impl Counter {
         Counter::UdpFlows,
         Counter::UdpPacketsUp,
         Counter::UdpPacketsDown,
+        Counter::ClosedClean,
+        Counter::ClosedReset,
+        Counter::ClosedIdle,
+        Counter::ClosedStalled,
+        Counter::UdpFlowsEvicted,
+        Counter::UdpFlowsRefused,
     ];
 
     /// The stable name used by `webship stats --json`.
@@ -134,6 +154,12 @@ impl Counter {
             Counter::UdpFlows => "udp_flows",
             Counter::UdpPacketsUp => "udp_packets_up",
             Counter::UdpPacketsDown => "udp_packets_down",
+            Counter::ClosedClean => "closed_clean",
+            Counter::ClosedReset => "closed_reset",
+            Counter::ClosedIdle => "closed_idle",
+            Counter::ClosedStalled => "closed_stalled",
+            Counter::UdpFlowsEvicted => "udp_flows_evicted",
+            Counter::UdpFlowsRefused => "udp_flows_refused",
         }
     }
 }

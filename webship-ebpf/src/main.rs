@@ -15,7 +15,7 @@
 #![no_std]
 #![no_main]
 
-use aya_ebpf::bindings::sk_action::{SK_DROP, SK_PASS};
+use aya_ebpf::bindings::sk_action::SK_PASS;
 use aya_ebpf::bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_UNSPEC};
 use aya_ebpf::helpers::bpf_get_socket_cookie;
 use aya_ebpf::macros::{classifier, map, stream_verdict};
@@ -68,9 +68,14 @@ pub fn webship_splice(ctx: SkBuffContext) -> u32 {
     // socket's (serialized) receive path writes after the daemon created it.
     let (mut peer, direction) = unsafe { ((*link).peer, (*link).direction) };
     if SOCKS.redirect_skb(&ctx, &mut peer, 0) != i64::from(SK_PASS) {
+        // The peer left the map: it was reset or closed (the kernel unhashes a
+        // socket on TCP_CLOSE). Dropping would let the kernel swallow everything
+        // the sender still sends, at wire speed, until the daemon notices; passed,
+        // the bytes wait in this socket, its window closes, and the daemon's write
+        // to the dead peer ends the connection.
         count(Counter::RedirectFailures, 1);
         debug!(&ctx, "splice: redirect from socket {} to {} failed", cookie, peer);
-        return SK_DROP;
+        return SK_PASS;
     }
     // SAFETY: as above.
     unsafe { (*link).redirected += len };

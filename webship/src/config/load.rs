@@ -86,6 +86,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         proxy_h2: ProxyH2Settings::default(),
         passthrough: Vec::new(),
         passthrough_engine: Engine::Auto,
+        passthrough_idle_timeout: super::model::DEFAULT_PASSTHROUGH_IDLE,
         passthrough_udp: None,
         access_log: false,
         user: None,

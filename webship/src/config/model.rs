@@ -30,6 +30,9 @@ pub struct Config {
     /// Domains whose TLS connections go to upstreams untouched (never decrypted).
     pub passthrough: Vec<PassthroughRoute>,
     pub passthrough_engine: Engine,
+    /// A passthrough connection that carries no data either way for this long is
+    /// closed (`[reverse_proxy] passthrough_idle_timeout_secs`).
+    pub passthrough_idle_timeout: Duration,
     /// HTTP/3 passthrough: every QUIC datagram on the listen port goes to this origin.
     pub passthrough_udp: Option<UdpPassthrough>,
     pub access_log: bool,
@@ -54,7 +57,15 @@ pub struct UdpPassthrough {
     /// A client flow with no datagram either way for this long is forgotten.
     pub flow_idle: Duration,
     pub engine: UdpEngine,
+    /// Flows one client IP address may hold at once.
+    pub max_flows_per_address: usize,
 }
+
+/// nginx stream's `proxy_timeout` default: ten minutes without data either way.
+pub(crate) const DEFAULT_PASSTHROUGH_IDLE: Duration = Duration::from_secs(600);
+/// UDP passthrough flows per client address unless `udp_max_flows_per_address`
+/// says otherwise.
+pub(crate) const DEFAULT_UDP_FLOWS_PER_ADDRESS: usize = 64;
 
 /// How HTTP/3 passthrough datagrams travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]

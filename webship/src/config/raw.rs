@@ -40,7 +40,9 @@ pub(super) struct RawReverseProxy {
     /// Passthrough's shared QUIC origin.
     pub udp_upstream: Option<String>,
     pub passthrough_engine: Option<super::Engine>,
+    pub passthrough_idle_timeout_secs: Option<u64>,
     pub udp_flow_idle_secs: Option<u64>,
+    pub udp_max_flows_per_address: Option<usize>,
     pub udp_engine: Option<super::UdpEngine>,
     /// Peers (CIDR blocks) whose forwarding fields are kept and extended.
     pub trusted_proxies: Option<Vec<String>>,

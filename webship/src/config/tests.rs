@@ -429,6 +429,29 @@ fn passthrough_engine_ebpf_and_udp_keys() {
         keys(pass("udp_flow_idle_secs = 5\n", false)),
         ["reverse_proxy.udp_flow_idle_secs"]
     );
+    // The tunnel idle timeout: nginx stream's ten minutes unless set, 1 s to a day.
+    assert_eq!(udp.max_flows_per_address, 64);
+    assert_eq!(
+        f.parse(&pass("", false)).unwrap().passthrough_idle_timeout,
+        Duration::from_secs(600)
+    );
+    assert_eq!(
+        f.parse(&pass("passthrough_idle_timeout_secs = 5\n", false))
+            .unwrap()
+            .passthrough_idle_timeout,
+        Duration::from_secs(5)
+    );
+    assert_eq!(
+        keys(pass("passthrough_idle_timeout_secs = 0\n", false)),
+        ["reverse_proxy.passthrough_idle_timeout_secs"]
+    );
+    assert_eq!(
+        keys(pass(
+            "udp_upstream = \"127.0.0.1:9443\"\nudp_max_flows_per_address = 0\n",
+            true
+        )),
+        ["reverse_proxy.udp_max_flows_per_address"]
+    );
     match f.parse(&pass("passthrough_engine = \"turbo\"\n", false)) {
         Err(ConfigError::Parse { message, .. }) => {
             assert!(

@@ -36,6 +36,9 @@ pub(crate) struct Programs {
     pin_dir: PathBuf,
     // Keeps the programs and their attachments alive.
     ebpf: Mutex<Ebpf>,
+    /// The pin folder, open and exclusively locked (`flock`) for this daemon's
+    /// life: a second daemon with the same folder is refused, not given our pins.
+    _lock: std::fs::File,
 }
 
 impl std::fmt::Debug for Programs {
@@ -69,7 +72,7 @@ impl Programs {
         let udp_config = typed(take(&mut ebpf, UDP_CONFIG_MAP)?)?;
         attach_verdict(&mut ebpf, &socks)?;
 
-        prepare_pin_dir(pin_dir)?;
+        let lock = prepare_pin_dir(pin_dir)?;
         let [kernel_pin, user_pin, links_pin] = pin_paths(pin_dir);
         for (map, path) in [
             (&kernel_map, &kernel_pin),
@@ -94,6 +97,7 @@ impl Programs {
             udp_config: Mutex::new(udp_config),
             pin_dir: pin_dir.to_owned(),
             ebpf: Mutex::new(ebpf),
+            _lock: lock,
         }))
     }
 
@@ -328,11 +332,11 @@ fn sum_per_cpu(map: &PerCpuArray<MapData, u64>) -> Values {
 }
 
 /// Mounts the BPF filesystem on /sys/fs/bpf when the pin folder is under it and it
-/// is not mounted, then creates the folder.
-fn prepare_pin_dir(dir: &Path) -> Result<(), EbpfError> {
+/// is not mounted, checks that the folder is on a BPF filesystem before creating
+/// or deleting anything there, creates it, and locks it for this daemon.
+fn prepare_pin_dir(dir: &Path) -> Result<std::fs::File, EbpfError> {
     let root = Path::new("/sys/fs/bpf");
-    let is_bpffs = |p: &Path| rustix::fs::statfs(p).is_ok_and(|s| s.f_type == BPF_FS_MAGIC);
-    if dir.starts_with(root) && !is_bpffs(root) {
+    if dir.starts_with(root) && fs_magic(root) != Some(BPF_FS_MAGIC) {
         rustix::mount::mount("bpf", root, "bpf", rustix::mount::MountFlags::empty(), None).map_err(|e| {
             EbpfError::Pin {
                 what: "cannot mount the BPF filesystem on",
@@ -342,11 +346,45 @@ fn prepare_pin_dir(dir: &Path) -> Result<(), EbpfError> {
         })?;
         tracing::info!("mounted the BPF filesystem on /sys/fs/bpf");
     }
+    // The folder, or where it would be created, must be a BPF filesystem: pinning
+    // elsewhere fails anyway, and the stale-pin cleanup must never delete an
+    // operator's files.
+    let existing = dir.ancestors().find(|p| p.exists()).unwrap_or(dir);
+    let on_bpffs = |p: &Path| match fs_magic(p) {
+        Some(BPF_FS_MAGIC) => Ok(()),
+        magic => Err(EbpfError::NotBpfFs {
+            path: dir.to_owned(),
+            magic: magic.unwrap_or(0),
+        }),
+    };
+    on_bpffs(existing)?;
     std::fs::create_dir_all(dir).map_err(|source| EbpfError::Pin {
         what: "cannot create the pin folder",
         path: dir.to_owned(),
         source,
-    })
+    })?;
+    on_bpffs(dir)?;
+    let folder = std::fs::File::open(dir).map_err(|source| EbpfError::Pin {
+        what: "cannot open the pin folder",
+        path: dir.to_owned(),
+        source,
+    })?;
+    // Released by the kernel when the daemon exits, however it exits.
+    match rustix::fs::flock(&folder, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(folder),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(EbpfError::PinDirBusy(dir.to_owned())),
+        Err(e) => Err(EbpfError::Pin {
+            what: "cannot lock the pin folder",
+            path: dir.to_owned(),
+            source: e.into(),
+        }),
+    }
+}
+
+/// The file system type of `path` (`statfs`), if it can be read.
+fn fs_magic(path: &Path) -> Option<i64> {
+    #[allow(clippy::useless_conversion)] // `f_type`'s width differs between libcs.
+    rustix::fs::statfs(path).ok().map(|s| i64::from(s.f_type))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -42,6 +42,27 @@ pub enum EbpfError {
     },
     #[error("no Webship counters are pinned under {}: is the daemon running, with passthrough and eBPF (`[kernel] ebpf`)?", .0.display())]
     NotRunning(PathBuf),
+    #[error(
+        "the pin folder {} is not on a BPF filesystem (its file system type is {magic:#x}); \
+         nothing in it was touched. Set `[kernel] bpf_pin_dir` to a folder under /sys/fs/bpf \
+         (or another `mount -t bpf` mount)",
+        path.display()
+    )]
+    NotBpfFs { path: PathBuf, magic: i64 },
+    #[error(
+        "the pin folder {} belongs to another running webship (it holds the folder's lock); \
+         give each daemon its own `[kernel] bpf_pin_dir`",
+        .0.display()
+    )]
+    PinDirBusy(PathBuf),
+}
+
+impl EbpfError {
+    /// A mistake in the configuration rather than a kernel without eBPF: startup
+    /// stops even with `ebpf = "auto"`.
+    pub(crate) fn is_misconfiguration(&self) -> bool {
+        matches!(self, Self::NotBpfFs { .. } | Self::PinDirBusy(_))
+    }
 }
 
 /// Counter values, indexed by [`Counter`].

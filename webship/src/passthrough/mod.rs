@@ -14,9 +14,12 @@
 //!   the daemon only watches for the ends ([`sockmap`]).
 //!
 //! Every engine forwards a FIN as a half-close and waits for the other direction,
-//! so an origin that half-closes still gets the client's remaining bytes.
+//! so an origin that half-closes still gets the client's remaining bytes. None
+//! waits forever: a connection that carries nothing for the idle timeout is
+//! closed, whatever the engine ([`idle`]), and every close is counted by reason.
 
 pub mod client_hello;
+pub(crate) mod idle;
 mod sockmap;
 mod splice;
 pub(crate) mod udp;
@@ -32,6 +35,7 @@ use crate::config::{Config, Engine, PassthroughRoute};
 use crate::ebpf::{Counter, Programs, Values, COUNTERS};
 use crate::names::NameTable;
 use client_hello::{Hello, HelloError, MAX_HELLO};
+use idle::{End, Timeouts};
 
 /// Per-direction copy buffer of the `copy` engine.
 const COPY_BUFFER: usize = 256 * 1024;
@@ -76,6 +80,7 @@ pub(crate) struct Passthrough {
     programs: Option<Arc<Programs>>,
     /// How long a finished direction may wait for the receiver to take the rest.
     drain_timeout: Duration,
+    timeouts: Timeouts,
 }
 
 impl Passthrough {
@@ -99,6 +104,11 @@ impl Passthrough {
             engine,
             programs,
             drain_timeout: config.limits.send_timeout,
+            timeouts: Timeouts {
+                idle: config.passthrough_idle_timeout,
+                half_closed: config.passthrough_idle_timeout.min(config.limits.idle_timeout),
+                unacknowledged: config.limits.send_timeout,
+            },
         })
     }
 
@@ -134,11 +144,19 @@ impl Passthrough {
     }
 
     /// `Err(None)`: the peer closed before sending a byte.
+    ///
+    /// Peeked bytes keep the socket readable, so waiting for readiness alone
+    /// would spin; instead a turn whose receive queue has not grown since the last
+    /// peek clears the readiness and waits for the next segment (or the end).
+    /// A stalled partial hello costs nothing until its timeout.
     async fn peek_hello(&self, tcp: &TcpStream) -> Result<Hello, Option<HelloError>> {
         let mut buf = vec![0u8; MAX_HELLO + 1024];
         let mut seen = 0;
         // Bounded: the caller's timeout ends it; each turn waits for new bytes.
         loop {
+            if seen > 0 {
+                wait_for_more(tcp, seen).await?;
+            }
             let n = match tcp.peek(&mut buf).await {
                 Ok(0) if seen == 0 => return Err(None),
                 Ok(0) | Err(_) => return Err(Some(HelloError::Malformed)),
@@ -146,14 +164,7 @@ impl Passthrough {
             };
             match client_hello::parse(&buf[..n]).map_err(Some)? {
                 Hello::Incomplete if n == buf.len() => return Err(Some(HelloError::TooLarge)),
-                Hello::Incomplete => {
-                    if n == seen {
-                        // Readiness stays set while peeked bytes wait: back off briefly
-                        // instead of spinning until the rest of the hello arrives.
-                        tokio::time::sleep(Duration::from_millis(2)).await;
-                    }
-                    seen = n;
-                }
+                Hello::Incomplete => seen = n,
                 done => return Ok(done),
             }
         }
@@ -187,28 +198,110 @@ impl Passthrough {
         };
         count(Counter::Steered, 1);
         tracing::debug!(%peer, upstream = %addr, domain = %r.domain, engine = %self.engine, "passthrough: steered");
-        let result = match (self.engine, &self.programs) {
-            (Engine::Sockmap, Some(programs)) => {
-                sockmap::run(programs, client, tcp, self.drain_timeout).await
+        self.timeouts.arm(&client);
+        self.timeouts.arm(&tcp);
+        let moved = async {
+            match (self.engine, &self.programs) {
+                (Engine::Sockmap, Some(programs)) => {
+                    sockmap::run(programs, &client, &tcp, self.drain_timeout).await
+                }
+                (Engine::Splice, _) => splice::run(&client, &tcp, 0).await,
+                (Engine::Auto, _) => splice::run(&client, &tcp, splice::ADAPTIVE_COPY_BYTES).await,
+                _ => copy(&client, &tcp).await,
             }
-            (Engine::Splice, _) => splice::run(client, tcp, 0).await,
-            (Engine::Auto, _) => splice::run(client, tcp, splice::ADAPTIVE_COPY_BYTES).await,
-            _ => copy(client, tcp).await,
         };
-        if let Err(e) = result {
-            tracing::debug!(%peer, upstream = %addr, error = %e, "passthrough: connection ended");
+        // Whichever ends first: dropping the engine drops its pipes and links, and
+        // the sockets close when this returns.
+        let end = tokio::select! {
+            result = moved => {
+                if let Err(e) = &result {
+                    tracing::debug!(%peer, upstream = %addr, error = %e, "passthrough: connection ended");
+                }
+                End::of(&result)
+            }
+            () = idle::expired(&client, &tcp, self.timeouts) => {
+                tracing::debug!(%peer, upstream = %addr, "passthrough: idle, closed");
+                End::Idle
+            }
+        };
+        count(end.counter(), 1);
+    }
+}
+
+/// Waits until more than `seen` bytes are queued on `tcp`. A peer that half-closed
+/// or reset instead ends the hello (truncated).
+async fn wait_for_more(tcp: &TcpStream, seen: usize) -> Result<(), Option<HelloError>> {
+    use std::io::ErrorKind::WouldBlock;
+    let truncated = Some(HelloError::Malformed);
+    // Bounded by the caller's timeout; every turn follows a readiness event.
+    loop {
+        tcp.readable().await.map_err(|_| truncated)?;
+        let grew = tcp.try_io(tokio::io::Interest::READABLE, || {
+            let queued = usize::try_from(rustix::io::ioctl_fionread(tcp)?).unwrap_or(usize::MAX);
+            if queued != seen {
+                return Ok(true);
+            }
+            // Nothing new: a FIN (no more bytes will come), or clear the readiness
+            // so that only the next segment wakes this task.
+            match crate::sys::tcp_activity(tcp) {
+                Ok(a) if a.half_closed => Ok(false),
+                _ => Err(WouldBlock.into()),
+            }
+        });
+        match grew {
+            Ok(true) => return Ok(()),
+            Ok(false) => return Err(truncated),
+            Err(e) if e.kind() == WouldBlock => continue,
+            Err(_) => return Err(truncated),
         }
     }
 }
 
-/// The `copy` engine.
-async fn copy(mut client: TcpStream, mut upstream: TcpStream) -> std::io::Result<()> {
-    let (up, down) =
-        tokio::io::copy_bidirectional_with_sizes(&mut client, &mut upstream, COPY_BUFFER, COPY_BUFFER)
-            .await?;
-    count(Counter::BytesUp, up);
-    count(Counter::BytesDown, down);
-    Ok(())
+/// The `copy` engine: one [`COPY_BUFFER`] per direction.
+async fn copy(client: &TcpStream, upstream: &TcpStream) -> std::io::Result<()> {
+    let up = copy_one_way(client, upstream, Counter::BytesUp, COPY_BUFFER, u64::MAX);
+    let down = copy_one_way(upstream, client, Counter::BytesDown, COPY_BUFFER, u64::MAX);
+    tokio::try_join!(up, down).map(drop)
+}
+
+/// Copies what `from` receives to `to` through a buffer of `buffer` bytes until
+/// `limit` bytes have moved (`true`) or `from` ends first (`false`, and `to` is
+/// half-closed). An error (a reset on either side) ends it.
+async fn copy_one_way(
+    from: &TcpStream,
+    to: &TcpStream,
+    counter: Counter,
+    buffer: usize,
+    limit: u64,
+) -> std::io::Result<bool> {
+    use std::io::ErrorKind::{WouldBlock, WriteZero};
+    let mut buf = vec![0u8; buffer];
+    let mut moved = 0u64;
+    while moved < limit {
+        from.readable().await?;
+        let n = match from.try_read(&mut buf) {
+            Ok(0) => {
+                let _ = socket2::SockRef::from(to).shutdown(std::net::Shutdown::Write);
+                return Ok(false);
+            }
+            Ok(n) => n,
+            Err(e) if e.kind() == WouldBlock => continue,
+            Err(e) => return Err(e),
+        };
+        let mut data = &buf[..n];
+        while !data.is_empty() {
+            to.writable().await?;
+            match to.try_write(data) {
+                Ok(0) => return Err(WriteZero.into()),
+                Ok(w) => data = &data[w..],
+                Err(e) if e.kind() == WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        moved += n as u64;
+        count(counter, n as u64);
+    }
+    Ok(true)
 }
 
 /// The engine to run for `configured`. `auto` stays itself: each direction copies

@@ -16,6 +16,10 @@
 //!
 //! A segment the program leaves in a socket (none are expected once both
 //! directions are open) is read and forwarded from userspace, so no byte is lost.
+//! That includes segments for a peer that has left the map (the kernel unhashes a
+//! reset or closed socket): they wait in the socket, so the sender is held back
+//! by its window instead of being drained into nothing, and the daemon's write to
+//! the dead peer ends the connection.
 
 use std::io;
 use std::sync::Arc;
@@ -38,15 +42,15 @@ enum Direction {
 
 pub(super) async fn run(
     programs: &Arc<Programs>,
-    client: TcpStream,
-    upstream: TcpStream,
+    client: &TcpStream,
+    upstream: &TcpStream,
     drain_timeout: Duration,
 ) -> io::Result<()> {
     use std::os::fd::AsFd;
 
     // Baselines first: every byte counted after them is the link's to deliver.
-    let base_client = Baseline::take(&client)?;
-    let base_upstream = Baseline::take(&upstream)?;
+    let base_client = Baseline::take(client)?;
+    let base_upstream = Baseline::take(upstream)?;
     let link = programs.link(client.as_fd(), upstream.as_fd())?;
     // The ClientHello (and anything queued behind it) goes first, from userspace.
     let mut buf = vec![0u8; FALLBACK_BUFFER];
@@ -55,7 +59,7 @@ pub(super) async fn run(
         match client.try_read(&mut buf) {
             Ok(0) => break,
             Ok(n) => {
-                write_all(&upstream, &buf[..n]).await?;
+                write_all(upstream, &buf[..n]).await?;
                 hello += n as u64;
             }
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -67,8 +71,8 @@ pub(super) async fn run(
     let up = Watch {
         link: &link,
         direction: Direction::Up,
-        from: &client,
-        to: &upstream,
+        from: client,
+        to: upstream,
         base_from: base_client,
         base_to: base_upstream,
         userspace: hello,
@@ -77,8 +81,8 @@ pub(super) async fn run(
     let down = Watch {
         link: &link,
         direction: Direction::Down,
-        from: &upstream,
-        to: &client,
+        from: upstream,
+        to: client,
         base_from: base_upstream,
         base_to: base_client,
         userspace: 0,

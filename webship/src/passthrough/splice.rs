@@ -27,14 +27,14 @@ const ADAPTIVE_BUFFER: usize = 64 * 1024;
 /// Splices both directions; with `copy_first`, each direction copies that many
 /// bytes first (the `auto` engine).
 #[cfg(target_os = "linux")]
-pub(super) async fn run(client: TcpStream, upstream: TcpStream, copy_first: u64) -> io::Result<()> {
-    let up = one_way(&client, &upstream, Counter::BytesUp, copy_first);
-    let down = one_way(&upstream, &client, Counter::BytesDown, copy_first);
+pub(super) async fn run(client: &TcpStream, upstream: &TcpStream, copy_first: u64) -> io::Result<()> {
+    let up = one_way(client, upstream, Counter::BytesUp, copy_first);
+    let down = one_way(upstream, client, Counter::BytesDown, copy_first);
     tokio::try_join!(up, down).map(drop)
 }
 
 #[cfg(not(target_os = "linux"))]
-pub(super) async fn run(client: TcpStream, upstream: TcpStream, _copy_first: u64) -> io::Result<()> {
+pub(super) async fn run(client: &TcpStream, upstream: &TcpStream, _copy_first: u64) -> io::Result<()> {
     super::copy(client, upstream).await
 }
 
@@ -44,8 +44,7 @@ pub(super) async fn run(client: TcpStream, upstream: TcpStream, _copy_first: u64
 async fn one_way(from: &TcpStream, to: &TcpStream, counter: Counter, copy_first: u64) -> io::Result<()> {
     use rustix::pipe::{fcntl_setpipe_size, pipe_with, splice, PipeFlags, SpliceFlags};
 
-    if copy_first > 0 && !copy_some(from, to, counter, copy_first).await? {
-        let _ = rustix::net::shutdown(to, rustix::net::Shutdown::Write);
+    if copy_first > 0 && !super::copy_one_way(from, to, counter, ADAPTIVE_BUFFER, copy_first).await? {
         return Ok(());
     }
 
@@ -84,34 +83,4 @@ async fn one_way(from: &TcpStream, to: &TcpStream, counter: Counter, copy_first:
         }
         count(counter, filled as u64);
     }
-}
-
-/// Copies until `limit` bytes have moved (`true`: switch to splicing) or `from`
-/// ends first (`false`).
-#[cfg(target_os = "linux")]
-async fn copy_some(from: &TcpStream, to: &TcpStream, counter: Counter, limit: u64) -> io::Result<bool> {
-    let mut buf = vec![0u8; ADAPTIVE_BUFFER];
-    let mut moved = 0u64;
-    while moved < limit {
-        from.readable().await?;
-        let n = match from.try_read(&mut buf) {
-            Ok(0) => return Ok(false),
-            Ok(n) => n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        };
-        let mut data = &buf[..n];
-        while !data.is_empty() {
-            to.writable().await?;
-            match to.try_write(data) {
-                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-                Ok(w) => data = &data[w..],
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        moved += n as u64;
-        count(counter, n as u64);
-    }
-    Ok(true)
 }

@@ -42,7 +42,7 @@ pub enum ServerError {
     Proxy(#[from] ProxyError),
     #[error(transparent)]
     Process(#[from] ProcessError),
-    #[error("eBPF is required but could not be loaded: {0}")]
+    #[error("eBPF could not be set up")]
     Ebpf(#[from] crate::ebpf::EbpfError),
     #[error(
         "cannot listen on {addr}: {source} (fix: choose a free port, or run with the privilege to bind it)"

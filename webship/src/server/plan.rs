@@ -158,7 +158,7 @@ fn load_programs(config: &Config, report: &Report) -> Result<Option<Arc<Programs
             tracing::info!(pins = %config.kernel.bpf_pin_dir.display(), "eBPF programs loaded; counters pinned for `webship stats`");
             Ok(Some(programs))
         }
-        Err(e) if config.kernel.ebpf == Policy::Required => Err(e.into()),
+        Err(e) if config.kernel.ebpf == Policy::Required || e.is_misconfiguration() => Err(e.into()),
         Err(e) => {
             tracing::warn!(error = %e, "eBPF not used: passthrough runs a userspace engine");
             Ok(None)

@@ -52,28 +52,7 @@ pub(crate) struct TcpBytes {
 pub(crate) fn tcp_bytes<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<TcpBytes> {
     #[cfg(target_os = "linux")]
     {
-        // SAFETY: `tcp_info` is plain old data, so all-zeroes is a valid value.
-        let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
-        // SAFETY: `info` is writable for `len` bytes, and the kernel writes at most
-        // `len` bytes and updates `len`; the fd is borrowed for the call.
-        let rc = unsafe {
-            libc::getsockopt(
-                sock.as_raw_fd(),
-                libc::IPPROTO_TCP,
-                libc::TCP_INFO,
-                std::ptr::from_mut(&mut info).cast(),
-                &mut len,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // Both fields exist since Linux 4.1 / 4.2; an older kernel writes fewer bytes.
-        let needed = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_received) + 8;
-        if (len as usize) < needed {
-            return Err(io::ErrorKind::Unsupported.into());
-        }
+        let info = tcp_info(sock)?;
         Ok(TcpBytes {
             acked: info.tcpi_bytes_acked,
             received: info.tcpi_bytes_received,
@@ -84,6 +63,92 @@ pub(crate) fn tcp_bytes<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<TcpByte
         let _ = sock;
         Err(io::ErrorKind::Unsupported.into())
     }
+}
+
+/// What `TCP_INFO` says about a connection's recent traffic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TcpActivity {
+    /// Since the last data segment was received (`tcpi_last_data_recv`).
+    pub since_received: std::time::Duration,
+    /// Since the last new data was sent (`tcpi_last_data_sent`; retransmissions,
+    /// keepalive and window probes do not count).
+    pub since_sent: std::time::Duration,
+    /// Whether a FIN went either way: the connection is no longer `ESTABLISHED`.
+    pub half_closed: bool,
+}
+
+/// Reads [`TcpActivity`] of a connected TCP socket.
+pub(crate) fn tcp_activity<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<TcpActivity> {
+    #[cfg(target_os = "linux")]
+    {
+        let info = tcp_info(sock)?;
+        // `TCP_ESTABLISHED` of include/net/tcp_states.h (libc does not export it).
+        const ESTABLISHED: u8 = 1;
+        let ms = |v: u32| std::time::Duration::from_millis(u64::from(v));
+        Ok(TcpActivity {
+            since_received: ms(info.tcpi_last_data_recv),
+            since_sent: ms(info.tcpi_last_data_sent),
+            half_closed: info.tcpi_state != ESTABLISHED,
+        })
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = sock;
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+#[cfg(target_os = "linux")]
+fn tcp_info<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<libc::tcp_info> {
+    // SAFETY: `tcp_info` is plain old data, so all-zeroes is a valid value.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: `info` is writable for `len` bytes, and the kernel writes at most
+    // `len` bytes and updates `len`; the fd is borrowed for the call.
+    let rc = unsafe {
+        libc::getsockopt(
+            sock.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            std::ptr::from_mut(&mut info).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // The fields read here exist since Linux 4.2; an older kernel writes fewer bytes.
+    let needed = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_received) + 8;
+    if (len as usize) < needed {
+        return Err(io::ErrorKind::Unsupported.into());
+    }
+    Ok(info)
+}
+
+/// Dead-peer detection for a long-lived relayed connection: keepalive probes after
+/// `idle` without traffic, every `interval`, `probes` of them; and
+/// `TCP_USER_TIMEOUT`, so data the peer never acknowledges (a vanished client)
+/// ends the connection after `user_timeout` instead of ~15 minutes of
+/// retransmissions. Best effort where an option is missing.
+pub(crate) fn set_dead_peer_detection<S: std::os::fd::AsFd>(
+    sock: &S,
+    idle: std::time::Duration,
+    interval: std::time::Duration,
+    probes: u32,
+    user_timeout: std::time::Duration,
+) -> io::Result<()> {
+    let sock = socket2::SockRef::from(sock);
+    let keepalive = socket2::TcpKeepalive::new().with_time(idle);
+    #[cfg(any(target_os = "linux", target_os = "android", target_os = "freebsd"))]
+    let keepalive = keepalive.with_interval(interval).with_retries(probes);
+    #[cfg(not(any(target_os = "linux", target_os = "android", target_os = "freebsd")))]
+    let _ = (interval, probes);
+    sock.set_tcp_keepalive(&keepalive)?;
+    #[cfg(target_os = "linux")]
+    sock.set_tcp_user_timeout(Some(user_timeout))?;
+    #[cfg(not(target_os = "linux"))]
+    let _ = user_timeout;
+    Ok(())
 }
 
 /// Reads back the congestion-control algorithm of one TCP socket.
@@ -261,6 +326,23 @@ fn setsockopt_struct<T>(fd: libc::c_int, level: libc::c_int, name: libc::c_int, 
     }
 }
 
+/// Room for control messages, aligned for `cmsghdr`: `CMSG_FIRSTHDR` hands back the
+/// buffer's start as a `*mut cmsghdr`, and writing through a misaligned one is
+/// undefined behaviour (a plain byte array has alignment 1).
+#[cfg(target_os = "linux")]
+#[repr(C, align(8))]
+struct CmsgBuffer([u8; 64]);
+
+#[cfg(target_os = "linux")]
+const _: () = assert!(std::mem::align_of::<CmsgBuffer>() >= std::mem::align_of::<libc::cmsghdr>());
+
+#[cfg(target_os = "linux")]
+impl CmsgBuffer {
+    fn new() -> Self {
+        Self([0; 64])
+    }
+}
+
 /// Sends a TLS `close_notify` alert through kernel TLS (a record of type alert, not
 /// application data, chosen with the `TLS_SET_RECORD_TYPE` control message).
 #[cfg(target_os = "linux")]
@@ -269,8 +351,8 @@ pub(crate) fn ktls_send_close_notify<S: std::os::fd::AsRawFd>(sock: &S) -> io::R
     let mut payload = [1u8, 0u8]; // level warning, description close_notify
                                   // SAFETY: CMSG_SPACE only computes a size.
     let space = unsafe { libc::CMSG_SPACE(1) } as usize;
-    let mut control = [0u8; 64];
-    let control = &mut control[..space];
+    let mut control = CmsgBuffer::new();
+    let control = &mut control.0[..space];
     let mut iov = libc::iovec {
         iov_base: payload.as_mut_ptr().cast(),
         iov_len: payload.len(),
@@ -407,4 +489,32 @@ pub(crate) fn loopback_pair() -> io::Result<(TcpStream, TcpStream)> {
     let client = TcpStream::connect(listener.local_addr()?)?;
     let (server, _) = listener.accept()?;
     Ok((client, server))
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_buffers_are_aligned_for_cmsghdr() {
+        // On the stack after an odd-sized local and inside a struct after a byte:
+        // wherever it lands, its start can hold a cmsghdr.
+        let odd = [0u8; 3];
+        let plain = CmsgBuffer::new();
+        struct After {
+            _byte: u8,
+            buffer: CmsgBuffer,
+        }
+        let after = After {
+            _byte: odd[0],
+            buffer: CmsgBuffer::new(),
+        };
+        for buffer in [&plain, &after.buffer] {
+            let addr = buffer.0.as_ptr() as usize;
+            assert_eq!(addr % std::mem::align_of::<libc::cmsghdr>(), 0);
+        }
+        // SAFETY: CMSG_SPACE only computes a size.
+        let space = unsafe { libc::CMSG_SPACE(1) } as usize;
+        assert!(space <= plain.0.len());
+    }
 }

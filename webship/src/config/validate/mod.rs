@@ -91,6 +91,7 @@ impl Validator<'_> {
         self.catch_all(top, raw.webtransport.as_ref(), &mut sites, passthrough.is_empty());
         let mut kernel = self.kernel(raw.kernel.unwrap_or_default());
         let passthrough_engine = self.passthrough_engine(raw.reverse_proxy.as_ref(), &mut kernel);
+        let passthrough_idle_timeout = self.passthrough_idle_timeout(raw.reverse_proxy.as_ref());
         let limits = self.limits(raw.limits.unwrap_or_default());
         let (h2, h3, proxy_h2) = self.settings(&raw.runtime.unwrap_or_default().settings);
         if let Some(udp) = passthrough_udp {
@@ -108,6 +109,7 @@ impl Validator<'_> {
             proxy_h2,
             passthrough,
             passthrough_engine,
+            passthrough_idle_timeout,
             passthrough_udp,
             access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
             user: raw.user,

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::config::model::{DEFAULT_PASSTHROUGH_IDLE, DEFAULT_UDP_FLOWS_PER_ADDRESS};
 use crate::config::raw::{RawReverseProxy, RawRoute};
 use crate::config::{Engine, Kernel, PassthroughRoute, Policy, Protocols, Site, UdpEngine, UdpPassthrough};
 
@@ -59,6 +60,7 @@ impl Validator<'_> {
                     upstream,
                     flow_idle: Duration::from_secs(raw.udp_flow_idle_secs.unwrap_or(30).max(1)),
                     engine: raw.udp_engine.unwrap_or_default(),
+                    max_flows_per_address: self.udp_flows_per_address(raw.udp_max_flows_per_address),
                 }),
                 _ => {
                     self.problem(
@@ -90,6 +92,10 @@ impl Validator<'_> {
         for (name, present) in [
             ("udp_flow_idle_secs", raw.udp_flow_idle_secs.is_some()),
             ("udp_engine", raw.udp_engine.is_some()),
+            (
+                "udp_max_flows_per_address",
+                raw.udp_max_flows_per_address.is_some(),
+            ),
         ] {
             if present && raw.udp_upstream.is_none() {
                 self.problem(
@@ -100,6 +106,44 @@ impl Validator<'_> {
             }
         }
         udp
+    }
+
+    fn udp_flows_per_address(&mut self, value: Option<usize>) -> usize {
+        match value {
+            None => DEFAULT_UDP_FLOWS_PER_ADDRESS,
+            Some(n @ 1..=65_536) => n,
+            Some(_) => {
+                self.problem(
+                    "reverse_proxy.udp_max_flows_per_address",
+                    "out of range",
+                    "use 1 to 65536 (flows one client address may hold)",
+                );
+                DEFAULT_UDP_FLOWS_PER_ADDRESS
+            }
+        }
+    }
+
+    /// `passthrough_idle_timeout_secs`: only for TLS passthrough, 1 s to a day.
+    pub(super) fn passthrough_idle_timeout(&mut self, raw: Option<&RawReverseProxy>) -> Duration {
+        let Some(secs) = raw.and_then(|r| r.passthrough_idle_timeout_secs) else {
+            return DEFAULT_PASSTHROUGH_IDLE;
+        };
+        if raw.is_some_and(|r| r.tls_termination != Some(false)) {
+            self.problem(
+                "reverse_proxy.passthrough_idle_timeout_secs",
+                "only TLS passthrough tunnels connections",
+                "remove it (`[limits] idle_timeout_secs` applies), or set `tls_termination = false`",
+            );
+        }
+        if !(1..=86_400).contains(&secs) {
+            self.problem(
+                "reverse_proxy.passthrough_idle_timeout_secs",
+                "out of range",
+                "use 1 to 86400 seconds",
+            );
+            return DEFAULT_PASSTHROUGH_IDLE;
+        }
+        Duration::from_secs(secs)
     }
 
     /// One passthrough route: a domain no other site or route has, and its upstreams.
