@@ -15,6 +15,7 @@ mod paths;
 mod preflight;
 mod proxy;
 mod sites;
+mod stalls;
 mod support;
 mod tls;
 mod webtransport;

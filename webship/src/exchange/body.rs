@@ -2,9 +2,20 @@
 //! one [`FileCursor`], a body relayed frame by frame from an upstream, or bytes known
 //! up front. hyper polls it as an `http_body::Body`; the h1 and h3 drivers drain it
 //! through [`send_body`](super::send_body).
+//!
+//! A pulled body (hyper's) cannot see its stream's flow control: hyper polls it for
+//! the next frame before it waits for send capacity, and keeps what it got until the
+//! client grants some. So a pulled file body ramps its reads up like a congestion
+//! window: each read is at most what the client has already taken (the bytes handed
+//! out before the chunk hyper still holds), between [`PULL_CHUNK_MIN`] and the
+//! driver's chunk. A stream whose client grants no window holds two small chunks, not
+//! two large ones. Its stall is seen by the connection through a [`PullClock`].
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
@@ -12,11 +23,84 @@ use http_body::{Frame, SizeHint};
 use crate::files::cursor::{FileCursor, FileRange};
 use crate::message::{Body, BoxError, StreamBody};
 
+/// The smallest read of a pulled file body (one default HTTP/2 frame).
+pub(crate) const PULL_CHUNK_MIN: usize = 16 * 1024;
+
 #[derive(Debug)]
 pub(crate) struct ResponseBody {
     kind: Kind,
     /// Data bytes handed out so far.
     produced: u64,
+    /// Pulled bodies only: the connection's clock, and the size of the chunk handed
+    /// out last (still held by the driver until it pulls again).
+    pull: Option<Pull>,
+}
+
+#[derive(Debug)]
+struct Pull {
+    clock: Arc<PullClock>,
+    max_chunk: usize,
+    last: u64,
+    /// Handed out a chunk and not pulled since: waiting on the client.
+    waiting: bool,
+}
+
+/// How a connection's pulled responses progress. A response whose chunk the driver
+/// holds without pulling again waits on the client (for flow-control credit, or for a
+/// socket it stopped reading); when some do and none of the connection's responses
+/// was pulled for `send_timeout`, the client has stalled them all and the driver ends
+/// the connection.
+#[derive(Debug)]
+pub(crate) struct PullClock {
+    start: Instant,
+    /// Milliseconds from `start` to the last pull of any response.
+    last_pull_ms: AtomicU64,
+    /// Responses waiting on the client.
+    waiting: AtomicUsize,
+}
+
+impl Default for PullClock {
+    fn default() -> Self {
+        Self {
+            start: Instant::now(),
+            last_pull_ms: AtomicU64::new(0),
+            waiting: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl PullClock {
+    fn touch(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_pull_ms.fetch_max(ms, Ordering::AcqRel);
+    }
+
+    /// Whether some response waits on the client and none moved for `limit`.
+    pub(crate) fn stalled(&self, limit: Duration) -> bool {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let last = Duration::from_millis(self.last_pull_ms.load(Ordering::Acquire));
+        self.start.elapsed().saturating_sub(last) >= limit
+    }
+}
+
+impl Pull {
+    fn set_waiting(&mut self, waiting: bool) {
+        if self.waiting != waiting {
+            self.waiting = waiting;
+            match waiting {
+                true => self.clock.waiting.fetch_add(1, Ordering::AcqRel),
+                false => self.clock.waiting.fetch_sub(1, Ordering::AcqRel),
+            };
+        }
+    }
+}
+
+impl Drop for Pull {
+    fn drop(&mut self) {
+        self.set_waiting(false);
+    }
 }
 
 enum Kind {
@@ -47,7 +131,24 @@ impl ResponseBody {
             Body::File(file) => Kind::File(FileCursor::new(file, chunk)),
             Body::Stream(stream) => Kind::Relay(stream),
         };
-        Self { kind, produced: 0 }
+        Self {
+            kind,
+            produced: 0,
+            pull: None,
+        }
+    }
+
+    /// A body a driver pulls (hyper): file reads ramp up from [`PULL_CHUNK_MIN`] to
+    /// `chunk` as the client takes bytes, and `clock` sees whether it moves.
+    pub(crate) fn pulled(body: Body, chunk: usize, clock: Arc<PullClock>) -> Self {
+        let mut this = Self::new(body, chunk);
+        this.pull = Some(Pull {
+            clock,
+            max_chunk: chunk,
+            last: 0,
+            waiting: false,
+        });
+        this
     }
 
     pub(crate) fn empty() -> Self {
@@ -91,6 +192,18 @@ impl http_body::Body for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if let Some(pull) = &mut this.pull {
+            // Pulled again: everything but the chunk the driver held until now has
+            // been taken by the client (within its window), so the next read may be
+            // that large.
+            pull.clock.touch();
+            pull.set_waiting(false);
+            if let Kind::File(cursor) = &mut this.kind {
+                let taken = this.produced - pull.last;
+                let chunk = usize::try_from(taken).unwrap_or(usize::MAX);
+                cursor.set_chunk(chunk.clamp(PULL_CHUNK_MIN.min(pull.max_chunk), pull.max_chunk));
+            }
+        }
         let polled = match &mut this.kind {
             Kind::Empty => Poll::Ready(None),
             Kind::Bytes(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
@@ -100,7 +213,12 @@ impl http_body::Body for ResponseBody {
             Kind::Relay(relay) => Pin::new(relay).poll_frame(cx),
         };
         if let Poll::Ready(Some(Ok(frame))) = &polled {
-            this.produced += frame.data_ref().map_or(0, |d| d.len() as u64);
+            let len = frame.data_ref().map_or(0, |d| d.len() as u64);
+            this.produced += len;
+            if let Some(pull) = &mut this.pull {
+                pull.last = len;
+                pull.set_waiting(len > 0);
+            }
         }
         polled
     }
