@@ -429,12 +429,12 @@ async fn empty_request_streams_in_a_loop_leave_memory_flat() {
     let streams: usize = std::env::var("WEBSHIP_EMPTY_STREAMS")
         .ok()
         .and_then(|n| n.parse().ok())
-        .unwrap_or(20_000);
+        .unwrap_or(100_000);
     let env = Env::new();
     let server = start(&env, "");
     let client = h3_client(&server, &env, 1 << 20).await;
     // A first round settles the allocator; the loop after it must not grow.
-    empty_streams(client.connection(), 2_000).await;
+    empty_streams(client.connection(), 20_000).await;
     let before = footprint(&server);
     let started = Instant::now();
     empty_streams(client.connection(), streams / 2).await;
