@@ -314,9 +314,9 @@ async fn h3_client(server: &Server, env: &Env, stream_window: u32) -> H3Client {
 }
 
 /// HTTP/3 GETs of a large file on streams the client never reads (its stream credit
-/// runs out at 1 KiB) while QUIC PINGs keep the connection alive: each stream is
-/// reset after the send timeout, and the idle connection is then closed (both were
-/// held forever).
+/// runs out at 1 KiB) while QUIC PINGs keep the connection alive: the server holds
+/// little per stream, each stream is reset after the send timeout, and the idle
+/// connection is then closed (all were held forever, with two 128 KiB chunks each).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_h3_credit_resets_streams_and_closes_the_connection() {
     let env = Env::new();
@@ -340,6 +340,13 @@ async fn stalled_h3_credit_resets_streams_and_closes_the_connection() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let during = footprint(&server);
     let took = download(&env, &server).await;
+    // 256 streams with two 128 KiB chunks each held 64 MiB; two ramped 16 KiB reads
+    // hold 8 MiB.
+    let grown = during.rss_kib.saturating_sub(before.rss_kib) / 1024;
+    assert!(
+        grown < 20,
+        "256 h3 streams without credit grew the server by {grown} MiB"
+    );
     // Every stream ends (reset, or with its connection) within the send timeout and
     // the idle timeout after it.
     let deadline = Instant::now() + Duration::from_secs(12);

@@ -3,13 +3,15 @@
 //! up front. hyper polls it as an `http_body::Body`; the h1 and h3 drivers drain it
 //! through [`send_body`](super::send_body).
 //!
-//! A pulled body (hyper's) cannot see its stream's flow control: hyper polls it for
-//! the next frame before it waits for send capacity, and keeps what it got until the
-//! client grants some. So a pulled file body ramps its reads up like a congestion
-//! window: each read is at most what the client has already taken (the bytes handed
-//! out before the chunk hyper still holds), between [`PULL_CHUNK_MIN`] and the
-//! driver's chunk. A stream whose client grants no window holds two small chunks, not
-//! two large ones. Its stall is seen by the connection through a [`PullClock`].
+//! A multiplexed body cannot see its stream's flow control: hyper polls it for the
+//! next frame before it waits for send capacity, and keeps what it got until the
+//! client grants some; h3 reads the next chunk while the previous one waits for stream
+//! credit. So a [`ramped`](ResponseBody::ramped) file body grows its reads like a
+//! congestion window: each read is at most what the client has already taken (the
+//! bytes handed out before the chunk the driver still holds), between
+//! [`RAMP_CHUNK_MIN`] and the driver's chunk. A stream whose client grants no window
+//! holds two small chunks, not two large ones. A pulled body's stall is seen by its
+//! connection through a [`PullClock`].
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -23,22 +25,22 @@ use http_body::{Frame, SizeHint};
 use crate::files::cursor::{FileCursor, FileRange};
 use crate::message::{Body, BoxError, StreamBody};
 
-/// The smallest read of a pulled file body (one default HTTP/2 frame).
-pub(crate) const PULL_CHUNK_MIN: usize = 16 * 1024;
+/// The smallest read of a ramped file body (one default HTTP/2 frame).
+pub(crate) const RAMP_CHUNK_MIN: usize = 16 * 1024;
 
 #[derive(Debug)]
 pub(crate) struct ResponseBody {
     kind: Kind,
     /// Data bytes handed out so far.
     produced: u64,
-    /// Pulled bodies only: the connection's clock, and the size of the chunk handed
-    /// out last (still held by the driver until it pulls again).
+    /// Ramped bodies only: the size of the chunk handed out last (still held by the
+    /// driver until it pulls again), and the connection's clock if it watches.
     pull: Option<Pull>,
 }
 
 #[derive(Debug)]
 struct Pull {
-    clock: Arc<PullClock>,
+    clock: Option<Arc<PullClock>>,
     max_chunk: usize,
     last: u64,
     /// Handed out a chunk and not pulled since: waiting on the client.
@@ -87,11 +89,14 @@ impl PullClock {
 
 impl Pull {
     fn set_waiting(&mut self, waiting: bool) {
+        let Some(clock) = &self.clock else {
+            return;
+        };
         if self.waiting != waiting {
             self.waiting = waiting;
             match waiting {
-                true => self.clock.waiting.fetch_add(1, Ordering::AcqRel),
-                false => self.clock.waiting.fetch_sub(1, Ordering::AcqRel),
+                true => clock.waiting.fetch_add(1, Ordering::AcqRel),
+                false => clock.waiting.fetch_sub(1, Ordering::AcqRel),
             };
         }
     }
@@ -138,16 +143,25 @@ impl ResponseBody {
         }
     }
 
-    /// A body a driver pulls (hyper): file reads ramp up from [`PULL_CHUNK_MIN`] to
-    /// `chunk` as the client takes bytes, and `clock` sees whether it moves.
-    pub(crate) fn pulled(body: Body, chunk: usize, clock: Arc<PullClock>) -> Self {
+    /// A body of a multiplexed stream (h2, h3): file reads ramp up from
+    /// [`RAMP_CHUNK_MIN`] to `chunk` as the client takes bytes.
+    pub(crate) fn ramped(body: Body, chunk: usize) -> Self {
         let mut this = Self::new(body, chunk);
         this.pull = Some(Pull {
-            clock,
+            clock: None,
             max_chunk: chunk,
             last: 0,
             waiting: false,
         });
+        this
+    }
+
+    /// A ramped body a driver pulls by itself (hyper): `clock` sees whether it moves.
+    pub(crate) fn pulled(body: Body, chunk: usize, clock: Arc<PullClock>) -> Self {
+        let mut this = Self::ramped(body, chunk);
+        if let Some(pull) = &mut this.pull {
+            pull.clock = Some(clock);
+        }
         this
     }
 
@@ -196,12 +210,14 @@ impl http_body::Body for ResponseBody {
             // Pulled again: everything but the chunk the driver held until now has
             // been taken by the client (within its window), so the next read may be
             // that large.
-            pull.clock.touch();
+            if let Some(clock) = &pull.clock {
+                clock.touch();
+            }
             pull.set_waiting(false);
             if let Kind::File(cursor) = &mut this.kind {
                 let taken = this.produced - pull.last;
                 let chunk = usize::try_from(taken).unwrap_or(usize::MAX);
-                cursor.set_chunk(chunk.clamp(PULL_CHUNK_MIN.min(pull.max_chunk), pull.max_chunk));
+                cursor.set_chunk(chunk.clamp(RAMP_CHUNK_MIN.min(pull.max_chunk), pull.max_chunk));
             }
         }
         let polled = match &mut this.kind {

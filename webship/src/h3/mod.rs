@@ -8,7 +8,11 @@
 //!
 //! Memory per connection is bounded by `h3_send_window_bytes` (quinn buffers no more
 //! unsent stream data than that; `send_data` waits) plus two [`STREAM_CHUNK`]s per
-//! active stream.
+//! active stream, two 16 KiB reads on a stream whose client grants no credit (file
+//! reads ramp up with the credit the client gives: `exchange::body`). A write that
+//! waits for credit longer than `send_timeout` resets the stream; a request head must
+//! arrive within `header_read_timeout`; a connection without a request for
+//! `idle_timeout` closes, whatever PINGs keep QUIC alive.
 
 pub(crate) mod congestion;
 
@@ -501,7 +505,7 @@ async fn respond(
         }
     }
     send_body(
-        ResponseBody::new(body, STREAM_CHUNK),
+        ResponseBody::ramped(body, STREAM_CHUNK),
         &mut Writer { stream, ctx, signal },
         ctx.limits.send_timeout,
     )

@@ -8,8 +8,8 @@
 //! 128 KiB by default: two 64 KiB frames) before rustls encrypts them. Memory per
 //! connection is therefore bounded by `max_concurrent_streams × (max_send_buffer +
 //! STREAM_CHUNK)` plus the batch and rustls' buffers; a stream whose client grants no
-//! window holds two [`PULL_CHUNK_MIN`](crate::exchange::PULL_CHUNK_MIN) reads (the
-//! body ramps its reads up with what the client takes: `exchange::body`).
+//! window holds two 16 KiB reads (the body ramps its reads up with what the client
+//! takes: `exchange::body`).
 //!
 //! Time, for both protocols ([`drive`]): an HTTP/2 client must send its connection
 //! preface and first SETTINGS frame header within `handshake_timeout`; a connection
