@@ -468,3 +468,39 @@ async fn empty_request_streams_in_a_loop_leave_memory_flat() {
     }
     .print();
 }
+
+/// A client of a proxy site (hyper's HTTP/1.1) that stops reading a large relayed
+/// body is dropped after the send timeout (it was held until the upstream's own
+/// read timeout, 60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_reader_on_hyper_h1_is_dropped_after_the_send_timeout() {
+    let env = Env::new();
+    let origin = webship_tests::origin::Origin::start().await;
+    let (cert, key) = env.leaf("proxied", &[HOST]);
+    let config = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{LIMITS}\n[reverse_proxy]\nenabled = true\ntls_termination = true\n[reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/\"\nupstreams = [\"{}\"]\n",
+        cert.display(),
+        key.display(),
+        origin.addr
+    );
+    let server = Server::start(env.dir.path(), &config);
+    let mut conn = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    conn.write_all(format!("GET /bytes/{} HTTP/1.1\r\nHost: {HOST}\r\n\r\n", 256 * MIB).as_bytes())
+        .await
+        .unwrap();
+    let mut head = [0u8; 1024];
+    let n = conn.read(&mut head).await.unwrap();
+    assert!(
+        head[..n].starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head[..n])
+    );
+    // Never read again.
+    assert!(
+        established_at_most(&server, 0, Duration::from_secs(10)).await,
+        "a client that stopped reading must be dropped after the 2 s send timeout"
+    );
+    drop(conn);
+}
