@@ -257,3 +257,52 @@ impl http_body::Body for ResponseBody {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::{FileBody, Segment};
+    use http_body_util::BodyExt;
+
+    fn file_body(len: usize) -> (tempfile::TempDir, Body) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, vec![9u8; len]).unwrap();
+        let body = Body::File(FileBody {
+            file: Arc::new(std::fs::File::open(&path).unwrap()),
+            segments: vec![Segment::File {
+                offset: 0,
+                len: len as u64,
+            }],
+            len: len as u64,
+        });
+        (dir, body)
+    }
+
+    #[tokio::test]
+    async fn ramped_reads_grow_with_what_the_client_took() {
+        let (_dir, body) = file_body(1 << 20);
+        let mut body = ResponseBody::ramped(body, 128 * 1024);
+        let mut sizes = Vec::new();
+        while let Some(frame) = body.frame().await {
+            sizes.push(frame.unwrap().into_data().unwrap().len() / 1024);
+        }
+        // Each read is at most what was handed out before the chunk still held.
+        assert_eq!(sizes[..7], [16, 16, 16, 32, 48, 80, 128], "{sizes:?}");
+        assert_eq!(sizes.iter().sum::<usize>(), 1024);
+    }
+
+    #[tokio::test]
+    async fn a_clock_sees_a_body_waiting_on_its_client() {
+        let (_dir, body) = file_body(1 << 20);
+        let clock = Arc::new(PullClock::default());
+        let mut body = ResponseBody::pulled(body, 128 * 1024, clock.clone());
+        assert!(!clock.stalled(Duration::ZERO), "nothing handed out yet");
+        let _chunk = body.frame().await.unwrap().unwrap();
+        // Handed out and not pulled since: waiting on the client.
+        assert!(clock.stalled(Duration::ZERO));
+        assert!(!clock.stalled(Duration::from_secs(60)), "not for that long");
+        drop(body);
+        assert!(!clock.stalled(Duration::ZERO), "a dropped body waits for nothing");
+    }
+}
