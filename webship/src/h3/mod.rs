@@ -273,6 +273,8 @@ async fn connection(
         };
         match accepted {
             Ok(Some(resolver)) => {
+                // A request that comes and goes between two checks is activity too.
+                idle_since = tokio::time::Instant::now();
                 let ctx = ctx.clone();
                 let signal = signal.clone();
                 // Each request keeps the connection's permit alive until it is done.

@@ -123,6 +123,9 @@ pub(crate) async fn serve_h1(mut stream: RustlsStream, ctx: ConnContext) -> Resu
 #[derive(Debug, Clone)]
 struct Watch {
     active: Arc<AtomicUsize>,
+    /// Requests started so far: one that came and went between two checks is
+    /// activity too.
+    started: Arc<AtomicU64>,
     clock: Arc<PullClock>,
 }
 
@@ -130,6 +133,7 @@ impl Watch {
     fn new() -> Self {
         Self {
             active: Arc::new(AtomicUsize::new(0)),
+            started: Arc::new(AtomicU64::new(0)),
             clock: Arc::new(PullClock::default()),
         }
     }
@@ -151,6 +155,7 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Handler {
 
     fn call(&self, req: http::Request<hyper::body::Incoming>) -> Self::Future {
         let ctx = self.ctx.clone();
+        self.watch.started.fetch_add(1, Ordering::AcqRel);
         let guard = InFlight::new(self.watch.active.clone());
         let clock = self.watch.clock.clone();
         Box::pin(async move { Ok(handle(req, &ctx, guard, clock).await) })
@@ -190,6 +195,7 @@ where
     let mut check =
         tokio::time::interval((shortest / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)));
     let mut idle_since = start;
+    let mut seen = 0;
     let mut preface = preface;
     let mut closing = false;
     let mut dropping_at = None;
@@ -215,7 +221,9 @@ where
                 if dropping_at.is_some_and(|at| now >= at) {
                     return Ok(());
                 }
-                if watch.active.load(Ordering::Acquire) > 0 {
+                let started = watch.started.load(Ordering::Acquire);
+                if watch.active.load(Ordering::Acquire) > 0 || started != seen {
+                    seen = started;
                     idle_since = now;
                 } else if !closing && now - idle_since >= limits.idle_timeout {
                     closing = true;
