@@ -40,6 +40,8 @@ pub struct H3Options {
     pub datagram_receive_buffer: Option<usize>,
     /// Extended CONNECT and HTTP datagrams, for WebTransport sessions.
     pub webtransport: bool,
+    /// QUIC PINGs at this interval keep the connection alive; none when `None`.
+    pub keep_alive: Option<Duration>,
 }
 
 impl Default for H3Options {
@@ -54,6 +56,7 @@ impl Default for H3Options {
             max_udp_payload: None,
             datagram_receive_buffer: None,
             webtransport: false,
+            keep_alive: None,
         }
     }
 }
@@ -122,6 +125,7 @@ fn client_config(tls: &ClientConfig, options: &H3Options) -> Result<quinn::Clien
     if let Some(idle) = options.idle_timeout {
         transport.max_idle_timeout(Some(idle.try_into().map_err(|e| anyhow!("idle timeout: {e}"))?));
     }
+    transport.keep_alive_interval(options.keep_alive);
     if let Some(buffer) = options.datagram_receive_buffer {
         transport.datagram_receive_buffer_size(Some(buffer));
     }

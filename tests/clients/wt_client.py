@@ -103,6 +103,7 @@ class Client(QuicConnectionProtocol):
         super().__init__(*args, **kwargs)
         self.h3 = H3Connection(self._quic, enable_webtransport=True)
         self.session = None
+        self.session_reset = None
         self.status = None
         self.headers_done = None
         self.capsules = bytearray()
@@ -121,6 +122,8 @@ class Client(QuicConnectionProtocol):
             self.streams[event.stream_id].feed(event.data, event.end_stream)
             return
         if isinstance(event, StreamReset):
+            if event.stream_id == self.session:
+                self.session_reset = event.error_code
             st = self.streams.get(event.stream_id)
             if st is not None:
                 st.reset = event.error_code
@@ -343,6 +346,15 @@ async def main():
         out["status"] = await client.open_session(authority, path, origin)
         if out["status"] == 200:
             await scenario(client, name, args, out)
+        else:
+            # A refusal is a whole response: its stream ends (FIN), it is not reset.
+            try:
+                await asyncio.wait_for(asyncio.shield(client.closed), 2)
+            except asyncio.TimeoutError:
+                pass
+            out["session_ended"] = client.closed.done()
+            if client.session_reset is not None:
+                out["session_reset"] = client.session_reset
         out["drained"] = DRAIN_SESSION in client.capsule_kinds
         if client.close_info is not None:
             out["close_code"], out["close_reason"] = client.close_info

@@ -18,6 +18,7 @@ mod process;
 mod proxy;
 mod proxy_hardening;
 mod sites;
+mod stalls;
 mod support;
 mod tls;
 mod webtransport;

@@ -195,6 +195,25 @@ async fn echo_sink_and_source_deliver_exact_bytes() {
     assert!(n(&c, "datagrams_out") >= 500 + n(&echo, "datagrams_back"), "{c}");
 }
 
+/// A refused session is an answer the client reads over HTTP/3: the refusal's status,
+/// then the end of the CONNECT stream, never a reset in its place.
+#[test]
+fn refusals_over_h3_are_statuses_the_client_reads() {
+    let env = Env::new();
+    let server = start_wt(&env, "modes = [\"echo\"]");
+    for (path, origin, status) in [
+        ("/wt?mode=echo", "https://evil.test", 403),
+        ("/wt?mode=echo", "-", 403),
+        ("/wt?mode=sink", ORIGIN, 400),
+        ("/elsewhere", ORIGIN, 404),
+    ] {
+        let got = wt(&env, server.addr(), HOST, path, origin, &["idle"]);
+        assert_eq!(got["status"], status, "{path} from {origin}: {got}");
+        assert_eq!(got["session_ended"], true, "{path} from {origin}: {got}");
+        assert!(got.get("session_reset").is_none(), "{path} from {origin}: {got}");
+    }
+}
+
 #[tokio::test]
 async fn every_limit_closes_the_session_with_its_code_and_counts_it() {
     let env = Env::new();

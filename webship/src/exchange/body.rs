@@ -2,9 +2,22 @@
 //! one [`FileCursor`], a body relayed frame by frame from an upstream, or bytes known
 //! up front. hyper polls it as an `http_body::Body`; the h1 and h3 drivers drain it
 //! through [`send_body`](super::send_body).
+//!
+//! A multiplexed body cannot see its stream's flow control: hyper polls it for the
+//! next frame before it waits for send capacity, and keeps what it got until the
+//! client grants some; h3 reads the next chunk while the previous one waits for stream
+//! credit. So a [`ramped`](ResponseBody::ramped) file body grows its reads like a
+//! congestion window: each read is at most what the client has already taken (the
+//! bytes handed out before the chunk the driver still holds), between
+//! [`RAMP_CHUNK_MIN`] and the driver's chunk. A stream whose client grants no window
+//! holds two small chunks, not two large ones. A pulled body's stall is seen by its
+//! connection through a [`PullClock`].
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
@@ -12,11 +25,87 @@ use http_body::{Frame, SizeHint};
 use crate::files::cursor::{FileCursor, FileRange};
 use crate::message::{Body, BoxError, StreamBody};
 
+/// The smallest read of a ramped file body (one default HTTP/2 frame).
+pub(crate) const RAMP_CHUNK_MIN: usize = 16 * 1024;
+
 #[derive(Debug)]
 pub(crate) struct ResponseBody {
     kind: Kind,
     /// Data bytes handed out so far.
     produced: u64,
+    /// Ramped bodies only: the size of the chunk handed out last (still held by the
+    /// driver until it pulls again), and the connection's clock if it watches.
+    pull: Option<Pull>,
+}
+
+#[derive(Debug)]
+struct Pull {
+    clock: Option<Arc<PullClock>>,
+    max_chunk: usize,
+    last: u64,
+    /// Handed out a chunk and not pulled since: waiting on the client.
+    waiting: bool,
+}
+
+/// How a connection's pulled responses progress. A response whose chunk the driver
+/// holds without pulling again waits on the client (for flow-control credit, or for a
+/// socket it stopped reading); when some do and none of the connection's responses
+/// was pulled for `send_timeout`, the client has stalled them all and the driver ends
+/// the connection.
+#[derive(Debug)]
+pub(crate) struct PullClock {
+    start: Instant,
+    /// Milliseconds from `start` to the last pull of any response.
+    last_pull_ms: AtomicU64,
+    /// Responses waiting on the client.
+    waiting: AtomicUsize,
+}
+
+impl Default for PullClock {
+    fn default() -> Self {
+        Self {
+            start: Instant::now(),
+            last_pull_ms: AtomicU64::new(0),
+            waiting: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl PullClock {
+    fn touch(&self) {
+        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_pull_ms.fetch_max(ms, Ordering::AcqRel);
+    }
+
+    /// Whether some response waits on the client and none moved for `limit`.
+    pub(crate) fn stalled(&self, limit: Duration) -> bool {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let last = Duration::from_millis(self.last_pull_ms.load(Ordering::Acquire));
+        self.start.elapsed().saturating_sub(last) >= limit
+    }
+}
+
+impl Pull {
+    fn set_waiting(&mut self, waiting: bool) {
+        let Some(clock) = &self.clock else {
+            return;
+        };
+        if self.waiting != waiting {
+            self.waiting = waiting;
+            match waiting {
+                true => clock.waiting.fetch_add(1, Ordering::AcqRel),
+                false => clock.waiting.fetch_sub(1, Ordering::AcqRel),
+            };
+        }
+    }
+}
+
+impl Drop for Pull {
+    fn drop(&mut self) {
+        self.set_waiting(false);
+    }
 }
 
 enum Kind {
@@ -47,7 +136,33 @@ impl ResponseBody {
             Body::File(file) => Kind::File(FileCursor::new(file, chunk)),
             Body::Stream(stream) => Kind::Relay(stream),
         };
-        Self { kind, produced: 0 }
+        Self {
+            kind,
+            produced: 0,
+            pull: None,
+        }
+    }
+
+    /// A body of a multiplexed stream (h2, h3): file reads ramp up from
+    /// [`RAMP_CHUNK_MIN`] to `chunk` as the client takes bytes.
+    pub(crate) fn ramped(body: Body, chunk: usize) -> Self {
+        let mut this = Self::new(body, chunk);
+        this.pull = Some(Pull {
+            clock: None,
+            max_chunk: chunk,
+            last: 0,
+            waiting: false,
+        });
+        this
+    }
+
+    /// A ramped body a driver pulls by itself (hyper): `clock` sees whether it moves.
+    pub(crate) fn pulled(body: Body, chunk: usize, clock: Arc<PullClock>) -> Self {
+        let mut this = Self::ramped(body, chunk);
+        if let Some(pull) = &mut this.pull {
+            pull.clock = Some(clock);
+        }
+        this
     }
 
     pub(crate) fn empty() -> Self {
@@ -91,6 +206,20 @@ impl http_body::Body for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if let Some(pull) = &mut this.pull {
+            // Pulled again: everything but the chunk the driver held until now has
+            // been taken by the client (within its window), so the next read may be
+            // that large.
+            if let Some(clock) = &pull.clock {
+                clock.touch();
+            }
+            pull.set_waiting(false);
+            if let Kind::File(cursor) = &mut this.kind {
+                let taken = this.produced - pull.last;
+                let chunk = usize::try_from(taken).unwrap_or(usize::MAX);
+                cursor.set_chunk(chunk.clamp(RAMP_CHUNK_MIN.min(pull.max_chunk), pull.max_chunk));
+            }
+        }
         let polled = match &mut this.kind {
             Kind::Empty => Poll::Ready(None),
             Kind::Bytes(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
@@ -100,7 +229,12 @@ impl http_body::Body for ResponseBody {
             Kind::Relay(relay) => Pin::new(relay).poll_frame(cx),
         };
         if let Poll::Ready(Some(Ok(frame))) = &polled {
-            this.produced += frame.data_ref().map_or(0, |d| d.len() as u64);
+            let len = frame.data_ref().map_or(0, |d| d.len() as u64);
+            this.produced += len;
+            if let Some(pull) = &mut this.pull {
+                pull.last = len;
+                pull.set_waiting(len > 0);
+            }
         }
         polled
     }
@@ -121,5 +255,54 @@ impl http_body::Body for ResponseBody {
             Kind::File(cursor) => SizeHint::with_exact(cursor.remaining()),
             Kind::Relay(relay) => relay.size_hint(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::message::{FileBody, Segment};
+    use http_body_util::BodyExt;
+
+    fn file_body(len: usize) -> (tempfile::TempDir, Body) {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, vec![9u8; len]).unwrap();
+        let body = Body::File(FileBody {
+            file: Arc::new(std::fs::File::open(&path).unwrap()),
+            segments: vec![Segment::File {
+                offset: 0,
+                len: len as u64,
+            }],
+            len: len as u64,
+        });
+        (dir, body)
+    }
+
+    #[tokio::test]
+    async fn ramped_reads_grow_with_what_the_client_took() {
+        let (_dir, body) = file_body(1 << 20);
+        let mut body = ResponseBody::ramped(body, 128 * 1024);
+        let mut sizes = Vec::new();
+        while let Some(frame) = body.frame().await {
+            sizes.push(frame.unwrap().into_data().unwrap().len() / 1024);
+        }
+        // Each read is at most what was handed out before the chunk still held.
+        assert_eq!(sizes[..7], [16, 16, 16, 32, 48, 80, 128], "{sizes:?}");
+        assert_eq!(sizes.iter().sum::<usize>(), 1024);
+    }
+
+    #[tokio::test]
+    async fn a_clock_sees_a_body_waiting_on_its_client() {
+        let (_dir, body) = file_body(1 << 20);
+        let clock = Arc::new(PullClock::default());
+        let mut body = ResponseBody::pulled(body, 128 * 1024, clock.clone());
+        assert!(!clock.stalled(Duration::ZERO), "nothing handed out yet");
+        let _chunk = body.frame().await.unwrap().unwrap();
+        // Handed out and not pulled since: waiting on the client.
+        assert!(clock.stalled(Duration::ZERO));
+        assert!(!clock.stalled(Duration::from_secs(60)), "not for that long");
+        drop(body);
+        assert!(!clock.stalled(Duration::ZERO), "a dropped body waits for nothing");
     }
 }

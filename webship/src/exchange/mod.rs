@@ -22,7 +22,7 @@ use crate::service::Service;
 use crate::shutdown::Shutdown;
 use crate::webtransport::{Admission, Refusal};
 
-pub(crate) use body::ResponseBody;
+pub(crate) use body::{PullClock, ResponseBody};
 pub(crate) use send::{send_body, BodyWriter, Progress, SendError};
 
 /// The protocol a request arrived over, as logs name it.

@@ -3,6 +3,15 @@
 //! how a response ends. A body that fails (disk error, shrunk file, upstream reset)
 //! aborts the response — the writer makes the peer see it incomplete — and is never
 //! finished as if it were whole.
+//!
+//! It is also where `send_timeout` means the same for every pushing driver: each
+//! write to the peer (a data chunk, a file range, trailers, the end) must complete
+//! within it, or the response is aborted as stalled. Waiting for the body itself (an
+//! upstream that is slow to produce) is not the client's stall and is not timed here.
+//! The pulling driver (hyper) watches its bodies through a [`PullClock`] instead.
+
+use std::future::Future;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::HeaderMap;
@@ -74,20 +83,40 @@ pub(crate) trait BodyWriter {
 }
 
 /// Sends `body` through `writer` until it ends, then finishes the response. Any
-/// error (the body's, or writing to the peer) aborts the response instead: only a
-/// response that was finished may look finished.
-pub(crate) async fn send_body<W: BodyWriter>(body: ResponseBody, writer: &mut W) -> Result<(), SendError> {
-    let sent = send_all(body, writer).await;
+/// error (the body's, writing to the peer, or a write that made no progress within
+/// `stall`) aborts the response instead: only a response that was finished may look
+/// finished.
+pub(crate) async fn send_body<W: BodyWriter>(
+    body: ResponseBody,
+    writer: &mut W,
+    stall: Duration,
+) -> Result<(), SendError> {
+    let sent = send_all(body, writer, stall).await;
     if sent.is_err() {
         writer.abort();
     }
     sent
 }
 
-async fn send_all<W: BodyWriter>(mut body: ResponseBody, writer: &mut W) -> Result<(), SendError> {
+/// One write to the peer, which must complete within `stall`.
+async fn timed<F: Future<Output = Result<(), SendError>>>(
+    stall: Duration,
+    write: F,
+) -> Result<(), SendError> {
+    tokio::time::timeout(stall, write)
+        .await
+        .unwrap_or(Err(SendError::Timeout))
+}
+
+async fn send_all<W: BodyWriter>(
+    mut body: ResponseBody,
+    writer: &mut W,
+    stall: Duration,
+) -> Result<(), SendError> {
     loop {
         if writer.sends_files() {
             if let Some(range) = body.take_file_range() {
+                // A range by sendfile times its own writes (each must make progress).
                 writer.file(range).await?;
                 continue;
             }
@@ -102,7 +131,7 @@ async fn send_all<W: BodyWriter>(mut body: ResponseBody, writer: &mut W) -> Resu
                 if data.is_empty() {
                     continue;
                 }
-                writer.data(data).await?;
+                timed(stall, writer.data(data)).await?;
                 let progress = Progress {
                     sent: body.produced(),
                     file_left: body.has_file_left(),
@@ -112,11 +141,11 @@ async fn send_all<W: BodyWriter>(mut body: ResponseBody, writer: &mut W) -> Resu
             Err(frame) => {
                 if let Ok(trailers) = frame.into_trailers() {
                     // Trailers end the body; nothing may follow them.
-                    writer.trailers(trailers).await?;
+                    timed(stall, writer.trailers(trailers)).await?;
                     break;
                 }
             }
         }
     }
-    writer.finish().await
+    timed(stall, writer.finish()).await
 }

@@ -67,6 +67,12 @@ impl FileCursor {
         }
     }
 
+    /// The size of the reads from now on (a pulled body ramps it up with the bytes
+    /// its client takes).
+    pub(crate) fn set_chunk(&mut self, chunk: usize) {
+        self.chunk = chunk.max(1);
+    }
+
     /// Bytes not yet handed out.
     pub(crate) fn remaining(&self) -> u64 {
         self.remaining

@@ -8,7 +8,11 @@
 //!
 //! Memory per connection is bounded by `h3_send_window_bytes` (quinn buffers no more
 //! unsent stream data than that; `send_data` waits) plus two [`STREAM_CHUNK`]s per
-//! active stream.
+//! active stream, two 16 KiB reads on a stream whose client grants no credit (file
+//! reads ramp up with the credit the client gives: `exchange::body`). A write that
+//! waits for credit longer than `send_timeout` resets the stream; a request head must
+//! arrive within `header_read_timeout`; a connection without a request for
+//! `idle_timeout` closes, whatever PINGs keep QUIC alive.
 
 pub(crate) mod congestion;
 
@@ -221,6 +225,10 @@ async fn connection(
     let mut shutdown = ctx.shutdown.clone();
     let mut closing = false;
     let mut check = tokio::time::interval(Duration::from_millis(100));
+    // QUIC's idle timeout does not see an application that is idle while the client
+    // keeps the connection alive with PINGs: with no request for `idle_timeout`, the
+    // connection goes (GOAWAY, then H3_NO_ERROR), as an idle HTTP/2 one does.
+    let mut idle_since = tokio::time::Instant::now();
     loop {
         let accept = std::future::poll_fn(|cx| {
             let polled = h3.poll_accept_request_stream(cx);
@@ -245,8 +253,19 @@ async fn connection(
             // After GOAWAY h3 waits for the client to close (or, for WebTransport
             // streams, for ends it never sees): once no request task holds the
             // connection, it is done, and shutdown need not wait for the client.
-            _ = check.tick(), if closing => {
-                if Arc::strong_count(&permit) == 1 {
+            _ = check.tick() => {
+                let idle = Arc::strong_count(&permit) == 1;
+                if closing && idle {
+                    break;
+                }
+                if !idle {
+                    idle_since = tokio::time::Instant::now();
+                } else if idle_since.elapsed() >= ctx.limits.idle_timeout {
+                    tracing::debug!(%peer, "h3: idle, connection closed");
+                    let goaway = tokio::time::timeout(Duration::from_secs(1), h3.shutdown(0));
+                    if let Ok(Err(e)) = goaway.await {
+                        tracing::debug!(%peer, error = %e, "h3: goaway");
+                    }
                     break;
                 }
                 continue;
@@ -254,6 +273,8 @@ async fn connection(
         };
         match accepted {
             Ok(Some(resolver)) => {
+                // A request that comes and goes between two checks is activity too.
+                idle_since = tokio::time::Instant::now();
                 let ctx = ctx.clone();
                 let signal = signal.clone();
                 // Each request keeps the connection's permit alive until it is done.
@@ -364,12 +385,40 @@ impl http_body::Body for H3Body {
     }
 }
 
+/// Lets h3 forget a request stream that will never be a request. h3 0.0.8 keeps the
+/// id of every stream it accepted until a request made from it ends, so a stream that
+/// ended (FIN or reset) or timed out before its HEADERS would stay in its table for
+/// the connection's life, and a client opening and finishing empty streams in a loop
+/// would grow it without bound. The stream is reset with `code`, then made into a
+/// request with an empty field section (QPACK prefix only) that is dropped at once:
+/// that ends it in h3's table.
+fn release(mut resolver: Resolver, code: h3::error::Code) {
+    use h3::quic::SendStream as _;
+    resolver.frame_stream.reset(code.value());
+    let empty = h3::proto::frame::Frame::Headers(Bytes::from_static(&[0, 0]));
+    drop(resolver.accept_with_frame(Ok(Some(empty))));
+}
+
 async fn request(mut resolver: Resolver, ctx: &ConnContext, signal: &BulkSignal, wt: Option<Arc<WtConn>>) {
+    use h3::frame::FrameStreamError;
     let peer = ctx.peer();
-    let first = std::future::poll_fn(|cx| resolver.frame_stream.poll_next(cx)).await;
+    // The request's HEADERS frame must arrive whole within the header timeout, as an
+    // HTTP/1.1 request head must.
+    let first = std::future::poll_fn(|cx| resolver.frame_stream.poll_next(cx));
+    let Ok(first) = tokio::time::timeout(ctx.limits.header_read_timeout, first).await else {
+        tracing::debug!(%peer, "h3: no request head within the header timeout");
+        return release(resolver, h3::error::Code::H3_REQUEST_INCOMPLETE);
+    };
     if let (Some(wt), Ok(Some(h3::proto::frame::Frame::WebTransportStream(session)))) = (&wt, &first) {
         wt.route_bidi(*session, resolver.frame_stream.into_inner());
         return;
+    }
+    // Ended or reset before its head: not a request (and nothing to answer).
+    if matches!(
+        first,
+        Ok(None) | Err(FrameStreamError::Quic(_) | FrameStreamError::UnexpectedEnd)
+    ) {
+        return release(resolver, h3::error::Code::H3_REQUEST_INCOMPLETE);
     }
     let resolved = match resolver.accept_with_frame(first) {
         Ok(resolved) => resolved.resolve().await,
@@ -419,8 +468,13 @@ async fn webtransport_connect(
     let admitted = ctx.admit_webtransport(head);
     let (mut resp, _) = ctx.webtransport_response(&admitted).into_http();
     let Ok(admission) = admitted else {
-        if stream.send_response(resp).await.is_ok() {
-            let _ = stream.finish().await;
+        // The refusal's status, then the end of the stream: the client reads both.
+        let refuse = async {
+            stream.send_response(resp).await?;
+            stream.finish().await
+        };
+        if let Err(e) = tokio::time::timeout(ctx.limits.send_timeout, refuse).await {
+            tracing::debug!(peer = %ctx.peer(), error = %e, "h3: WebTransport refusal not delivered");
         }
         return;
     };
@@ -444,10 +498,18 @@ async fn respond(
     signal: &BulkSignal,
 ) -> Result<(), SendError> {
     let (head, body) = resp.into_http();
-    stream.send_response(head).await.map_err(SendError::peer)?;
+    // The head waits for the client's stream credit like any data.
+    match tokio::time::timeout(ctx.limits.send_timeout, stream.send_response(head)).await {
+        Ok(sent) => sent.map_err(SendError::peer)?,
+        Err(_) => {
+            stream.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
+            return Err(SendError::Timeout);
+        }
+    }
     send_body(
-        ResponseBody::new(body, STREAM_CHUNK),
+        ResponseBody::ramped(body, STREAM_CHUNK),
         &mut Writer { stream, ctx, signal },
+        ctx.limits.send_timeout,
     )
     .await
 }

@@ -324,7 +324,7 @@ impl Conn {
             false => Ok(()),
         };
         let sent = match sent {
-            Ok(()) => send_body(body, &mut writer).await,
+            Ok(()) => send_body(body, &mut writer, self.ctx.limits.send_timeout).await,
             Err(e) => Err(e),
         };
         if corked {

@@ -7,12 +7,24 @@
 //! DATA frames collect in the connection's [`WriteBatch`] (`h2_tls_write_buffer_bytes`,
 //! 128 KiB by default: two 64 KiB frames) before rustls encrypts them. Memory per
 //! connection is therefore bounded by `max_concurrent_streams × (max_send_buffer +
-//! STREAM_CHUNK)` plus the batch and rustls' buffers.
+//! STREAM_CHUNK)` plus the batch and rustls' buffers; a stream whose client grants no
+//! window holds two 16 KiB reads (the body ramps its reads up with what the client
+//! takes: `exchange::body`).
+//!
+//! Time, for both protocols ([`drive`]): an HTTP/2 client must send its connection
+//! preface and first SETTINGS frame header within `handshake_timeout`; a connection
+//! with no request in flight for `idle_timeout` is closed gracefully (GOAWAY), and
+//! dropped if it has not closed [`CLOSE_GRACE`] later (a client that never answers
+//! the GOAWAY's PING, or never sent its preface); and when responses wait on the
+//! client and none of them moved for `send_timeout`, the connection is dropped.
+//! Bytes that arrive without making a request never reset the idle clock, so a client
+//! trickling a request head is cut at `idle_timeout` (HTTP/1.1 through hyper: at
+//! `header_read_timeout`, hyper's own).
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -22,9 +34,10 @@ use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::WriteBatch;
-use crate::exchange::{ConnContext, ResponseBody};
+use crate::exchange::{ConnContext, PullClock, ResponseBody};
 use crate::files::cursor::STREAM_CHUNK;
 use crate::ktls::RustlsStream;
 use crate::message::{BoxError, Response};
@@ -33,7 +46,17 @@ use crate::message::{BoxError, Response};
 pub(crate) enum HyperError {
     #[error("hyper: {0}")]
     Hyper(#[from] hyper::Error),
+    #[error("no HTTP/2 connection preface within the handshake timeout")]
+    NoPreface,
+    #[error("client stopped taking response bytes for longer than the send timeout")]
+    Stalled,
 }
+
+/// How long a connection closed for idleness may take to finish the close (answer
+/// the GOAWAY's PING) before it is dropped.
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+/// The HTTP/2 client preface (24 bytes) and the header of its SETTINGS frame.
+const PREFACE_BYTES: u64 = 24 + 9;
 
 /// Serves one HTTP/2 connection until the client closes it, it idles out, or
 /// shutdown is requested (then GOAWAY and the open streams finish).
@@ -70,11 +93,13 @@ pub(crate) async fn serve_h2(mut stream: RustlsStream, ctx: ConnContext) -> Resu
                 .min(settings.max_concurrent_streams),
         );
     }
-    let active = Arc::new(AtomicUsize::new(0));
+    let watch = Watch::new();
+    let read = Arc::new(AtomicU64::new(0));
+    let stream = ReadCount::new(stream, read.clone());
     let io = TokioIo::new(WriteBatch::new(stream, settings.tls_write_buffer_bytes));
-    let conn = builder.serve_connection(io, service(&ctx, &active));
+    let conn = builder.serve_connection(io, service(&ctx, &watch));
     tokio::pin!(conn);
-    drive(conn, |c| c.graceful_shutdown(), &active, &ctx).await
+    drive(conn, |c| c.graceful_shutdown(), &watch, Some(&read), &ctx).await
 }
 
 /// Serves HTTP/1.1 through hyper, for connections whose certificate names a proxy
@@ -87,10 +112,31 @@ pub(crate) async fn serve_h1(mut stream: RustlsStream, ctx: ConnContext) -> Resu
         .timer(TokioTimer::new())
         .header_read_timeout(ctx.limits.header_read_timeout)
         .max_buf_size(ctx.limits.max_header_bytes.max(8192));
-    let active = Arc::new(AtomicUsize::new(0));
-    let conn = builder.serve_connection(TokioIo::new(stream), service(&ctx, &active));
+    let watch = Watch::new();
+    let conn = builder.serve_connection(TokioIo::new(stream), service(&ctx, &watch));
     tokio::pin!(conn);
-    drive(conn, |c| c.graceful_shutdown(), &active, &ctx).await
+    drive(conn, |c| c.graceful_shutdown(), &watch, None, &ctx).await
+}
+
+/// What [`drive`] watches of a connection's requests: how many are in flight, and
+/// how their response bodies move.
+#[derive(Debug, Clone)]
+struct Watch {
+    active: Arc<AtomicUsize>,
+    /// Requests started so far: one that came and went between two checks is
+    /// activity too.
+    started: Arc<AtomicU64>,
+    clock: Arc<PullClock>,
+}
+
+impl Watch {
+    fn new() -> Self {
+        Self {
+            active: Arc::new(AtomicUsize::new(0)),
+            started: Arc::new(AtomicU64::new(0)),
+            clock: Arc::new(PullClock::default()),
+        }
+    }
 }
 
 type HandlerFuture = Pin<Box<dyn Future<Output = Result<http::Response<HyperBody>, Infallible>> + Send>>;
@@ -99,7 +145,7 @@ type HandlerFuture = Pin<Box<dyn Future<Output = Result<http::Response<HyperBody
 #[derive(Debug, Clone)]
 struct Handler {
     ctx: ConnContext,
-    active: Arc<AtomicUsize>,
+    watch: Watch,
 }
 
 impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Handler {
@@ -109,34 +155,50 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Handler {
 
     fn call(&self, req: http::Request<hyper::body::Incoming>) -> Self::Future {
         let ctx = self.ctx.clone();
-        let guard = InFlight::new(self.active.clone());
-        Box::pin(async move { Ok(handle(req, &ctx, guard).await) })
+        self.watch.started.fetch_add(1, Ordering::AcqRel);
+        let guard = InFlight::new(self.watch.active.clone());
+        let clock = self.watch.clock.clone();
+        Box::pin(async move { Ok(handle(req, &ctx, guard, clock).await) })
     }
 }
 
-fn service(ctx: &ConnContext, active: &Arc<AtomicUsize>) -> Handler {
+fn service(ctx: &ConnContext, watch: &Watch) -> Handler {
     Handler {
         ctx: ctx.clone(),
-        active: active.clone(),
+        watch: watch.clone(),
     }
 }
 
 /// Runs a hyper connection until it ends, shutting it down gracefully on shutdown
-/// or after `idle_timeout` without a request in flight.
+/// or after `idle_timeout` without a request in flight, and dropping it when the
+/// client does not keep its side (see the module notes). `preface`: the bytes an
+/// HTTP/2 connection has read so far.
 async fn drive<C, G>(
     mut conn: Pin<&mut C>,
     graceful: G,
-    active: &AtomicUsize,
+    watch: &Watch,
+    preface: Option<&AtomicU64>,
     ctx: &ConnContext,
 ) -> Result<(), HyperError>
 where
     C: Future<Output = Result<(), hyper::Error>>,
     G: Fn(Pin<&mut C>),
 {
+    let limits = ctx.limits;
     let mut shutdown = ctx.shutdown.clone();
-    let mut idle_check = tokio::time::interval(Duration::from_secs(1));
-    let mut idle_since = tokio::time::Instant::now();
+    let start = tokio::time::Instant::now();
+    // A quarter of the shortest limit, so each fires within 25 % of its time.
+    let shortest = limits
+        .idle_timeout
+        .min(limits.send_timeout)
+        .min(limits.handshake_timeout);
+    let mut check =
+        tokio::time::interval((shortest / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)));
+    let mut idle_since = start;
+    let mut seen = 0;
+    let mut preface = preface;
     let mut closing = false;
+    let mut dropping_at = None;
     loop {
         tokio::select! {
             result = conn.as_mut() => return result.map_err(HyperError::from),
@@ -144,11 +206,28 @@ where
                 closing = true;
                 graceful(conn.as_mut());
             }
-            _ = idle_check.tick(), if !closing => {
-                if active.load(Ordering::Acquire) > 0 {
-                    idle_since = tokio::time::Instant::now();
-                } else if idle_since.elapsed() >= ctx.limits.idle_timeout {
+            _ = check.tick() => {
+                let now = tokio::time::Instant::now();
+                if let Some(read) = preface {
+                    if read.load(Ordering::Acquire) >= PREFACE_BYTES {
+                        preface = None;
+                    } else if now - start >= limits.handshake_timeout {
+                        return Err(HyperError::NoPreface);
+                    }
+                }
+                if watch.clock.stalled(limits.send_timeout) {
+                    return Err(HyperError::Stalled);
+                }
+                if dropping_at.is_some_and(|at| now >= at) {
+                    return Ok(());
+                }
+                let started = watch.started.load(Ordering::Acquire);
+                if watch.active.load(Ordering::Acquire) > 0 || started != seen {
+                    seen = started;
+                    idle_since = now;
+                } else if !closing && now - idle_since >= limits.idle_timeout {
                     closing = true;
+                    dropping_at = Some(now + CLOSE_GRACE);
                     graceful(conn.as_mut());
                 }
             }
@@ -156,10 +235,71 @@ where
     }
 }
 
+/// A stream that counts the bytes read from it (how [`drive`] sees the HTTP/2
+/// preface arrive without parsing it: hyper's h2 does).
+#[derive(Debug)]
+struct ReadCount<S> {
+    inner: S,
+    read: Arc<AtomicU64>,
+}
+
+impl<S> ReadCount<S> {
+    fn new(inner: S, read: Arc<AtomicU64>) -> Self {
+        Self { inner, read }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for ReadCount<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.inner).poll_read(cx, buf);
+        let n = (buf.filled().len() - before) as u64;
+        if n > 0 {
+            self.read.fetch_add(n, Ordering::AcqRel);
+        }
+        polled
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for ReadCount<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, data)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
 async fn handle(
     mut req: http::Request<hyper::body::Incoming>,
     ctx: &ConnContext,
     guard: InFlight,
+    clock: Arc<PullClock>,
 ) -> http::Response<HyperBody> {
     let webtransport = req.method() == http::Method::CONNECT
         && req
@@ -174,7 +314,7 @@ async fn handle(
     let head = ctx.head(&parts.method, &parts.uri, parts.version, &parts.headers);
     let body = body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
     let resp = ctx.handle(&head, body).await;
-    into_hyper(resp, guard)
+    into_hyper(resp, guard, Some(clock))
 }
 
 /// A WebTransport extended CONNECT: admitted, the session runs on the stream's bytes
@@ -202,15 +342,18 @@ fn webtransport_connect(
             drop(session_guard);
         });
     }
-    into_hyper(resp, guard)
+    into_hyper(resp, guard, None)
 }
 
-fn into_hyper(resp: Response, guard: InFlight) -> http::Response<HyperBody> {
+/// The seam's response for hyper; its body watched by the connection's `clock`
+/// (not a WebTransport answer: the session keeps its own time).
+fn into_hyper(resp: Response, guard: InFlight, clock: Option<Arc<PullClock>>) -> http::Response<HyperBody> {
     let (head, body) = resp.into_http();
-    head.map(|()| HyperBody {
-        body: ResponseBody::new(body, STREAM_CHUNK),
-        _guard: guard,
-    })
+    let body = match clock {
+        Some(clock) => ResponseBody::pulled(body, STREAM_CHUNK, clock),
+        None => ResponseBody::new(body, STREAM_CHUNK),
+    };
+    head.map(|()| HyperBody { body, _guard: guard })
 }
 
 /// Counts a request as in flight until its response body is dropped.

@@ -116,6 +116,9 @@ struct H2Recv {
     pipe: DuplexStream,
     /// Set when the client reset the stream: its end is then an error, not EOF.
     reset: Arc<AtomicU64>,
+    /// Set once the client's side ended (FIN or reset): nothing more will come, so
+    /// there is nothing to stop.
+    ended: Arc<AtomicBool>,
     id: u64,
     out: mpsc::Sender<Bytes>,
 }
@@ -137,6 +140,11 @@ impl AsyncRead for H2Recv {
 
 impl RecvHalf for H2Recv {
     fn stop(&mut self, code: u32) {
+        // A stream the client already ended needs no STOP_SENDING (RFC 9000 §3.5):
+        // sent anyway, it could arrive after the session's close.
+        if self.ended.load(Ordering::Acquire) {
+            return;
+        }
         // Best effort: dropping the half closes the pipe, which discards the rest.
         let _ = self.out.try_send(capsule::varints(
             capsule::WT_STOP_SENDING,
@@ -247,6 +255,8 @@ struct Inbound {
     pipe: Option<DuplexStream>,
     /// The client reset it (its receive half reports an error).
     recv_reset: Arc<AtomicU64>,
+    /// The client's side ended (FIN or reset).
+    ended: Arc<AtomicBool>,
 }
 
 /// Runs an admitted session over the CONNECT stream's bytes (`io`, hyper's upgrade)
@@ -425,6 +435,7 @@ impl Session {
                     }
                 }
                 if kind == capsule::WT_STREAM_FIN {
+                    stream.ended.store(true, Ordering::Release);
                     if let Some(mut pipe) = stream.pipe.take() {
                         let _ = pipe.shutdown().await;
                     }
@@ -437,6 +448,7 @@ impl Session {
                 };
                 if let Some(stream) = self.streams.get_mut(&id) {
                     stream.recv_reset.store(code.min(NO_RESET - 1), Ordering::Release);
+                    stream.ended.store(true, Ordering::Release);
                     stream.pipe = None;
                 }
             }
@@ -500,9 +512,11 @@ impl Session {
         };
         let (ours, theirs) = tokio::io::duplex(PIPE);
         let recv_reset = Arc::new(AtomicU64::new(NO_RESET));
+        let ended = Arc::new(AtomicBool::new(false));
         let recv = Box::new(H2Recv {
             pipe: theirs,
             reset: recv_reset.clone(),
+            ended: ended.clone(),
             id,
             out: self.out.clone(),
         });
@@ -523,6 +537,7 @@ impl Session {
             Inbound {
                 pipe: Some(ours),
                 recv_reset,
+                ended,
             },
         );
         // Let the client send on it up to the session's budget.

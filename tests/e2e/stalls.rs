@@ -1,0 +1,506 @@
+//! Nothing waits forever, on any protocol: clients that never send the HTTP/2
+//! preface, trickle a request head, stop granting flow-control credit, open request
+//! streams and say nothing, or open and finish empty streams in a loop are cut by
+//! the handshake, header, send and idle timeouts, and the server's memory stays
+//! bounded meanwhile. Each flood prints its FLOOD line (run with `--nocapture`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rustls::ClientConfig;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+use webship_testkit::proc::{FloodReport, Footprint};
+use webship_tests::client::{connect, request, H3Client, H3Options, Proto};
+use webship_tests::Server;
+
+use crate::support::{pattern, Env, HOST, MIB};
+
+/// Short limits, so each cut comes within seconds.
+const LIMITS: &str = "[limits]\nhandshake_timeout_secs = 2\nheader_read_timeout_secs = 2\nidle_timeout_secs = 3\nsend_timeout_secs = 2\n";
+/// A file large enough that no window a stalled client grants covers it.
+const BIG: usize = 8 * 1024 * 1024;
+
+fn footprint(server: &Server) -> Footprint {
+    Footprint::of(server.pid()).expect("the server is running")
+}
+
+/// How long a normal 4 MiB download over HTTP/1.1 takes now (it must succeed).
+async fn download(env: &Env, server: &Server) -> Duration {
+    let start = Instant::now();
+    let got = env.get(Proto::H1, server, "/normal.bin", &[]).await;
+    assert_eq!(
+        (got.status.as_u16(), got.len),
+        (200, 4 * MIB),
+        "the normal download"
+    );
+    start.elapsed()
+}
+
+/// A server with [`LIMITS`] (and `extra`) serving `/big.bin` and `/normal.bin`.
+fn start(env: &Env, extra: &str) -> Server {
+    env.write("big.bin", &pattern(BIG));
+    env.write("normal.bin", &pattern(4 * MIB as usize));
+    env.start(&format!("{LIMITS}{extra}"))
+}
+
+/// `n` TLS connections offering `alpn`, opened 50 at a time.
+async fn tls_flood(addr: SocketAddr, tls: Arc<ClientConfig>, n: usize) -> Vec<TlsStream<TcpStream>> {
+    let mut conns = Vec::with_capacity(n);
+    while conns.len() < n {
+        let batch = (n - conns.len()).min(50);
+        let opened = (0..batch).map(|_| connect(addr, HOST, tls.clone()));
+        for conn in futures_join(opened).await {
+            conns.push(conn.expect("TLS handshake"));
+        }
+    }
+    conns
+}
+
+async fn futures_join<F: std::future::Future + Send + 'static>(
+    futures: impl Iterator<Item = F>,
+) -> Vec<F::Output>
+where
+    F::Output: Send,
+{
+    let tasks: Vec<_> = futures.map(tokio::spawn).collect();
+    let mut out = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        out.push(task.await.unwrap());
+    }
+    out
+}
+
+/// Waits (without blocking the runtime) until the server holds at most `left`
+/// established connections; whether it did within `limit`.
+async fn established_at_most(server: &Server, left: usize, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if server.established() <= left {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    server.established() <= left
+}
+
+/// 300 TLS connections that negotiate h2 and then send nothing are closed at the
+/// handshake timeout (they were held forever: the preface was never timed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_h2_connections_are_closed_at_the_handshake_timeout() {
+    let env = Env::new();
+    let server = start(&env, "");
+    let before = footprint(&server);
+    let conns = tls_flood(server.addr(), env.client(b"h2"), 300).await;
+    let during = footprint(&server);
+    let took = download(&env, &server).await;
+    assert!(
+        established_at_most(&server, 0, Duration::from_secs(8)).await,
+        "{} silent h2 connections still open 8 s after a 2 s handshake timeout",
+        server.established()
+    );
+    let after = footprint(&server);
+    FloodReport {
+        flood: "silent h2 (300 TLS h2 connections, no preface)",
+        before,
+        during,
+        after,
+        download: Some(took),
+    }
+    .print();
+    drop(conns);
+}
+
+/// Trickles `head` one byte every 100 ms on `conns` until the server closes each, or
+/// `limit` passes; how many the server closed.
+async fn trickle(mut conns: Vec<TlsStream<TcpStream>>, head: &'static [u8], limit: Duration) -> usize {
+    let deadline = Instant::now() + limit;
+    let mut at = 0;
+    let mut open = conns.len();
+    while Instant::now() < deadline && open > 0 && at < head.len() {
+        open = 0;
+        for conn in conns.iter_mut() {
+            let mut probe = [0u8; 256];
+            // A closed connection shows as EOF or an error on a short read.
+            let closed = matches!(
+                tokio::time::timeout(Duration::from_millis(1), conn.read(&mut probe)).await,
+                Ok(Ok(0) | Err(_))
+            );
+            if !closed && conn.write_all(&head[at..=at]).await.is_ok() && conn.flush().await.is_ok() {
+                open += 1;
+            }
+        }
+        at += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    conns.len() - open
+}
+
+const H1_HEAD: &[u8] = b"GET /normal.bin HTTP/1.1\r\nHost: files.test\r\nUser-Agent: a-very-slow-client-that-never-finishes-its-head-xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\r\n";
+
+/// 300 connections trickling an HTTP/1.1 head to a file site (Webship's own driver)
+/// are cut at the header timeout while they still trickle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slowloris_on_the_h1_driver_is_cut_at_the_header_timeout() {
+    let env = Env::new();
+    let server = start(&env, "");
+    let before = footprint(&server);
+    let conns = tls_flood(server.addr(), env.client(b"http/1.1"), 300).await;
+    let trickling = tokio::spawn(trickle(conns, H1_HEAD, Duration::from_secs(12)));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let during = footprint(&server);
+    let took = download(&env, &server).await;
+    let closed = trickling.await.unwrap();
+    assert_eq!(
+        closed, 300,
+        "connections trickling a head must be cut at the 2 s header timeout"
+    );
+    let after = footprint(&server);
+    FloodReport {
+        flood: "slowloris (300 connections trickling HTTP/1.1 heads)",
+        before,
+        during,
+        after,
+        download: Some(took),
+    }
+    .print();
+}
+
+/// The same on hyper's HTTP/1.1 (a proxy site's connections).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slowloris_on_hyper_h1_is_cut_at_the_header_timeout() {
+    let env = Env::new();
+    let proxy = format!(
+        "{LIMITS}\n[reverse_proxy]\nenabled = true\ntls_termination = true\n[reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n[[reverse_proxy.routes]]\ndomain = \"proxied.test\"\npath_prefix = \"/\"\nupstreams = [\"127.0.0.1:9\"]\n",
+        env.cert.display(),
+        env.key.display()
+    );
+    let (cert, key) = env.leaf("proxied", &["proxied.test"]);
+    let config = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{}",
+        proxy
+            .replace(&env.cert.display().to_string(), &cert.display().to_string())
+            .replace(&env.key.display().to_string(), &key.display().to_string())
+    );
+    let server = Server::start(env.dir.path(), &config);
+    let tls = env.client(b"http/1.1");
+    let mut conns = Vec::new();
+    for _ in 0..20 {
+        conns.push(connect(server.addr(), "proxied.test", tls.clone()).await.unwrap());
+    }
+    let closed = trickle(conns, H1_HEAD, Duration::from_secs(12)).await;
+    assert_eq!(
+        closed, 20,
+        "hyper's HTTP/1.1 must cut a trickled head at the 2 s header timeout"
+    );
+}
+
+/// An HTTP/2 request head (HEADERS without END_HEADERS) trickled a byte at a time
+/// never makes a request, so the connection is closed when it has been idle for
+/// the idle timeout, while it still trickles (it was held for as long as it
+/// trickled: bytes kept hyper's keep-alive from ever pinging).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2_head_trickled_forever_is_cut() {
+    let env = Env::new();
+    let server = start(&env, "");
+    let mut conns = Vec::new();
+    for _ in 0..20 {
+        let mut conn = connect(server.addr(), HOST, env.client(b"h2")).await.unwrap();
+        // Preface, empty SETTINGS, then a HEADERS frame header announcing 200 bytes.
+        conn.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00\x00\x00\xc8\x01\x00\x00\x00\x00\x01")
+            .await
+            .unwrap();
+        conns.push(conn);
+    }
+    static BLOCK: [u8; 200] = [0x40; 200];
+    let closed = trickle(conns, &BLOCK, Duration::from_secs(15)).await;
+    assert_eq!(
+        closed, 20,
+        "a trickled h2 head must not hold its connection past the 3 s idle timeout"
+    );
+}
+
+/// Opens `streams` GETs of `/big.bin` on one HTTP/2 connection whose client grants
+/// a stream window of one byte and never more, answering PINGs meanwhile; returns
+/// the connection's driver (it ends when the server closes the connection) and the
+/// responses' heads.
+async fn stalled_h2(server: &Server, env: &Env, streams: usize) -> (tokio::task::JoinHandle<()>, usize) {
+    let tls = connect(server.addr(), HOST, env.client(b"h2")).await.unwrap();
+    let (mut send, conn) = h2::client::Builder::new()
+        .initial_window_size(1)
+        .handshake::<_, Bytes>(tls)
+        .await
+        .unwrap();
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut heads = 0;
+    let mut pending = Vec::new();
+    for _ in 0..streams {
+        send = send.ready().await.unwrap();
+        let req = http::Request::get(format!("https://{HOST}/big.bin"))
+            .body(())
+            .unwrap();
+        let (resp, _) = send.send_request(req, true).unwrap();
+        pending.push(resp);
+    }
+    for resp in pending {
+        if let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_secs(5), resp).await {
+            heads += usize::from(resp.status() == 200);
+            // Held, never read: no WINDOW_UPDATE is ever sent.
+            std::mem::forget(resp);
+        }
+    }
+    (driver, heads)
+}
+
+/// Four HTTP/2 connections, each with 128 large GETs whose client grants one byte
+/// of stream window and answers PINGs: the server holds little per stream (it
+/// reads a file chunk only as the client takes bytes), and drops each connection
+/// once nothing moved for the send timeout (they were held forever, with two
+/// 128 KiB chunks per stream).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_h2_windows_are_bounded_and_dropped_after_the_send_timeout() {
+    let env = Env::new();
+    let server = start(&env, "[runtime.settings]\nh2_max_concurrent_streams = \"128\"\n");
+    let before = footprint(&server);
+    let mut drivers = Vec::new();
+    for _ in 0..4 {
+        let (driver, heads) = stalled_h2(&server, &env, 128).await;
+        assert_eq!(heads, 128, "every stalled stream got its response head");
+        drivers.push(driver);
+    }
+    let during = footprint(&server);
+    let took = download(&env, &server).await;
+    // 512 streams with two 128 KiB chunks each held 128 MiB; two ramped 16 KiB
+    // reads hold 16 MiB.
+    let grown = during.rss_kib.saturating_sub(before.rss_kib) / 1024;
+    assert!(
+        grown < 48,
+        "512 stalled h2 streams grew the server by {grown} MiB"
+    );
+    for driver in drivers {
+        tokio::time::timeout(Duration::from_secs(10), driver)
+            .await
+            .expect("a connection stalled on flow control must be dropped after the 2 s send timeout")
+            .unwrap();
+    }
+    let after = footprint(&server);
+    FloodReport {
+        flood: "stalled h2 window (4 connections x 128 GETs, window 1, PINGs answered)",
+        before,
+        during,
+        after,
+        download: Some(took),
+    }
+    .print();
+}
+
+/// A client of HTTP/3 whose QUIC keep-alive PINGs go on and whose stream receive
+/// window is tiny.
+async fn h3_client(server: &Server, env: &Env, stream_window: u32) -> H3Client {
+    let options = H3Options {
+        stream_window,
+        keep_alive: Some(Duration::from_millis(300)),
+        idle_timeout: Some(Duration::from_secs(30)),
+        ..H3Options::default()
+    };
+    H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &options)
+        .await
+        .unwrap()
+}
+
+/// HTTP/3 GETs of a large file on streams the client never reads (its stream credit
+/// runs out at 1 KiB) while QUIC PINGs keep the connection alive: the server holds
+/// little per stream, each stream is reset after the send timeout, and the idle
+/// connection is then closed (all were held forever, with two 128 KiB chunks each).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_h3_credit_resets_streams_and_closes_the_connection() {
+    let env = Env::new();
+    let server = start(&env, "");
+    let before = footprint(&server);
+    let mut clients = Vec::new();
+    let mut streams = Vec::new();
+    for _ in 0..4 {
+        let client = h3_client(&server, &env, 1024).await;
+        for _ in 0..64 {
+            let mut send = client.send.clone();
+            let (head, stream) = request(&mut send, &client.origin(), "GET", "/big.bin", &[])
+                .await
+                .unwrap();
+            assert_eq!(head.status, 200);
+            // Never read: the client grants no credit beyond its first 1 KiB.
+            streams.push(stream);
+        }
+        clients.push(client);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let during = footprint(&server);
+    let took = download(&env, &server).await;
+    // 256 streams with two 128 KiB chunks each held 64 MiB; two ramped 16 KiB reads
+    // hold 8 MiB.
+    let grown = during.rss_kib.saturating_sub(before.rss_kib) / 1024;
+    assert!(
+        grown < 20,
+        "256 h3 streams without credit grew the server by {grown} MiB"
+    );
+    // Every stream ends (reset, or with its connection) within the send timeout and
+    // the idle timeout after it.
+    let deadline = Instant::now() + Duration::from_secs(12);
+    for client in &clients {
+        let closed = tokio::time::timeout_at(deadline.into(), client.connection().closed()).await;
+        let reason = closed.expect("a connection whose streams stalled must be closed once idle");
+        assert!(
+            matches!(reason, quinn::ConnectionError::ApplicationClosed(_)),
+            "closed by the server's application: {reason:?}"
+        );
+    }
+    let after = footprint(&server);
+    FloodReport {
+        flood: "stalled h3 credit (4 connections x 64 GETs, 1 KiB credit, PINGs)",
+        before,
+        during,
+        after,
+        download: Some(took),
+    }
+    .print();
+    drop(streams);
+}
+
+/// A request stream whose HEADERS frame never completes is reset at the header
+/// timeout (it waited forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfinished_h3_request_head_is_reset_at_the_header_timeout() {
+    let env = Env::new();
+    let server = start(&env, "");
+    let client = h3_client(&server, &env, 1 << 20).await;
+    let (mut send, mut recv) = client.connection().open_bi().await.unwrap();
+    // A HEADERS frame announcing 100 bytes, of which three come.
+    send.write_all(&[0x01, 0x40, 0x64, 0, 0, 0xd1]).await.unwrap();
+    let started = Instant::now();
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(10), recv.read(&mut buf)).await;
+    let read = read.expect("an unfinished request head must not be waited on forever");
+    assert!(
+        matches!(read, Err(quinn::ReadError::Reset(code)) if code.into_inner() == 0x10d),
+        "reset with H3_REQUEST_INCOMPLETE, got {read:?}"
+    );
+    assert!(
+        started.elapsed() >= Duration::from_millis(1500),
+        "not before the header timeout"
+    );
+}
+
+/// An HTTP/3 connection with no request is closed after the idle timeout even while
+/// the client's QUIC PINGs keep the transport alive (it never was).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_h3_connection_is_closed_despite_keep_alive_pings() {
+    let env = Env::new();
+    let server = start(&env, "");
+    let mut client = h3_client(&server, &env, 1 << 20).await;
+    let got = client.fetch("GET", "/normal.bin", &[]).await;
+    assert_eq!(got.status, 200);
+    let closed = tokio::time::timeout(Duration::from_secs(10), client.connection().closed()).await;
+    let reason = closed.expect("an idle h3 connection must close after the 3 s idle timeout");
+    assert!(
+        matches!(&reason, quinn::ConnectionError::ApplicationClosed(c) if c.error_code.into_inner() == 0x100),
+        "closed with H3_NO_ERROR: {reason:?}"
+    );
+}
+
+/// Opens and finishes `n` empty request streams on one connection, up to 200 at once.
+async fn empty_streams(conn: &quinn::Connection, n: usize) {
+    let mut open = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        if open.len() >= 200 {
+            open.join_next().await;
+        }
+        let (mut send, mut recv) = conn.open_bi().await.unwrap();
+        open.spawn(async move {
+            let _ = send.finish();
+            // The server resets its side: wait for that, so the stream is gone.
+            let mut buf = [0u8; 16];
+            let _ = tokio::time::timeout(Duration::from_secs(5), recv.read(&mut buf)).await;
+        });
+    }
+    while open.join_next().await.is_some() {}
+}
+
+/// Request streams that end before their HEADERS, opened and finished in a loop, do
+/// not grow the server (h3 kept each one's id for the connection's life).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_request_streams_in_a_loop_leave_memory_flat() {
+    let streams: usize = std::env::var("WEBSHIP_EMPTY_STREAMS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(100_000);
+    let env = Env::new();
+    let server = start(&env, "");
+    let client = h3_client(&server, &env, 1 << 20).await;
+    // A first round settles the allocator; the loop after it must not grow.
+    empty_streams(client.connection(), 20_000).await;
+    let before = footprint(&server);
+    let started = Instant::now();
+    empty_streams(client.connection(), streams / 2).await;
+    let during = footprint(&server);
+    let took = download(&env, &server).await;
+    empty_streams(client.connection(), streams - streams / 2).await;
+    let after = footprint(&server);
+    eprintln!("{streams} empty streams in {:?}", started.elapsed());
+    let grown = after.rss_kib.saturating_sub(before.rss_kib);
+    assert!(
+        grown < 2 * 1024,
+        "{streams} empty streams grew the server by {grown} KiB"
+    );
+    assert!(
+        client.connection().close_reason().is_none(),
+        "the connection lives on"
+    );
+    FloodReport {
+        flood: &format!("empty-stream loop ({streams} streams opened and finished)"),
+        before,
+        during,
+        after,
+        download: Some(took),
+    }
+    .print();
+}
+
+/// A client of a proxy site (hyper's HTTP/1.1) that stops reading a large relayed
+/// body is dropped after the send timeout (it was held until the upstream's own
+/// read timeout, 60 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_reader_on_hyper_h1_is_dropped_after_the_send_timeout() {
+    let env = Env::new();
+    let origin = webship_tests::origin::Origin::start().await;
+    let (cert, key) = env.leaf("proxied", &[HOST]);
+    let config = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{LIMITS}\n[reverse_proxy]\nenabled = true\ntls_termination = true\n[reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/\"\nupstreams = [\"{}\"]\n",
+        cert.display(),
+        key.display(),
+        origin.addr
+    );
+    let server = Server::start(env.dir.path(), &config);
+    let mut conn = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    conn.write_all(format!("GET /bytes/{} HTTP/1.1\r\nHost: {HOST}\r\n\r\n", 256 * MIB).as_bytes())
+        .await
+        .unwrap();
+    let mut head = [0u8; 1024];
+    let n = conn.read(&mut head).await.unwrap();
+    assert!(
+        head[..n].starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head[..n])
+    );
+    // Never read again.
+    assert!(
+        established_at_most(&server, 0, Duration::from_secs(10)).await,
+        "a client that stopped reading must be dropped after the 2 s send timeout"
+    );
+    drop(conn);
+}
