@@ -7,6 +7,7 @@ mod download;
 mod faults;
 mod files;
 mod h2;
+mod h2_conformance;
 mod h3;
 mod lifecycle;
 mod origins;
