@@ -250,7 +250,12 @@ impl std::fmt::Debug for H2Raw {
 impl H2Raw {
     /// TCP to `addr`, TLS with `sni`, ALPN h2 (required of the server).
     pub async fn connect(addr: SocketAddr, sni: &str, tls: &ClientConfig) -> Result<H2Raw> {
-        let tls = crate::http::connect(addr, sni, with_alpn(tls, b"h2"))
+        // Frames go out as written: no Nagle delay between a test's small writes.
+        let tcp = TcpStream::connect(addr)
+            .await
+            .with_context(|| format!("TCP to {addr}"))?;
+        tcp.set_nodelay(true).context("TCP_NODELAY")?;
+        let tls = crate::http::tls(tcp, sni, with_alpn(tls, b"h2"))
             .await
             .with_context(|| format!("TLS to {addr}"))?;
         if tls.get_ref().1.alpn_protocol() != Some(b"h2") {

@@ -8,6 +8,7 @@ mod faults;
 mod files;
 mod h2;
 mod h2_conformance;
+mod h2_floods;
 mod h3;
 mod lifecycle;
 mod origins;
