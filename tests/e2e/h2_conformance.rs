@@ -47,6 +47,9 @@ enum Step {
     Send(Vec<u8>),
     /// Read until the stream ends (its response is complete).
     EndOf(u32),
+    /// Give the server time to act on what it has (h2spec writes every frame on
+    /// its own, and a server may answer between them).
+    Pause(Duration),
 }
 
 #[derive(Debug, Clone)]
@@ -136,6 +139,7 @@ async fn check(case: Case, addr: SocketAddr, tls: Arc<ClientConfig>) -> Result<(
         match step {
             // A server that already closed may refuse the rest; the outcome says.
             Step::Send(bytes) => drop(conn.send(bytes).await),
+            Step::Pause(pause) => tokio::time::sleep(*pause).await,
             Step::EndOf(stream) => {
                 if !conn.until_stream_end(*stream, ANSWER).await {
                     return Err(format!(
