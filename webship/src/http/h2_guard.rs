@@ -526,7 +526,7 @@ impl<S> H2Guard<S> {
             }
             return Verdict::Pass;
         }
-        if f.len % 6 != 0 {
+        if !f.len.is_multiple_of(6) {
             return Verdict::Connection(FRAME_SIZE_ERROR);
         }
         for setting in payload.chunks_exact(6) {
@@ -575,7 +575,7 @@ impl<S> H2Guard<S> {
             Some(s) if s.client_done => return Verdict::Connection(STREAM_CLOSED),
             Some(_) => {}
             None if f.stream > self.highest => {
-                if f.stream % 2 == 0 {
+                if f.stream.is_multiple_of(2) {
                     return Verdict::Connection(PROTOCOL_ERROR);
                 }
                 if self.streams.len() >= 4 * self.limits.max_concurrent_streams as usize + 64 {
@@ -674,10 +674,11 @@ impl<S> H2Guard<S> {
                     }
                 }
             }
-            DATA | HEADERS if f.flags & END_STREAM != 0 => {
-                if self.streams.get(&f.stream).is_some_and(|s| s.client_done) {
-                    self.streams.remove(&f.stream);
-                }
+            DATA | HEADERS
+                if f.flags & END_STREAM != 0
+                    && self.streams.get(&f.stream).is_some_and(|s| s.client_done) =>
+            {
+                self.streams.remove(&f.stream);
             }
             WINDOW_UPDATE if payload.len() == 4 => {
                 let increment = i64::from(
