@@ -15,7 +15,8 @@
 //! - [`body`]: what a client does with a body (keep and hash it, or check it),
 //!   and what it got of a response cut short;
 //! - [`http`] and [`h3`]: the HTTP/1.1 + HTTP/2 and HTTP/3 clients;
-//! - [`h2raw`]: a raw-frame HTTP/2 client for conformance tests.
+//! - [`h2raw`] and [`h3raw`]: raw-frame HTTP/2 and HTTP/3 clients for conformance
+//!   tests.
 
 pub mod fixture;
 
@@ -25,6 +26,8 @@ pub mod body;
 pub mod h2raw;
 #[cfg(feature = "kit")]
 pub mod h3;
+#[cfg(feature = "kit")]
+pub mod h3raw;
 #[cfg(feature = "kit")]
 pub mod http;
 #[cfg(feature = "kit")]

@@ -10,6 +10,7 @@ mod h2;
 mod h2_conformance;
 mod h2_floods;
 mod h3;
+mod h3_conformance;
 mod lifecycle;
 mod origins;
 mod passthrough;
