@@ -881,3 +881,53 @@ async fn rfc9113_6_9_1_data_beyond_the_flow_control_window() {
     )
     .await;
 }
+
+/// The guard follows the server's flow-control grants exactly: four 12 MiB uploads
+/// at once on one connection, through a proxy site (which reads request bodies,
+/// unlike a file site), need many WINDOW_UPDATEs on every stream and on the
+/// connection, and all arrive whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_beyond_every_window_pass_the_guard() {
+    use bytes::Bytes;
+    use webship_tests::client::{connect, Conn, Proto, Tuning};
+    use webship_tests::origin::Origin;
+
+    let env = Env::new();
+    let origin = Origin::start().await;
+    let (cert, key) = env.leaf("proxy", &["upload.test"]);
+    let server = webship_tests::Server::start(
+        env.dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n[reverse_proxy]\nenabled = true\n\
+             tls_termination = true\n[reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+             [[reverse_proxy.routes]]\ndomain = \"upload.test\"\nupstreams = [\"{}\"]\n\
+             max_body_bytes = 33554432\n",
+            cert.display(),
+            key.display(),
+            origin.addr
+        ),
+    );
+    let tls = connect(server.addr(), "upload.test", env.client(b"h2"))
+        .await
+        .unwrap();
+    let authority = format!("upload.test:{}", server.port);
+    let conn = Conn::handshake(tls, Proto::H2, &authority, Tuning::default())
+        .await
+        .unwrap();
+    let body = Bytes::from(crate::support::pattern(12 << 20));
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let (mut conn, body) = (conn.share().unwrap(), body.clone());
+        set.spawn(async move { conn.send("POST", "/echo", &[], body).await.map(|r| r.status()) });
+    }
+    while let Some(status) = set.join_next().await {
+        assert_eq!(status.unwrap().unwrap(), 200);
+    }
+    let seen = origin.seen();
+    assert_eq!(seen.len(), 4);
+    assert!(
+        seen.iter().all(|s| s.body_len == 12 << 20 && s.body_complete),
+        "{seen:?}"
+    );
+    conn.close().await;
+}

@@ -349,6 +349,11 @@ impl<S> H2Guard<S> {
                     self.connection_error(FRAME_SIZE_ERROR);
                     break;
                 }
+                if matches!(f.kind, HEADERS | CONTINUATION) && f.len > self.block_cap() {
+                    // Refused before its bytes are buffered.
+                    self.connection_error(ENHANCE_YOUR_CALM);
+                    break;
+                }
                 if f.kind == DATA {
                     let verdict = self.judge_data(f);
                     self.apply_data(verdict, f, &copy);
@@ -609,8 +614,14 @@ impl<S> H2Guard<S> {
         self.end_block(f)
     }
 
+    /// The most bytes one header block may have: twice the header list we accept
+    /// (HPACK never needs more to carry it), and never less than one 16 KiB frame.
+    fn block_cap(&self) -> usize {
+        2 * self.limits.max_header_bytes.max(16 * 1024)
+    }
+
     fn judge_continuation(&mut self, f: OutFrame, payload: &[u8]) -> Verdict {
-        let cap = 2 * self.limits.max_header_bytes.max(16 * 1024);
+        let cap = self.block_cap();
         let Some(block) = self.block.as_mut() else {
             // No header block open: h2 answers PROTOCOL_ERROR, as RFC 9113 §6.10 says.
             return Verdict::Connection(PROTOCOL_ERROR);
