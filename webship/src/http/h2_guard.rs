@@ -80,6 +80,8 @@ const HEADER_TABLE_SIZE: usize = 4096;
 const RECENT_RESETS: usize = 256;
 /// CONTINUATION frames one header block may have.
 const MAX_CONTINUATIONS: u32 = 64;
+/// The most one read from the connection takes (what hyper asks for, capped).
+const MAX_READ: usize = 64 * 1024;
 /// How the rapid-reset budget is counted.
 const RESET_WINDOW: Duration = Duration::from_secs(1);
 
@@ -235,6 +237,8 @@ pub(crate) struct H2Guard<S> {
     limits: GuardLimits,
     /// Input not yet judged: at most one frame header plus one non-DATA payload.
     raw: Vec<u8>,
+    /// Where input is read into before it is judged.
+    scratch: Vec<u8>,
     /// Judged input hyper has not read yet.
     ready: Vec<u8>,
     ready_at: usize,
@@ -286,6 +290,7 @@ impl<S> H2Guard<S> {
             inner,
             limits,
             raw: Vec::new(),
+            scratch: Vec::new(),
             ready: Vec::new(),
             ready_at: 0,
             preface_left: PREFACE.len(),
@@ -810,8 +815,13 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
                 }
                 return Poll::Ready(Ok(()));
             }
-            let mut chunk = [0u8; 8 * 1024];
-            let mut read = ReadBuf::new(&mut chunk);
+            // Read as much as hyper asked for, so h2 sees the reads it would
+            // without the guard (one buffer per connection, zeroed once).
+            let want = buf.remaining().clamp(8 * 1024, MAX_READ);
+            if this.scratch.len() < want {
+                this.scratch.resize(want, 0);
+            }
+            let mut read = ReadBuf::new(&mut this.scratch[..want]);
             std::task::ready!(Pin::new(&mut this.inner).poll_read(cx, &mut read))?;
             if read.filled().is_empty() {
                 return Poll::Ready(Ok(()));
