@@ -104,6 +104,8 @@ pub(crate) struct H2Guard<S> {
     connection_window: i64,
     resets: (Instant, u32),
     output: Output,
+    /// Output frames one write finished (reused).
+    finished: Vec<(frames::OutFrame, [u8; 4], usize)>,
     /// Frames to write to the client at the next output boundary.
     inject: Vec<u8>,
     inject_at: usize,
@@ -148,6 +150,7 @@ impl<S> H2Guard<S> {
             connection_window: DEFAULT_WINDOW,
             resets: (Instant::now(), 0),
             output: Output::default(),
+            finished: Vec::new(),
             inject: Vec::new(),
             inject_at: 0,
             needs_flush: false,
@@ -261,12 +264,19 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H2Guard<S> {
             frame_end(&this.output, buf)
         };
         let n = std::task::ready!(Pin::new(&mut this.inner).poll_write(cx, &buf[..limit]))?;
-        let mut finished = Vec::new();
-        this.output
-            .track(&buf[..n], |f, payload| finished.push((f, payload.to_vec())));
-        for (f, payload) in finished {
-            this.on_output(f, &payload);
+        // The frames this write finished, in a list kept for the connection (no
+        // allocation per write once it has grown to a write's frame count).
+        let mut finished = std::mem::take(&mut this.finished);
+        this.output.track(&buf[..n], |f, payload| {
+            let mut small = [0u8; 4];
+            let len = payload.len().min(4);
+            small[..len].copy_from_slice(&payload[..len]);
+            finished.push((f, small, len));
+        });
+        for (f, small, len) in finished.drain(..) {
+            this.on_output(f, &small[..len]);
         }
+        this.finished = finished;
         if this.output.at_boundary() {
             if let Some(waker) = this.read_waker.take() {
                 waker.wake();
