@@ -14,14 +14,20 @@
 //! - [`pki`]: a private CA, leaf certificates and rustls client configurations;
 //! - [`body`]: what a client does with a body (keep and hash it, or check it),
 //!   and what it got of a response cut short;
-//! - [`http`] and [`h3`]: the HTTP/1.1 + HTTP/2 and HTTP/3 clients.
+//! - [`http`] and [`h3`]: the HTTP/1.1 + HTTP/2 and HTTP/3 clients;
+//! - [`h2raw`] and [`h3raw`]: raw-frame HTTP/2 and HTTP/3 clients for conformance
+//!   tests.
 
 pub mod fixture;
 
 #[cfg(feature = "kit")]
 pub mod body;
 #[cfg(feature = "kit")]
+pub mod h2raw;
+#[cfg(feature = "kit")]
 pub mod h3;
+#[cfg(feature = "kit")]
+pub mod h3raw;
 #[cfg(feature = "kit")]
 pub mod http;
 #[cfg(feature = "kit")]

@@ -36,6 +36,7 @@ use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use super::h2_guard::{guard_limits, H2Guard};
 use super::WriteBatch;
 use crate::exchange::{ConnContext, PullClock, ResponseBody};
 use crate::files::cursor::STREAM_CHUNK;
@@ -74,6 +75,12 @@ pub(crate) async fn serve_h2(mut stream: RustlsStream, ctx: ConnContext) -> Resu
         .max_concurrent_streams(settings.max_concurrent_streams)
         .max_send_buf_size(settings.max_send_buffer_bytes)
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
+        // Rapid reset (CVE-2023-44487): streams the client resets before hyper takes
+        // them, and streams h2 itself resets for errors, end the connection with
+        // ENHANCE_YOUR_CALM past these counts (h2's defaults, stated here); the
+        // guard bounds resets of streams already taken.
+        .max_pending_accept_reset_streams(20)
+        .max_local_error_reset_streams(1024)
         .keep_alive_interval(Some(limits.idle_timeout / 2))
         .keep_alive_timeout(Duration::from_secs(20));
     if ctx.service.webtransport_h2() {
@@ -96,7 +103,8 @@ pub(crate) async fn serve_h2(mut stream: RustlsStream, ctx: ConnContext) -> Resu
     let watch = Watch::new();
     let read = Arc::new(AtomicU64::new(0));
     let stream = ReadCount::new(stream, read.clone());
-    let io = TokioIo::new(WriteBatch::new(stream, settings.tls_write_buffer_bytes));
+    let io = WriteBatch::new(stream, settings.tls_write_buffer_bytes);
+    let io = TokioIo::new(H2Guard::new(io, guard_limits(&ctx)));
     let conn = builder.serve_connection(io, service(&ctx, &watch));
     tokio::pin!(conn);
     drive(conn, |c| c.graceful_shutdown(), &watch, Some(&read), &ctx).await

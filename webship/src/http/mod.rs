@@ -8,6 +8,7 @@
 
 mod batch;
 mod h1;
+mod h2_guard;
 mod hyper;
 
 use crate::exchange::ConnContext;

@@ -1,0 +1,353 @@
+//! HTTP/2 floods that cost a server work or memory per frame, driven by the
+//! raw-frame client: rapid reset (CVE-2023-44487: streams opened and cancelled at
+//! once, or as soon as the server took them) and CONTINUATION (CVE-2024-27316: a
+//! header block that never ends). Each must end the attacking connection with
+//! GOAWAY after a bounded number of frames, keep the server's memory bounded, and
+//! leave a normal download working meanwhile. Each test prints its FLOOD line.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustls::ClientConfig;
+use webship_testkit::h2raw::{block, code, flag, frame, headers, kind, literal, rst_stream, End, H2Raw};
+use webship_testkit::http::{fetch, Proto};
+use webship_testkit::proc::{FloodReport, Footprint};
+
+use crate::support::{Env, HOST, MIB};
+
+/// How long each flood runs.
+const FLOOD: Duration = Duration::from_secs(3);
+/// Attacking connections at a time.
+const ATTACKERS: usize = 8;
+/// Streams one attacking connection may open before the server must have ended it.
+const STREAM_BUDGET: u32 = 5_000;
+/// CONTINUATION bytes one connection may send before the server must have ended it.
+const CONTINUATION_BUDGET: usize = 4 * 1024 * 1024;
+
+fn get(path: &str) -> Vec<u8> {
+    block(&[
+        (":method", "GET"),
+        (":scheme", "https"),
+        (":authority", HOST),
+        (":path", path),
+    ])
+}
+
+/// How one attacking connection ended.
+#[derive(Debug, Clone)]
+struct Ended {
+    end: End,
+    /// Streams opened, or CONTINUATION bytes sent.
+    spent: u64,
+}
+
+/// Runs `attack` on `ATTACKERS` connections at a time for `FLOOD`, a normal
+/// download of 4 MiB in the middle; returns how every attacking connection ended,
+/// the footprints and the download's time.
+async fn flood<F, Fut>(env: &Env, server: &webship_tests::Server, name: &str, attack: F) -> Vec<Ended>
+where
+    F: Fn(SocketAddr, Arc<ClientConfig>) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Option<Ended>> + Send,
+{
+    let pid = server.pid();
+    let before = Footprint::of(pid).expect("server alive");
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..ATTACKERS {
+        let (attack, stop, addr, tls) = (attack.clone(), stop.clone(), server.addr(), env.client(b"h2"));
+        set.spawn(async move {
+            let mut ends = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                match attack(addr, tls.clone()).await {
+                    Some(ended) => ends.push(ended),
+                    None => tokio::time::sleep(Duration::from_millis(10)).await,
+                }
+            }
+            ends
+        });
+    }
+    // The peak of each measure over the flood, sampled every 50 ms.
+    let sampler = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut peak = before;
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(now) = Footprint::of(pid) {
+                    peak.rss_kib = peak.rss_kib.max(now.rss_kib);
+                    peak.fds = peak.fds.max(now.fds);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            peak
+        })
+    };
+    tokio::time::sleep(FLOOD / 3).await;
+    let started = Instant::now();
+    let got = fetch(
+        Proto::H2,
+        server.addr(),
+        HOST,
+        env.client(b"h2"),
+        "GET",
+        "/big.bin",
+        &[],
+    )
+    .await;
+    let download = started.elapsed();
+    assert_eq!(
+        (got.status.as_u16(), got.len),
+        (200, 4 * MIB),
+        "a normal download during the {name} flood"
+    );
+    tokio::time::sleep(FLOOD.saturating_sub(started.elapsed() + FLOOD / 3)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut ends = Vec::new();
+    while let Some(joined) = set.join_next().await {
+        ends.extend(joined.expect("an attacker panicked"));
+    }
+    let during = sampler.await.expect("sampler");
+    // Connections the server ended are gone from its table shortly after.
+    let after = settle(pid, before).await;
+    FloodReport {
+        flood: name,
+        before,
+        during,
+        after,
+        download: Some(download),
+    }
+    .print();
+    assert!(
+        during.rss_kib < before.rss_kib + 256 * 1024,
+        "{name}: RSS grew from {before} to {during}"
+    );
+    assert!(
+        after.fds <= before.fds + 4,
+        "{name}: fds {before} before, {after} after"
+    );
+    ends
+}
+
+/// The footprint once open fds are back near `before` (or after 5 s).
+async fn settle(pid: u32, before: Footprint) -> Footprint {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = Footprint::of(pid).expect("server alive");
+        if now.fds <= before.fds + 4 || Instant::now() > deadline {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn start(env: &Env) -> webship_tests::Server {
+    env.write("big.bin", &vec![7u8; 4 * MIB as usize]);
+    env.start("[limits]\nidle_timeout_secs = 10\n")
+}
+
+/// Every attacking connection was ended by a GOAWAY with one of `codes` within
+/// `budget`; `what` names the budget in the message.
+fn assert_ended(ends: &[Ended], codes: &[u32], budget: u64, what: &str) {
+    assert!(
+        !ends.is_empty(),
+        "no attacking connection was ended by the server"
+    );
+    for ended in ends {
+        let by_goaway = matches!(ended.end, End::GoAway { code, .. } if codes.contains(&code));
+        assert!(
+            by_goaway && ended.spent <= budget,
+            "an attacking connection ended with {} after {} {what} (want GOAWAY {} within {budget})",
+            ended.end,
+            ended.spent,
+            codes
+                .iter()
+                .map(|c| code::name(*c))
+                .collect::<Vec<_>>()
+                .join(" or ")
+        );
+    }
+}
+
+/// HEADERS + RST_STREAM pairs, 50 per write, on new streams until the server ends
+/// the connection. `None` when the connection could not be set up.
+async fn reset_pipelined(addr: SocketAddr, tls: Arc<ClientConfig>) -> Option<Ended> {
+    let mut conn = H2Raw::connect(addr, HOST, &tls).await.ok()?;
+    conn.handshake(&[], Duration::from_secs(3)).await.ok()?;
+    let request = get("/big.bin");
+    let mut stream = 1u32;
+    let mut opened = 0u64;
+    while opened < u64::from(STREAM_BUDGET) {
+        let mut batch = Vec::new();
+        for _ in 0..50 {
+            batch.extend(headers(stream, &request, true));
+            batch.extend(rst_stream(stream, code::CANCEL));
+            stream += 2;
+            opened += 1;
+        }
+        if conn.send(&batch).await.is_err() {
+            break;
+        }
+        if let Some(end) = poll_goaway(&mut conn).await {
+            return Some(Ended { end, spent: opened });
+        }
+    }
+    let end = conn.until_end(Duration::from_secs(3)).await;
+    Some(Ended { end, spent: opened })
+}
+
+/// One stream at a time: HEADERS, wait for the response's HEADERS (the server
+/// took the stream and started on it), RST_STREAM; until the server ends it.
+async fn reset_after_accept(addr: SocketAddr, tls: Arc<ClientConfig>) -> Option<Ended> {
+    let mut conn = H2Raw::connect(addr, HOST, &tls).await.ok()?;
+    conn.handshake(&[], Duration::from_secs(3)).await.ok()?;
+    let request = get("/big.bin");
+    let mut stream = 1u32;
+    let mut opened = 0u64;
+    while opened < u64::from(STREAM_BUDGET) {
+        if conn.send(&headers(stream, &request, true)).await.is_err() {
+            break;
+        }
+        opened += 1;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+        loop {
+            match conn.read_frame(deadline).await {
+                Ok(Some(f)) if f.kind == kind::HEADERS && f.stream == stream => break,
+                Ok(Some(f)) if f.kind == kind::GOAWAY => {
+                    let code = f.error_code().unwrap_or(u32::MAX);
+                    return Some(Ended {
+                        end: End::GoAway { code, last_stream: 0 },
+                        spent: opened,
+                    });
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => {
+                    return Some(Ended {
+                        end: End::Closed,
+                        spent: opened,
+                    })
+                }
+            }
+        }
+        conn.seen.clear();
+        if conn.send(&rst_stream(stream, code::CANCEL)).await.is_err() {
+            break;
+        }
+        stream += 2;
+    }
+    let end = conn.until_end(Duration::from_secs(3)).await;
+    Some(Ended { end, spent: opened })
+}
+
+/// A GOAWAY already waiting in the socket, without blocking for one.
+async fn poll_goaway(conn: &mut H2Raw) -> Option<End> {
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(1);
+    loop {
+        match conn.read_frame(deadline).await {
+            Ok(Some(f)) if f.kind == kind::GOAWAY => {
+                return Some(End::GoAway {
+                    code: f.error_code().unwrap_or(u32::MAX),
+                    last_stream: 0,
+                })
+            }
+            Ok(Some(_)) => conn.seen.clear(),
+            Ok(None) => return Some(End::Closed),
+            Err(_) => return None,
+        }
+    }
+}
+
+/// HEADERS without END_HEADERS, then CONTINUATION frames of `chunk` bytes of
+/// header fields (0: empty frames) without END_HEADERS, until the server ends it.
+async fn continuation(addr: SocketAddr, tls: Arc<ClientConfig>, chunk: usize) -> Option<Ended> {
+    let mut conn = H2Raw::connect(addr, HOST, &tls).await.ok()?;
+    conn.handshake(&[], Duration::from_secs(3)).await.ok()?;
+    if conn
+        .send(&frame(kind::HEADERS, flag::END_STREAM, 1, &get("/big.bin")))
+        .await
+        .is_err()
+    {
+        return None;
+    }
+    let mut fields = Vec::new();
+    let mut i = 0;
+    while fields.len() < chunk {
+        literal(&mut fields, format!("x-flood-{i}").as_bytes(), &[b'v'; 100]);
+        i += 1;
+    }
+    let one = frame(kind::CONTINUATION, 0, 1, &fields);
+    let batch: Vec<u8> = one.iter().copied().cycle().take(one.len() * 16).collect();
+    let mut sent = 0usize;
+    while sent < CONTINUATION_BUDGET + batch.len() {
+        if conn.send(&batch).await.is_err() {
+            break;
+        }
+        sent += batch.len();
+        if let Some(end) = poll_goaway(&mut conn).await {
+            return Some(Ended {
+                end,
+                spent: sent as u64,
+            });
+        }
+    }
+    let end = conn.until_end(Duration::from_secs(3)).await;
+    Some(Ended {
+        end,
+        spent: sent as u64,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rapid_reset_flood_is_bounded() {
+    let env = Env::new();
+    let server = start(&env);
+    let ends = flood(
+        &env,
+        &server,
+        "h2 rapid reset (HEADERS+RST_STREAM pipelined)",
+        reset_pipelined,
+    )
+    .await;
+    assert_ended(
+        &ends,
+        &[code::ENHANCE_YOUR_CALM],
+        u64::from(STREAM_BUDGET),
+        "streams",
+    );
+    let ends = flood(
+        &env,
+        &server,
+        "h2 rapid reset (RST_STREAM after the response began)",
+        reset_after_accept,
+    )
+    .await;
+    assert_ended(
+        &ends,
+        &[code::ENHANCE_YOUR_CALM],
+        u64::from(STREAM_BUDGET),
+        "streams",
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn continuation_flood_is_bounded() {
+    let env = Env::new();
+    let server = start(&env);
+    // Large CONTINUATION frames hit the header block's byte cap, empty ones its
+    // frame count; either ends the connection long before the budget.
+    let codes = [
+        code::ENHANCE_YOUR_CALM,
+        code::COMPRESSION_ERROR,
+        code::PROTOCOL_ERROR,
+    ];
+    let ends = flood(&env, &server, "h2 CONTINUATION (16 KB frames)", |addr, tls| {
+        continuation(addr, tls, 16_000)
+    })
+    .await;
+    assert_ended(&ends, &codes, CONTINUATION_BUDGET as u64, "CONTINUATION bytes");
+    let ends = flood(&env, &server, "h2 CONTINUATION (empty frames)", |addr, tls| {
+        continuation(addr, tls, 0)
+    })
+    .await;
+    assert_ended(&ends, &codes, CONTINUATION_BUDGET as u64, "CONTINUATION bytes");
+}

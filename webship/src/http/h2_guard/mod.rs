@@ -1,0 +1,304 @@
+//! A frame-level guard in front of hyper's HTTP/2 server: it reads the client's
+//! frames before h2 does and answers the RFC 9113 requirements h2 0.4 gets wrong
+//! (or answers with another error code) itself, with GOAWAY or RST_STREAM and the
+//! code the RFC names. It also bounds two floods h2 leaves to the caller: a header
+//! block that never ends (CVE-2024-27316-style CONTINUATION floods) and clients
+//! that cancel streams as fast as they open them (CVE-2023-44487, "rapid reset").
+//!
+//! What it answers (everything else goes to h2 unchanged):
+//! - frame sizes of PING, SETTINGS, RST_STREAM, WINDOW_UPDATE, GOAWAY, PRIORITY and
+//!   frames over our SETTINGS_MAX_FRAME_SIZE: FRAME_SIZE_ERROR (h2: PROTOCOL_ERROR);
+//! - SETTINGS values: INITIAL_WINDOW_SIZE over 2^31-1 is FLOW_CONTROL_ERROR (h2:
+//!   PROTOCOL_ERROR), ENABLE_PUSH and MAX_FRAME_SIZE ranges PROTOCOL_ERROR;
+//! - HPACK decoding errors: COMPRESSION_ERROR (h2: PROTOCOL_ERROR), for which the
+//!   guard decodes every header block with its own decoder, kept in step with h2's
+//!   (same blocks, same order, same table size limit);
+//! - DATA or HEADERS after the client ended the stream: STREAM_CLOSED (h2:
+//!   PROTOCOL_ERROR);
+//! - pseudo-fields in trailers, CONNECT without :authority: a PROTOCOL_ERROR stream
+//!   error (h2 accepts them);
+//! - DATA beyond the flow-control window the server granted: FLOW_CONTROL_ERROR,
+//!   decided on the bytes as they arrive (h2 may have reset the stream first).
+//!
+//! A connection error is a GOAWAY written at the next frame boundary of hyper's
+//! output, after which hyper reads end of stream and its further output is
+//! dropped. A stream error is a RST_STREAM written to the client the same way,
+//! while h2 is handed a RST_STREAM(CANCEL) from the "client" after the offending
+//! frame, so both sides forget the stream. Header blocks always reach h2, so its
+//! HPACK table stays in step with the client's.
+//!
+//! Memory: one frame of input (up to our SETTINGS_MAX_FRAME_SIZE; DATA payloads
+//! are streamed through, never buffered), one header block (capped), and a table
+//! of open streams (h2 caps those with SETTINGS_MAX_CONCURRENT_STREAMS; the guard
+//! drops a connection past a hard cap).
+
+mod frames;
+mod judge;
+
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+use std::time::Instant;
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use frames::{frame_end, Output, DEFAULT_WINDOW, HEADER_TABLE_SIZE, MAX_READ, PREFACE};
+use judge::{Block, Stream};
+
+/// What the guard needs to know of the server's settings.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct GuardLimits {
+    /// Our SETTINGS_MAX_FRAME_SIZE.
+    pub(crate) max_frame_size: u32,
+    /// Our SETTINGS_INITIAL_WINDOW_SIZE. (The connection window starts at the
+    /// default; h2's WINDOW_UPDATE raising it is followed like any other.)
+    pub(crate) stream_window: u32,
+    /// Our SETTINGS_MAX_HEADER_LIST_SIZE; a header block's encoded bytes may be at
+    /// most twice this (HPACK never needs more for a list this size).
+    pub(crate) max_header_bytes: usize,
+    /// Our SETTINGS_MAX_CONCURRENT_STREAMS: the open-stream table's scale, and the
+    /// number of streams a client may cancel per second before GOAWAY
+    /// ENHANCE_YOUR_CALM.
+    pub(crate) max_concurrent_streams: u32,
+}
+
+/// The guard's limits for a connection of `ctx`: what hyper's builder advertises.
+pub(crate) fn guard_limits(ctx: &crate::exchange::ConnContext) -> GuardLimits {
+    GuardLimits {
+        max_frame_size: ctx.h2.max_frame_size_bytes,
+        stream_window: ctx.h2.initial_stream_window_bytes,
+        max_header_bytes: ctx.limits.max_header_bytes,
+        max_concurrent_streams: ctx.h2.max_concurrent_streams,
+    }
+}
+
+/// The I/O guard: wraps the connection hyper's h2 server reads and writes.
+pub(crate) struct H2Guard<S> {
+    inner: S,
+    limits: GuardLimits,
+    /// Input not yet judged: at most one frame header plus one non-DATA payload.
+    raw: Vec<u8>,
+    /// Where input is read into before it is judged.
+    scratch: Vec<u8>,
+    /// Judged input hyper has not read yet.
+    ready: Vec<u8>,
+    ready_at: usize,
+    /// Preface bytes still to come; a wrong preface turns the guard off (h2 refuses
+    /// it itself).
+    preface_left: usize,
+    /// The guard could not follow the stream: everything passes unjudged.
+    off: bool,
+    /// DATA payload bytes still to pass through unbuffered.
+    data_left: usize,
+    /// A stream h2 is told the client cancelled once the DATA passing ends.
+    cancel_after_data: Option<u32>,
+    block: Option<Block>,
+    decoder: loona_hpack::Decoder<'static>,
+    streams: HashMap<u32, Stream>,
+    recent_resets: VecDeque<u32>,
+    highest: u32,
+    /// The client's SETTINGS_INITIAL_WINDOW_SIZE does not matter here; ours does,
+    /// once the client acknowledged it (until then the default).
+    our_settings_acked: bool,
+    connection_window: i64,
+    resets: (Instant, u32),
+    output: Output,
+    /// Output frames one write finished (reused).
+    finished: Vec<(frames::OutFrame, [u8; 4], usize)>,
+    /// Frames to write to the client at the next output boundary.
+    inject: Vec<u8>,
+    inject_at: usize,
+    needs_flush: bool,
+    /// A connection error: GOAWAY is queued; once written, reads end and writes
+    /// are dropped.
+    fatal: bool,
+    read_waker: Option<Waker>,
+}
+
+impl<S> std::fmt::Debug for H2Guard<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("H2Guard")
+            .field("streams", &self.streams.len())
+            .field("highest", &self.highest)
+            .field("fatal", &self.fatal)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> H2Guard<S> {
+    pub(crate) fn new(inner: S, limits: GuardLimits) -> Self {
+        let mut decoder = loona_hpack::Decoder::new();
+        decoder.set_max_allowed_table_size(HEADER_TABLE_SIZE);
+        Self {
+            inner,
+            limits,
+            raw: Vec::new(),
+            scratch: Vec::new(),
+            ready: Vec::new(),
+            ready_at: 0,
+            preface_left: PREFACE.len(),
+            off: false,
+            data_left: 0,
+            cancel_after_data: None,
+            block: None,
+            decoder,
+            streams: HashMap::new(),
+            recent_resets: VecDeque::new(),
+            highest: 0,
+            our_settings_acked: false,
+            connection_window: DEFAULT_WINDOW,
+            resets: (Instant::now(), 0),
+            output: Output::default(),
+            finished: Vec::new(),
+            inject: Vec::new(),
+            inject_at: 0,
+            needs_flush: false,
+            fatal: false,
+            read_waker: None,
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> H2Guard<S> {
+    /// Writes queued frames if the output is at a frame boundary; Ready once none
+    /// are left.
+    fn poll_inject(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.inject_at < self.inject.len() {
+            if !self.output.at_boundary() {
+                return Poll::Pending;
+            }
+            let n =
+                std::task::ready!(Pin::new(&mut self.inner).poll_write(cx, &self.inject[self.inject_at..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.inject_at += n;
+            self.needs_flush = true;
+        }
+        self.inject.clear();
+        self.inject_at = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            match this.poll_inject(cx) {
+                Poll::Ready(Ok(())) => {}
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                // Mid-frame output: the write that finishes the frame wakes us.
+                Poll::Pending if !this.output.at_boundary() => {
+                    this.read_waker = Some(cx.waker().clone());
+                    if this.fatal {
+                        return Poll::Pending;
+                    }
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+            if this.needs_flush {
+                match Pin::new(&mut this.inner).poll_flush(cx) {
+                    Poll::Ready(Ok(())) => this.needs_flush = false,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    // Flushing is also what a deferred batch asks for: go on
+                    // reading, the next poll flushes again.
+                    Poll::Pending if this.fatal => return Poll::Pending,
+                    Poll::Pending => {}
+                }
+            }
+            if this.fatal {
+                // GOAWAY is out: hyper reads the end of the connection.
+                return Poll::Ready(Ok(()));
+            }
+            if this.ready_at < this.ready.len() {
+                let n = buf.remaining().min(this.ready.len() - this.ready_at);
+                buf.put_slice(&this.ready[this.ready_at..this.ready_at + n]);
+                this.ready_at += n;
+                if this.ready_at == this.ready.len() {
+                    this.ready.clear();
+                    this.ready_at = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            // Read as much as hyper asked for, so h2 sees the reads it would
+            // without the guard (one buffer per connection, zeroed once).
+            let want = buf.remaining().clamp(8 * 1024, MAX_READ);
+            if this.scratch.len() < want {
+                this.scratch.resize(want, 0);
+            }
+            let mut read = ReadBuf::new(&mut this.scratch[..want]);
+            std::task::ready!(Pin::new(&mut this.inner).poll_read(cx, &mut read))?;
+            if read.filled().is_empty() {
+                return Poll::Ready(Ok(()));
+            }
+            this.raw.extend_from_slice(read.filled());
+            this.ingest();
+        }
+    }
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H2Guard<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let this = &mut *self;
+        if this.fatal && this.output.at_boundary() {
+            // After GOAWAY nothing more goes out; hyper is told it went.
+            if this.poll_inject(cx)?.is_pending() {
+                return Poll::Pending;
+            }
+            return Poll::Ready(Ok(buf.len()));
+        }
+        if this.output.at_boundary() && this.poll_inject(cx)?.is_pending() {
+            return Poll::Pending;
+        }
+        // Never past the end of the current frame when something waits to go in
+        // between, so the next call finds the boundary.
+        let limit = if this.inject.is_empty() || this.output.at_boundary() {
+            buf.len()
+        } else {
+            frame_end(&this.output, buf)
+        };
+        let n = std::task::ready!(Pin::new(&mut this.inner).poll_write(cx, &buf[..limit]))?;
+        // The frames this write finished, in a list kept for the connection (no
+        // allocation per write once it has grown to a write's frame count).
+        let mut finished = std::mem::take(&mut this.finished);
+        this.output.track(&buf[..n], |f, payload| {
+            let mut small = [0u8; 4];
+            let len = payload.len().min(4);
+            small[..len].copy_from_slice(&payload[..len]);
+            finished.push((f, small, len));
+        });
+        for (f, small, len) in finished.drain(..) {
+            this.on_output(f, &small[..len]);
+        }
+        this.finished = finished;
+        if this.output.at_boundary() {
+            if let Some(waker) = this.read_waker.take() {
+                waker.wake();
+            }
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.output.at_boundary() {
+            std::task::ready!(this.poll_inject(cx))?;
+        }
+        this.needs_flush = false;
+        Pin::new(&mut this.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        if this.output.at_boundary() {
+            std::task::ready!(this.poll_inject(cx))?;
+        }
+        Pin::new(&mut this.inner).poll_shutdown(cx)
+    }
+}
