@@ -189,6 +189,54 @@ async fn rfc9114_connection_and_message_rules() {
             Stream(code::H3_MESSAGE_ERROR),
         ),
         (
+            "4.2 connection-specific field: connection",
+            Send::Request(|| get_with(&[("connection", "keep-alive")])),
+            Stream(code::H3_MESSAGE_ERROR),
+        ),
+        (
+            "4.2 connection-specific field: keep-alive",
+            Send::Request(|| get_with(&[("keep-alive", "timeout=5")])),
+            Stream(code::H3_MESSAGE_ERROR),
+        ),
+        (
+            "4.2 connection-specific field: proxy-connection",
+            Send::Request(|| get_with(&[("proxy-connection", "keep-alive")])),
+            Stream(code::H3_MESSAGE_ERROR),
+        ),
+        (
+            "4.2 connection-specific field: transfer-encoding",
+            Send::Request(|| post(&[("transfer-encoding", "chunked")])),
+            Stream(code::H3_MESSAGE_ERROR),
+        ),
+        (
+            "4.2 connection-specific field: upgrade",
+            Send::Request(|| get_with(&[("upgrade", "websocket")])),
+            Stream(code::H3_MESSAGE_ERROR),
+        ),
+        (
+            "4.2 te other than trailers",
+            Send::Request(|| get_with(&[("te", "gzip")])),
+            Stream(code::H3_MESSAGE_ERROR),
+        ),
+        (
+            "4.2 te: trailers is answered",
+            Send::Request(|| get_with(&[("te", "trailers")])),
+            Answered,
+        ),
+        (
+            "4.3 pseudo-field after a regular field",
+            Send::Request(|| {
+                headers(&[
+                    (":method", "GET"),
+                    (":scheme", "https"),
+                    (":authority", HOST),
+                    ("x-a", "b"),
+                    (":path", "/hello.txt"),
+                ])
+            }),
+            Stream(code::H3_MESSAGE_ERROR),
+        ),
+        (
             "4.3 unknown pseudo-field",
             Send::Request(|| get_with(&[(":foo", "bar")])),
             Stream(code::H3_MESSAGE_ERROR),
@@ -196,6 +244,11 @@ async fn rfc9114_connection_and_message_rules() {
         (
             "4.3.1 :path missing",
             Send::Request(|| headers(&[(":method", "GET"), (":scheme", "https"), (":authority", HOST)])),
+            Stream(code::H3_MESSAGE_ERROR),
+        ),
+        (
+            "4.3.1 :scheme missing",
+            Send::Request(|| headers(&[(":method", "GET"), (":authority", HOST), (":path", "/hello.txt")])),
             Stream(code::H3_MESSAGE_ERROR),
         ),
         (
@@ -211,6 +264,11 @@ async fn rfc9114_connection_and_message_rules() {
         (
             "6.2.1 a second control stream",
             Send::Uni(stream_type::CONTROL, || settings(&[])),
+            Conn(code::H3_STREAM_CREATION_ERROR),
+        ),
+        (
+            "6.2.2 a push stream from the client",
+            Send::Uni(stream_type::PUSH, || vec![0]),
             Conn(code::H3_STREAM_CREATION_ERROR),
         ),
         (
@@ -257,40 +315,6 @@ async fn rfc9114_connection_and_message_rules() {
             "7.2.8/9 a reserved frame type on a request stream is ignored",
             Send::Request(|| [frame(kind::RESERVED, b"abc"), headers(&get())].concat()),
             Answered,
-        ),
-    ];
-    run_table(cases).await;
-}
-
-/// What the HTTP/3 stack (h3 0.0.8 under the daemon's driver) does not answer as
-/// RFC 9114 says: a connection-specific field and a pseudo-field after a regular one are served; a
-/// push stream from a client is ignored. Kept as a record until they are fixed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known gaps of the HTTP/3 stack, see the comment"]
-async fn rfc9114_known_gaps() {
-    let cases: Vec<(&str, Send, Expect)> = vec![
-        (
-            "4.2 connection-specific field",
-            Send::Request(|| get_with(&[("connection", "keep-alive")])),
-            Stream(code::H3_MESSAGE_ERROR),
-        ),
-        (
-            "4.3 pseudo-field after a regular field",
-            Send::Request(|| {
-                headers(&[
-                    (":method", "GET"),
-                    (":scheme", "https"),
-                    (":authority", HOST),
-                    ("x-a", "b"),
-                    (":path", "/hello.txt"),
-                ])
-            }),
-            Stream(code::H3_MESSAGE_ERROR),
-        ),
-        (
-            "6.2.2 a push stream from the client",
-            Send::Uni(stream_type::PUSH, || vec![0]),
-            Conn(code::H3_STREAM_CREATION_ERROR),
         ),
     ];
     run_table(cases).await;

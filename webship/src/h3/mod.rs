@@ -15,6 +15,8 @@
 //! `idle_timeout` closes, whatever PINGs keep QUIC alive.
 
 pub(crate) mod congestion;
+mod fields;
+pub(crate) mod uni;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -216,7 +218,7 @@ async fn connection(
             .enable_datagram(true)
             .max_webtransport_sessions(ctx.webtransport_sessions as u64);
     }
-    let mut h3 = match builder.build::<_, Bytes>(h3_quinn::Connection::new(conn)).await {
+    let mut h3 = match builder.build::<_, Bytes>(uni::Connection::new(conn)).await {
         Ok(h3) => h3,
         Err(e) => return tracing::debug!(%peer, error = %e, "h3: connection setup failed"),
     };
@@ -296,7 +298,7 @@ async fn connection(
     quic.close(quinn::VarInt::from_u32(0x100), b"");
 }
 
-type Resolver = h3::server::RequestResolver<h3_quinn::Connection, Bytes>;
+type Resolver = h3::server::RequestResolver<uni::Connection, Bytes>;
 /// Reads what is left of a request nobody needs, for at most [`DRAIN_TIME`] and
 /// [`DRAIN_BYTES`], then lets it go.
 async fn drain_request(mut recv: RecvHalf) {
@@ -420,15 +422,28 @@ async fn request(mut resolver: Resolver, ctx: &ConnContext, signal: &BulkSignal,
     ) {
         return release(resolver, h3::error::Code::H3_REQUEST_INCOMPLETE);
     }
+    // The encoded field section, for the rules h3 does not check (shares the bytes).
+    let section = match &first {
+        Ok(Some(h3::proto::frame::Frame::Headers(section))) => section.clone(),
+        _ => Bytes::new(),
+    };
     let resolved = match resolver.accept_with_frame(first) {
         Ok(resolved) => resolved.resolve().await,
         Err(e) => Err(e),
     };
-    let (req, stream) = match resolved {
+    let (req, mut stream) = match resolved {
         Ok(r) => r,
         Err(e) => return tracing::debug!(%peer, error = %e, "h3: bad request"),
     };
     let (parts, ()) = req.into_parts();
+    if let Some(why) = fields::malformed(&section, &parts.headers) {
+        // RFC 9114 §4.1.2: a malformed request is a stream error H3_MESSAGE_ERROR,
+        // as h3 answers the malformations it finds itself.
+        tracing::debug!(%peer, why, "h3: malformed request");
+        stream.stop_stream(h3::error::Code::H3_MESSAGE_ERROR);
+        stream.stop_sending(h3::error::Code::H3_MESSAGE_ERROR);
+        return;
+    }
     let head = ctx.head(&parts.method, &parts.uri, http::Version::HTTP_3, &parts.headers);
     let webtransport = parts.method == http::Method::CONNECT
         && parts.extensions.get::<h3::ext::Protocol>() == Some(&h3::ext::Protocol::WEB_TRANSPORT);

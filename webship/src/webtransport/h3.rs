@@ -25,7 +25,7 @@ use crate::shutdown::Shutdown;
 /// A client bidirectional stream after its WEBTRANSPORT_STREAM header.
 pub(crate) type WtBidi = BufRecvStream<h3_quinn::BidiStream<Bytes>, Bytes>;
 /// A client unidirectional stream after its type and session id.
-pub(crate) type WtUni = BufRecvStream<h3_quinn::RecvStream, Bytes>;
+pub(crate) type WtUni = BufRecvStream<crate::h3::uni::UniStream, Bytes>;
 /// The CONNECT request's stream.
 pub(crate) type ConnectStream = h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>;
 
@@ -243,7 +243,7 @@ impl SendHalf for BufRecvStream<h3_quinn::SendStream<Bytes>, Bytes> {
     }
 }
 
-impl RecvHalf for BufRecvStream<h3_quinn::RecvStream, Bytes> {
+impl<S: h3::quic::RecvStream + Send + Unpin> RecvHalf for BufRecvStream<S, Bytes> {
     /// Left to the drop, which stops the stream (code 0): h3-quinn's `stop_sending`
     /// panics when a cancelled read still holds the stream, which is exactly when a
     /// session end stops one.
