@@ -185,6 +185,44 @@ async fn passthrough_runs_as_the_service_account_keeping_only_what_ebpf_needs() 
     }
 }
 
+/// Handing the pin folder to the service account must not follow a link planted
+/// in it (the account owned the folder on an earlier run): root would otherwise
+/// chown whatever the link names.
+#[test]
+fn handing_the_pins_over_follows_no_planted_link() {
+    use std::os::unix::fs::MetadataExt;
+    let env = Env::new();
+    open_up(&env);
+    let victim = env.dir.path().join("victim");
+    std::fs::write(&victim, "root's").unwrap();
+    let pins = format!("/sys/fs/bpf/webship-e2e-chown-{}", std::process::id());
+    let _ = std::fs::remove_dir_all(&pins);
+    std::fs::create_dir(&pins).unwrap();
+    std::os::unix::fs::symlink(&victim, format!("{pins}/planted")).unwrap();
+    let config = passthrough_config(
+        "passthrough_engine = \"sockmap\"\n",
+        false,
+        &[("a.pass", "127.0.0.1:9".parse().unwrap())],
+    )
+    .replace("/sys/fs/bpf/webship-e2e-{port}", &pins)
+    .replacen("[kernel]\n", "[kernel]\nbbr = \"off\"\n", 1)
+    .replacen(
+        "workers = 2\n",
+        "workers = 2\nuser = \"nobody\"\n[limits]\nshutdown_grace_secs = 2\n",
+        1,
+    );
+    let mut front = Server::start(env.dir.path(), &config);
+    assert_switched(front.pid(), "0000008000001000");
+    let owner = std::fs::metadata(&victim).unwrap().uid();
+    front.terminate();
+    let _ = front.wait_exit(Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(&pins);
+    assert_eq!(
+        owner, 0,
+        "root chowned the target of a link planted in the pin folder"
+    );
+}
+
 #[test]
 fn check_names_an_unknown_user() {
     let env = Env::new();

@@ -9,8 +9,8 @@
 //! call. A flow with no traffic either way for `flow_idle` is dropped.
 //!
 //! The table is bounded twice: `max_flows` in all, and `max_flows_per_address`
-//! from one client IP (a host sending from thousands of source ports would
-//! otherwise take every slot). A flow the origin never answered costs the origin
+//! from one source, an IPv4 address or an IPv6 /64 (a host sending from thousands
+//! of source ports would otherwise take every slot). A flow the origin never answered costs the origin
 //! nothing to lose, so when either bound is reached the oldest such flow (of the
 //! table, or of that address) makes room for the newcomer; only when every flow
 //! has been answered is a new one refused (counted, and logged at most every 10 s).
@@ -145,6 +145,20 @@ struct Address {
     unanswered: VecDeque<(SocketAddr, u64)>,
 }
 
+/// Whose share of the table a client's flows count against: its IPv4 address
+/// (also when it arrives v4-mapped on a dual-stack socket), or its IPv6 /64 — one
+/// host is routinely given a whole /64, so counting by full address would give it
+/// 2^64 shares of `max_flows_per_address`.
+fn source(client: SocketAddr) -> IpAddr {
+    match client.ip().to_canonical() {
+        IpAddr::V6(v6) => {
+            let prefix = u128::from(v6) & !u128::from(u64::MAX);
+            IpAddr::V6(Ipv6Addr::from(prefix))
+        }
+        v4 => v4,
+    }
+}
+
 /// The flow table and its two bounds.
 #[derive(Debug)]
 struct Table {
@@ -179,7 +193,7 @@ impl Table {
     /// its address when the address is at its cap, and of the whole table when the
     /// table is full. `false`: no room (everything in the way was answered).
     fn make_room(&mut self, client: SocketAddr) -> bool {
-        let ip = client.ip();
+        let ip = source(client);
         if self
             .addresses
             .get(&ip)
@@ -206,7 +220,7 @@ impl Table {
         let key = (client, entry.flow.id);
         // Into the table first: pruning keeps only keys the table still holds.
         self.flows.insert(client, entry);
-        let address = self.addresses.entry(client.ip()).or_default();
+        let address = self.addresses.entry(source(client)).or_default();
         address.flows += 1;
         address.unanswered.push_back(key);
         prune(&mut address.unanswered, address.flows, &self.flows);
@@ -227,10 +241,10 @@ impl Table {
             return None;
         }
         let entry = self.flows.remove(&client)?;
-        if let Some(address) = self.addresses.get_mut(&client.ip()) {
+        if let Some(address) = self.addresses.get_mut(&source(client)) {
             address.flows = address.flows.saturating_sub(1);
             if address.flows == 0 {
-                self.addresses.remove(&client.ip());
+                self.addresses.remove(&source(client));
             }
         }
         Some(entry)
@@ -526,7 +540,7 @@ mod tests {
         answer(&table, client(1, 4));
         assert!(!admit(&mut table, &mut tasks, client(1, 5)));
         assert!(admit(&mut table, &mut tasks, client(2, 1)));
-        assert_eq!(table.addresses[&client(1, 0).ip()].flows, 2);
+        assert_eq!(table.addresses[&source(client(1, 0))].flows, 2);
     }
 
     #[tokio::test]
@@ -541,7 +555,7 @@ mod tests {
         assert!(table.flows.contains_key(&client(1, 1)));
         assert!(!table.flows.contains_key(&client(2, 1)));
         assert_eq!(table.flows.len(), 3);
-        assert!(!table.addresses.contains_key(&client(2, 1).ip()));
+        assert!(!table.addresses.contains_key(&source(client(2, 1))));
     }
 
     #[tokio::test]
@@ -557,7 +571,7 @@ mod tests {
             assert!(admit(&mut table, &mut tasks, c));
             let id = table.flows[&c].flow.id;
             // The newest key survives every pruning, in both queues.
-            let address = &table.addresses[&c.ip()];
+            let address = &table.addresses[&source(c)];
             assert!(address.unanswered.contains(&(c, id)), "port {port}");
             assert!(table.unanswered.contains(&(c, id)), "port {port}");
             assert!(address.unanswered.len() <= 2 * address.flows + 64);
@@ -569,5 +583,29 @@ mod tests {
         assert!(admit(&mut table, &mut tasks, client(2, 202)));
         assert!(!table.flows.contains_key(&client(2, 201)));
         assert!(table.flows.contains_key(&client(2, 1000)));
+    }
+
+    #[tokio::test]
+    async fn one_ipv6_prefix_and_its_mapped_spellings_share_one_cap() {
+        let mut tasks = JoinSet::new();
+        let mut table = Table::new(1000, 2);
+        let v6 = |tail: u16| SocketAddr::from(([0x2001, 0xdb8, 0, 1, 0, 0, 0, tail], 443));
+        // Two answered flows from one /64, under two interface identifiers.
+        for c in [v6(1), v6(2)] {
+            assert!(admit(&mut table, &mut tasks, c));
+            answer(&table, c);
+        }
+        // A third interface identifier of the same /64 is the same source.
+        assert!(!admit(&mut table, &mut tasks, v6(3)));
+        // Another /64 is another source.
+        let other = SocketAddr::from(([0x2001, 0xdb8, 0, 2, 0, 0, 0, 1], 443));
+        assert!(admit(&mut table, &mut tasks, other));
+        // An IPv4 client seen as v4-mapped IPv6 counts as its IPv4 address.
+        let mapped = SocketAddr::from((Ipv4Addr::new(127, 0, 0, 9).to_ipv6_mapped(), 1));
+        for c in [client(9, 1), client(9, 2)] {
+            assert!(admit(&mut table, &mut tasks, c));
+            answer(&table, c);
+        }
+        assert!(!admit(&mut table, &mut tasks, mapped));
     }
 }

@@ -133,7 +133,9 @@ fn drop_privileges(
     Ok(())
 }
 
-/// Hands the pin folder and what is pinned in it to the service account.
+/// Hands the pin folder and what is pinned in it to the service account. Links are
+/// not followed: the account owned the folder on an earlier run and may have left
+/// one there naming any file of root's.
 fn give_pins(dir: &std::path::Path, uid: u32, gid: u32) {
     #[cfg(unix)]
     {
@@ -143,7 +145,7 @@ fn give_pins(dir: &std::path::Path, uid: u32, gid: u32) {
             .flatten()
             .map(|e| e.path());
         for path in std::iter::once(dir.to_path_buf()).chain(entries) {
-            if let Err(e) = std::os::unix::fs::chown(&path, Some(uid), Some(gid)) {
+            if let Err(e) = std::os::unix::fs::lchown(&path, Some(uid), Some(gid)) {
                 tracing::warn!(path = %path.display(), error = %e, "cannot hand a pinned map to the service account; it stays after shutdown");
             }
         }

@@ -131,11 +131,7 @@ enum Gate {
     /// Still root: starting threads wait.
     Closed,
     /// The main thread switched; every thread switches to `account` keeping `keep`.
-    Open {
-        keep: Caps,
-        switched: usize,
-        failed: Option<String>,
-    },
+    Open { keep: Caps, switched: usize },
     /// Startup failed before the switch: threads go on (the process is ending).
     Abandoned,
 }
@@ -168,7 +164,7 @@ impl Privilege {
         })
     }
 
-    /// The account the daemon will run as, if it switches.
+    /// Whether the daemon switches to a service account after binding.
     pub fn switches(&self) -> bool {
         self.inner.account.is_some()
     }
@@ -194,21 +190,22 @@ impl Privilege {
                 .map(|(g, _)| g)
                 .unwrap_or_else(|p| p.into_inner().0);
         }
-        let Gate::Open {
-            keep,
-            switched,
-            failed,
-        } = &mut *gate
-        else {
+        let Gate::Open { keep, switched } = &mut *gate else {
             return; // abandoned
         };
         if privilege::thread_uids() == [account.uid; 3] {
             return; // created by a thread that already switched
         }
-        match privilege::switch_thread(account, *keep) {
-            Ok(()) => *switched += 1,
-            Err(e) => *failed = Some(e.to_string()),
+        if let Err(e) = privilege::switch_thread(account, *keep) {
+            // This thread would run tasks as root, and startup may already have
+            // counted enough switched threads to go on: nothing is safe but ending.
+            eprintln!(
+                "webship: a runtime thread could not switch to the service account {}: {e}; aborting rather than serve as root",
+                account.user
+            );
+            std::process::abort();
         }
+        *switched += 1;
         self.inner.changed.notify_all();
     }
 
@@ -243,28 +240,17 @@ impl Privilege {
             return Err(e.into());
         }
         let mut gate = self.lock();
-        *gate = Gate::Open {
-            keep,
-            switched: 0,
-            failed: None,
-        };
+        *gate = Gate::Open { keep, switched: 0 };
         self.inner.changed.notify_all();
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let Gate::Open { switched, failed, .. } = &*gate else {
+            let Gate::Open { switched, .. } = &*gate else {
                 // Only this thread changes an open gate; nothing else can be seen.
                 return Err(ProcessError::ThreadsStuck {
                     switched: 0,
                     expected: self.inner.workers,
                 });
             };
-            if let Some(e) = failed {
-                return Err(ProcessError::Privilege(PrivilegeError::Switch {
-                    user: account.user.clone(),
-                    step: "a runtime thread",
-                    source: std::io::Error::other(e.clone()),
-                }));
-            }
             if *switched >= self.inner.workers {
                 break;
             }
