@@ -17,9 +17,10 @@
 //! dropped if it has not closed [`CLOSE_GRACE`] later (a client that never answers
 //! the GOAWAY's PING, or never sent its preface); and when responses wait on the
 //! client and none of them moved for `send_timeout`, the connection is dropped.
-//! Bytes that arrive without making a request never reset the idle clock, so a client
-//! trickling a request head is cut at `idle_timeout` (HTTP/1.1 through hyper: at
-//! `header_read_timeout`, hyper's own).
+//! Bytes that arrive without making a request never reset the idle clock. A client
+//! trickling a request head is cut at `header_read_timeout`: over HTTP/2 by the
+//! frame guard (`h2_guard`: GOAWAY PROTOCOL_ERROR for a header block or frame not
+//! complete that long after its first byte), over HTTP/1.1 by hyper's own timer.
 
 use std::convert::Infallible;
 use std::future::Future;

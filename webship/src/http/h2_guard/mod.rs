@@ -20,6 +20,14 @@
 //! - DATA beyond the flow-control window the server granted: FLOW_CONTROL_ERROR,
 //!   decided on the bytes as they arrive (h2 may have reset the stream first).
 //!
+//! Time: a header block (HEADERS until END_HEADERS), or any frame other than a
+//! DATA payload, that is not complete `header_read_timeout` after its first byte
+//! arrived ends the connection with GOAWAY PROTOCOL_ERROR (what nginx sends when
+//! `client_header_timeout` fires on an unfinished frame), also while other streams
+//! are in flight. A timer polled with the reads fires it when the client sends
+//! nothing more; a write of hyper's notices it too (h2 may not read while its
+//! output waits on the socket).
+//!
 //! A connection error is a GOAWAY written at the next frame boundary of hyper's
 //! output, after which hyper reads end of stream and its further output is
 //! dropped. A stream error is a RST_STREAM written to the client the same way,
@@ -36,10 +44,11 @@ mod frames;
 mod judge;
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -61,6 +70,9 @@ pub(crate) struct GuardLimits {
     /// number of streams a client may cancel per second before GOAWAY
     /// ENHANCE_YOUR_CALM.
     pub(crate) max_concurrent_streams: u32,
+    /// How long a header block, or any frame but DATA, may take from its first
+    /// byte to its last (`header_read_timeout`).
+    pub(crate) header_timeout: Duration,
 }
 
 /// The guard's limits for a connection of `ctx`: what hyper's builder advertises.
@@ -70,6 +82,7 @@ pub(crate) fn guard_limits(ctx: &crate::exchange::ConnContext) -> GuardLimits {
         stream_window: ctx.h2.initial_stream_window_bytes,
         max_header_bytes: ctx.limits.max_header_bytes,
         max_concurrent_streams: ctx.h2.max_concurrent_streams,
+        header_timeout: ctx.limits.header_read_timeout,
     }
 }
 
@@ -94,6 +107,10 @@ pub(crate) struct H2Guard<S> {
     /// A stream h2 is told the client cancelled once the DATA passing ends.
     cancel_after_data: Option<u32>,
     block: Option<Block>,
+    /// When the first byte of the header block or frame not complete yet arrived.
+    open_since: Option<tokio::time::Instant>,
+    /// Fires at `open_since` plus the header timeout (made on first need).
+    head_timer: Option<Pin<Box<tokio::time::Sleep>>>,
     decoder: loona_hpack::Decoder<'static>,
     streams: HashMap<u32, Stream>,
     recent_resets: VecDeque<u32>,
@@ -142,6 +159,8 @@ impl<S> H2Guard<S> {
             data_left: 0,
             cancel_after_data: None,
             block: None,
+            open_since: None,
+            head_timer: None,
             decoder,
             streams: HashMap::new(),
             recent_resets: VecDeque::new(),
@@ -157,6 +176,41 @@ impl<S> H2Guard<S> {
             fatal: false,
             read_waker: None,
         }
+    }
+}
+
+impl<S> H2Guard<S> {
+    /// Whether a header block or frame has been open for the header timeout.
+    fn head_expired(&self) -> bool {
+        !self.fatal
+            && self
+                .open_since
+                .is_some_and(|since| since.elapsed() >= self.limits.header_timeout)
+    }
+
+    /// Ends the connection for a head not complete within the header timeout.
+    fn head_timeout(&mut self) {
+        tracing::debug!(
+            timeout = ?self.limits.header_timeout,
+            "h2 guard: header block or frame not complete within the header timeout"
+        );
+        self.connection_error(frames::PROTOCOL_ERROR);
+    }
+
+    /// Ready once the open head's time is up; otherwise its timer wakes `cx` then
+    /// (never, with no head open).
+    fn poll_head_timer(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(since) = self.open_since.filter(|_| !self.fatal) else {
+            return Poll::Pending;
+        };
+        let deadline = since + self.limits.header_timeout;
+        let timer = self
+            .head_timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
+        timer.as_mut().poll(cx)
     }
 }
 
@@ -226,6 +280,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
                 }
                 return Poll::Ready(Ok(()));
             }
+            if this.head_expired() {
+                this.head_timeout();
+                continue;
+            }
             // Read as much as hyper asked for, so h2 sees the reads it would
             // without the guard (one buffer per connection, zeroed once).
             let want = buf.remaining().clamp(8 * 1024, MAX_READ);
@@ -233,7 +291,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
                 this.scratch.resize(want, 0);
             }
             let mut read = ReadBuf::new(&mut this.scratch[..want]);
-            std::task::ready!(Pin::new(&mut this.inner).poll_read(cx, &mut read))?;
+            if Pin::new(&mut this.inner).poll_read(cx, &mut read)?.is_pending() {
+                // Nothing more comes: the open head's timer wakes this read.
+                if this.poll_head_timer(cx).is_ready() {
+                    this.head_timeout();
+                    continue;
+                }
+                return Poll::Pending;
+            }
             if read.filled().is_empty() {
                 return Poll::Ready(Ok(()));
             }
@@ -246,6 +311,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
 impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H2Guard<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = &mut *self;
+        if this.head_expired() {
+            this.head_timeout();
+        }
         if this.fatal && this.output.at_boundary() {
             // After GOAWAY nothing more goes out; hyper is told it went.
             if this.poll_inject(cx)?.is_pending() {
