@@ -436,6 +436,55 @@ async fn an_open_h2_header_block_is_cut_at_the_header_timeout() {
     );
 }
 
+/// A client that opens downloads with all the window they need, reads nothing, and
+/// then opens a header block it never ends: the server, blocked writing, cannot
+/// send its GOAWAY, so it drops the connection 2 s (the close grace) after the
+/// 2 s header timeout, long before the 30 s send timeout (it was held until the
+/// send timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_h2_header_block_behind_blocked_output_is_dropped() {
+    let env = Env::new();
+    env.write("big.bin", &pattern(BIG));
+    env.write("normal.bin", &pattern(4 * MIB as usize));
+    let server = env.start(HEAD_LIMITS);
+    let tls = env.client(b"h2");
+    let mut conn = H2Raw::connect(server.addr(), HOST, &tls).await.unwrap();
+    let max = (1u32 << 31) - 1;
+    conn.handshake(
+        &[(h2raw::setting::INITIAL_WINDOW_SIZE, max)],
+        Duration::from_secs(3),
+    )
+    .await
+    .unwrap();
+    // Eight 8 MiB downloads with every byte granted: far more than the socket
+    // buffers hold, so the server's writes block on this client.
+    let mut opening = h2raw::window_update(0, max - 65_535);
+    for stream in (1..16).step_by(2) {
+        opening.extend(h2raw::headers(stream, &h2_get("/big.bin"), true));
+    }
+    conn.send(&opening).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(server.established(), 1, "the connection is open before its head");
+    let head = h2_get("/normal.bin");
+    conn.send(&h2raw::frame(
+        h2raw::kind::HEADERS,
+        0,
+        17,
+        &head[..head.len() / 2],
+    ))
+    .await
+    .unwrap();
+    let start = Instant::now();
+    let dropped = established_at_most(&server, 0, Duration::from_secs(12)).await;
+    let after = start.elapsed();
+    println!("blocked output: dropped {dropped} after {after:?}");
+    assert!(
+        dropped && after <= Duration::from_secs(7),
+        "an open head behind blocked output held its connection for {after:?} (want dropped by 7 s: 2 s header timeout, 2 s grace, slack)"
+    );
+    drop(conn);
+}
+
 /// Opens `streams` GETs of `/big.bin` on one HTTP/2 connection whose client grants
 /// a stream window of one byte and never more, answering PINGs meanwhile; returns
 /// the connection's driver (it ends when the server closes the connection) and the

@@ -105,8 +105,8 @@ impl<S> H2Guard<S> {
         // A frame begun and not complete, or a header block not ended: its time
         // runs from the read that brought its first byte.
         let open = !self.raw.is_empty() || self.block.is_some();
-        if open && !self.off && self.preface_left == 0 && self.data_left == 0 {
-            self.open_since.get_or_insert_with(tokio::time::Instant::now);
+        if open && !self.off && self.preface_left == 0 && self.data_left == 0 && self.open_since.is_none() {
+            self.set_open(Some(tokio::time::Instant::now()));
         }
     }
 
@@ -114,7 +114,7 @@ impl<S> H2Guard<S> {
     /// block open, nothing is open any more.
     fn frame_done(&mut self) {
         if self.block.is_none() {
-            self.open_since = None;
+            self.set_open(None);
         }
     }
 
@@ -477,6 +477,8 @@ impl Fields {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::super::GuardLimits;
     use super::*;
 
@@ -488,7 +490,7 @@ mod tests {
                 stream_window: 1 << 20,
                 max_header_bytes: 32 * 1024,
                 max_concurrent_streams: 100,
-                header_timeout: std::time::Duration::from_secs(2),
+                header_timeout: Duration::from_secs(2),
             },
         )
     }
@@ -513,6 +515,12 @@ mod tests {
         g.ingest();
         assert!(g.open_since.is_some_and(|t| t >= since), "a header block is open");
         let first = g.open_since;
+        let far = tokio::time::Instant::now() + Duration::from_secs(3);
+        assert!(
+            g.head_clock().open_for(Duration::from_secs(2), far),
+            "the driver sees it"
+        );
+        assert!(!g.head_clock().open_for(Duration::from_secs(60), far));
         g.raw.extend_from_slice(&frame_bytes(CONTINUATION, 0, 1, &[0x84]));
         g.ingest();
         assert_eq!(g.open_since, first, "a CONTINUATION does not restart the clock");
@@ -520,6 +528,12 @@ mod tests {
             .extend_from_slice(&frame_bytes(CONTINUATION, END_HEADERS, 1, &[0x87]));
         g.ingest();
         assert!(g.open_since.is_none(), "the block ended");
+        let clock = g.head_clock();
+        let now = tokio::time::Instant::now();
+        assert!(
+            !clock.open_for(Duration::ZERO, now),
+            "the driver sees no head open"
+        );
         let data = frame_bytes(DATA, 0, 1, &[7u8; 100]);
         g.raw.extend_from_slice(&data[..50]);
         g.ingest();

@@ -26,7 +26,8 @@
 //! `client_header_timeout` fires on an unfinished frame), also while other streams
 //! are in flight. A timer polled with the reads fires it when the client sends
 //! nothing more; a write of hyper's notices it too (h2 may not read while its
-//! output waits on the socket).
+//! output waits on the socket). A client that reads nothing cannot be sent the
+//! GOAWAY: the [`HeadClock`] lets the connection driver drop it a grace later.
 //!
 //! A connection error is a GOAWAY written at the next frame boundary of hyper's
 //! output, after which hyper reads end of stream and its further output is
@@ -47,6 +48,8 @@ use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
@@ -86,6 +89,41 @@ pub(crate) fn guard_limits(ctx: &crate::exchange::ConnContext) -> GuardLimits {
     }
 }
 
+/// Since when a connection's guard has had a header block or frame open, shared
+/// with the connection driver.
+#[derive(Debug)]
+pub(crate) struct HeadClock {
+    base: tokio::time::Instant,
+    /// Milliseconds from `base` to the open head's first byte, plus one; 0: none.
+    since: AtomicU64,
+}
+
+impl HeadClock {
+    fn new() -> Self {
+        Self {
+            base: tokio::time::Instant::now(),
+            since: AtomicU64::new(0),
+        }
+    }
+
+    fn set(&self, since: Option<tokio::time::Instant>) {
+        let ms = since.map_or(0, |t| {
+            u64::try_from(t.saturating_duration_since(self.base).as_millis())
+                .unwrap_or(u64::MAX - 1)
+                .saturating_add(1)
+        });
+        self.since.store(ms, Ordering::Release);
+    }
+
+    /// Whether a head has been open for `limit` or longer at `now`.
+    pub(crate) fn open_for(&self, limit: Duration, now: tokio::time::Instant) -> bool {
+        match self.since.load(Ordering::Acquire) {
+            0 => false,
+            ms => now.saturating_duration_since(self.base) >= Duration::from_millis(ms - 1) + limit,
+        }
+    }
+}
+
 /// The I/O guard: wraps the connection hyper's h2 server reads and writes.
 pub(crate) struct H2Guard<S> {
     inner: S,
@@ -111,6 +149,8 @@ pub(crate) struct H2Guard<S> {
     open_since: Option<tokio::time::Instant>,
     /// Fires at `open_since` plus the header timeout (made on first need).
     head_timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// `open_since`, for the connection driver.
+    head_clock: Arc<HeadClock>,
     decoder: loona_hpack::Decoder<'static>,
     streams: HashMap<u32, Stream>,
     recent_resets: VecDeque<u32>,
@@ -161,6 +201,7 @@ impl<S> H2Guard<S> {
             block: None,
             open_since: None,
             head_timer: None,
+            head_clock: Arc::new(HeadClock::new()),
             decoder,
             streams: HashMap::new(),
             recent_resets: VecDeque::new(),
@@ -180,6 +221,19 @@ impl<S> H2Guard<S> {
 }
 
 impl<S> H2Guard<S> {
+    /// The clock of the open head, for the connection driver.
+    pub(crate) fn head_clock(&self) -> Arc<HeadClock> {
+        self.head_clock.clone()
+    }
+
+    /// A head opened (its first byte came now) or none is open any more.
+    pub(super) fn set_open(&mut self, since: Option<tokio::time::Instant>) {
+        if self.open_since != since {
+            self.open_since = since;
+            self.head_clock.set(since);
+        }
+    }
+
     /// Whether a header block or frame has been open for the header timeout.
     fn head_expired(&self) -> bool {
         !self.fatal
