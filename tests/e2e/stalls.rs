@@ -13,6 +13,7 @@ use rustls::ClientConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
+use webship_testkit::h2raw::{self, End, H2Raw};
 use webship_testkit::proc::{FloodReport, Footprint};
 use webship_tests::client::{connect, request, H3Client, H3Options, Proto};
 use webship_tests::Server;
@@ -198,10 +199,11 @@ async fn slowloris_on_hyper_h1_is_cut_at_the_header_timeout() {
     );
 }
 
-/// An HTTP/2 request head (HEADERS without END_HEADERS) trickled a byte at a time
-/// never makes a request, so the connection is closed when it has been idle for
-/// the idle timeout, while it still trickles (it was held for as long as it
-/// trickled: bytes kept hyper's keep-alive from ever pinging).
+/// An HTTP/2 request head (a HEADERS frame whose payload comes a byte at a time)
+/// never makes a request, so the connection is closed while it still trickles: at
+/// the header timeout, before the idle timeout (it was held for as long as it
+/// trickled: bytes kept hyper's keep-alive from ever pinging). The stricter
+/// `an_open_h2_header_block_is_cut_at_the_header_timeout` tells the two apart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_h2_head_trickled_forever_is_cut() {
     let env = Env::new();
@@ -219,8 +221,268 @@ async fn an_h2_head_trickled_forever_is_cut() {
     let closed = trickle(conns, &BLOCK, Duration::from_secs(15)).await;
     assert_eq!(
         closed, 20,
-        "a trickled h2 head must not hold its connection past the 3 s idle timeout"
+        "a trickled h2 head must not hold its connection past the 2 s header timeout"
     );
+}
+
+/// A header timeout far shorter than the idle and send timeouts, so only it can cut.
+const HEAD_LIMITS: &str = "[limits]\nhandshake_timeout_secs = 2\nheader_read_timeout_secs = 2\nidle_timeout_secs = 30\nsend_timeout_secs = 30\n";
+/// How long after its first byte an open HTTP/2 header block may hold its connection:
+/// the 2 s header timeout and some slack (the idle timeout is 30 s).
+const HEAD_CUT: Duration = Duration::from_millis(4_500);
+
+/// A GET header block for `path`, as literal fields.
+fn h2_get(path: &str) -> Vec<u8> {
+    h2raw::block(&[
+        (":method", "GET"),
+        (":scheme", "https"),
+        (":authority", HOST),
+        (":path", path),
+    ])
+}
+
+/// How a stalled head ended, and how long after its first byte.
+#[derive(Debug)]
+struct HeadCut {
+    end: End,
+    after: Duration,
+    /// DATA bytes of the download on stream 1 read meanwhile (the `active` case).
+    downloaded: usize,
+}
+
+/// The ways a client can keep an HTTP/2 header block open.
+#[derive(Debug, Clone, Copy)]
+enum Stall {
+    /// HEADERS without END_HEADERS, then nothing.
+    Silent,
+    /// HEADERS without END_HEADERS, then one CONTINUATION (no END_HEADERS) a second,
+    /// four at most (h2 itself ends a block at its sixth CONTINUATION frame).
+    Continuations,
+    /// A HEADERS frame's 9-byte header, then its payload a byte every 200 ms.
+    Payload,
+    /// As `Continuations`, on stream 3, while stream 1 downloads `/big.bin` (1 MiB
+    /// of window granted before the block opens; no other frame may come between a
+    /// block's frames, so its response stays in flight, waiting on window).
+    Active,
+}
+
+/// One raw HTTP/2 connection that stalls its head as `stall` says, reading frames
+/// until the server ends the connection or 12 s pass.
+async fn stall_head(addr: SocketAddr, tls: Arc<ClientConfig>, stall: Stall) -> HeadCut {
+    let mut conn = H2Raw::connect(addr, HOST, &tls).await.unwrap();
+    let window = 64 * 1024;
+    conn.handshake(
+        &[(h2raw::setting::INITIAL_WINDOW_SIZE, window)],
+        Duration::from_secs(3),
+    )
+    .await
+    .unwrap();
+    let stream = if matches!(stall, Stall::Active) { 3 } else { 1 };
+    let mut downloaded = 0;
+    if matches!(stall, Stall::Active) {
+        conn.send(&h2raw::headers(1, &h2_get("/big.bin"), true))
+            .await
+            .unwrap();
+        // The download is under way before the head opens.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(3);
+        while downloaded == 0 {
+            match conn.read_frame(deadline).await {
+                Ok(Some(f)) if f.kind == h2raw::kind::DATA && f.stream == 1 => downloaded += f.payload.len(),
+                Ok(Some(_)) => {}
+                other => panic!("the download did not start: {other:?}"),
+            }
+        }
+        let mut grant = h2raw::window_update(0, 1 << 20);
+        grant.extend(h2raw::window_update(1, 1 << 20));
+        conn.send(&grant).await.unwrap();
+    }
+    let head = h2_get("/normal.bin");
+    let start = Instant::now();
+    let mut payload_at = 0;
+    match stall {
+        Stall::Payload => {
+            let mut first = h2raw::frame(
+                h2raw::kind::HEADERS,
+                h2raw::flag::END_HEADERS | h2raw::flag::END_STREAM,
+                stream,
+                &head,
+            );
+            first.truncate(9 + 1);
+            payload_at = 1;
+            conn.send(&first).await.unwrap();
+        }
+        _ => {
+            let half = &head[..head.len() / 2];
+            conn.send(&h2raw::frame(
+                h2raw::kind::HEADERS,
+                h2raw::flag::END_STREAM,
+                stream,
+                half,
+            ))
+            .await
+            .unwrap();
+        }
+    }
+    let tick = match stall {
+        Stall::Silent => Duration::from_millis(500),
+        Stall::Continuations | Stall::Active => Duration::from_secs(1),
+        Stall::Payload => Duration::from_millis(200),
+    };
+    let limit = Instant::now() + Duration::from_secs(12);
+    let mut n = 0;
+    while Instant::now() < limit {
+        let next = tokio::time::Instant::now() + tick;
+        // Frames until the next tick; a GOAWAY or the close ends it.
+        loop {
+            match conn.read_frame(next).await {
+                Err(_) => break,
+                Ok(None) => {
+                    return HeadCut {
+                        end: End::Closed,
+                        after: start.elapsed(),
+                        downloaded,
+                    }
+                }
+                Ok(Some(f)) if f.kind == h2raw::kind::GOAWAY => {
+                    return HeadCut {
+                        end: End::GoAway {
+                            code: f.error_code().unwrap_or(u32::MAX),
+                            last_stream: 0,
+                        },
+                        after: start.elapsed(),
+                        downloaded,
+                    }
+                }
+                Ok(Some(f)) if f.stream == 1 && f.flags & h2raw::flag::END_STREAM != 0 => {
+                    panic!("{stall:?}: the download ended before the head was cut")
+                }
+                Ok(Some(f)) if f.kind == h2raw::kind::DATA && f.stream == 1 => downloaded += f.payload.len(),
+                Ok(Some(_)) => {}
+            }
+        }
+        conn.seen.clear();
+        let mut out = Vec::new();
+        match stall {
+            Stall::Silent => {}
+            Stall::Continuations | Stall::Active if n < 4 => {
+                let mut field = Vec::new();
+                h2raw::literal(&mut field, format!("x-slow-{n}").as_bytes(), b"v");
+                out.extend(h2raw::frame(h2raw::kind::CONTINUATION, 0, stream, &field));
+            }
+            Stall::Continuations | Stall::Active => {}
+            Stall::Payload => {
+                if payload_at < head.len() {
+                    out.push(head[payload_at]);
+                    payload_at += 1;
+                }
+            }
+        }
+        n += 1;
+        // A server that closed makes the write fail; the read says how it ended.
+        if !out.is_empty() {
+            let _ = conn.send(&out).await;
+        }
+    }
+    HeadCut {
+        end: End::TimedOut,
+        after: start.elapsed(),
+        downloaded,
+    }
+}
+
+/// An HTTP/2 header block left open (HEADERS without END_HEADERS and then nothing,
+/// CONTINUATION frames trickled one a second, a HEADERS frame's payload trickled a
+/// byte at a time, and the same CONTINUATION trickle while another stream on the
+/// connection downloads) ends its connection with GOAWAY PROTOCOL_ERROR at the 2 s
+/// header timeout, long before the 30 s idle timeout (these were held until the
+/// connection had had no request for the idle timeout, and the active download
+/// kept that from ever happening).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_h2_header_block_is_cut_at_the_header_timeout() {
+    let env = Env::new();
+    env.write("big.bin", &pattern(BIG));
+    env.write("normal.bin", &pattern(4 * MIB as usize));
+    let server = env.start(HEAD_LIMITS);
+    let stalls = [Stall::Silent, Stall::Continuations, Stall::Payload, Stall::Active];
+    let tasks: Vec<_> = stalls
+        .iter()
+        .map(|&stall| tokio::spawn(stall_head(server.addr(), env.client(b"h2"), stall)))
+        .collect();
+    let mut wrong = Vec::new();
+    for (stall, task) in stalls.iter().zip(tasks) {
+        let cut = task.await.unwrap();
+        println!("{stall:?}: {} after {:?}", cut.end, cut.after);
+        let goaway = matches!(
+            cut.end,
+            End::GoAway {
+                code: h2raw::code::PROTOCOL_ERROR,
+                ..
+            }
+        );
+        // Cut at the header timeout: not before it, and well before the idle timeout.
+        if !goaway || cut.after > HEAD_CUT || cut.after < Duration::from_millis(1_500) {
+            wrong.push(format!("{stall:?}: {} after {:?}", cut.end, cut.after));
+        }
+        if matches!(stall, Stall::Active) && (cut.downloaded <= 64 * 1024 || cut.downloaded >= BIG) {
+            wrong.push(format!(
+                "{stall:?}: the download on the same connection was not in flight throughout ({} bytes)",
+                cut.downloaded
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "open h2 heads must end with GOAWAY PROTOCOL_ERROR 2 s (at most {HEAD_CUT:?}) after their first byte: {wrong:#?}"
+    );
+}
+
+/// A client that opens downloads with all the window they need, reads nothing, and
+/// then opens a header block it never ends: the server, blocked writing, cannot
+/// send its GOAWAY, so it drops the connection 2 s (the close grace) after the
+/// 2 s header timeout, long before the 30 s send timeout (it was held until the
+/// send timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_h2_header_block_behind_blocked_output_is_dropped() {
+    let env = Env::new();
+    env.write("big.bin", &pattern(BIG));
+    env.write("normal.bin", &pattern(4 * MIB as usize));
+    let server = env.start(HEAD_LIMITS);
+    let tls = env.client(b"h2");
+    let mut conn = H2Raw::connect(server.addr(), HOST, &tls).await.unwrap();
+    let max = (1u32 << 31) - 1;
+    conn.handshake(
+        &[(h2raw::setting::INITIAL_WINDOW_SIZE, max)],
+        Duration::from_secs(3),
+    )
+    .await
+    .unwrap();
+    // Eight 8 MiB downloads with every byte granted: far more than the socket
+    // buffers hold, so the server's writes block on this client.
+    let mut opening = h2raw::window_update(0, max - 65_535);
+    for stream in (1..16).step_by(2) {
+        opening.extend(h2raw::headers(stream, &h2_get("/big.bin"), true));
+    }
+    conn.send(&opening).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(server.established(), 1, "the connection is open before its head");
+    let head = h2_get("/normal.bin");
+    conn.send(&h2raw::frame(
+        h2raw::kind::HEADERS,
+        0,
+        17,
+        &head[..head.len() / 2],
+    ))
+    .await
+    .unwrap();
+    let start = Instant::now();
+    let dropped = established_at_most(&server, 0, Duration::from_secs(12)).await;
+    let after = start.elapsed();
+    println!("blocked output: dropped {dropped} after {after:?}");
+    assert!(
+        dropped && after <= Duration::from_secs(7),
+        "an open head behind blocked output held its connection for {after:?} (want dropped by 7 s: 2 s header timeout, 2 s grace, slack)"
+    );
+    drop(conn);
 }
 
 /// Opens `streams` GETs of `/big.bin` on one HTTP/2 connection whose client grants

@@ -17,9 +17,12 @@
 //! dropped if it has not closed [`CLOSE_GRACE`] later (a client that never answers
 //! the GOAWAY's PING, or never sent its preface); and when responses wait on the
 //! client and none of them moved for `send_timeout`, the connection is dropped.
-//! Bytes that arrive without making a request never reset the idle clock, so a client
-//! trickling a request head is cut at `idle_timeout` (HTTP/1.1 through hyper: at
-//! `header_read_timeout`, hyper's own).
+//! Bytes that arrive without making a request never reset the idle clock. A client
+//! trickling a request head is cut at `header_read_timeout`: over HTTP/2 by the
+//! frame guard (`h2_guard`: GOAWAY PROTOCOL_ERROR for a header block or frame not
+//! complete that long after its first byte), over HTTP/1.1 by hyper's own timer.
+//! An HTTP/2 client that does not read cannot be sent that GOAWAY: the connection
+//! is dropped [`CLOSE_GRACE`] after the header timeout.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -36,7 +39,7 @@ use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use super::h2_guard::{guard_limits, H2Guard};
+use super::h2_guard::{guard_limits, H2Guard, HeadClock};
 use super::WriteBatch;
 use crate::exchange::{ConnContext, PullClock, ResponseBody};
 use crate::files::cursor::STREAM_CHUNK;
@@ -51,6 +54,8 @@ pub(crate) enum HyperError {
     NoPreface,
     #[error("client stopped taking response bytes for longer than the send timeout")]
     Stalled,
+    #[error("HTTP/2 header block not complete within the header timeout")]
+    HeadTimeout,
 }
 
 /// How long a connection closed for idleness may take to finish the close (answer
@@ -104,10 +109,15 @@ pub(crate) async fn serve_h2(mut stream: RustlsStream, ctx: ConnContext) -> Resu
     let read = Arc::new(AtomicU64::new(0));
     let stream = ReadCount::new(stream, read.clone());
     let io = WriteBatch::new(stream, settings.tls_write_buffer_bytes);
-    let io = TokioIo::new(H2Guard::new(io, guard_limits(&ctx)));
-    let conn = builder.serve_connection(io, service(&ctx, &watch));
+    let guard = H2Guard::new(io, guard_limits(&ctx));
+    let head = guard.head_clock();
+    let conn = builder.serve_connection(TokioIo::new(guard), service(&ctx, &watch));
     tokio::pin!(conn);
-    drive(conn, |c| c.graceful_shutdown(), &watch, Some(&read), &ctx).await
+    let h2 = H2Watch {
+        preface: &read,
+        head: &head,
+    };
+    drive(conn, |c| c.graceful_shutdown(), &watch, Some(h2), &ctx).await
 }
 
 /// Serves HTTP/1.1 through hyper, for connections whose certificate names a proxy
@@ -177,15 +187,24 @@ fn service(ctx: &ConnContext, watch: &Watch) -> Handler {
     }
 }
 
+/// What [`drive`] watches of an HTTP/2 connection's input.
+#[derive(Debug, Clone, Copy)]
+struct H2Watch<'a> {
+    /// The bytes read so far.
+    preface: &'a AtomicU64,
+    /// The guard's open header block or frame.
+    head: &'a HeadClock,
+}
+
 /// Runs a hyper connection until it ends, shutting it down gracefully on shutdown
 /// or after `idle_timeout` without a request in flight, and dropping it when the
-/// client does not keep its side (see the module notes). `preface`: the bytes an
-/// HTTP/2 connection has read so far.
+/// client does not keep its side (see the module notes). `h2`: what an HTTP/2
+/// connection's input shows.
 async fn drive<C, G>(
     mut conn: Pin<&mut C>,
     graceful: G,
     watch: &Watch,
-    preface: Option<&AtomicU64>,
+    h2: Option<H2Watch<'_>>,
     ctx: &ConnContext,
 ) -> Result<(), HyperError>
 where
@@ -199,12 +218,13 @@ where
     let shortest = limits
         .idle_timeout
         .min(limits.send_timeout)
-        .min(limits.handshake_timeout);
+        .min(limits.handshake_timeout)
+        .min(limits.header_read_timeout);
     let mut check =
         tokio::time::interval((shortest / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)));
     let mut idle_since = start;
     let mut seen = 0;
-    let mut preface = preface;
+    let mut preface = h2.map(|h2| h2.preface);
     let mut closing = false;
     let mut dropping_at = None;
     loop {
@@ -225,6 +245,10 @@ where
                 }
                 if watch.clock.stalled(limits.send_timeout) {
                     return Err(HyperError::Stalled);
+                }
+                // The guard's GOAWAY did not end it: the client reads nothing.
+                if h2.is_some_and(|h2| h2.head.open_for(limits.header_read_timeout + CLOSE_GRACE, now)) {
+                    return Err(HyperError::HeadTimeout);
                 }
                 if dropping_at.is_some_and(|at| now >= at) {
                     return Ok(());

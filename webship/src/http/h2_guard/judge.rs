@@ -88,6 +88,7 @@ impl<S> H2Guard<S> {
                     let verdict = self.judge_data(f);
                     self.apply_data(verdict, f, &copy);
                     at += HEADER_LEN;
+                    self.frame_done();
                     continue;
                 }
                 let Some(whole) = self.raw.get(at..at + HEADER_LEN + f.len) else {
@@ -97,9 +98,24 @@ impl<S> H2Guard<S> {
                 let verdict = self.judge(f, &whole[HEADER_LEN..]);
                 self.apply(verdict, f, &whole);
                 at += whole.len();
+                self.frame_done();
             }
         }
         self.raw.drain(..at.min(self.raw.len()));
+        // A frame begun and not complete, or a header block not ended: its time
+        // runs from the read that brought its first byte.
+        let open = !self.raw.is_empty() || self.block.is_some();
+        if open && !self.off && self.preface_left == 0 && self.data_left == 0 && self.open_since.is_none() {
+            self.set_open(Some(tokio::time::Instant::now()));
+        }
+    }
+
+    /// A whole frame (a DATA frame's header) was judged: unless it left a header
+    /// block open, nothing is open any more.
+    fn frame_done(&mut self) {
+        if self.block.is_none() {
+            self.set_open(None);
+        }
     }
 
     /// A DATA frame's header: passed with its payload, which streams after it; a
@@ -155,7 +171,7 @@ impl<S> H2Guard<S> {
         }
     }
 
-    fn connection_error(&mut self, code: u32) {
+    pub(super) fn connection_error(&mut self, code: u32) {
         tracing::debug!(code, "h2 guard: connection error");
         let mut payload = self.highest.to_be_bytes().to_vec();
         payload.extend_from_slice(&code.to_be_bytes());
@@ -461,6 +477,8 @@ impl Fields {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::super::GuardLimits;
     use super::*;
 
@@ -472,8 +490,55 @@ mod tests {
                 stream_window: 1 << 20,
                 max_header_bytes: 32 * 1024,
                 max_concurrent_streams: 100,
+                header_timeout: Duration::from_secs(2),
             },
         )
+    }
+
+    /// The head clock runs from the first byte of a frame or header block until
+    /// the frame is whole and the block ended, and never for a DATA payload.
+    #[test]
+    fn the_head_clock_covers_open_frames_and_blocks_only() {
+        let mut g = guard();
+        g.raw.extend_from_slice(PREFACE);
+        g.ingest();
+        assert!(g.open_since.is_none(), "the preface is the handshake timeout's");
+        let settings = frame_bytes(SETTINGS, 0, 0, &[]);
+        g.raw.extend_from_slice(&settings[..4]);
+        g.ingest();
+        let since = g.open_since.expect("a frame header begun");
+        g.raw.extend_from_slice(&settings[4..]);
+        g.ingest();
+        assert!(g.open_since.is_none(), "the frame is whole");
+        let headers = frame_bytes(HEADERS, 0, 1, &[0x82]);
+        g.raw.extend_from_slice(&headers);
+        g.ingest();
+        assert!(g.open_since.is_some_and(|t| t >= since), "a header block is open");
+        let first = g.open_since;
+        let far = tokio::time::Instant::now() + Duration::from_secs(3);
+        assert!(
+            g.head_clock().open_for(Duration::from_secs(2), far),
+            "the driver sees it"
+        );
+        assert!(!g.head_clock().open_for(Duration::from_secs(60), far));
+        g.raw.extend_from_slice(&frame_bytes(CONTINUATION, 0, 1, &[0x84]));
+        g.ingest();
+        assert_eq!(g.open_since, first, "a CONTINUATION does not restart the clock");
+        g.raw
+            .extend_from_slice(&frame_bytes(CONTINUATION, END_HEADERS, 1, &[0x87]));
+        g.ingest();
+        assert!(g.open_since.is_none(), "the block ended");
+        let clock = g.head_clock();
+        let now = tokio::time::Instant::now();
+        assert!(
+            !clock.open_for(Duration::ZERO, now),
+            "the driver sees no head open"
+        );
+        let data = frame_bytes(DATA, 0, 1, &[7u8; 100]);
+        g.raw.extend_from_slice(&data[..50]);
+        g.ingest();
+        assert!(g.open_since.is_none(), "a DATA payload streams through, untimed");
+        assert!(!g.fatal);
     }
 
     /// Peer input never panics the guard and never grows what it holds beyond

@@ -20,6 +20,15 @@
 //! - DATA beyond the flow-control window the server granted: FLOW_CONTROL_ERROR,
 //!   decided on the bytes as they arrive (h2 may have reset the stream first).
 //!
+//! Time: a header block (HEADERS until END_HEADERS), or any frame other than a
+//! DATA payload, that is not complete `header_read_timeout` after its first byte
+//! arrived ends the connection with GOAWAY PROTOCOL_ERROR (what nginx sends when
+//! `client_header_timeout` fires on an unfinished frame), also while other streams
+//! are in flight. A timer polled with the reads fires it when the client sends
+//! nothing more; a write of hyper's notices it too (h2 may not read while its
+//! output waits on the socket). A client that reads nothing cannot be sent the
+//! GOAWAY: the [`HeadClock`] lets the connection driver drop it a grace later.
+//!
 //! A connection error is a GOAWAY written at the next frame boundary of hyper's
 //! output, after which hyper reads end of stream and its further output is
 //! dropped. A stream error is a RST_STREAM written to the client the same way,
@@ -36,10 +45,13 @@ mod frames;
 mod judge;
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
@@ -61,6 +73,9 @@ pub(crate) struct GuardLimits {
     /// number of streams a client may cancel per second before GOAWAY
     /// ENHANCE_YOUR_CALM.
     pub(crate) max_concurrent_streams: u32,
+    /// How long a header block, or any frame but DATA, may take from its first
+    /// byte to its last (`header_read_timeout`).
+    pub(crate) header_timeout: Duration,
 }
 
 /// The guard's limits for a connection of `ctx`: what hyper's builder advertises.
@@ -70,6 +85,42 @@ pub(crate) fn guard_limits(ctx: &crate::exchange::ConnContext) -> GuardLimits {
         stream_window: ctx.h2.initial_stream_window_bytes,
         max_header_bytes: ctx.limits.max_header_bytes,
         max_concurrent_streams: ctx.h2.max_concurrent_streams,
+        header_timeout: ctx.limits.header_read_timeout,
+    }
+}
+
+/// Since when a connection's guard has had a header block or frame open, shared
+/// with the connection driver.
+#[derive(Debug)]
+pub(crate) struct HeadClock {
+    base: tokio::time::Instant,
+    /// Milliseconds from `base` to the open head's first byte, plus one; 0: none.
+    since: AtomicU64,
+}
+
+impl HeadClock {
+    fn new() -> Self {
+        Self {
+            base: tokio::time::Instant::now(),
+            since: AtomicU64::new(0),
+        }
+    }
+
+    fn set(&self, since: Option<tokio::time::Instant>) {
+        let ms = since.map_or(0, |t| {
+            u64::try_from(t.saturating_duration_since(self.base).as_millis())
+                .unwrap_or(u64::MAX - 1)
+                .saturating_add(1)
+        });
+        self.since.store(ms, Ordering::Release);
+    }
+
+    /// Whether a head has been open for `limit` or longer at `now`.
+    pub(crate) fn open_for(&self, limit: Duration, now: tokio::time::Instant) -> bool {
+        match self.since.load(Ordering::Acquire) {
+            0 => false,
+            ms => now.saturating_duration_since(self.base) >= Duration::from_millis(ms - 1) + limit,
+        }
     }
 }
 
@@ -94,6 +145,12 @@ pub(crate) struct H2Guard<S> {
     /// A stream h2 is told the client cancelled once the DATA passing ends.
     cancel_after_data: Option<u32>,
     block: Option<Block>,
+    /// When the first byte of the header block or frame not complete yet arrived.
+    open_since: Option<tokio::time::Instant>,
+    /// Fires at `open_since` plus the header timeout (made on first need).
+    head_timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// `open_since`, for the connection driver.
+    head_clock: Arc<HeadClock>,
     decoder: loona_hpack::Decoder<'static>,
     streams: HashMap<u32, Stream>,
     recent_resets: VecDeque<u32>,
@@ -142,6 +199,9 @@ impl<S> H2Guard<S> {
             data_left: 0,
             cancel_after_data: None,
             block: None,
+            open_since: None,
+            head_timer: None,
+            head_clock: Arc::new(HeadClock::new()),
             decoder,
             streams: HashMap::new(),
             recent_resets: VecDeque::new(),
@@ -157,6 +217,54 @@ impl<S> H2Guard<S> {
             fatal: false,
             read_waker: None,
         }
+    }
+}
+
+impl<S> H2Guard<S> {
+    /// The clock of the open head, for the connection driver.
+    pub(crate) fn head_clock(&self) -> Arc<HeadClock> {
+        self.head_clock.clone()
+    }
+
+    /// A head opened (its first byte came now) or none is open any more.
+    pub(super) fn set_open(&mut self, since: Option<tokio::time::Instant>) {
+        if self.open_since != since {
+            self.open_since = since;
+            self.head_clock.set(since);
+        }
+    }
+
+    /// Whether a header block or frame has been open for the header timeout.
+    fn head_expired(&self) -> bool {
+        !self.fatal
+            && self
+                .open_since
+                .is_some_and(|since| since.elapsed() >= self.limits.header_timeout)
+    }
+
+    /// Ends the connection for a head not complete within the header timeout.
+    fn head_timeout(&mut self) {
+        tracing::debug!(
+            timeout = ?self.limits.header_timeout,
+            "h2 guard: header block or frame not complete within the header timeout"
+        );
+        self.connection_error(frames::PROTOCOL_ERROR);
+    }
+
+    /// Ready once the open head's time is up; otherwise its timer wakes `cx` then
+    /// (never, with no head open).
+    fn poll_head_timer(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(since) = self.open_since.filter(|_| !self.fatal) else {
+            return Poll::Pending;
+        };
+        let deadline = since + self.limits.header_timeout;
+        let timer = self
+            .head_timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if timer.deadline() != deadline {
+            timer.as_mut().reset(deadline);
+        }
+        timer.as_mut().poll(cx)
     }
 }
 
@@ -226,6 +334,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
                 }
                 return Poll::Ready(Ok(()));
             }
+            if this.head_expired() {
+                this.head_timeout();
+                continue;
+            }
             // Read as much as hyper asked for, so h2 sees the reads it would
             // without the guard (one buffer per connection, zeroed once).
             let want = buf.remaining().clamp(8 * 1024, MAX_READ);
@@ -233,7 +345,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
                 this.scratch.resize(want, 0);
             }
             let mut read = ReadBuf::new(&mut this.scratch[..want]);
-            std::task::ready!(Pin::new(&mut this.inner).poll_read(cx, &mut read))?;
+            if Pin::new(&mut this.inner).poll_read(cx, &mut read)?.is_pending() {
+                // Nothing more comes: the open head's timer wakes this read.
+                if this.poll_head_timer(cx).is_ready() {
+                    this.head_timeout();
+                    continue;
+                }
+                return Poll::Pending;
+            }
             if read.filled().is_empty() {
                 return Poll::Ready(Ok(()));
             }
@@ -246,6 +365,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
 impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H2Guard<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = &mut *self;
+        if this.head_expired() {
+            this.head_timeout();
+        }
         if this.fatal && this.output.at_boundary() {
             // After GOAWAY nothing more goes out; hyper is told it went.
             if this.poll_inject(cx)?.is_pending() {
