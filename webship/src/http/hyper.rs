@@ -16,7 +16,7 @@
 //! with no request in flight for `idle_timeout` is closed gracefully (GOAWAY), and
 //! dropped if it has not closed [`CLOSE_GRACE`] later (a client that never answers
 //! the GOAWAY's PING, or never sent its preface); and when responses wait on the
-//! client and none of them moved for `send_timeout`, the connection is dropped.
+//! client and one has waited for `send_timeout` (however others move), it is dropped.
 //! Bytes that arrive without making a request never reset the idle clock, so a client
 //! trickling a request head is cut at `idle_timeout` (HTTP/1.1 through hyper: at
 //! `header_read_timeout`, hyper's own).
