@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use h2::client::SendRequest;
 use rustls::ClientConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -490,8 +491,15 @@ async fn an_open_h2_header_block_behind_blocked_output_is_dropped() {
 /// the connection's driver (it ends when the server closes the connection) and the
 /// responses' heads.
 async fn stalled_h2(server: &Server, env: &Env, streams: usize) -> (tokio::task::JoinHandle<()>, usize) {
+    let (send, driver) = h2_window_one(server, env).await;
+    (driver, stall_streams(send, streams).await)
+}
+
+/// An HTTP/2 connection whose client grants a stream window of one byte; its driver
+/// ends when the server closes the connection.
+async fn h2_window_one(server: &Server, env: &Env) -> (SendRequest<Bytes>, tokio::task::JoinHandle<()>) {
     let tls = connect(server.addr(), HOST, env.client(b"h2")).await.unwrap();
-    let (mut send, conn) = h2::client::Builder::new()
+    let (send, conn) = h2::client::Builder::new()
         .initial_window_size(1)
         .handshake::<_, Bytes>(tls)
         .await
@@ -499,6 +507,12 @@ async fn stalled_h2(server: &Server, env: &Env, streams: usize) -> (tokio::task:
     let driver = tokio::spawn(async move {
         let _ = conn.await;
     });
+    (send, driver)
+}
+
+/// Opens `streams` GETs of `/big.bin` whose responses are never read (no
+/// WINDOW_UPDATE is ever sent for them); how many got their response head.
+async fn stall_streams(mut send: SendRequest<Bytes>, streams: usize) -> usize {
     let mut heads = 0;
     let mut pending = Vec::new();
     for _ in 0..streams {
@@ -516,7 +530,7 @@ async fn stalled_h2(server: &Server, env: &Env, streams: usize) -> (tokio::task:
             std::mem::forget(resp);
         }
     }
-    (driver, heads)
+    heads
 }
 
 /// Four HTTP/2 connections, each with 128 large GETs whose client grants one byte
@@ -553,6 +567,76 @@ async fn stalled_h2_windows_are_bounded_and_dropped_after_the_send_timeout() {
     let after = footprint(&server);
     FloodReport {
         flood: "stalled h2 window (4 connections x 128 GETs, window 1, PINGs answered)",
+        before,
+        during,
+        after,
+        download: Some(took),
+    }
+    .print();
+}
+
+/// A GET of the one-byte `/one.txt` on `send`, read to its end (its one byte fits
+/// the window); whether it completed within a second.
+async fn small_get(send: &SendRequest<Bytes>) -> bool {
+    let get = async {
+        let mut send = send.clone().ready().await.ok()?;
+        let req = http::Request::get(format!("https://{HOST}/one.txt"))
+            .body(())
+            .unwrap();
+        let (resp, _) = send.send_request(req, true).ok()?;
+        let mut body = resp.await.ok()?.into_body();
+        let mut len = 0;
+        while let Some(data) = body.data().await {
+            let data = data.ok()?;
+            len += data.len();
+            let _ = body.flow_control().release_capacity(data.len());
+        }
+        Some(len == 1)
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), get).await,
+        Ok(Some(true))
+    )
+}
+
+/// One HTTP/2 connection with 100 large GETs stalled on a one-byte window, and a
+/// small GET completed on it every 500 ms: the stalled streams still end the
+/// connection after the 2 s send timeout (any stream's progress reset the one clock
+/// and kept the connection, and the stalled streams' files, alive forever).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_moving_stream_does_not_keep_stalled_h2_streams_alive() {
+    let env = Env::new();
+    env.write("one.txt", b"x");
+    let server = start(&env, "[runtime.settings]\nh2_max_concurrent_streams = \"128\"\n");
+    let before = footprint(&server);
+    let (send, driver) = h2_window_one(&server, &env).await;
+    assert_eq!(
+        stall_streams(send.clone(), 100).await,
+        100,
+        "every stalled stream got its response head"
+    );
+    let stalled = Instant::now();
+    let during = footprint(&server);
+    let took = download(&env, &server).await;
+    let mut moved = 0;
+    while !driver.is_finished() && stalled.elapsed() < Duration::from_secs(12) {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        moved += usize::from(small_get(&send).await);
+    }
+    let lived = stalled.elapsed();
+    assert!(moved >= 2, "the moving stream moved ({moved} small GETs)");
+    assert!(
+        driver.is_finished() && lived < Duration::from_secs(7),
+        "a connection with streams stalled past the 2 s send timeout must end although \
+         another stream moves ({moved} small GETs; still open after {lived:?})"
+    );
+    assert!(
+        established_at_most(&server, 0, Duration::from_secs(5)).await,
+        "the dropped connection is gone"
+    );
+    let after = footprint(&server);
+    FloodReport {
+        flood: "stalled h2 streams behind a moving one (100 GETs, window 1, a small GET every 500 ms)",
         before,
         during,
         after,

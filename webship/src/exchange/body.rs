@@ -43,47 +43,76 @@ struct Pull {
     clock: Option<Arc<PullClock>>,
     max_chunk: usize,
     last: u64,
-    /// Handed out a chunk and not pulled since: waiting on the client.
-    waiting: bool,
+    /// Handed out a chunk and not pulled since: waiting on the client, counted in
+    /// this slot of the clock.
+    waiting: Option<usize>,
 }
 
-/// How a connection's pulled responses progress. A response whose chunk the driver
-/// holds without pulling again waits on the client (for flow-control credit, or for a
-/// socket it stopped reading); when some do and none of the connection's responses
-/// was pulled for `send_timeout`, the client has stalled them all and the driver ends
-/// the connection.
+/// Slots of a [`PullClock`]: a generation's slot is reused `GENERATIONS` later.
+const GENERATIONS: usize = 8;
+
+/// How long a connection's pulled responses wait on the client. A response whose
+/// chunk the driver holds without pulling again waits (for flow-control credit, or
+/// for a socket the client stopped reading); when one of them has waited for
+/// `send_timeout`, the client stalled it and the driver ends the connection, however
+/// its other responses move (it cannot reset one stream from outside hyper).
+///
+/// Allocation-free and without a clock read per pull: time is cut into generations,
+/// which the driver's check ([`stalled`](Self::stalled)) advances every
+/// `send_timeout / (GENERATIONS - 2)` or more; a response that begins to wait counts
+/// itself in the current generation's slot until it is pulled again or dropped. A
+/// response counted in generation `g` began waiting before `g + 1` began, so it has
+/// waited at least since then.
 #[derive(Debug)]
 pub(crate) struct PullClock {
     start: Instant,
-    /// Milliseconds from `start` to the last pull of any response.
-    last_pull_ms: AtomicU64,
-    /// Responses waiting on the client.
-    waiting: AtomicUsize,
+    /// The current generation (only the check advances it).
+    generation: AtomicUsize,
+    /// Responses waiting on the client, by the generation they began waiting in.
+    waiting: [AtomicUsize; GENERATIONS],
+    /// Milliseconds from `start` to the beginning of each slot's generation.
+    began_ms: [AtomicU64; GENERATIONS],
 }
 
 impl Default for PullClock {
     fn default() -> Self {
         Self {
             start: Instant::now(),
-            last_pull_ms: AtomicU64::new(0),
-            waiting: AtomicUsize::new(0),
+            generation: AtomicUsize::new(0),
+            waiting: std::array::from_fn(|_| AtomicUsize::new(0)),
+            began_ms: std::array::from_fn(|_| AtomicU64::new(0)),
         }
     }
 }
 
 impl PullClock {
-    fn touch(&self) {
-        let ms = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.last_pull_ms.fetch_max(ms, Ordering::AcqRel);
+    fn elapsed_ms(&self) -> u64 {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// Whether some response waits on the client and none moved for `limit`.
+    /// Whether some response has waited on the client for `limit` (the driver's one
+    /// periodic check; it advances the generations).
     pub(crate) fn stalled(&self, limit: Duration) -> bool {
-        if self.waiting.load(Ordering::Acquire) == 0 {
-            return false;
+        let limit = u64::try_from(limit.as_millis()).unwrap_or(u64::MAX);
+        let now = self.elapsed_ms();
+        let mut current = self.generation.load(Ordering::Acquire);
+        let began = |g: usize| self.began_ms[g % GENERATIONS].load(Ordering::Acquire);
+        if now.saturating_sub(began(current)) >= limit / (GENERATIONS as u64 - 2) {
+            let next = current.wrapping_add(1);
+            // The slot to reuse holds responses that have waited for at least
+            // `GENERATIONS - 2` steps of `limit / (GENERATIONS - 2)`.
+            if self.waiting[next % GENERATIONS].load(Ordering::Acquire) > 0 {
+                return true;
+            }
+            self.began_ms[next % GENERATIONS].store(now, Ordering::Release);
+            self.generation.store(next, Ordering::Release);
+            current = next;
         }
-        let last = Duration::from_millis(self.last_pull_ms.load(Ordering::Acquire));
-        self.start.elapsed().saturating_sub(last) >= limit
+        (1..GENERATIONS).any(|back| {
+            let g = current.wrapping_sub(back);
+            self.waiting[g % GENERATIONS].load(Ordering::Acquire) > 0
+                && now.saturating_sub(began(g.wrapping_add(1))) >= limit
+        })
     }
 }
 
@@ -92,12 +121,17 @@ impl Pull {
         let Some(clock) = &self.clock else {
             return;
         };
-        if self.waiting != waiting {
-            self.waiting = waiting;
-            match waiting {
-                true => clock.waiting.fetch_add(1, Ordering::AcqRel),
-                false => clock.waiting.fetch_sub(1, Ordering::AcqRel),
-            };
+        match (self.waiting, waiting) {
+            (None, true) => {
+                let slot = clock.generation.load(Ordering::Acquire) % GENERATIONS;
+                clock.waiting[slot].fetch_add(1, Ordering::AcqRel);
+                self.waiting = Some(slot);
+            }
+            (Some(slot), false) => {
+                clock.waiting[slot].fetch_sub(1, Ordering::AcqRel);
+                self.waiting = None;
+            }
+            _ => {}
         }
     }
 }
@@ -151,7 +185,7 @@ impl ResponseBody {
             clock: None,
             max_chunk: chunk,
             last: 0,
-            waiting: false,
+            waiting: None,
         });
         this
     }
@@ -210,9 +244,6 @@ impl http_body::Body for ResponseBody {
             // Pulled again: everything but the chunk the driver held until now has
             // been taken by the client (within its window), so the next read may be
             // that large.
-            if let Some(clock) = &pull.clock {
-                clock.touch();
-            }
             pull.set_waiting(false);
             if let Kind::File(cursor) = &mut this.kind {
                 let taken = this.produced - pull.last;
@@ -304,5 +335,32 @@ mod tests {
         assert!(!clock.stalled(Duration::from_secs(60)), "not for that long");
         drop(body);
         assert!(!clock.stalled(Duration::ZERO), "a dropped body waits for nothing");
+    }
+
+    #[tokio::test]
+    async fn a_moving_body_does_not_hide_a_stalled_one() {
+        let (_dir, stalled) = file_body(1 << 20);
+        let clock = Arc::new(PullClock::default());
+        let mut stalled = ResponseBody::pulled(stalled, 128 * 1024, clock.clone());
+        let limit = Duration::from_millis(120);
+        let _held = stalled.frame().await.unwrap().unwrap();
+        let waiting = Instant::now();
+        let mut seen = None;
+        // A small response is pulled to its end every 10 ms; the stalled one never
+        // again.
+        for _ in 0..200 {
+            let small = Body::Bytes(Bytes::from_static(b"x"));
+            let mut small = ResponseBody::pulled(small, 128 * 1024, clock.clone());
+            while small.frame().await.is_some() {}
+            if clock.stalled(limit) {
+                seen = Some(waiting.elapsed());
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let seen = seen.expect("a body waiting past the limit is seen");
+        assert!(seen >= limit, "seen after {seen:?}, before the limit");
+        drop(stalled);
+        assert!(!clock.stalled(limit), "nothing waits any more");
     }
 }

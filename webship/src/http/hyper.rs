@@ -16,7 +16,7 @@
 //! with no request in flight for `idle_timeout` is closed gracefully (GOAWAY), and
 //! dropped if it has not closed [`CLOSE_GRACE`] later (a client that never answers
 //! the GOAWAY's PING, or never sent its preface); and when responses wait on the
-//! client and none of them moved for `send_timeout`, the connection is dropped.
+//! client and one has waited for `send_timeout` (however others move), it is dropped.
 //! Bytes that arrive without making a request never reset the idle clock. A client
 //! trickling a request head is cut at `header_read_timeout`: over HTTP/2 by the
 //! frame guard (`h2_guard`: GOAWAY PROTOCOL_ERROR for a header block or frame not
