@@ -11,6 +11,7 @@ use crate::config::{
 };
 
 use super::Validator;
+use crate::proxy::path::matchable;
 
 /// Proxy routes grouped by domain, before they become sites.
 type ByDomain = BTreeMap<String, (DomainPattern, Vec<Route>)>;
@@ -150,13 +151,29 @@ impl Validator<'_> {
     }
 }
 
-/// Whether a configured path could equal a normalized request path (the proxy
-/// decodes escapes and resolves `//`, `.` and `..` before matching).
-fn normal_form(path: &str) -> bool {
-    !path.contains('%')
-        && !path.contains('\\')
-        && !path.contains("//")
-        && !path.split('/').any(|seg| seg == "." || seg == "..")
+/// Why a `deny_paths` pattern could never match a request's match form
+/// ([`crate::proxy::path::match_form`]), if it could not.
+fn deny_pattern_problem(pattern: &str) -> Option<&'static str> {
+    if pattern == "*" {
+        return None;
+    }
+    if pattern.len() > 1 && pattern.starts_with('*') && pattern.ends_with('*') {
+        return Some("has `*` at both ends; a pattern matches by prefix (\"/admin*\"), by suffix (\"*.php\") or exactly");
+    }
+    let (literal, path) = match (pattern.strip_suffix('*'), pattern.strip_prefix('*')) {
+        // A prefix or suffix may end or start inside a segment (`/.*`, `*.php`): it
+        // is checked as part of a path.
+        (Some(prefix), _) => (prefix, format!("{prefix}x")),
+        (None, Some(suffix)) => (suffix, format!("/x{suffix}")),
+        (None, None) => (pattern, pattern.to_owned()),
+    };
+    if literal.contains('*') {
+        return Some("has a `*` inside; only one end may be `*`");
+    }
+    if !path.starts_with('/') {
+        return Some("does not start with `/` or `*`");
+    }
+    (!matchable(&path)).then_some("can never match: requests are matched decoded, without `;` parameters")
 }
 
 impl Validator<'_> {
@@ -170,22 +187,22 @@ impl Validator<'_> {
                 format!("`{path_prefix}` does not start with `/`"),
                 "write it as \"/api/\"",
             );
-        } else if !normal_form(&path_prefix) {
+        } else if !matchable(&format!("{path_prefix}x")) {
             self.problem(
                 format!("{key}.path_prefix"),
-                format!("`{path_prefix}` can never match: requests are matched in their normal form"),
-                "write the path decoded, without `//`, `.` or `..` segments (\"/api/\")",
+                format!(
+                    "`{path_prefix}` can never match: requests are matched decoded, without `;` parameters"
+                ),
+                "write the path decoded, without `;`, `//`, `.` or `..` segments (\"/api/\", \"/café/\")",
             );
         }
         let deny_paths = r.deny_paths.clone().unwrap_or_default();
         for (i, pattern) in deny_paths.iter().enumerate() {
-            let literal = pattern.trim_start_matches('*').trim_end_matches('*');
-            let anchored = pattern.starts_with('/') || pattern.starts_with('*');
-            if !anchored || !normal_form(literal) || literal.contains('*') {
+            if let Some(why) = deny_pattern_problem(pattern) {
                 self.problem(
                     format!("{key}.deny_paths[{i}]"),
-                    format!("`{pattern}` can never match a normalized path"),
-                    "use \"/prefix*\", \"*suffix\" or \"/exact\", decoded, without `//`, `.` or `..` segments",
+                    format!("`{pattern}` {why}"),
+                    "use \"/prefix*\", \"*suffix\" or \"/exact\", written decoded (\"/café*\"), without `;`, `//`, `.` or `..` segments",
                 );
             }
         }
