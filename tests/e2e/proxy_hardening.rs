@@ -304,6 +304,74 @@ async fn forwarding_headers_cannot_be_forged() {
     );
 }
 
+/// Method-override fields (Rails, Laravel, Express, Symfony obey them over the
+/// request line) would get past `allowed_methods`; client-IP and other
+/// `X-Forwarded-*` fields from an untrusted peer would let a client claim an address,
+/// port, scheme or prefix. All are dropped; a trusted peer's forwarding fields pass,
+/// and its method overrides pass only on a route without `allowed_methods`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn method_overrides_and_client_claims_do_not_pass() {
+    let env = Env::new();
+    let origin = Origin::start().await;
+    let routes = route(HOST, "/", &[origin.addr], "")
+        + &route(
+            HOST,
+            "/ro/",
+            &[origin.addr],
+            "allowed_methods = [\"GET\"]\nstrip_prefix = true",
+        );
+    let overrides = ["x-http-method-override", "x-http-method", "x-method-override"];
+    let claims = [
+        "x-forwarded-port",
+        "x-forwarded-prefix",
+        "x-forwarded-server",
+        "x-forwarded-scheme",
+        "x-forwarded-ssl",
+        "x-client-ip",
+        "cf-connecting-ip",
+        "x-cluster-client-ip",
+        "fastly-client-ip",
+    ];
+    let extra: String = overrides
+        .iter()
+        .map(|n| format!("{n}: DELETE\r\n"))
+        .chain(claims.iter().map(|n| format!("{n}: 6.6.6.6\r\n")))
+        .collect();
+    async fn seen(
+        env: &Env,
+        server: &Server,
+        origin: &Origin,
+        path: &str,
+        extra: &str,
+    ) -> webship_tests::origin::Seen {
+        let (status, text) = raw_get(env, server, HOST, HOST, path, extra).await;
+        assert_eq!(status, 200, "{path}: {text}");
+        origin.seen().pop().expect("the origin saw nothing")
+    }
+
+    let server = proxy(&env, "", &routes);
+    for path in ["/echo", "/ro/echo"] {
+        let got = seen(&env, &server, &origin, path, &extra).await;
+        for name in overrides.iter().chain(&claims) {
+            assert_eq!(got.header(name), None, "untrusted {path}: {name} passed");
+        }
+    }
+    drop(server);
+
+    let server = proxy(&env, "trusted_proxies = [\"127.0.0.0/8\"]", &routes);
+    let got = seen(&env, &server, &origin, "/echo", &extra).await;
+    for name in overrides.iter().chain(&claims) {
+        assert!(got.header(name).is_some(), "trusted: {name} was dropped");
+    }
+    let got = seen(&env, &server, &origin, "/ro/echo", &extra).await;
+    for name in overrides {
+        assert_eq!(got.header(name), None, "trusted, allowed_methods: {name} passed");
+    }
+    for name in claims {
+        assert!(got.header(name).is_some(), "trusted: {name} was dropped");
+    }
+}
+
 // ---- item 11: response framing ---------------------------------------------------
 
 /// Raw TCP origin: answers each request on a keep-alive connection with the bytes
