@@ -20,7 +20,8 @@ type ByDomain = BTreeMap<String, (DomainPattern, Vec<Route>)>;
 /// says otherwise (as many as the pool keeps idle).
 const DEFAULT_MAX_CONNECTIONS_PER_UPSTREAM: usize = 64;
 
-struct RouteTimeouts {
+/// How a route deals with its upstreams: the timeouts and the connection cap.
+struct UpstreamLimits {
     connect: Duration,
     response: Duration,
     body_idle: Duration,
@@ -83,6 +84,8 @@ impl Validator<'_> {
                 protocols,
                 tls: tls.clone(),
                 webtransport: None,
+                // Unused: `dotfiles` is a file-site rule. A proxy forwards `/.env` like
+                // any path; the origin decides, or a route's `deny_paths`.
                 dotfiles: crate::config::Dotfiles::Deny,
             });
         }
@@ -239,7 +242,7 @@ impl Validator<'_> {
                 "use 1024 to 1048576",
             );
         }
-        let timeouts = self.route_timeouts(key, r);
+        let limits = self.upstream_limits(key, r);
         (self.problems.len() == before).then(|| Route {
             path_prefix,
             strip_prefix: r.strip_prefix.unwrap_or(false),
@@ -256,18 +259,18 @@ impl Validator<'_> {
                 .flatten()
                 .map(|t| t.to_ascii_lowercase())
                 .collect(),
-            connect_timeout: timeouts.connect,
-            response_timeout: timeouts.response,
-            body_idle_timeout: timeouts.body_idle,
-            max_connections_per_upstream: timeouts.max_connections,
-            queue_timeout: timeouts.queue,
+            connect_timeout: limits.connect,
+            response_timeout: limits.response,
+            body_idle_timeout: limits.body_idle,
+            max_connections_per_upstream: limits.max_connections,
+            queue_timeout: limits.queue,
             trusted_proxies: trusted.to_vec(),
         })
     }
 
     /// The route's timeouts and connection cap. `read_timeout_secs`, the key before
     /// the response and body-idle timeouts were separate, still sets both, alone.
-    fn route_timeouts(&mut self, key: &str, r: &RawRoute) -> RouteTimeouts {
+    fn upstream_limits(&mut self, key: &str, r: &RawRoute) -> UpstreamLimits {
         if r.read_timeout_secs.is_some()
             && (r.response_timeout_secs.is_some() || r.body_idle_timeout_secs.is_some())
         {
@@ -307,7 +310,7 @@ impl Validator<'_> {
                 "use 1 to 65536",
             );
         }
-        RouteTimeouts {
+        UpstreamLimits {
             connect: Duration::from_millis(connect_ms),
             response: Duration::from_secs(response),
             body_idle: Duration::from_secs(body_idle),
