@@ -127,6 +127,43 @@ fn a_key_that_does_not_match_the_certificate() {
     assert_rejected(&env, &bad, &["garbage.pem"]);
 }
 
+/// A `deny_paths` pattern or `path_prefix` the proxy could never match is refused at
+/// start, naming the key: `*` at both ends, `;` parameters (stripped before matching)
+/// and escapes (decoded before matching).
+#[test]
+fn proxy_patterns_that_never_match_are_refused() {
+    let env = Env::new();
+    let config = |route: &str| {
+        env.config(&format!(
+            "[reverse_proxy]\nenabled = true\n[reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n[[reverse_proxy.routes]]\ndomain = \"proxy.test\"\nupstreams = [\"127.0.0.1:9\"]\n{route}\n",
+            env.cert.display(),
+            env.key.display()
+        ))
+    };
+    let (ok, text) = check(&env, &config("deny_paths = [\"/admin*\", \"*.php\", \"/café*\"]"));
+    assert!(ok, "good patterns refused: {text}");
+    assert_rejected(
+        &env,
+        &config("deny_paths = [\"*/admin*\"]"),
+        &["reverse_proxy.routes[0].deny_paths[0]", "both ends"],
+    );
+    assert_rejected(
+        &env,
+        &config("deny_paths = [\"/ok*\", \"/admin;x\"]"),
+        &["reverse_proxy.routes[0].deny_paths[1]"],
+    );
+    assert_rejected(
+        &env,
+        &config("deny_paths = [\"/caf%C3%A9*\"]"),
+        &["reverse_proxy.routes[0].deny_paths[0]"],
+    );
+    assert_rejected(
+        &env,
+        &config("path_prefix = \"/api;v=1/\""),
+        &["reverse_proxy.routes[0].path_prefix"],
+    );
+}
+
 #[test]
 fn serve_fails_before_binding() {
     let env = Env::new();

@@ -161,6 +161,76 @@ async fn deny_paths_cannot_be_bypassed_by_another_spelling_of_the_path() {
     assert_eq!(seen.header("x-rewrite-url"), None);
 }
 
+/// One raw HTTP/1.1 request with `method` on a fresh TLS connection: status and text.
+async fn raw_method(env: &Env, server: &Server, method: &str, path: &str, extra: &str) -> (u16, String) {
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {HOST}\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    let out = raw_h1(server.addr(), HOST, env.client(b"http/1.1"), request.as_bytes()).await;
+    (raw_status(&out), String::from_utf8_lossy(&out).into_owned())
+}
+
+/// Spellings an origin decodes differently from the normal form: `;` parameters
+/// (Tomcat, Jetty and Spring read `/;x/admin` and `/admin;x` as `/admin`) and escapes
+/// of characters that are not unreserved (nginx serves `/caf%C3%A9` as `/café`).
+/// `deny_paths` and route prefixes match the fully decoded form without parameters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deny_paths_cannot_be_bypassed_by_parameters_or_escapes() {
+    let env = Env::new();
+    for name in ["admin.txt", "café.txt", "@admin.txt", "a:b", "exact", "ok.txt"] {
+        env.write(name, b"secret");
+    }
+    let nginx = Nginx::start(&env.root);
+    let origin = Origin::start().await;
+    let deny = "deny_paths = [\"/admin*\", \"/café*\", \"/@admin*\", \"/a:b\", \"/exact\"]";
+    let routes = route(HOST, "/", &[nginx.addr], deny)
+        + &route(
+            HOST,
+            "/locked/",
+            &[origin.addr],
+            "allowed_methods = [\"GET\"]\nstrip_prefix = true",
+        )
+        + &route(HOST, "/echo-route/", &[origin.addr], "strip_prefix = true");
+    let server = proxy(&env, "", &routes);
+
+    let denied = [
+        "/;x/admin.txt",
+        "/;/admin.txt",
+        "/admin.txt;x",
+        "/exact;x",
+        "/exact%3Bx",
+        "/;x/exact",
+        "/caf%C3%A9.txt",
+        "/caf%c3%a9.txt",
+        "/%40admin.txt",
+        "/a%3Ab",
+        "/a%3ab;x",
+    ];
+    for path in denied {
+        let (status, text) = raw_get(&env, &server, HOST, HOST, path, "").await;
+        assert_eq!(status, 403, "{path} was not denied: {text}");
+    }
+    let log = nginx.access_log();
+    for needle in ["admin", "caf", "a%3A", "a:b", "exact"] {
+        assert!(!log.contains(needle), "a denied path reached nginx:\n{log}");
+    }
+    let (status, text) = raw_get(&env, &server, HOST, HOST, "/ok.txt;v=1", "").await;
+    assert_eq!(status, 404, "nginx reads `;` literally: {text}");
+
+    // A route's prefix is matched on the same form: its method filter holds.
+    for path in ["/locked;x/a", "/;x/locked/a", "/lock%65d/a"] {
+        let (status, text) = raw_method(&env, &server, "DELETE", path, "").await;
+        assert_eq!(status, 405, "DELETE {path} passed the locked route: {text}");
+        assert!(text.contains("webship: method not allowed"), "{path}: {text}");
+    }
+    // strip_prefix removes the prefix as spelled, with its parameters; the rest goes
+    // on in its normal form.
+    let (status, text) = raw_get(&env, &server, HOST, HOST, "/echo-route;jsessionid=1/ech%6F", "").await;
+    assert_eq!(status, 200, "{text}");
+    let seen = origin.seen().pop().expect("the echo route's origin saw nothing");
+    assert_eq!(seen.path, "/echo");
+}
+
 // ---- item 10: forwarding headers -----------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -232,6 +302,74 @@ async fn forwarding_headers_cannot_be_forged() {
         seen.headers_named("forwarded").join(", "),
         "for=6.6.6.6, for=127.0.0.1;proto=https;host=\"a.example.test:8443\""
     );
+}
+
+/// Method-override fields (Rails, Laravel, Express, Symfony obey them over the
+/// request line) would get past `allowed_methods`; client-IP and other
+/// `X-Forwarded-*` fields from an untrusted peer would let a client claim an address,
+/// port, scheme or prefix. All are dropped; a trusted peer's forwarding fields pass,
+/// and its method overrides pass only on a route without `allowed_methods`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn method_overrides_and_client_claims_do_not_pass() {
+    let env = Env::new();
+    let origin = Origin::start().await;
+    let routes = route(HOST, "/", &[origin.addr], "")
+        + &route(
+            HOST,
+            "/ro/",
+            &[origin.addr],
+            "allowed_methods = [\"GET\"]\nstrip_prefix = true",
+        );
+    let overrides = ["x-http-method-override", "x-http-method", "x-method-override"];
+    let claims = [
+        "x-forwarded-port",
+        "x-forwarded-prefix",
+        "x-forwarded-server",
+        "x-forwarded-scheme",
+        "x-forwarded-ssl",
+        "x-client-ip",
+        "cf-connecting-ip",
+        "x-cluster-client-ip",
+        "fastly-client-ip",
+    ];
+    let extra: String = overrides
+        .iter()
+        .map(|n| format!("{n}: DELETE\r\n"))
+        .chain(claims.iter().map(|n| format!("{n}: 6.6.6.6\r\n")))
+        .collect();
+    async fn seen(
+        env: &Env,
+        server: &Server,
+        origin: &Origin,
+        path: &str,
+        extra: &str,
+    ) -> webship_tests::origin::Seen {
+        let (status, text) = raw_get(env, server, HOST, HOST, path, extra).await;
+        assert_eq!(status, 200, "{path}: {text}");
+        origin.seen().pop().expect("the origin saw nothing")
+    }
+
+    let server = proxy(&env, "", &routes);
+    for path in ["/echo", "/ro/echo"] {
+        let got = seen(&env, &server, &origin, path, &extra).await;
+        for name in overrides.iter().chain(&claims) {
+            assert_eq!(got.header(name), None, "untrusted {path}: {name} passed");
+        }
+    }
+    drop(server);
+
+    let server = proxy(&env, "trusted_proxies = [\"127.0.0.0/8\"]", &routes);
+    let got = seen(&env, &server, &origin, "/echo", &extra).await;
+    for name in overrides.iter().chain(&claims) {
+        assert!(got.header(name).is_some(), "trusted: {name} was dropped");
+    }
+    let got = seen(&env, &server, &origin, "/ro/echo", &extra).await;
+    for name in overrides {
+        assert_eq!(got.header(name), None, "trusted, allowed_methods: {name} passed");
+    }
+    for name in claims {
+        assert!(got.header(name).is_some(), "trusted: {name} was dropped");
+    }
 }
 
 // ---- item 11: response framing ---------------------------------------------------

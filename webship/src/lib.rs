@@ -5,7 +5,9 @@
 //! seam every driver shares) → `service` → `files` / `proxy` / `webtransport`; TLS
 //! passthrough (`passthrough`) forks off before `tls`. Each layer imports only layers
 //! below it; the leaves (`message`, `names`, `shutdown`, `config`, `sys`) import none
-//! of the others. `main.rs` wires them: config → preflight → server.
+//! of the others, except that `config` checks `path_prefix` and `deny_paths` with
+//! `proxy::path`, itself a leaf (pure path grammar), so that a pattern is validated
+//! by the very functions requests are matched with. `main.rs` wires them: config → preflight → server.
 //! docs/architecture.md draws the graph.
 #![deny(unsafe_code)]
 

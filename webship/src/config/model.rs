@@ -118,7 +118,8 @@ pub struct Site {
     pub tls: TlsSource,
     /// The diagnostic WebTransport endpoint, when the site enables one.
     pub webtransport: Option<WebTransport>,
-    /// Whether a file site serves paths with a segment that starts with `.`.
+    /// Whether a file site serves paths with a segment that starts with `.`. Read
+    /// only for `Serve::Files`: a proxy site forwards such paths like any other.
     pub dotfiles: Dotfiles,
 }
 

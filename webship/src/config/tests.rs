@@ -350,6 +350,22 @@ fn proxy_timeouts_caps_and_trusted_proxies() {
             "reverse_proxy.routes[0].deny_paths[3]"
         ]
     );
+    assert_eq!(
+        keys(with(
+            "",
+            "path_prefix = \"/café/\"\ndeny_paths = [\"*/admin*\", \"/a;b\", \"/caf%C3%A9*\", \"/.*\", \"*/admin\", \"/@x*\", \"/a:b\", \"*\", \"/x;*\"]"
+        )),
+        [
+            "reverse_proxy.routes[0].deny_paths[0]",
+            "reverse_proxy.routes[0].deny_paths[1]",
+            "reverse_proxy.routes[0].deny_paths[2]",
+            "reverse_proxy.routes[0].deny_paths[8]"
+        ]
+    );
+    assert_eq!(
+        keys(with("", "path_prefix = \"/api;v=1/\"")),
+        ["reverse_proxy.routes[0].path_prefix"]
+    );
     let passthrough = "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\ntls_termination = false\ntrusted_proxies = [\"10.0.0.0/8\"]\n[reverse_proxy.protocols]\nh3 = false\n[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"127.0.0.1:1\"]\nqueue_timeout_ms = 5\n";
     assert_eq!(
         keys(passthrough.to_owned()),

@@ -3,11 +3,15 @@
 //!
 //! Forwarding fields say who the client is, so a client may not write its own: from a
 //! peer outside `trusted_proxies`, `X-Forwarded-For`, `Forwarded`,
-//! `X-Forwarded-Proto`, `X-Forwarded-Host`, `X-Real-IP` and `True-Client-IP` are
-//! replaced by ours or dropped; a trusted peer's are kept and extended. The
-//! request-rewrite fields some origins obey over the request line
-//! (`X-Original-URL`, `X-Rewrite-URL`) never pass: they would route around the
-//! proxy's path filters.
+//! `X-Forwarded-Proto` and `X-Forwarded-Host` are replaced by ours, and every other
+//! `X-Forwarded-*` (`-Port`, `-Prefix`, `-Server`, `-Scheme`, `-Ssl`, ...) and the
+//! client-address fields (`X-Real-IP`, `True-Client-IP`, `X-Client-IP`,
+//! `CF-Connecting-IP`, `X-Cluster-Client-IP`, `Fastly-Client-IP`) are dropped; a
+//! trusted peer's are kept and extended. The request-rewrite fields some origins obey
+//! over the request line (`X-Original-URL`, `X-Rewrite-URL`) never pass: they would
+//! route around the proxy's path filters. The method-override fields (Rails, Laravel,
+//! Express, Symfony obey them over the method) would route around `allowed_methods`:
+//! they pass only from a trusted peer, and never on a route with `allowed_methods`.
 
 use std::net::SocketAddr;
 
@@ -97,15 +101,20 @@ fn quoted(value: &str) -> String {
     out
 }
 
-/// Fields a client may state only through a trusted proxy.
-const CLAIMS: [&str; 6] = [
-    "x-forwarded-for",
+/// Fields a client may state only through a trusted proxy (besides every
+/// `x-forwarded-*`).
+const CLAIMS: [&str; 7] = [
     "forwarded",
-    "x-forwarded-proto",
-    "x-forwarded-host",
     "x-real-ip",
     "true-client-ip",
+    "x-client-ip",
+    "cf-connecting-ip",
+    "x-cluster-client-ip",
+    "fastly-client-ip",
 ];
+
+/// Fields that replace the request's method on some origins.
+const METHOD_OVERRIDES: [&str; 3] = ["x-http-method-override", "x-http-method", "x-method-override"];
 
 /// Fields that rewrite the request's target on some origins (IIS, Symfony).
 const REWRITES: [&str; 2] = ["x-original-url", "x-rewrite-url"];
@@ -139,6 +148,19 @@ pub(super) fn upstream_request(req: &RequestHead<'_>, upstream: SocketAddr, rout
     let trusted = route.trusted_proxies.iter().any(|net| net.contains(ip));
     if !trusted {
         for name in CLAIMS {
+            out.remove(name);
+        }
+        let forwarded: Vec<HeaderName> = out
+            .keys()
+            .filter(|n| n.as_str().starts_with("x-forwarded-"))
+            .cloned()
+            .collect();
+        for name in forwarded {
+            out.remove(name);
+        }
+    }
+    if !trusted || !route.allowed_methods.is_empty() {
+        for name in METHOD_OVERRIDES {
             out.remove(name);
         }
     }

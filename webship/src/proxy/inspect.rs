@@ -17,7 +17,7 @@ fn refuse(status: StatusCode, reason: &'static str) -> Result<(), Refusal> {
     Err(Refusal { status, reason })
 }
 
-/// `path` is the request's normal form ([`super::path::normalize`]).
+/// `path` is the request's match form ([`super::path::match_form`]).
 pub(super) fn check(route: &Route, req: &RequestHead<'_>, path: &str) -> Result<(), Refusal> {
     if !route.allowed_methods.is_empty() && !route.allowed_methods.iter().any(|m| m == req.method.as_str()) {
         return refuse(StatusCode::METHOD_NOT_ALLOWED, "method not allowed on this route");

@@ -9,8 +9,9 @@
 //! dies mid-body ends the client's response as a protocol error. A client that goes
 //! away drops the relayed body, which drops the upstream exchange at once.
 //!
-//! The path is normalized once ([`path`]) and routes, `deny_paths` and the upstream
-//! all see that one form. Connections per upstream are capped, with a queue timeout
+//! The path is normalized once ([`path`]): the upstream gets that normal form, and
+//! routes and `deny_paths` match its fully decoded form without `;` parameters, the
+//! spelling no origin reads differently. Connections per upstream are capped, with a queue timeout
 //! ([`upstream`]); the wait for a response head starts when the request has gone,
 //! and a stalled upload is the client's (408) or the upstream's fault, never both.
 //!
@@ -71,7 +72,7 @@ impl Proxy {
     }
 
     pub(crate) async fn forward(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
-        // Routes, filters and the origin all see one spelling of the path.
+        // One spelling of the path for the origin, or 400.
         let path = match path::normalize(req.uri.path()) {
             Ok(p) => p,
             Err(e) => {
@@ -81,14 +82,17 @@ impl Proxy {
             }
         };
         let path = path.as_str();
+        // Routes and filters match the spelling every origin reads alike; the
+        // upstream gets the normal form.
+        let matched = path::match_form(path);
         let Some(state) = self
             .routes
             .iter()
-            .find(|r| path.starts_with(&r.route.path_prefix))
+            .find(|r| matched.starts_with(&r.route.path_prefix))
         else {
             return text(StatusCode::NOT_FOUND, "webship: no route for this path\n");
         };
-        if let Err(refusal) = inspect::check(&state.route, req, path) {
+        if let Err(refusal) = inspect::check(&state.route, req, &matched) {
             tracing::info!(target: "proxy", domain = %self.domain, peer = %req.peer, method = %req.method,
                 path, status = refusal.status.as_u16(), reason = refusal.reason, "request refused");
             let mut resp = text(refusal.status, &format!("webship: {}\n", refusal.reason));
@@ -354,8 +358,8 @@ fn is_idempotent(m: &Method) -> bool {
     )
 }
 
-/// The upstream request: the normalized `path` (less the route's prefix with
-/// `strip_prefix`) and the query as the client sent it.
+/// The upstream request: the normalized `path` (less the route's prefix, as the
+/// client spelled it, with `strip_prefix`) and the query as the client sent it.
 fn build_request(
     req: &RequestHead<'_>,
     path: &str,
@@ -363,9 +367,10 @@ fn build_request(
     upstream: SocketAddr,
     route: &Route,
 ) -> Result<http::Request<StreamBody>, http::Error> {
-    let path = match path.strip_prefix(route.path_prefix.as_str()) {
-        Some(rest) if route.strip_prefix => format!("/{}", rest.trim_start_matches('/')),
-        _ => path.to_owned(),
+    let path = if route.strip_prefix {
+        path::strip_prefix(path, &route.path_prefix).unwrap_or_else(|| path.to_owned())
+    } else {
+        path.to_owned()
     };
     let path_and_query = match req.uri.query() {
         Some(q) => format!("{path}?{q}"),

@@ -11,6 +11,7 @@ use crate::config::{
 };
 
 use super::Validator;
+use crate::proxy::path::matchable;
 
 /// Proxy routes grouped by domain, before they become sites.
 type ByDomain = BTreeMap<String, (DomainPattern, Vec<Route>)>;
@@ -19,7 +20,8 @@ type ByDomain = BTreeMap<String, (DomainPattern, Vec<Route>)>;
 /// says otherwise (as many as the pool keeps idle).
 const DEFAULT_MAX_CONNECTIONS_PER_UPSTREAM: usize = 64;
 
-struct RouteTimeouts {
+/// How a route deals with its upstreams: the timeouts and the connection cap.
+struct UpstreamLimits {
     connect: Duration,
     response: Duration,
     body_idle: Duration,
@@ -82,6 +84,8 @@ impl Validator<'_> {
                 protocols,
                 tls: tls.clone(),
                 webtransport: None,
+                // Unused: `dotfiles` is a file-site rule. A proxy forwards `/.env` like
+                // any path; the origin decides, or a route's `deny_paths`.
                 dotfiles: crate::config::Dotfiles::Deny,
             });
         }
@@ -150,13 +154,29 @@ impl Validator<'_> {
     }
 }
 
-/// Whether a configured path could equal a normalized request path (the proxy
-/// decodes escapes and resolves `//`, `.` and `..` before matching).
-fn normal_form(path: &str) -> bool {
-    !path.contains('%')
-        && !path.contains('\\')
-        && !path.contains("//")
-        && !path.split('/').any(|seg| seg == "." || seg == "..")
+/// Why a `deny_paths` pattern could never match a request's match form
+/// ([`crate::proxy::path::match_form`]), if it could not.
+fn deny_pattern_problem(pattern: &str) -> Option<&'static str> {
+    if pattern == "*" {
+        return None;
+    }
+    if pattern.len() > 1 && pattern.starts_with('*') && pattern.ends_with('*') {
+        return Some("has `*` at both ends; a pattern matches by prefix (\"/admin*\"), by suffix (\"*.php\") or exactly");
+    }
+    let (literal, path) = match (pattern.strip_suffix('*'), pattern.strip_prefix('*')) {
+        // A prefix or suffix may end or start inside a segment (`/.*`, `*.php`): it
+        // is checked as part of a path.
+        (Some(prefix), _) => (prefix, format!("{prefix}x")),
+        (None, Some(suffix)) => (suffix, format!("/x{suffix}")),
+        (None, None) => (pattern, pattern.to_owned()),
+    };
+    if literal.contains('*') {
+        return Some("has a `*` inside; only one end may be `*`");
+    }
+    if !path.starts_with('/') {
+        return Some("does not start with `/` or `*`");
+    }
+    (!matchable(&path)).then_some("can never match: requests are matched decoded, without `;` parameters")
 }
 
 impl Validator<'_> {
@@ -170,22 +190,22 @@ impl Validator<'_> {
                 format!("`{path_prefix}` does not start with `/`"),
                 "write it as \"/api/\"",
             );
-        } else if !normal_form(&path_prefix) {
+        } else if !matchable(&format!("{path_prefix}x")) {
             self.problem(
                 format!("{key}.path_prefix"),
-                format!("`{path_prefix}` can never match: requests are matched in their normal form"),
-                "write the path decoded, without `//`, `.` or `..` segments (\"/api/\")",
+                format!(
+                    "`{path_prefix}` can never match: requests are matched decoded, without `;` parameters"
+                ),
+                "write the path decoded, without `;`, `//`, `.` or `..` segments (\"/api/\", \"/café/\")",
             );
         }
         let deny_paths = r.deny_paths.clone().unwrap_or_default();
         for (i, pattern) in deny_paths.iter().enumerate() {
-            let literal = pattern.trim_start_matches('*').trim_end_matches('*');
-            let anchored = pattern.starts_with('/') || pattern.starts_with('*');
-            if !anchored || !normal_form(literal) || literal.contains('*') {
+            if let Some(why) = deny_pattern_problem(pattern) {
                 self.problem(
                     format!("{key}.deny_paths[{i}]"),
-                    format!("`{pattern}` can never match a normalized path"),
-                    "use \"/prefix*\", \"*suffix\" or \"/exact\", decoded, without `//`, `.` or `..` segments",
+                    format!("`{pattern}` {why}"),
+                    "use \"/prefix*\", \"*suffix\" or \"/exact\", written decoded (\"/café*\"), without `;`, `//`, `.` or `..` segments",
                 );
             }
         }
@@ -222,7 +242,7 @@ impl Validator<'_> {
                 "use 1024 to 1048576",
             );
         }
-        let timeouts = self.route_timeouts(key, r);
+        let limits = self.upstream_limits(key, r);
         (self.problems.len() == before).then(|| Route {
             path_prefix,
             strip_prefix: r.strip_prefix.unwrap_or(false),
@@ -239,18 +259,18 @@ impl Validator<'_> {
                 .flatten()
                 .map(|t| t.to_ascii_lowercase())
                 .collect(),
-            connect_timeout: timeouts.connect,
-            response_timeout: timeouts.response,
-            body_idle_timeout: timeouts.body_idle,
-            max_connections_per_upstream: timeouts.max_connections,
-            queue_timeout: timeouts.queue,
+            connect_timeout: limits.connect,
+            response_timeout: limits.response,
+            body_idle_timeout: limits.body_idle,
+            max_connections_per_upstream: limits.max_connections,
+            queue_timeout: limits.queue,
             trusted_proxies: trusted.to_vec(),
         })
     }
 
     /// The route's timeouts and connection cap. `read_timeout_secs`, the key before
     /// the response and body-idle timeouts were separate, still sets both, alone.
-    fn route_timeouts(&mut self, key: &str, r: &RawRoute) -> RouteTimeouts {
+    fn upstream_limits(&mut self, key: &str, r: &RawRoute) -> UpstreamLimits {
         if r.read_timeout_secs.is_some()
             && (r.response_timeout_secs.is_some() || r.body_idle_timeout_secs.is_some())
         {
@@ -290,7 +310,7 @@ impl Validator<'_> {
                 "use 1 to 65536",
             );
         }
-        RouteTimeouts {
+        UpstreamLimits {
             connect: Duration::from_millis(connect_ms),
             response: Duration::from_secs(response),
             body_idle: Duration::from_secs(body_idle),
