@@ -300,7 +300,7 @@ impl<S> H2Guard<S> {
         if f.stream == 0 {
             return Verdict::Connection(PROTOCOL_ERROR);
         }
-        if self.streams.remove(&f.stream).is_some() {
+        if self.streams.remove(&f.stream).is_some_and(|s| !s.server_done) {
             // The client cancelled a stream the server was still working on.
             let now = Instant::now();
             if now.duration_since(self.resets.0) > RESET_WINDOW {
