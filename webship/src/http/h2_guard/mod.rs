@@ -360,3 +360,100 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H2Guard<S> {
         Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::frames::{frame_bytes, DATA, PRIORITY};
+    use super::*;
+
+    /// A connection whose client sends `input` as fast as it is read and takes only
+    /// `room` bytes of output.
+    struct Stuck {
+        input: Vec<u8>,
+        read_at: usize,
+        room: usize,
+    }
+
+    impl AsyncRead for Stuck {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let n = buf.remaining().min(self.input.len() - self.read_at);
+            let at = self.read_at;
+            buf.put_slice(&self.input[at..at + n]);
+            self.read_at += n;
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl AsyncWrite for Stuck {
+        fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            if self.room == 0 {
+                return Poll::Pending;
+            }
+            let n = buf.len().min(self.room);
+            self.room -= n;
+            Poll::Ready(Ok(n))
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// While hyper's output is stuck inside a frame, the guard's own answers to a
+    /// stream of bad frames stop the reading once `MAX_INJECT` bytes of them wait.
+    #[test]
+    fn answers_the_client_does_not_take_stop_the_reading() {
+        let mut input = PREFACE.to_vec();
+        let bad_priority = frame_bytes(PRIORITY, 0, 3, &[0, 0, 0, 0]);
+        for _ in 0..50_000 {
+            input.extend_from_slice(&bad_priority);
+        }
+        let total = input.len();
+        let stuck = Stuck {
+            input,
+            read_at: 0,
+            room: 20,
+        };
+        let mut guard = H2Guard::new(
+            stuck,
+            GuardLimits {
+                max_frame_size: 16_384,
+                stream_window: 65_535,
+                max_header_bytes: 16_384,
+                max_concurrent_streams: 100,
+                header_table_size: frames::HEADER_TABLE_SIZE,
+                max_send_buffer: 1 << 20,
+                max_local_error_resets: usize::MAX,
+            },
+        );
+        let mut cx = Context::from_waker(Waker::noop());
+        // hyper's output: a DATA frame the client takes only 20 bytes of.
+        let data = frame_bytes(DATA, 0, 1, &[0; 100]);
+        let written = Pin::new(&mut guard).poll_write(&mut cx, &data);
+        assert!(matches!(written, Poll::Ready(Ok(20))));
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut pending = false;
+        for _ in 0..1_000 {
+            let mut read = ReadBuf::new(&mut buf);
+            if Pin::new(&mut guard).poll_read(&mut cx, &mut read).is_pending() {
+                pending = true;
+                break;
+            }
+        }
+        assert!(pending, "the guard read on");
+        assert!(guard.inner.read_at < total, "the guard read all {total} bytes");
+        assert!(
+            guard.inject.len() <= MAX_INJECT + MAX_READ,
+            "{} bytes wait",
+            guard.inject.len()
+        );
+    }
+}
