@@ -6,7 +6,8 @@
 //! kit's `Task` (the connections live in a JoinSet the task owns), so they stop when
 //! dropped.
 //!
-//! Routes of [`Origin`] (the request body is always read to the end and hashed first):
+//! Routes of [`Origin`] (the request body is read to the end and hashed first, but
+//! for `/early`):
 //! - `/echo`: the request's headers, method, path, body length and SHA-256 as text;
 //! - `/bytes/N`: N pattern bytes with `content-length` (a single `Range` gives 206);
 //! - `/slow/N/MS`: N pattern bytes, no length, 16 KiB frames MS milliseconds apart;
@@ -17,6 +18,8 @@
 //! - `/huge-headers/N`: an `x-huge` header of N bytes, body `ok`;
 //! - `/status/N`: status N, empty body;
 //! - `/wait-abort`: one byte every 50 ms for up to 20 s, counting a peer that leaves;
+//! - `/early`: `early`, answered before the request body is read, which is read to
+//!   its end meanwhile (and not recorded);
 //! - anything else: 404.
 //!
 //! "Pattern bytes" are byte `i` = `(i * 7 + i / 251) as u8` ([`pattern`], which the
@@ -214,6 +217,24 @@ impl Drop for Recorder {
 
 async fn handle(req: Request<Incoming>, shared: Arc<Shared>) -> Response<OriginBody> {
     let (parts, mut body) = req.into_parts();
+    if parts.uri.path() == "/early" {
+        // Answers at once and reads the request body to its end meanwhile (bounded
+        // by MAX_BODY_TIME), as a bidirectional stream does; not recorded.
+        tokio::spawn(async move {
+            let _ = timeout(MAX_BODY_TIME, async {
+                while let Some(Ok(_)) = body.frame().await {}
+            })
+            .await;
+        });
+        return reply(
+            StatusCode::OK,
+            OriginBody::new(&shared)
+                .head(Bytes::from_static(b"early\n"))
+                .exact(),
+        )
+        .header(header::CONTENT_LENGTH, 6)
+        .body_now();
+    }
     let mut recorder = Recorder {
         shared: shared.clone(),
         seen: Some(Seen {

@@ -12,7 +12,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use rustls::ClientConfig;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::time::{timeout_at, Instant};
 use tokio_rustls::client::TlsStream;
 
@@ -250,10 +250,32 @@ impl std::fmt::Debug for H2Raw {
 impl H2Raw {
     /// TCP to `addr`, TLS with `sni`, ALPN h2 (required of the server).
     pub async fn connect(addr: SocketAddr, sni: &str, tls: &ClientConfig) -> Result<H2Raw> {
-        // Frames go out as written: no Nagle delay between a test's small writes.
-        let tcp = TcpStream::connect(addr)
+        H2Raw::connect_with(addr, sni, tls, None).await
+    }
+
+    /// As [`H2Raw::connect`], with the socket's receive buffer set to about
+    /// `receive_buffer` bytes before connecting (a client that reads slowly, or not
+    /// at all, fills it fast).
+    pub async fn connect_with(
+        addr: SocketAddr,
+        sni: &str,
+        tls: &ClientConfig,
+        receive_buffer: Option<u32>,
+    ) -> Result<H2Raw> {
+        let socket = if addr.is_ipv4() {
+            TcpSocket::new_v4()
+        } else {
+            TcpSocket::new_v6()
+        }
+        .context("socket")?;
+        if let Some(size) = receive_buffer {
+            socket.set_recv_buffer_size(size).context("SO_RCVBUF")?;
+        }
+        let tcp = socket
+            .connect(addr)
             .await
             .with_context(|| format!("TCP to {addr}"))?;
+        // Frames go out as written: no Nagle delay between a test's small writes.
         tcp.set_nodelay(true).context("TCP_NODELAY")?;
         let tls = crate::http::tls(tcp, sni, with_alpn(tls, b"h2"))
             .await

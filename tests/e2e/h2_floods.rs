@@ -4,6 +4,8 @@
 //! header block that never ends). Each must end the attacking connection with
 //! GOAWAY after a bounded number of frames, keep the server's memory bounded, and
 //! leave a normal download working meanwhile. Each test prints its FLOOD line.
+//! A third flood aims at the guard in front of h2 itself: stream errors it answers
+//! on its own while the client reads nothing.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,7 +13,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustls::ClientConfig;
-use webship_testkit::h2raw::{block, code, flag, frame, headers, kind, literal, rst_stream, End, H2Raw};
+use webship_testkit::h2raw::{
+    block, code, flag, frame, headers, kind, literal, rst_stream, setting, window_update, End, H2Raw,
+};
 use webship_testkit::http::{fetch, Proto};
 use webship_testkit::proc::{FloodReport, Footprint};
 
@@ -350,4 +354,135 @@ async fn continuation_flood_is_bounded() {
     })
     .await;
     assert_ended(&ends, &codes, CONTINUATION_BUDGET as u64, "CONTINUATION bytes");
+}
+
+/// Bytes of bad PRIORITY frames one connection may send before the server must have
+/// stopped taking them (by closing the connection or by not reading).
+const PRIORITY_BUDGET: usize = 32 * 1024 * 1024;
+
+/// How one not-reading PRIORITY flood ended: the bytes the server took, and what
+/// reading afterwards found (GOAWAY or a close).
+async fn priority_while_not_reading(addr: SocketAddr, tls: Arc<ClientConfig>) -> (usize, End) {
+    let mut conn = H2Raw::connect_with(addr, HOST, &tls, Some(4096))
+        .await
+        .expect("connect");
+    let max = (1u32 << 31) - 1;
+    conn.handshake(&[(setting::INITIAL_WINDOW_SIZE, max)], Duration::from_secs(3))
+        .await
+        .expect("handshake");
+    let mut request = window_update(0, max - 65_535);
+    request.extend(headers(1, &get("/big.bin"), true));
+    conn.send(&request).await.expect("request");
+    // The response fills the socket buffers; hyper's output stops mid-frame.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // PRIORITY with a 4-byte payload on an idle stream: a FRAME_SIZE_ERROR stream
+    // error the guard answers itself with RST_STREAM.
+    let one = frame(kind::PRIORITY, 0, 3, &[0, 0, 0, 0]);
+    let batch: Vec<u8> = one.iter().copied().cycle().take(one.len() * 4096).collect();
+    let mut sent = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while sent < PRIORITY_BUDGET && Instant::now() < deadline {
+        match tokio::time::timeout(Duration::from_secs(3), conn.send(&batch)).await {
+            Ok(Ok(())) => sent += batch.len(),
+            // Closed, or the server stopped reading.
+            Ok(Err(_)) | Err(_) => break,
+        }
+    }
+    // Now read: the response's bytes, the guard's resets, then GOAWAY or the end.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    let end = loop {
+        match conn.read_frame(deadline).await {
+            Ok(Some(f)) if f.kind == kind::GOAWAY => {
+                break End::GoAway {
+                    code: f.error_code().unwrap_or(u32::MAX),
+                    last_stream: 0,
+                }
+            }
+            Ok(Some(_)) => conn.seen.clear(),
+            Ok(None) => break End::Closed,
+            Err(_) => break End::TimedOut,
+        }
+    };
+    eprintln!("bad PRIORITY flood: {sent} bytes taken, then {end}");
+    (sent, end)
+}
+
+/// A client that asks for a large file and reads none of it (the server's output
+/// stops mid-frame) while it sends PRIORITY frames of the wrong size, each a stream
+/// error the guard answers with a RST_STREAM of its own: the server must not queue
+/// those without bound, must count them (GOAWAY ENHANCE_YOUR_CALM past a limit, as
+/// h2 does for its own), and must stop reading a client that takes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn guard_stream_errors_while_not_reading_are_bounded() {
+    let env = Env::new();
+    env.write("big.bin", &vec![7u8; 16 * MIB as usize]);
+    let server = env.start("[limits]\nidle_timeout_secs = 10\nsend_timeout_secs = 30\n");
+    let pid = server.pid();
+    let before = Footprint::of(pid).expect("server alive");
+    let attackers: Vec<_> = (0..2)
+        .map(|_| tokio::spawn(priority_while_not_reading(server.addr(), env.client(b"h2"))))
+        .collect();
+    let done = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let done = done.clone();
+        tokio::spawn(async move {
+            let mut peak = before;
+            while !done.load(Ordering::Relaxed) {
+                if let Some(now) = Footprint::of(pid) {
+                    peak.rss_kib = peak.rss_kib.max(now.rss_kib);
+                    peak.fds = peak.fds.max(now.fds);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            peak
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let started = Instant::now();
+    let got = fetch(
+        Proto::H2,
+        server.addr(),
+        HOST,
+        env.client(b"h2"),
+        "GET",
+        "/big.bin",
+        &[],
+    )
+    .await;
+    let download = started.elapsed();
+    assert_eq!(
+        (got.status.as_u16(), got.len),
+        (200, 16 * MIB),
+        "a normal download during the flood"
+    );
+    let mut ends = Vec::new();
+    for attacker in attackers {
+        ends.push(attacker.await.expect("an attacker panicked"));
+    }
+    done.store(true, Ordering::Relaxed);
+    let during = sampler.await.expect("sampler");
+    let after = settle(pid, before).await;
+    FloodReport {
+        flood: "h2 guard stream errors (bad PRIORITY) while reading nothing",
+        before,
+        during,
+        after,
+        download: Some(download),
+    }
+    .print();
+    assert!(
+        during.rss_kib < before.rss_kib + 24 * 1024,
+        "RSS grew from {before} to {during}; attackers: {ends:?}"
+    );
+    for (sent, end) in &ends {
+        assert!(
+            *sent < PRIORITY_BUDGET,
+            "the server took all {sent} bytes of bad PRIORITY frames from a client reading nothing"
+        );
+        assert!(
+            matches!(end, End::Closed | End::GoAway { code: code::ENHANCE_YOUR_CALM, .. }),
+            "the attacking connection ended with {end} after {sent} bytes (want GOAWAY ENHANCE_YOUR_CALM or a close)"
+        );
+    }
+    assert!(after.fds <= before.fds + 4, "fds {before} before, {after} after");
 }

@@ -9,6 +9,7 @@
 
 mod frames;
 mod messages;
+mod table;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

@@ -72,44 +72,28 @@ pub(crate) async fn serve_h2(mut stream: RustlsStream, ctx: ConnContext) -> Resu
     let settings = ctx.h2;
     let limits = ctx.limits;
     let mut builder = http2::Builder::new(TokioExecutor::new());
+    // Window, frame, stream, header and send-buffer limits (lower on proxy sites),
+    // and the stream errors h2 answers per connection: the guard judges by the same.
+    let guarded = guard_limits(&ctx);
+    guarded.configure(&mut builder);
     builder
         .timer(TokioTimer::new())
-        .initial_stream_window_size(settings.initial_stream_window_bytes)
         .initial_connection_window_size(settings.initial_connection_window_bytes)
-        .max_frame_size(settings.max_frame_size_bytes)
-        .max_concurrent_streams(settings.max_concurrent_streams)
-        .max_send_buf_size(settings.max_send_buffer_bytes)
-        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX))
         // Rapid reset (CVE-2023-44487): streams the client resets before hyper takes
-        // them, and streams h2 itself resets for errors, end the connection with
-        // ENHANCE_YOUR_CALM past these counts (h2's defaults, stated here); the
-        // guard bounds resets of streams already taken.
+        // them end the connection with ENHANCE_YOUR_CALM past this count (h2's
+        // default, stated here); the guard bounds resets of streams already taken.
         .max_pending_accept_reset_streams(20)
-        .max_local_error_reset_streams(1024)
         .keep_alive_interval(Some(limits.idle_timeout / 2))
         .keep_alive_timeout(Duration::from_secs(20));
     if ctx.service.webtransport_h2() {
         // RFC 8441 extended CONNECT, which WebTransport over HTTP/2 opens sessions with.
         builder.enable_connect_protocol();
     }
-
-    // A proxy site's streams relay upstream bodies: the proxy budget bounds them, and
-    // the connection's total (`proxy_h2_tls_connection_send_buffer_bytes`) caps how
-    // many may run at once.
-    if ctx.service.is_proxy(ctx.client.tls_site) {
-        let per_stream = ctx.proxy_h2.tls_max_send_buffer_bytes;
-        let streams = (ctx.proxy_h2.tls_connection_send_buffer_bytes / per_stream.max(1)).max(1);
-        builder.max_send_buf_size(per_stream).max_concurrent_streams(
-            u32::try_from(streams)
-                .unwrap_or(u32::MAX)
-                .min(settings.max_concurrent_streams),
-        );
-    }
     let watch = Watch::new();
     let read = Arc::new(AtomicU64::new(0));
     let stream = ReadCount::new(stream, read.clone());
     let io = WriteBatch::new(stream, settings.tls_write_buffer_bytes);
-    let guard = H2Guard::new(io, guard_limits(&ctx));
+    let guard = H2Guard::new(io, guarded);
     let head = guard.head_clock();
     let conn = builder.serve_connection(TokioIo::new(guard), service(&ctx, &watch));
     tokio::pin!(conn);

@@ -36,8 +36,11 @@ pub(super) const ENHANCE_YOUR_CALM: u32 = 0xb;
 pub(super) const MAX_WINDOW: i64 = (1 << 31) - 1;
 /// The window every stream and the connection start with (RFC 9113 §6.9.2).
 pub(super) const DEFAULT_WINDOW: i64 = 65_535;
-/// The HPACK table size h2 advertises (its default; hyper does not change it).
-pub(super) const HEADER_TABLE_SIZE: usize = 4096;
+/// The HPACK table size we advertise (h2's default, given to hyper's builder).
+pub(super) const HEADER_TABLE_SIZE: u32 = 4096;
+/// The guard's frames that may wait for hyper's output before the client is no
+/// longer read.
+pub(super) const MAX_INJECT: usize = 16 * 1024;
 /// Streams the server reset while the client could still send on them: frames
 /// on these are ignored (RFC 9113 §5.1, closed), on other closed streams they are
 /// STREAM_CLOSED. Bounded: the oldest are forgotten.
@@ -126,13 +129,19 @@ pub(super) fn parse_header(h: &[u8; HEADER_LEN]) -> OutFrame {
     }
 }
 
-pub(super) fn frame_bytes(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+/// Appends a frame to `out` (nothing allocated beyond `out`'s own growth).
+pub(super) fn put_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
     let len = u32::try_from(payload.len()).unwrap_or(0).to_be_bytes();
-    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
     out.extend_from_slice(&len[1..]);
     out.extend_from_slice(&[kind, flags]);
     out.extend_from_slice(&stream.to_be_bytes());
     out.extend_from_slice(payload);
+}
+
+#[cfg(test)]
+pub(super) fn frame_bytes(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER_LEN + payload.len());
+    put_frame(&mut out, kind, flags, stream, payload);
     out
 }
 

@@ -11,6 +11,8 @@ use super::H2Guard;
 pub(super) struct Stream {
     /// The client sent END_STREAM (or reset it).
     client_done: bool,
+    /// The server sent END_STREAM: the stream goes once the client's comes.
+    server_done: bool,
     /// The request's HEADERS arrived: another HEADERS is trailers.
     headers_seen: bool,
     /// How much more DATA the client may send (the server's grants minus what
@@ -41,35 +43,37 @@ pub(super) enum Verdict {
 impl<S> H2Guard<S> {
     /// Judges what `raw` holds, moving what passes to `ready`.
     pub(super) fn ingest(&mut self) {
+        // Taken out for the loop, so a frame's payload is judged where it lies (no
+        // copy per frame) while the judgement changes the rest of the guard.
+        let mut raw = std::mem::take(&mut self.raw);
         let mut at = 0;
-        while !self.fatal && at < self.raw.len() {
-            let available = self.raw.len() - at;
+        while !self.fatal && at < raw.len() {
+            let available = raw.len() - at;
             if self.off {
-                self.ready.extend_from_slice(&self.raw[at..]);
-                at = self.raw.len();
+                self.ready.extend_from_slice(&raw[at..]);
+                at = raw.len();
             } else if self.preface_left > 0 {
                 let done = PREFACE.len() - self.preface_left;
                 let take = self.preface_left.min(available);
-                if self.raw[at..at + take] != PREFACE[done..done + take] {
+                if raw[at..at + take] != PREFACE[done..done + take] {
                     self.off = true;
                     continue;
                 }
-                self.ready.extend_from_slice(&self.raw[at..at + take]);
+                self.ready.extend_from_slice(&raw[at..at + take]);
                 self.preface_left -= take;
                 at += take;
             } else if self.data_left > 0 {
                 let take = self.data_left.min(available);
-                self.ready.extend_from_slice(&self.raw[at..at + take]);
+                self.ready.extend_from_slice(&raw[at..at + take]);
                 self.data_left -= take;
                 at += take;
                 if self.data_left == 0 {
                     if let Some(stream) = self.cancel_after_data.take() {
-                        self.ready
-                            .extend(frame_bytes(RST_STREAM, 0, stream, &CANCEL.to_be_bytes()));
+                        put_frame(&mut self.ready, RST_STREAM, 0, stream, &CANCEL.to_be_bytes());
                     }
                 }
             } else {
-                let Some(header) = self.raw.get(at..at + HEADER_LEN) else {
+                let Some(header) = raw.get(at..at + HEADER_LEN) else {
                     break;
                 };
                 let mut copy = [0u8; HEADER_LEN];
@@ -91,17 +95,17 @@ impl<S> H2Guard<S> {
                     self.frame_done();
                     continue;
                 }
-                let Some(whole) = self.raw.get(at..at + HEADER_LEN + f.len) else {
+                let Some(whole) = raw.get(at..at + HEADER_LEN + f.len) else {
                     break;
                 };
-                let whole = whole.to_vec();
                 let verdict = self.judge(f, &whole[HEADER_LEN..]);
-                self.apply(verdict, f, &whole);
+                self.apply(verdict, f, whole);
                 at += whole.len();
                 self.frame_done();
             }
         }
-        self.raw.drain(..at.min(self.raw.len()));
+        raw.drain(..at.min(raw.len()));
+        self.raw = raw;
         // A frame begun and not complete, or a header block not ended: its time
         // runs from the read that brought its first byte.
         let open = !self.raw.is_empty() || self.block.is_some();
@@ -133,16 +137,13 @@ impl<S> H2Guard<S> {
                 self.data_left = f.len;
                 if self.streams.remove(&stream).is_some() {
                     if f.len == 0 {
-                        self.ready
-                            .extend(frame_bytes(RST_STREAM, 0, stream, &CANCEL.to_be_bytes()));
+                        put_frame(&mut self.ready, RST_STREAM, 0, stream, &CANCEL.to_be_bytes());
                     } else {
                         self.cancel_after_data = Some(stream);
                     }
                 }
-                self.remember_reset(stream);
-                self.inject
-                    .extend(frame_bytes(RST_STREAM, 0, stream, &code.to_be_bytes()));
                 tracing::debug!(stream, code, "h2 guard: stream error on DATA");
+                self.stream_error(stream, code);
             }
         }
     }
@@ -159,23 +160,35 @@ impl<S> H2Guard<S> {
                     self.ready.extend_from_slice(whole);
                 }
                 if self.streams.remove(&stream).is_some() {
-                    self.ready
-                        .extend(frame_bytes(RST_STREAM, 0, stream, &CANCEL.to_be_bytes()));
+                    put_frame(&mut self.ready, RST_STREAM, 0, stream, &CANCEL.to_be_bytes());
                 }
-                self.remember_reset(stream);
-                self.inject
-                    .extend(frame_bytes(RST_STREAM, 0, stream, &code.to_be_bytes()));
                 tracing::debug!(stream, code, kind = f.kind, "h2 guard: stream error");
+                self.stream_error(stream, code);
             }
             Verdict::Connection(code) => self.connection_error(code),
         }
     }
 
+    /// RST_STREAM with `code` to the client; counted, and past the connection's
+    /// budget of stream errors (as h2 counts its own) the connection ends with
+    /// GOAWAY ENHANCE_YOUR_CALM.
+    fn stream_error(&mut self, stream: u32, code: u32) {
+        self.remember_reset(stream);
+        self.local_errors += 1;
+        if self.local_errors > self.limits.max_local_error_resets {
+            tracing::debug!(errors = self.local_errors, "h2 guard: too many stream errors");
+            self.connection_error(ENHANCE_YOUR_CALM);
+            return;
+        }
+        put_frame(&mut self.inject, RST_STREAM, 0, stream, &code.to_be_bytes());
+    }
+
     pub(super) fn connection_error(&mut self, code: u32) {
         tracing::debug!(code, "h2 guard: connection error");
-        let mut payload = self.highest.to_be_bytes().to_vec();
-        payload.extend_from_slice(&code.to_be_bytes());
-        self.inject.extend(frame_bytes(GOAWAY, 0, 0, &payload));
+        let mut payload = [0u8; 8];
+        payload[..4].copy_from_slice(&self.highest.to_be_bytes());
+        payload[4..].copy_from_slice(&code.to_be_bytes());
+        put_frame(&mut self.inject, GOAWAY, 0, 0, &payload);
         self.fatal = true;
         self.ready.clear();
         self.ready_at = 0;
@@ -214,6 +227,9 @@ impl<S> H2Guard<S> {
                 }
                 if f.flags & END_STREAM != 0 {
                     s.client_done = true;
+                    if s.server_done {
+                        self.streams.remove(&f.stream);
+                    }
                 }
                 Verdict::Pass
             }
@@ -300,7 +316,7 @@ impl<S> H2Guard<S> {
         if f.stream == 0 {
             return Verdict::Connection(PROTOCOL_ERROR);
         }
-        if self.streams.remove(&f.stream).is_some() {
+        if self.streams.remove(&f.stream).is_some_and(|s| !s.server_done) {
             // The client cancelled a stream the server was still working on.
             let now = Instant::now();
             if now.duration_since(self.resets.0) > RESET_WINDOW {
@@ -342,6 +358,7 @@ impl<S> H2Guard<S> {
                     f.stream,
                     Stream {
                         client_done: false,
+                        server_done: false,
                         headers_seen: false,
                         window,
                     },
@@ -406,6 +423,7 @@ impl<S> H2Guard<S> {
         if block.end_stream {
             stream.client_done = true;
         }
+        let both_done = stream.client_done && stream.server_done;
         let malformed = if trailers {
             fields.pseudo
         } else {
@@ -417,6 +435,9 @@ impl<S> H2Guard<S> {
                 code: PROTOCOL_ERROR,
                 forward: true,
             };
+        }
+        if both_done {
+            self.streams.remove(&block.stream);
         }
         Verdict::Pass
     }
@@ -431,12 +452,15 @@ impl<S> H2Guard<S> {
                     }
                 }
             }
-            DATA | HEADERS
-                if f.flags & END_STREAM != 0
-                    && self.streams.get(&f.stream).is_some_and(|s| s.client_done) =>
-            {
-                self.streams.remove(&f.stream);
-            }
+            DATA | HEADERS if f.flags & END_STREAM != 0 => match self.streams.get_mut(&f.stream) {
+                Some(s) if s.client_done => {
+                    self.streams.remove(&f.stream);
+                }
+                // The response ended first (an early answer, a bidirectional
+                // stream): the client's END_STREAM or a reset ends it later.
+                Some(s) => s.server_done = true,
+                None => {}
+            },
             WINDOW_UPDATE if payload.len() == 4 => {
                 let increment = i64::from(
                     u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]) & 0x7fff_ffff,
@@ -491,6 +515,9 @@ mod tests {
                 max_header_bytes: 32 * 1024,
                 max_concurrent_streams: 100,
                 header_timeout: Duration::from_secs(2),
+                header_table_size: HEADER_TABLE_SIZE,
+                max_send_buffer: 1 << 20,
+                max_local_error_resets: 1024,
             },
         )
     }
@@ -539,6 +566,66 @@ mod tests {
         g.ingest();
         assert!(g.open_since.is_none(), "a DATA payload streams through, untimed");
         assert!(!g.fatal);
+    }
+
+    fn feed(g: &mut H2Guard<()>, bytes: &[u8]) {
+        g.raw.extend_from_slice(bytes);
+        g.ingest();
+    }
+
+    fn output(g: &mut H2Guard<()>, bytes: &[u8]) {
+        let mut seen = Vec::new();
+        g.output.track(bytes, |f, p| seen.push((f, p.to_vec())));
+        for (f, p) in seen {
+            g.on_output(f, &p);
+        }
+    }
+
+    /// A POST header block (literal fields without indexing).
+    fn request_block() -> Vec<u8> {
+        let mut block = Vec::new();
+        for (name, value) in [(":method", "POST"), (":scheme", "https"), (":path", "/")] {
+            block.push(0);
+            block.push(name.len() as u8);
+            block.extend_from_slice(name.as_bytes());
+            block.push(value.len() as u8);
+            block.extend_from_slice(value.as_bytes());
+        }
+        block
+    }
+
+    /// A stream the server ends first leaves the table when the client's
+    /// END_STREAM comes, with no reset in between.
+    #[test]
+    fn stream_ended_by_the_server_first_is_forgotten() {
+        let mut g = guard();
+        feed(&mut g, PREFACE);
+        feed(&mut g, &frame_bytes(HEADERS, END_HEADERS, 1, &request_block()));
+        assert_eq!(g.streams.len(), 1);
+        output(&mut g, &frame_bytes(DATA, END_STREAM, 1, b"early"));
+        assert_eq!(g.streams.len(), 1, "the client may still send");
+        feed(&mut g, &frame_bytes(DATA, END_STREAM, 1, b""));
+        assert!(g.streams.is_empty());
+        assert!(!g.fatal);
+    }
+
+    /// The guard's own stream errors are counted: past the limit, GOAWAY
+    /// ENHANCE_YOUR_CALM instead of one more RST_STREAM.
+    #[test]
+    fn guard_stream_errors_are_limited_per_connection() {
+        let mut g = guard();
+        g.limits.max_local_error_resets = 10;
+        feed(&mut g, PREFACE);
+        let bad_priority = frame_bytes(PRIORITY, 0, 3, &[0, 0, 0, 0]);
+        for _ in 0..10 {
+            feed(&mut g, &bad_priority);
+        }
+        assert!(!g.fatal);
+        assert_eq!(g.inject.len(), 10 * 13);
+        feed(&mut g, &bad_priority);
+        assert!(g.fatal);
+        assert_eq!(g.inject.len(), 10 * 13 + 17, "then GOAWAY");
+        assert_eq!(&g.inject[g.inject.len() - 4..], &ENHANCE_YOUR_CALM.to_be_bytes());
     }
 
     /// Peer input never panics the guard and never grows what it holds beyond

@@ -37,9 +37,13 @@
 //! HPACK table stays in step with the client's.
 //!
 //! Memory: one frame of input (up to our SETTINGS_MAX_FRAME_SIZE; DATA payloads
-//! are streamed through, never buffered), one header block (capped), and a table
-//! of open streams (h2 caps those with SETTINGS_MAX_CONCURRENT_STREAMS; the guard
-//! drops a connection past a hard cap).
+//! are streamed through, never buffered), one header block (capped), a table of
+//! open streams (h2 caps those with SETTINGS_MAX_CONCURRENT_STREAMS; the guard
+//! drops a connection past a hard cap; a stream leaves it once both sides ended or
+//! either reset it), and the guard's own frames waiting for a frame boundary of
+//! hyper's output (past `MAX_INJECT` bytes the client is not read). Stream errors
+//! the guard answers itself count like h2's own: past `max_local_error_resets` on
+//! one connection, GOAWAY ENHANCE_YOUR_CALM.
 
 mod frames;
 mod judge;
@@ -55,10 +59,12 @@ use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-use frames::{frame_end, Output, DEFAULT_WINDOW, HEADER_TABLE_SIZE, MAX_READ, PREFACE};
+use frames::{frame_end, Output, DEFAULT_WINDOW, MAX_INJECT, MAX_READ, PREFACE};
 use judge::{Block, Stream};
 
-/// What the guard needs to know of the server's settings.
+/// The HTTP/2 settings of one connection that the guard judges by: [`guard_limits`]
+/// makes them and [`GuardLimits::configure`] gives them to hyper's builder, so what
+/// the guard assumes is what h2 advertises.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct GuardLimits {
     /// Our SETTINGS_MAX_FRAME_SIZE.
@@ -67,25 +73,66 @@ pub(crate) struct GuardLimits {
     /// default; h2's WINDOW_UPDATE raising it is followed like any other.)
     pub(crate) stream_window: u32,
     /// Our SETTINGS_MAX_HEADER_LIST_SIZE; a header block's encoded bytes may be at
-    /// most twice this (HPACK never needs more for a list this size).
+    /// most twice this, or twice 16 KiB if that is more (HPACK never needs more for
+    /// a list this size).
     pub(crate) max_header_bytes: usize,
     /// Our SETTINGS_MAX_CONCURRENT_STREAMS: the open-stream table's scale, and the
     /// number of streams a client may cancel per second before GOAWAY
-    /// ENHANCE_YOUR_CALM.
+    /// ENHANCE_YOUR_CALM. Lower on proxy sites (their send budget).
     pub(crate) max_concurrent_streams: u32,
     /// How long a header block, or any frame but DATA, may take from its first
     /// byte to its last (`header_read_timeout`).
     pub(crate) header_timeout: Duration,
+    /// Our SETTINGS_HEADER_TABLE_SIZE: the guard's HPACK decoder follows h2's.
+    pub(crate) header_table_size: u32,
+    /// Bytes a stream may queue beyond its window (h2's send buffer).
+    pub(crate) max_send_buffer: usize,
+    /// Stream errors the server may answer on one connection before it ends it
+    /// with GOAWAY ENHANCE_YOUR_CALM: h2 counts its own, the guard its own.
+    pub(crate) max_local_error_resets: usize,
 }
 
-/// The guard's limits for a connection of `ctx`: what hyper's builder advertises.
+/// h2's default stream errors per connection (stated, so the guard counts the same).
+const MAX_LOCAL_ERROR_RESETS: usize = 1024;
+
+/// The limits of a connection of `ctx`, for hyper's builder and the guard alike.
 pub(crate) fn guard_limits(ctx: &crate::exchange::ConnContext) -> GuardLimits {
-    GuardLimits {
-        max_frame_size: ctx.h2.max_frame_size_bytes,
-        stream_window: ctx.h2.initial_stream_window_bytes,
+    let h2 = ctx.h2;
+    let mut limits = GuardLimits {
+        max_frame_size: h2.max_frame_size_bytes,
+        stream_window: h2.initial_stream_window_bytes,
         max_header_bytes: ctx.limits.max_header_bytes,
-        max_concurrent_streams: ctx.h2.max_concurrent_streams,
+        max_concurrent_streams: h2.max_concurrent_streams,
+        header_table_size: frames::HEADER_TABLE_SIZE,
+        max_send_buffer: h2.max_send_buffer_bytes,
+        max_local_error_resets: MAX_LOCAL_ERROR_RESETS,
         header_timeout: ctx.limits.header_read_timeout,
+    };
+    // A proxy site's streams relay upstream bodies: the proxy budget bounds them, and
+    // the connection's total (`proxy_h2_tls_connection_send_buffer_bytes`) caps how
+    // many may run at once.
+    if ctx.service.is_proxy(ctx.client.tls_site) {
+        let per_stream = ctx.proxy_h2.tls_max_send_buffer_bytes;
+        let streams = (ctx.proxy_h2.tls_connection_send_buffer_bytes / per_stream.max(1)).max(1);
+        limits.max_send_buffer = per_stream;
+        limits.max_concurrent_streams = u32::try_from(streams)
+            .unwrap_or(u32::MAX)
+            .min(h2.max_concurrent_streams);
+    }
+    limits
+}
+
+impl GuardLimits {
+    /// Gives hyper's builder every setting the guard judges by.
+    pub(crate) fn configure<E>(&self, builder: &mut hyper::server::conn::http2::Builder<E>) {
+        builder
+            .initial_stream_window_size(self.stream_window)
+            .max_frame_size(self.max_frame_size)
+            .max_concurrent_streams(self.max_concurrent_streams)
+            .max_send_buf_size(self.max_send_buffer)
+            .max_header_list_size(u32::try_from(self.max_header_bytes).unwrap_or(u32::MAX))
+            .header_table_size(self.header_table_size)
+            .max_local_error_reset_streams(self.max_local_error_resets);
     }
 }
 
@@ -160,10 +207,14 @@ pub(crate) struct H2Guard<S> {
     our_settings_acked: bool,
     connection_window: i64,
     resets: (Instant, u32),
+    /// Stream errors the guard answered itself on this connection.
+    local_errors: usize,
     output: Output,
     /// Output frames one write finished (reused).
     finished: Vec<(frames::OutFrame, [u8; 4], usize)>,
-    /// Frames to write to the client at the next output boundary.
+    /// Frames to write to the client at the next output boundary. While more than
+    /// `MAX_INJECT` bytes wait, the client is not read (it is not reading either):
+    /// at most that plus one read's worth of the guard's answers.
     inject: Vec<u8>,
     inject_at: usize,
     needs_flush: bool,
@@ -186,7 +237,7 @@ impl<S> std::fmt::Debug for H2Guard<S> {
 impl<S> H2Guard<S> {
     pub(crate) fn new(inner: S, limits: GuardLimits) -> Self {
         let mut decoder = loona_hpack::Decoder::new();
-        decoder.set_max_allowed_table_size(HEADER_TABLE_SIZE);
+        decoder.set_max_allowed_table_size(limits.header_table_size as usize);
         Self {
             inner,
             limits,
@@ -209,6 +260,7 @@ impl<S> H2Guard<S> {
             our_settings_acked: false,
             connection_window: DEFAULT_WINDOW,
             resets: (Instant::now(), 0),
+            local_errors: 0,
             output: Output::default(),
             finished: Vec::new(),
             inject: Vec::new(),
@@ -338,6 +390,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
                 this.head_timeout();
                 continue;
             }
+            if this.inject.len() - this.inject_at > MAX_INJECT {
+                // The client takes none of our answers: read no more of its frames
+                // until they are out (the write at the next boundary wakes us).
+                this.read_waker = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
             // Read as much as hyper asked for, so h2 sees the reads it would
             // without the guard (one buffer per connection, zeroed once).
             let want = buf.remaining().clamp(8 * 1024, MAX_READ);
@@ -422,5 +480,103 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for H2Guard<S> {
             std::task::ready!(this.poll_inject(cx))?;
         }
         Pin::new(&mut this.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::frames::{frame_bytes, DATA, PRIORITY};
+    use super::*;
+
+    /// A connection whose client sends `input` as fast as it is read and takes only
+    /// `room` bytes of output.
+    struct Stuck {
+        input: Vec<u8>,
+        read_at: usize,
+        room: usize,
+    }
+
+    impl AsyncRead for Stuck {
+        fn poll_read(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            let n = buf.remaining().min(self.input.len() - self.read_at);
+            let at = self.read_at;
+            buf.put_slice(&self.input[at..at + n]);
+            self.read_at += n;
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl AsyncWrite for Stuck {
+        fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            if self.room == 0 {
+                return Poll::Pending;
+            }
+            let n = buf.len().min(self.room);
+            self.room -= n;
+            Poll::Ready(Ok(n))
+        }
+
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// While hyper's output is stuck inside a frame, the guard's own answers to a
+    /// stream of bad frames stop the reading once `MAX_INJECT` bytes of them wait.
+    #[test]
+    fn answers_the_client_does_not_take_stop_the_reading() {
+        let mut input = PREFACE.to_vec();
+        let bad_priority = frame_bytes(PRIORITY, 0, 3, &[0, 0, 0, 0]);
+        for _ in 0..50_000 {
+            input.extend_from_slice(&bad_priority);
+        }
+        let total = input.len();
+        let stuck = Stuck {
+            input,
+            read_at: 0,
+            room: 20,
+        };
+        let mut guard = H2Guard::new(
+            stuck,
+            GuardLimits {
+                max_frame_size: 16_384,
+                stream_window: 65_535,
+                max_header_bytes: 16_384,
+                max_concurrent_streams: 100,
+                header_table_size: frames::HEADER_TABLE_SIZE,
+                max_send_buffer: 1 << 20,
+                max_local_error_resets: usize::MAX,
+                header_timeout: Duration::from_secs(60),
+            },
+        );
+        let mut cx = Context::from_waker(Waker::noop());
+        // hyper's output: a DATA frame the client takes only 20 bytes of.
+        let data = frame_bytes(DATA, 0, 1, &[0; 100]);
+        let written = Pin::new(&mut guard).poll_write(&mut cx, &data);
+        assert!(matches!(written, Poll::Ready(Ok(20))));
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut pending = false;
+        for _ in 0..1_000 {
+            let mut read = ReadBuf::new(&mut buf);
+            if Pin::new(&mut guard).poll_read(&mut cx, &mut read).is_pending() {
+                pending = true;
+                break;
+            }
+        }
+        assert!(pending, "the guard read on");
+        assert!(guard.inner.read_at < total, "the guard read all {total} bytes");
+        assert!(
+            guard.inject.len() <= MAX_INJECT + MAX_READ,
+            "{} bytes wait",
+            guard.inject.len()
+        );
     }
 }
