@@ -554,7 +554,7 @@ async fn a_half_closed_tunnel_is_released_by_the_shorter_timeout() {
 /// (the client closes once it has the answer): none counted as a reset.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_origin_that_answers_and_half_closes_at_once_ends_cleanly() {
-    const ROUNDS: usize = 40;
+    const ROUNDS: usize = 100;
     let env = Env::new();
     let hello = client_hello(&env, "raw.pass");
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
