@@ -547,3 +547,59 @@ async fn a_half_closed_tunnel_is_released_by_the_shorter_timeout() {
         drop(tcp);
     }
 }
+
+/// The race behind the flaky test above: the origin answers and half-closes the
+/// instant it has the ClientHello, so its reply and FIN reach the front while the
+/// sockmap engine is still linking. Each of these connections must end cleanly
+/// (the client closes once it has the answer): none counted as a reset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_origin_that_answers_and_half_closes_at_once_ends_cleanly() {
+    const ROUNDS: usize = 100;
+    let env = Env::new();
+    let hello = client_hello(&env, "raw.pass");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let origin = listener.local_addr().unwrap();
+    let hello_len = hello.len();
+    let task = tokio::spawn(async move {
+        for _ in 0..ROUNDS {
+            let Ok(Ok((mut tcp, _))) = tokio::time::timeout(Duration::from_secs(10), listener.accept()).await
+            else {
+                return;
+            };
+            tokio::spawn(async move {
+                let mut seen = vec![0; hello_len];
+                if tcp.read_exact(&mut seen).await.is_err() {
+                    return;
+                }
+                let _ = tcp.write_all(b"bye").await;
+                let _ = tcp.shutdown().await;
+                let mut rest = Vec::new();
+                let _ = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut rest)).await;
+            });
+        }
+    });
+    let server = front(&env, origin, "sockmap", "");
+    for round in 0..ROUNDS {
+        let mut tcp = TcpStream::connect(server.addr()).await.unwrap();
+        tcp.write_all(&hello).await.unwrap();
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut got))
+            .await
+            .unwrap_or_else(|_| panic!("round {round}: the origin's FIN never came"))
+            .unwrap();
+        assert_eq!(got, b"bye", "round {round}");
+    }
+    let mut stats = Value::Null;
+    let ended = eventually(Duration::from_secs(10), || {
+        stats = stats_json(&pins(&server));
+        counter(&stats, "closed_clean") + counter(&stats, "closed_reset") == ROUNDS as u64
+    });
+    assert!(ended, "not every connection ended: {stats}");
+    assert_eq!(
+        counter(&stats, "closed_reset"),
+        0,
+        "{stats}; log:\n{}",
+        server.log()
+    );
+    task.abort();
+}

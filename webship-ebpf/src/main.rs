@@ -67,6 +67,13 @@ pub fn webship_splice(ctx: SkBuffContext) -> u32 {
     // SAFETY: `link` points into the map value for this socket, which only this
     // socket's (serialized) receive path writes after the daemon created it.
     let (mut peer, direction) = unsafe { ((*link).peer, (*link).direction) };
+    if len == 0 {
+        // A bare FIN carries nothing to move: redirected to the peer's
+        // egress, the kernel's sender fails on it and breaks the peer's pipe
+        // (EPIPE in its socket error). Left here, the daemon reads the end and
+        // half-closes the peer itself once everything was delivered.
+        return SK_PASS;
+    }
     if SOCKS.redirect_skb(&ctx, &mut peer, 0) != i64::from(SK_PASS) {
         // The peer left the map: it was reset or closed (the kernel unhashes a
         // socket on TCP_CLOSE). Dropping would let the kernel swallow everything

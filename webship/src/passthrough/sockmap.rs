@@ -7,10 +7,13 @@
 //!   ClientHello is read and written to the upstream from userspace, before the
 //!   client's direction is opened (the upstream's is open first, so its reply can
 //!   never be left behind);
-//! - a FIN does not travel through the redirect: when one side's read half closes,
-//!   the daemon waits until everything that side received was redirected *and*
-//!   acknowledged by the other side's peer (`TCP_INFO` byte counts), then
-//!   half-closes the other side itself;
+//! - a FIN must not travel through the redirect: the program leaves a segment
+//!   without payload in its socket (redirected, the kernel's sender fails on it
+//!   and sets `EPIPE` on the peer socket, which the daemon then reads as an error:
+//!   an origin that answered and half-closed at once ended as a reset). When one
+//!   side's read half closes, the daemon waits until everything that side
+//!   received was redirected *and* acknowledged by the other side's peer
+//!   (`TCP_INFO` byte counts), then half-closes the other side itself;
 //! - map entries outlive nothing: the link is removed when the connection ends,
 //!   whichever way it ends.
 //!
