@@ -163,6 +163,7 @@ fn install_apt(packages: &[(&str, &str)]) -> anyhow::Result<()> {
 
 fn test(extra: &[String]) -> anyhow::Result<()> {
     install_deps()?;
+    raise_open_files();
     run(cargo().args(["fmt", "--all", "--", "--check"]))?;
     // The crates outside the workspace (their own toolchains build them).
     for manifest in ["webship-ebpf/Cargo.toml", "fuzz/Cargo.toml"] {
@@ -190,6 +191,31 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     bench(&["download".into(), "--smoke".into()])?;
     bench(&["webtransport", "--samples", "1", "--datagrams", "2000"].map(String::from))?;
     bench(&["concurrency", "--levels", "1,16", "--mib", "1"].map(String::from))
+}
+
+/// Open files the suite's daemons may need: a flood test configures 1,000
+/// connections under UDP passthrough (7 descriptors each, plus 256), and the daemon
+/// refuses a configured `max_connections` the limit cannot fit. Below this hard
+/// limit, root raises it for the suite (inherited by everything it starts; needs
+/// CAP_SYS_RESOURCE); the limit tests set their own.
+const SUITE_OPEN_FILES: u64 = 8_192;
+
+fn raise_open_files() {
+    let hard = std::fs::read_to_string("/proc/self/limits")
+        .ok()
+        .and_then(|limits| {
+            let line = limits.lines().find(|l| l.starts_with("Max open files"))?;
+            line.split_whitespace().nth(4)?.parse::<u64>().ok()
+        });
+    if !is_root() || hard.is_some_and(|h| h >= SUITE_OPEN_FILES) {
+        return;
+    }
+    let limit = format!("--nofile={SUITE_OPEN_FILES}:{SUITE_OPEN_FILES}");
+    let pid = std::process::id().to_string();
+    match Command::new("prlimit").args(["--pid", &pid, &limit]).status() {
+        Ok(status) if status.success() => eprintln!("xtask: open-file limit raised to {SUITE_OPEN_FILES} for the suite"),
+        _ => eprintln!("xtask: could not raise the open-file limit (hard {hard:?}); tests that need more descriptors may fail"),
+    }
 }
 
 fn run_daemon(extra: &[String]) -> anyhow::Result<()> {
