@@ -141,6 +141,19 @@ pub enum End {
 /// Established TCP connections whose `end` is the loopback `port`, from the
 /// kernel's socket tables (/proc/net/tcp and tcp6).
 pub fn established(port: u16, end: End) -> usize {
+    count_established(port, end, |_| true)
+}
+
+/// Of those, the ones whose armed timer is the keepalive timer (`tr` 2): sockets
+/// with SO_KEEPALIVE and nothing in flight.
+pub fn established_with_keepalive(port: u16, end: End) -> usize {
+    count_established(port, end, |cols| {
+        cols.get(5).is_some_and(|timer| timer.starts_with("02:"))
+    })
+}
+
+/// Established sockets of `port`'s `end` whose columns also pass `keep`.
+fn count_established(port: u16, end: End, keep: impl Fn(&[&str]) -> bool) -> usize {
     let port_hex = format!(":{port:04X}");
     let column = match end {
         End::Local => 1,
@@ -155,7 +168,7 @@ pub fn established(port: u16, end: End) -> usize {
                 .skip(1)
                 .filter(|l| {
                     let cols: Vec<&str> = l.split_whitespace().collect();
-                    cols.len() > 3 && cols[column].ends_with(&port_hex) && cols[3] == "01"
+                    cols.len() > 3 && cols[column].ends_with(&port_hex) && cols[3] == "01" && keep(&cols)
                 })
                 .count()
         })

@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use webship_testkit::proc::{established, read_stat, End, FloodReport, Footprint};
+use webship_testkit::proc::{
+    established, established_with_keepalive, read_stat, End, FloodReport, Footprint,
+};
 use webship_tests::client::{fetch, Proto};
 use webship_tests::nginx::Nginx;
 use webship_tests::server::eventually;
@@ -50,33 +52,6 @@ async fn silent_clients(server: &Server, hello: &[u8], n: usize) -> Vec<TcpStrea
         clients.push(tcp);
     }
     clients
-}
-
-/// Sockets of `port`'s `end` in /proc/net/tcp(6) whose timer is the keepalive
-/// timer (`tr` 2), established.
-fn keepalive_timers(port: u16, end: End) -> usize {
-    let port_hex = format!(":{port:04X}");
-    let column = match end {
-        End::Local => 1,
-        End::Remote => 2,
-    };
-    ["/proc/net/tcp", "/proc/net/tcp6"]
-        .iter()
-        .filter_map(|f| std::fs::read_to_string(f).ok())
-        .map(|table| {
-            table
-                .lines()
-                .skip(1)
-                .filter(|l| {
-                    let cols: Vec<&str> = l.split_whitespace().collect();
-                    cols.len() > 5
-                        && cols[column].ends_with(&port_hex)
-                        && cols[3] == "01"
-                        && cols[5].starts_with("02:")
-                })
-                .count()
-        })
-        .sum()
 }
 
 /// The server's footprint once the connections the start-up harness made to see
@@ -143,14 +118,14 @@ async fn silent_clients_are_released(engine: &str) {
     });
     assert!(steered, "{engine}: not all steered; log:\n{}", server.log());
     let kept_alive = eventually(Duration::from_secs(1), || {
-        keepalive_timers(server.port, End::Local) == N
-            && keepalive_timers(origin.addr.port(), End::Remote) == N
+        established_with_keepalive(server.port, End::Local) == N
+            && established_with_keepalive(origin.addr.port(), End::Remote) == N
     });
     assert!(
         kept_alive,
         "{engine}: {} client and {} upstream sockets with keepalive, of {N}",
-        keepalive_timers(server.port, End::Local),
-        keepalive_timers(origin.addr.port(), End::Remote)
+        established_with_keepalive(server.port, End::Local),
+        established_with_keepalive(origin.addr.port(), End::Remote)
     );
     let released = eventually(Duration::from_secs(IDLE_SECS + 4), || {
         server.established() == 0
