@@ -72,39 +72,10 @@ where
             ends
         });
     }
-    // The peak of each measure over the flood, sampled every 50 ms.
-    let sampler = {
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            let mut peak = before;
-            while !stop.load(Ordering::Relaxed) {
-                if let Some(now) = Footprint::of(pid) {
-                    peak.rss_kib = peak.rss_kib.max(now.rss_kib);
-                    peak.fds = peak.fds.max(now.fds);
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            peak
-        })
-    };
+    let sampler = peak_until(pid, before, stop.clone());
     tokio::time::sleep(FLOOD / 3).await;
     let started = Instant::now();
-    let got = fetch(
-        Proto::H2,
-        server.addr(),
-        HOST,
-        env.client(b"h2"),
-        "GET",
-        "/big.bin",
-        &[],
-    )
-    .await;
-    let download = started.elapsed();
-    assert_eq!(
-        (got.status.as_u16(), got.len),
-        (200, 4 * MIB),
-        "a normal download during the {name} flood"
-    );
+    let download = normal_download(env, server, 4 * MIB, name).await;
     tokio::time::sleep(FLOOD.saturating_sub(started.elapsed() + FLOOD / 3)).await;
     stop.store(true, Ordering::Relaxed);
     let mut ends = Vec::new();
@@ -131,6 +102,44 @@ where
         "{name}: fds {before} before, {after} after"
     );
     ends
+}
+
+/// The peak of each measure of `pid`, sampled every 50 ms until `stop`.
+fn peak_until(pid: u32, before: Footprint, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<Footprint> {
+    tokio::spawn(async move {
+        let mut peak = before;
+        while !stop.load(Ordering::Relaxed) {
+            if let Some(now) = Footprint::of(pid) {
+                peak.rss_kib = peak.rss_kib.max(now.rss_kib);
+                peak.fds = peak.fds.max(now.fds);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        peak
+    })
+}
+
+/// A normal h2 download of `/big.bin` (`len` bytes) during the `name` flood: how
+/// long it took.
+async fn normal_download(env: &Env, server: &webship_tests::Server, len: u64, name: &str) -> Duration {
+    let started = Instant::now();
+    let got = fetch(
+        Proto::H2,
+        server.addr(),
+        HOST,
+        env.client(b"h2"),
+        "GET",
+        "/big.bin",
+        &[],
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(
+        (got.status.as_u16(), got.len),
+        (200, len),
+        "a normal download during the {name} flood"
+    );
+    took
 }
 
 /// The footprint once open fds are back near `before` (or after 5 s).
@@ -423,38 +432,9 @@ async fn guard_stream_errors_while_not_reading_are_bounded() {
         .map(|_| tokio::spawn(priority_while_not_reading(server.addr(), env.client(b"h2"))))
         .collect();
     let done = Arc::new(AtomicBool::new(false));
-    let sampler = {
-        let done = done.clone();
-        tokio::spawn(async move {
-            let mut peak = before;
-            while !done.load(Ordering::Relaxed) {
-                if let Some(now) = Footprint::of(pid) {
-                    peak.rss_kib = peak.rss_kib.max(now.rss_kib);
-                    peak.fds = peak.fds.max(now.fds);
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            peak
-        })
-    };
+    let sampler = peak_until(pid, before, done.clone());
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let started = Instant::now();
-    let got = fetch(
-        Proto::H2,
-        server.addr(),
-        HOST,
-        env.client(b"h2"),
-        "GET",
-        "/big.bin",
-        &[],
-    )
-    .await;
-    let download = started.elapsed();
-    assert_eq!(
-        (got.status.as_u16(), got.len),
-        (200, 16 * MIB),
-        "a normal download during the flood"
-    );
+    let download = normal_download(&env, &server, 16 * MIB, "bad PRIORITY").await;
     let mut ends = Vec::new();
     for attacker in attackers {
         ends.push(attacker.await.expect("an attacker panicked"));
