@@ -12,6 +12,7 @@
 #![deny(unsafe_code)]
 
 pub mod config;
+pub mod control;
 pub mod ebpf;
 mod exchange;
 mod files;

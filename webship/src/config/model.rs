@@ -40,6 +40,19 @@ pub struct Config {
     pub user: Option<String>,
     /// Its group (`None`: the user's primary group).
     pub group: Option<String>,
+    /// The control socket (`webship reload`, `--takeover`); `None` for the built-in
+    /// configuration, which has no file to reload.
+    pub control_socket: Option<PathBuf>,
+}
+
+/// The folder of the default control sockets (systemd's `RuntimeDirectory=webship`).
+pub const CONTROL_DIR: &str = "/run/webship";
+
+/// The control socket of a daemon listening on `port` when the file names none:
+/// one per port, so daemons on different ports never collide, and a new process on
+/// the same port finds the one it takes over.
+pub fn default_control_socket(port: u16) -> PathBuf {
+    PathBuf::from(CONTROL_DIR).join(format!("{port}.sock"))
 }
 
 /// A TLS passthrough route: connections whose ClientHello names `domain`.

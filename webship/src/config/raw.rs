@@ -14,6 +14,8 @@ pub(super) struct RawConfig {
     /// The service account to switch to after binding.
     pub user: Option<String>,
     pub group: Option<String>,
+    /// Where `webship reload` and a taking-over process reach the daemon.
+    pub control_socket: Option<PathBuf>,
     pub root: Option<PathBuf>,
     /// The default of every file site, and the top-level `root` site's own.
     pub dotfiles: Option<super::Dotfiles>,

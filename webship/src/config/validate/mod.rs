@@ -80,6 +80,7 @@ impl Validator<'_> {
         let listen = self.listen(raw.listen.as_deref());
         let workers = self.workers(raw.workers);
         self.account(raw.user.as_deref(), raw.group.as_deref());
+        let control_socket = self.control_socket(raw.control_socket.as_deref(), listen);
         let top = self.top_level(&raw);
         // Domains taken so far: site index, or `usize::MAX` for proxy and passthrough.
         let mut seen: BTreeMap<String, usize> = BTreeMap::new();
@@ -114,6 +115,7 @@ impl Validator<'_> {
             access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
             user: raw.user,
             group: raw.group,
+            control_socket: Some(control_socket),
         }
     }
 
@@ -158,6 +160,26 @@ impl Validator<'_> {
                 "set `user` too, or remove `group`",
             );
         }
+    }
+
+    /// `control_socket`: an absolute path that fits a Unix socket address.
+    fn control_socket(&mut self, path: Option<&Path>, listen: SocketAddr) -> PathBuf {
+        let Some(path) = path else {
+            return super::default_control_socket(listen.port());
+        };
+        // sun_path holds 108 bytes with the terminating NUL.
+        let len = path.as_os_str().len();
+        if !path.is_absolute() || len > 107 {
+            self.problem(
+                "control_socket",
+                format!(
+                    "`{}` is not an absolute path of at most 107 bytes",
+                    path.display()
+                ),
+                "write it as \"/run/webship/control.sock\"",
+            );
+        }
+        path.to_owned()
     }
 
     /// A route's `upstreams`: IP:port each, at least one.
