@@ -89,6 +89,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         passthrough_idle_timeout: super::model::DEFAULT_PASSTHROUGH_IDLE,
         passthrough_udp: None,
         access_log: false,
+        accept_proxy_protocol: Vec::new(),
         user: None,
         group: None,
     })

@@ -20,8 +20,8 @@ pub use error::{ConfigError, Problem};
 pub use load::{builtin_default, load, parse, BUILTIN_SOURCE};
 pub use model::{
     Config, DomainPattern, Dotfiles, Engine, H2Settings, H3Settings, IpNet, Kernel, Limits, PassthroughRoute,
-    Policy, Protocols, ProxyH2Settings, Route, Serve, Site, TlsSource, UdpEngine, UdpPassthrough,
-    UpstreamProtocol, WebTransport, WtMode, DEFAULT_PIN_DIR,
+    Policy, Protocols, ProxyH2Settings, ProxyProtocol, Route, Serve, Site, TlsSource, UdpEngine,
+    UdpPassthrough, UpstreamProtocol, WebTransport, WtMode, DEFAULT_PIN_DIR,
 };
 
 #[cfg(test)]
