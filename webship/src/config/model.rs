@@ -322,6 +322,12 @@ impl IpNet {
     }
 }
 
+impl fmt::Display for IpNet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum UpstreamProtocol {
     H1,

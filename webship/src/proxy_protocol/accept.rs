@@ -243,3 +243,85 @@ async fn take(tcp: &TcpStream, buf: &mut [u8]) -> Result<(), Refusal> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::{accept, Endpoints};
+    use crate::config::IpNet;
+
+    /// Sends `pieces` (each its own segment, a pause apart) on a loopback connection
+    /// and runs [`accept`] on the server side; then the bytes left in the socket.
+    async fn judge(pieces: &[&[u8]], listed: &str) -> (Option<Endpoints>, Vec<u8>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).await.unwrap();
+        client.set_nodelay(true).unwrap();
+        let (server, peer) = listener.accept().await.unwrap();
+        let pieces: Vec<Vec<u8>> = pieces.iter().map(|p| p.to_vec()).collect();
+        let sender = tokio::spawn(async move {
+            for piece in pieces {
+                client.write_all(&piece).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            client.shutdown().await.unwrap();
+            client
+        });
+        let listed = [IpNet::parse(listed).unwrap()];
+        let ends = accept(&server, peer, &listed, Duration::from_secs(5)).await;
+        let _client = sender.await.unwrap();
+        let mut rest = Vec::new();
+        let mut server = server;
+        if ends.is_some() {
+            server.read_to_end(&mut rest).await.unwrap();
+        }
+        (ends, rest)
+    }
+
+    /// Headers split anywhere (inside the signature, the fixed part, the addresses, the
+    /// v1 line) are read whole, and not one byte of what follows is taken.
+    #[tokio::test]
+    async fn exactly_the_header_is_taken_however_it_arrives() {
+        let tls = &[0x16, 0x03, 0x01, 0x00, 0x05][..];
+        let v1 = &b"PROXY TCP4 203.0.113.7 198.51.100.1 56324 443\r\n"[..];
+        let v2 = &b"\r\n\r\n\0\r\nQUIT\n\x21\x11\x00\x0c\xcb\x00\x71\x07\xc6\x33\x64\x01\xdc\x04\x01\xbb"[..];
+        let client = "203.0.113.7:56324".parse().unwrap();
+        let destination = Some("198.51.100.1:443".parse().unwrap());
+        let want = Some(Endpoints { client, destination });
+        for header in [v1, v2] {
+            for cuts in [
+                vec![],
+                vec![1],
+                vec![5, 13],
+                vec![15, 16, 20],
+                vec![header.len() - 1],
+            ] {
+                let mut pieces = Vec::new();
+                let mut at = 0;
+                for cut in cuts.iter().chain(std::iter::once(&header.len())) {
+                    pieces.push(&header[at..*cut]);
+                    at = *cut;
+                }
+                // The TLS bytes in the header's last segment, and in one of their own.
+                let last = [pieces.pop().unwrap(), &tls[..2]].concat();
+                pieces.push(&last);
+                pieces.push(&tls[2..]);
+                let (ends, rest) = judge(&pieces, "127.0.0.1/32").await;
+                assert_eq!(ends, want, "{cuts:?}");
+                assert_eq!(rest, tls, "{cuts:?}");
+            }
+        }
+        // Not listed: a header closes, TLS is left untouched.
+        let (ends, _) = judge(&[v2, tls], "10.0.0.0/8").await;
+        assert_eq!(ends, None);
+        let (ends, rest) = judge(&[tls], "10.0.0.0/8").await;
+        assert!(ends.is_some_and(|e| e.destination.is_none()));
+        assert_eq!(rest, tls);
+        // Listed without a header, or a header cut short: closed.
+        assert_eq!(judge(&[tls], "127.0.0.1/32").await.0, None);
+        assert_eq!(judge(&[&v2[..20]], "127.0.0.1/32").await.0, None);
+    }
+}
