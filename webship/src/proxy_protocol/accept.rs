@@ -135,9 +135,14 @@ pub(crate) async fn accept(
     let refusal = match judged {
         Ok(Ok(endpoints)) => return Some(endpoints),
         Ok(Err(refusal)) => refusal,
-        Err(_) => {
+        Err(_) if from_balancer => {
             bump(&TIMED_OUT);
             tracing::debug!(%peer, "proxy protocol: no complete header within the handshake timeout; closed");
+            return None;
+        }
+        // Silent for the whole handshake timeout: its handshake would have timed out.
+        Err(_) => {
+            tracing::debug!(%peer, "sent nothing within the handshake timeout; closed");
             return None;
         }
     };
