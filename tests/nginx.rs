@@ -24,16 +24,23 @@ impl Nginx {
     /// Serves the files under `root` on a free loopback port; returns once the port
     /// accepts connections.
     pub fn start(root: &Path) -> Nginx {
-        Self::start_with(root, None)
+        Self::start_with(root, None, false)
     }
 
     /// Serves `root` over TLS (h1 and h2) with the given certificate: an origin for
     /// passthrough, whose certificate the client must see.
     pub fn start_tls(root: &Path, cert: &Path, key: &Path) -> Nginx {
-        Self::start_with(root, Some((cert, key)))
+        Self::start_with(root, Some((cert, key)), false)
     }
 
-    fn start_with(root: &Path, tls: Option<(&Path, &Path)>) -> Nginx {
+    /// As [`Nginx::start_tls`], with `listen … ssl proxy_protocol`: every connection
+    /// must start with a PROXY header (v1 or v2), whose addresses go to
+    /// [`Nginx::proxy_protocol_log`].
+    pub fn start_tls_proxy_protocol(root: &Path, cert: &Path, key: &Path) -> Nginx {
+        Self::start_with(root, Some((cert, key)), true)
+    }
+
+    fn start_with(root: &Path, tls: Option<(&Path, &Path)>, proxy_protocol: bool) -> Nginx {
         assert!(
             Path::new(NGINX).exists(),
             "{NGINX} is missing (Debian package nginx-light)"
@@ -75,6 +82,9 @@ http {{
     log_format origin '$request $status $body_bytes_sent "$http_host" "$http_x_forwarded_for" '
                       '"$http_x_forwarded_proto" "$http_x_forwarded_host" "$http_forwarded" "$http_via"';
     access_log {d}/access.log origin;
+    log_format carried '$proxy_protocol_addr:$proxy_protocol_port>$proxy_protocol_server_addr:$proxy_protocol_server_port '
+                       '$remote_addr $request $status';
+    {carried_log}
 
     server {{
         listen 127.0.0.1:{port}{listen_tls};
@@ -85,7 +95,16 @@ http {{
 }}
 "#,
                 d = d.display(),
-                listen_tls = if tls.is_some() { " ssl http2" } else { "" },
+                listen_tls = match (tls.is_some(), proxy_protocol) {
+                    (true, true) => " ssl http2 proxy_protocol",
+                    (true, false) => " ssl http2",
+                    (false, _) => "",
+                },
+                carried_log = if proxy_protocol {
+                    format!("access_log {}/carried.log carried;", d.display())
+                } else {
+                    String::new()
+                },
                 tls_lines = tls.map_or(String::new(), |(cert, key)| format!(
                     "ssl_certificate {}; ssl_certificate_key {}; ssl_protocols TLSv1.2 TLSv1.3;",
                     cert.display(),
@@ -132,6 +151,12 @@ http {{
     /// line when the request ends, so it may lag a response the client already has.
     pub fn access_log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("access.log")).unwrap_or_default()
+    }
+
+    /// With `proxy_protocol`: one line per request, `CLIENT:PORT>DESTINATION:PORT
+    /// $remote_addr $request $status`, the first two as the PROXY header said.
+    pub fn proxy_protocol_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("carried.log")).unwrap_or_default()
     }
 
     pub fn error_log(&self) -> String {

@@ -25,6 +25,7 @@ mod names;
 pub mod passthrough;
 pub mod preflight;
 mod proxy;
+pub mod proxy_protocol;
 pub mod server;
 mod service;
 mod shutdown;

@@ -172,10 +172,21 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
         "  kernel   ktls={} bbr={} ebpf={}",
         config.kernel.ktls, config.kernel.bbr, config.kernel.ebpf
     );
+    if !config.accept_proxy_protocol.is_empty() {
+        let sources: Vec<String> = config
+            .accept_proxy_protocol
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        println!("  accept   PROXY headers from {}", sources.join(", "));
+    }
     for route in &config.passthrough {
         let upstreams: Vec<String> = route.upstreams.iter().map(ToString::to_string).collect();
+        let header = route
+            .proxy_protocol
+            .map_or(String::new(), |v| format!(", PROXY {v} header"));
         println!(
-            "  pass     {} → {} [engine {}]",
+            "  pass     {} → {} [engine {}{header}]",
             route.domain,
             upstreams.join(", "),
             config.passthrough_engine

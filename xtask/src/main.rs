@@ -257,7 +257,22 @@ fn fuzz(seconds: Option<&str>) -> anyhow::Result<()> {
     }
     let capsules = root.join("target/fuzz-corpus/capsules");
     std::fs::create_dir_all(&capsules)?;
-    for target in [("client_hello", corpus), ("capsules", capsules)] {
+    let proxy_header = root.join("target/fuzz-corpus/proxy_header");
+    std::fs::create_dir_all(&proxy_header)?;
+    for (name, seed) in [
+        ("v1", &b"PROXY TCP4 203.0.113.7 198.51.100.1 56324 443\r\n"[..]),
+        (
+            "v2",
+            b"\r\n\r\n\0\r\nQUIT\n\x21\x11\x00\x0c\xcb\x00\x71\x07\xc6\x33\x64\x01\xdc\x04\x01\xbb",
+        ),
+    ] {
+        std::fs::write(proxy_header.join(name), seed)?;
+    }
+    for target in [
+        ("client_hello", corpus),
+        ("capsules", capsules),
+        ("proxy_header", proxy_header),
+    ] {
         run(Command::new("cargo")
             .current_dir(root.join("fuzz"))
             .args(["+nightly", "fuzz", "run", "--fuzz-dir", "."])

@@ -36,6 +36,9 @@ pub struct Config {
     /// HTTP/3 passthrough: every QUIC datagram on the listen port goes to this origin.
     pub passthrough_udp: Option<UdpPassthrough>,
     pub access_log: bool,
+    /// Sources (load balancers) whose connections start with a PROXY protocol
+    /// header carrying the client's address; empty: none may send one.
+    pub accept_proxy_protocol: Vec<IpNet>,
     /// The service account to switch to once bound (`None`: stay as started).
     pub user: Option<String>,
     /// Its group (`None`: the user's primary group).
@@ -61,6 +64,25 @@ pub struct PassthroughRoute {
     pub domain: DomainPattern,
     pub upstreams: Vec<SocketAddr>,
     pub connect_timeout: Duration,
+    /// The PROXY protocol header written to the upstream before the client's bytes.
+    pub proxy_protocol: Option<ProxyProtocol>,
+}
+
+/// A PROXY protocol version (HAProxy's "The PROXY protocol": v1 is one text line,
+/// v2 a binary block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProxyProtocol {
+    V1,
+    V2,
+}
+
+impl fmt::Display for ProxyProtocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::V1 => "v1",
+            Self::V2 => "v2",
+        })
+    }
 }
 
 /// The shared QUIC origin of HTTP/3 passthrough.
@@ -263,7 +285,8 @@ pub struct Route {
     pub trusted_proxies: Vec<IpNet>,
 }
 
-/// An address block of `trusted_proxies`: `10.0.0.0/8`, `::1/128`, or one address.
+/// An address block of `trusted_proxies` or `accept_proxy_protocol`: `10.0.0.0/8`,
+/// `::1/128`, or one address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IpNet {
     addr: IpAddr,
@@ -309,6 +332,12 @@ impl IpNet {
     pub fn contains(&self, ip: IpAddr) -> bool {
         let ip = ip.to_canonical();
         ip.is_ipv4() == self.addr.is_ipv4() && self.mask(ip) == self.mask(self.addr)
+    }
+}
+
+impl fmt::Display for IpNet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
     }
 }
 

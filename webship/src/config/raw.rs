@@ -30,6 +30,8 @@ pub(super) struct RawConfig {
     pub reverse_proxy: Option<RawReverseProxy>,
     /// The diagnostic WebTransport endpoint of the top-level `root` site.
     pub webtransport: Option<RawWebTransport>,
+    /// Sources (CIDR blocks) that must start their connections with a PROXY header.
+    pub accept_proxy_protocol: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -82,6 +84,8 @@ pub(super) struct RawRoute {
     pub body_idle_timeout_secs: Option<u64>,
     pub max_connections_per_upstream: Option<usize>,
     pub queue_timeout_ms: Option<u64>,
+    /// Passthrough: "v1" or "v2" sends a PROXY header to the upstream; "off" (default).
+    pub proxy_protocol: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]

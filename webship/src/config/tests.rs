@@ -694,3 +694,51 @@ fn user_and_group_are_account_names() {
     assert_eq!(problems[0].key, "group");
     assert!(problems[0].fix.contains("user"), "{problems:?}");
 }
+
+#[test]
+fn proxy_protocol_keys() {
+    let f = Files::new();
+    let passthrough = |top: &str, route: &str| {
+        format!(
+            "listen = \"127.0.0.1:8443\"\n{top}\n[reverse_proxy]\ntls_termination = false\n[reverse_proxy.protocols]\nh3 = false\n[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"127.0.0.1:1\"]\n{route}\n"
+        )
+    };
+    let config = f.parse(&passthrough("", "")).unwrap();
+    assert!(config.accept_proxy_protocol.is_empty());
+    assert_eq!(config.passthrough[0].proxy_protocol, None);
+    let config = f
+        .parse(&passthrough(
+            "accept_proxy_protocol = [\"10.0.0.0/8\", \"127.0.0.2\", \"2001:db8::/32\"]",
+            "proxy_protocol = \"v2\"",
+        ))
+        .unwrap();
+    let listed = &config.accept_proxy_protocol;
+    assert!(
+        listed[0].contains("10.9.8.7".parse().unwrap()) && listed[1].contains("127.0.0.2".parse().unwrap())
+    );
+    assert!(!listed.iter().any(|n| n.contains("127.0.0.1".parse().unwrap())));
+    assert_eq!(config.passthrough[0].proxy_protocol, Some(ProxyProtocol::V2));
+    let config = f.parse(&passthrough("", "proxy_protocol = \"v1\"")).unwrap();
+    assert_eq!(config.passthrough[0].proxy_protocol, Some(ProxyProtocol::V1));
+    let config = f.parse(&passthrough("", "proxy_protocol = \"off\"")).unwrap();
+    assert_eq!(config.passthrough[0].proxy_protocol, None);
+
+    let keys = |text: String| -> Vec<String> { f.problems(&text).into_iter().map(|p| p.key).collect() };
+    assert_eq!(
+        keys(passthrough(
+            "accept_proxy_protocol = [\"10.0.0.1/8\", \"nope\", \"10.0.0.0/8\"]",
+            "proxy_protocol = \"v3\""
+        )),
+        [
+            "accept_proxy_protocol[0]",
+            "accept_proxy_protocol[1]",
+            "reverse_proxy.routes[0].proxy_protocol"
+        ]
+    );
+    // A terminated route's upstream speaks HTTP: it gets forwarding fields instead.
+    let terminated = "listen = \"127.0.0.1:8443\"\n[reverse_proxy]\n[reverse_proxy.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[[reverse_proxy.routes]]\ndomain = \"a.example\"\nupstreams = [\"127.0.0.1:1\"]\nproxy_protocol = \"v2\"\n";
+    let problems = f.problems(terminated);
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].key, "reverse_proxy.routes[0].proxy_protocol");
+    assert!(problems[0].fix.contains("tls_termination = false"));
+}

@@ -63,6 +63,8 @@ pub(crate) struct Drivers {
     /// Whether h3 responses may switch their connection to BBR (`[kernel] bbr`).
     pub(crate) bbr: bool,
     pub(crate) access_log: bool,
+    /// Sources whose connections start with a PROXY header (`accept_proxy_protocol`).
+    pub(crate) accept_proxy_protocol: Vec<crate::config::IpNet>,
     pub(crate) shutdown: Shutdown,
     /// Suites HTTP/1.1 bulk responses may promote to kernel TLS; `None` when kTLS is
     /// off or missing.
@@ -87,6 +89,7 @@ impl Drivers {
             h3: config.h3,
             bbr: config.kernel.bbr != Policy::Off,
             access_log: config.access_log,
+            accept_proxy_protocol: config.accept_proxy_protocol.clone(),
             shutdown,
             ktls,
             webtransport_sessions: config
@@ -99,8 +102,8 @@ impl Drivers {
         }
     }
 
-    /// The context of a new connection from `peer` that was shown `tls_site`'s
-    /// certificate.
+    /// The context of a new connection from `peer` (the client's address, carried by
+    /// a PROXY header where one came) that was shown `tls_site`'s certificate.
     pub(crate) fn connection(self: &Arc<Self>, peer: SocketAddr, tls_site: usize) -> ConnContext {
         ConnContext {
             drivers: self.clone(),

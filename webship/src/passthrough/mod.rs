@@ -24,7 +24,6 @@ mod sockmap;
 mod splice;
 pub(crate) mod udp;
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,6 +33,7 @@ use tokio::net::TcpStream;
 use crate::config::{Config, Engine, PassthroughRoute};
 use crate::ebpf::{Counter, Programs, Values, COUNTERS};
 use crate::names::NameTable;
+use crate::proxy_protocol::{self, accept::Endpoints};
 use client_hello::{Hello, HelloError, MAX_HELLO};
 use idle::{End, Timeouts};
 
@@ -171,10 +171,22 @@ impl Passthrough {
     }
 
     /// Connects to the route's next upstream (round-robin, falling through on
-    /// failure) and moves bytes both ways with the configured engine until both
-    /// sides are done.
-    pub(crate) async fn forward(&self, route: usize, client: TcpStream, peer: SocketAddr) {
+    /// failure), writes the route's PROXY header, and moves bytes both ways with the
+    /// configured engine until both sides are done. `ends` are the client's address
+    /// (carried by a balancer's header, or the peer's) and what it connected to.
+    pub(crate) async fn forward(&self, route: usize, client: TcpStream, ends: Endpoints) {
+        let peer = ends.client;
         let (r, next) = &self.routes[route];
+        // The address the client connected to: the balancer's, or this listener's.
+        let header = match (r.proxy_protocol, ends.destination) {
+            (None, _) => None,
+            (Some(version), Some(to)) => Some(proxy_protocol::encode(version, peer, to)),
+            (Some(version), None) => match client.local_addr() {
+                Ok(to) => Some(proxy_protocol::encode(version, peer, to)),
+                Err(e) => return tracing::debug!(%peer, error = %e, "passthrough: no local address"),
+            },
+        };
+        let header = header.unwrap_or_default();
         let n = r.upstreams.len();
         let start = next.fetch_add(1, Ordering::Relaxed);
         let mut upstream = None;
@@ -201,9 +213,14 @@ impl Passthrough {
         self.timeouts.arm(&client);
         self.timeouts.arm(&tcp);
         let moved = async {
+            // The header goes first, before any byte of the client's; sockmap writes
+            // it itself, after its counters' baseline (it must be acknowledged too).
+            if self.engine != Engine::Sockmap || self.programs.is_none() {
+                write_all(&tcp, &header).await?;
+            }
             match (self.engine, &self.programs) {
                 (Engine::Sockmap, Some(programs)) => {
-                    sockmap::run(programs, &client, &tcp, self.drain_timeout).await
+                    sockmap::run(programs, &client, &tcp, &header, self.drain_timeout).await
                 }
                 (Engine::Splice, _) => splice::run(&client, &tcp, 0).await,
                 (Engine::Auto, _) => splice::run(&client, &tcp, splice::ADAPTIVE_COPY_BYTES).await,
@@ -255,6 +272,20 @@ async fn wait_for_more(tcp: &TcpStream, seen: usize) -> Result<(), Option<HelloE
             Err(_) => return Err(truncated),
         }
     }
+}
+
+/// Writes all of `data` (the engines' own writes: the PROXY header, the hello).
+async fn write_all(sock: &TcpStream, mut data: &[u8]) -> std::io::Result<()> {
+    while !data.is_empty() {
+        sock.writable().await?;
+        match sock.try_write(data) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => data = &data[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// The `copy` engine: one [`COPY_BUFFER`] per direction.

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use tokio::net::TcpStream;
 
-use super::{count, Counter};
+use super::{count, write_all, Counter};
 use crate::ebpf::{Programs, SocketLink};
 use crate::sys::{self, TcpBytes};
 
@@ -43,10 +43,13 @@ enum Direction {
     Down,
 }
 
+/// Links `client` and `upstream` and watches them until both directions are done.
+/// `prelude` (the route's PROXY header, or nothing) reaches the upstream first.
 pub(super) async fn run(
     programs: &Arc<Programs>,
     client: &TcpStream,
     upstream: &TcpStream,
+    prelude: &[u8],
     drain_timeout: Duration,
 ) -> io::Result<()> {
     use std::os::fd::AsFd;
@@ -54,10 +57,19 @@ pub(super) async fn run(
     // Baselines first: every byte counted after them is the link's to deliver.
     let base_client = Baseline::take(client)?;
     let base_upstream = Baseline::take(upstream)?;
+    // What the client queued (the ClientHello) is read before the link: linking
+    // hands the queued segments to the verdict whole, even one the daemon already
+    // read part of (measured on Linux 6.18: a PROXY header read off the client
+    // reached the origin a second time, in front of the hello).
+    let queued = read_queued(client)?;
     let link = programs.link(client.as_fd(), upstream.as_fd())?;
-    // The ClientHello (and anything queued behind it) goes first, from userspace.
+    write_all(upstream, prelude).await?;
+    write_all(upstream, &queued).await?;
+    // Whatever arrived since (whole segments, which the link leaves queued) goes
+    // next, from userspace.
     let mut buf = vec![0u8; FALLBACK_BUFFER];
-    let mut hello = 0u64;
+    let mut hello = queued.len() as u64;
+    drop(queued);
     loop {
         match client.try_read(&mut buf) {
             Ok(0) => break,
@@ -79,6 +91,7 @@ pub(super) async fn run(
         base_from: base_client,
         base_to: base_upstream,
         userspace: hello,
+        injected: prelude.len() as u64,
         drain_timeout,
     };
     let down = Watch {
@@ -89,12 +102,56 @@ pub(super) async fn run(
         base_from: base_upstream,
         base_to: base_client,
         userspace: 0,
+        injected: 0,
         drain_timeout,
     };
     let result = tokio::try_join!(up.run(), down.run()).map(drop);
     let (redirected_up, redirected_down) = link.redirected();
     tracing::trace!(redirected_up, redirected_down, "sockmap: connection done");
     result
+}
+
+/// The most a client may have queued before its link: a ClientHello (at most
+/// 64 KiB) and what a TLS client may send before the server answers (0-RTT data).
+const MAX_QUEUED: usize = 256 * 1024;
+
+/// Reads everything queued on `client` (it stops at a would-block or the end). More
+/// than [`MAX_QUEUED`] is refused: stopping in the middle of a segment would leave a
+/// partly read one for the link.
+fn read_queued(client: &TcpStream) -> io::Result<Vec<u8>> {
+    let queued = usize::try_from(rustix::io::ioctl_fionread(client)?).unwrap_or(usize::MAX);
+    if queued > MAX_QUEUED {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{queued} bytes queued before the first answer"),
+        ));
+    }
+    // Sized for what is queued; what arrives meanwhile grows it, past the cap by one
+    // byte at most, which refuses the connection.
+    let mut out = Vec::with_capacity(queued + 1);
+    let mut got = 0;
+    // Bounded: each turn reads at least one byte, and the cap ends it.
+    while got <= MAX_QUEUED {
+        let room = queued
+            .saturating_sub(got)
+            .max(16 * 1024)
+            .min(MAX_QUEUED + 1 - got);
+        out.resize(got + room, 0);
+        match client.try_read(&mut out[got..]) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        }
+    }
+    out.truncate(got);
+    if got > MAX_QUEUED {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "more than 256 KiB queued before the first answer",
+        ));
+    }
+    Ok(out)
 }
 
 /// A socket's counters when the link was made.
@@ -124,6 +181,9 @@ struct Watch<'a> {
     base_to: Baseline,
     /// Bytes of this direction forwarded from userspace.
     userspace: u64,
+    /// Bytes the daemon wrote to `to` itself (the PROXY header): `to`'s peer
+    /// acknowledges them too, though `from` never received them.
+    injected: u64,
     drain_timeout: Duration,
 }
 
@@ -185,7 +245,8 @@ impl Watch<'_> {
                 .saturating_sub(self.base_to.tcp.acked);
             // What we read ourselves includes the bytes queued before the baseline.
             let passed_on = redirected + self.userspace.saturating_sub(self.base_from.queued);
-            if passed_on + 1 >= received && acked >= redirected + self.userspace {
+            let sent = redirected + self.userspace + self.injected;
+            if passed_on + 1 >= received && acked >= sent {
                 return Ok(());
             }
             if acked > last_acked {
@@ -194,27 +255,11 @@ impl Watch<'_> {
             } else if Instant::now() >= deadline {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!(
-                        "receiver stalled: {acked} of {} bytes acknowledged",
-                        redirected + self.userspace
-                    ),
+                    format!("receiver stalled: {acked} of {sent} bytes acknowledged"),
                 ));
             }
             tokio::time::sleep(pause).await;
             pause = (pause * 2).min(Duration::from_millis(20));
         }
     }
-}
-
-async fn write_all(sock: &TcpStream, mut data: &[u8]) -> io::Result<()> {
-    while !data.is_empty() {
-        sock.writable().await?;
-        match sock.try_write(data) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => data = &data[n..],
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }

@@ -107,6 +107,7 @@ pub async fn run(
 
     trigger.request();
     drain(&permits, limit, config.limits.shutdown_grace).await;
+    crate::proxy_protocol::accept::log_counters(&config.accept_proxy_protocol);
     for task in [h3_task, relay_task].into_iter().flatten() {
         task.abort();
     }
@@ -277,9 +278,16 @@ async fn connection(
     _permit: OwnedSemaphorePermit,
 ) {
     let handshake_timeout = drivers.limits.handshake_timeout;
+    // Before anything else reads: a load balancer's PROXY header names the client.
+    let listed = &drivers.accept_proxy_protocol;
+    let Some(ends) = crate::proxy_protocol::accept::accept(&tcp, peer, listed, handshake_timeout).await
+    else {
+        return;
+    };
+    let peer = ends.client;
     if let Some(pt) = &passthrough {
         match pt.decide(&tcp, handshake_timeout).await {
-            Decision::Forward(route) => return pt.forward(route, tcp, peer).await,
+            Decision::Forward(route) => return pt.forward(route, tcp, ends).await,
             Decision::Close(reason) => {
                 return tracing::debug!(%peer, reason, "passthrough: closed");
             }

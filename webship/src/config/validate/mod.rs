@@ -82,6 +82,10 @@ impl Validator<'_> {
         self.account(raw.user.as_deref(), raw.group.as_deref());
         let control_socket = self.control_socket(raw.control_socket.as_deref(), listen);
         let top = self.top_level(&raw);
+        let accept_proxy_protocol = self.address_blocks(
+            "accept_proxy_protocol",
+            raw.accept_proxy_protocol.as_deref().unwrap_or_default(),
+        );
         // Domains taken so far: site index, or `usize::MAX` for proxy and passthrough.
         let mut seen: BTreeMap<String, usize> = BTreeMap::new();
         let mut sites = self.sites(&raw.sites, &top, &mut seen);
@@ -113,6 +117,7 @@ impl Validator<'_> {
             passthrough_idle_timeout,
             passthrough_udp,
             access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
+            accept_proxy_protocol,
             user: raw.user,
             group: raw.group,
             control_socket: Some(control_socket),

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use crate::config::model::{DEFAULT_PASSTHROUGH_IDLE, DEFAULT_UDP_FLOWS_PER_ADDRESS};
 use crate::config::raw::{RawReverseProxy, RawRoute};
-use crate::config::{Engine, Kernel, PassthroughRoute, Policy, Protocols, Site, UdpEngine, UdpPassthrough};
+use crate::config::{
+    Engine, Kernel, PassthroughRoute, Policy, Protocols, ProxyProtocol, Site, UdpEngine, UdpPassthrough,
+};
 
 use super::Validator;
 
@@ -178,10 +180,24 @@ impl Validator<'_> {
         }
         seen.insert(name, usize::MAX);
         let upstreams = self.upstreams(&key, &r.upstreams);
+        let proxy_protocol = match r.proxy_protocol.as_deref() {
+            None | Some("off") => None,
+            Some("v1") => Some(ProxyProtocol::V1),
+            Some("v2") => Some(ProxyProtocol::V2),
+            Some(other) => {
+                self.problem(
+                    format!("{key}.proxy_protocol"),
+                    format!("`{other}` is not a PROXY protocol version"),
+                    "use \"v2\" (binary, what nginx, HAProxy and most origins read), \"v1\" (text) or \"off\"",
+                );
+                None
+            }
+        };
         Some(PassthroughRoute {
             domain,
             upstreams,
             connect_timeout: Duration::from_millis(r.connect_timeout_ms.unwrap_or(3_000).max(1)),
+            proxy_protocol,
         })
     }
 

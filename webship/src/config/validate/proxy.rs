@@ -70,7 +70,10 @@ impl Validator<'_> {
                 "add at least one [[reverse_proxy.routes]] with `domain`, `path_prefix` and `upstreams`",
             );
         }
-        let trusted = self.trusted_proxies(raw.trusted_proxies.as_deref().unwrap_or_default());
+        let trusted = self.address_blocks(
+            "reverse_proxy.trusted_proxies",
+            raw.trusted_proxies.as_deref().unwrap_or_default(),
+        );
         let by_domain = self.proxy_routes(&raw.routes, seen, &trusted);
         let Some(tls) = tls else {
             return (Vec::new(), None);
@@ -137,14 +140,15 @@ impl Validator<'_> {
         by_domain
     }
 
-    /// `trusted_proxies`: CIDR blocks (or single addresses) without host bits.
-    fn trusted_proxies(&mut self, raw: &[String]) -> Vec<IpNet> {
+    /// `trusted_proxies`, `accept_proxy_protocol`: CIDR blocks (or single addresses)
+    /// without host bits.
+    pub(super) fn address_blocks(&mut self, key: &str, raw: &[String]) -> Vec<IpNet> {
         let mut out = Vec::new();
         for (i, text) in raw.iter().enumerate() {
             match IpNet::parse(text.trim()) {
                 Some(net) => out.push(net),
                 None => self.problem(
-                    format!("reverse_proxy.trusted_proxies[{i}]"),
+                    format!("{key}[{i}]"),
                     format!("`{text}` is not an address block"),
                     "write it as \"10.0.0.0/8\", \"2001:db8::/32\" or one address, with no host bits set",
                 ),
@@ -208,6 +212,14 @@ impl Validator<'_> {
                     "use \"/prefix*\", \"*suffix\" or \"/exact\", written decoded (\"/café*\"), without `;`, `//`, `.` or `..` segments",
                 );
             }
+        }
+        if r.proxy_protocol.is_some() {
+            self.problem(
+                format!("{key}.proxy_protocol"),
+                "only TLS passthrough sends a PROXY header; an HTTP upstream learns the client's \
+                 address from X-Forwarded-For and Forwarded",
+                "remove `proxy_protocol`, or set `tls_termination = false`",
+            );
         }
         let upstreams = self.upstreams(key, &r.upstreams);
         let upstream_protocol = self.upstream_protocol(key, r);
