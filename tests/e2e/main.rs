@@ -23,5 +23,6 @@ mod proxy_hardening;
 mod sites;
 mod stalls;
 mod support;
+mod systemd;
 mod tls;
 mod webtransport;
