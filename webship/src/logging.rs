@@ -163,6 +163,10 @@ fn priority(level: &Level) -> &'static str {
 
 /// Appends `text` with line breaks escaped, so it stays on one line.
 fn push_one_line(out: &mut String, text: &str) {
+    if !text.contains(['\n', '\r']) {
+        out.push_str(text);
+        return;
+    }
     for c in text.chars() {
         match c {
             '\n' => out.push_str("\\n"),
