@@ -286,7 +286,8 @@ fn bounding_set(caps: &[String]) -> String {
     spec
 }
 
-/// `webship serve` of `config` on `port` as root with only `caps`, logging to `name`.
+/// `webship serve` of `config` on `port` as root with only `caps` and, like the
+/// unit's `NoNewPrivileges=yes`, no new privileges from the start; logging to `name`.
 fn start_bounded(world: &World, caps: &[String], port: u16, name: &str) -> Process {
     let dir = world.env.dir.path();
     let path = dir.join(format!("{name}.toml"));
@@ -294,6 +295,7 @@ fn start_bounded(world: &World, caps: &[String], port: u16, name: &str) -> Proce
     let mut command = Command::new("setpriv");
     command
         .arg(format!("--bounding-set={}", bounding_set(caps)))
+        .arg("--no-new-privs")
         .arg("--")
         .arg(binary())
         .args(["serve", "--config", path.to_str().unwrap()])
