@@ -24,5 +24,6 @@ mod proxy_protocol;
 mod sites;
 mod stalls;
 mod support;
+mod systemd;
 mod tls;
 mod webtransport;

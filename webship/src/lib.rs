@@ -20,6 +20,7 @@ mod h3;
 mod http;
 mod ktls;
 mod listener;
+pub mod logging;
 mod message;
 mod names;
 pub mod passthrough;

@@ -7,6 +7,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 
 use webship::config::{self, Config};
+use webship::logging::{self, LogFormat};
 use webship::{preflight, server};
 
 #[derive(Debug, Parser)]
@@ -18,6 +19,15 @@ use webship::{preflight, server};
 struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
+    /// How log lines are written to standard error: `text` or `json` (one object per
+    /// line) [default: $WEBSHIP_LOG_FORMAT, else text]. Under systemd each line also
+    /// starts with its syslog priority (`<6>`), and text drops its timestamp.
+    #[arg(long, global = true, value_name = "FORMAT", value_parser = parse_log_format)]
+    log_format: Option<LogFormat>,
+}
+
+fn parse_log_format(s: &str) -> Result<LogFormat, String> {
+    s.parse()
 }
 
 #[derive(Debug, Subcommand)]
@@ -55,7 +65,13 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging();
+    match LogFormat::choose(cli.log_format) {
+        Ok(format) => logging::init(format),
+        Err(e) => {
+            eprintln!("webship: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let result = match cli.command.unwrap_or(Command::Serve { config: None }) {
         Command::Serve { config } => serve(config.as_deref()),
         Command::Check { config } => check(&config),
@@ -69,20 +85,10 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("webship: {e:#}");
+            logging::fatal(&format!("{e:#}"));
             ExitCode::FAILURE
         }
     }
-}
-
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("WEBSHIP_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
 }
 
 fn load(path: Option<&Path>) -> anyhow::Result<Config> {
@@ -101,7 +107,7 @@ fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
     let missing = report.missing_required();
     if !missing.is_empty() {
         for finding in missing {
-            eprintln!("webship: preflight: {finding}");
+            tracing::error!("preflight: {finding}");
         }
         anyhow::bail!("required kernel features are missing; nothing was bound (see `webship preflight`)");
     }

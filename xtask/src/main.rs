@@ -35,6 +35,11 @@ const APT: &[(&str, &str)] = &[
     // A real browser for WebTransport, driven over WebDriver.
     ("chromium", "chromium"),
     ("chromedriver", "chromium-driver"),
+    // The systemd unit: `systemd-analyze verify` and its syscall groups, the
+    // capability set under setpriv, the daemon's system calls under strace.
+    ("systemd-analyze", "systemd"),
+    ("setpriv", "util-linux"),
+    ("strace", "strace"),
 ];
 
 fn main() -> ExitCode {

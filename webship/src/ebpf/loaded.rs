@@ -38,7 +38,8 @@ pub(crate) struct Programs {
     ebpf: Mutex<Ebpf>,
     /// The pin folder, open and exclusively locked (`flock`) for this daemon's
     /// life: a second daemon with the same folder is refused, not given our pins.
-    _lock: std::fs::File,
+    /// The maps are unpinned through it at shutdown.
+    folder: std::fs::File,
 }
 
 impl std::fmt::Debug for Programs {
@@ -97,7 +98,7 @@ impl Programs {
             udp_config: Mutex::new(udp_config),
             pin_dir: pin_dir.to_owned(),
             ebpf: Mutex::new(ebpf),
-            _lock: lock,
+            folder: lock,
         }))
     }
 
@@ -185,7 +186,12 @@ impl Programs {
 impl Drop for Programs {
     fn drop(&mut self) {
         for path in pin_paths(&self.pin_dir) {
-            if let Err(e) = std::fs::remove_file(&path) {
+            // Relative to the folder opened at start: the service account may not
+            // search /sys/fs/bpf (systemd mounts it 0700), only the folder it was
+            // given (see `server::give_pins`).
+            let name = path.file_name().unwrap_or(path.as_os_str());
+            let removed = rustix::fs::unlinkat(&self.folder, name, rustix::fs::AtFlags::empty());
+            if let Err(e) = removed.map_err(io::Error::from) {
                 if e.kind() != io::ErrorKind::NotFound {
                     tracing::warn!(path = %path.display(), error = %e, "cannot remove a pinned map");
                 }

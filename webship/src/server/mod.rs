@@ -9,6 +9,7 @@
 
 mod plan;
 mod process;
+mod systemd;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -23,6 +24,9 @@ use crate::h3::H3Endpoint;
 use crate::passthrough::{Decision, Passthrough};
 use crate::preflight::Report;
 use crate::service::Service;
+/// sd_notify: `ready()`, `reloading()`, `stopping()`, `status()`, `mainpid()`, the
+/// watchdog (see the module).
+pub use crate::sys::notify;
 use crate::tls::{Acceptor, SiteNames};
 use plan::Plan;
 pub use process::{raise_fd_limit, Privilege, ProcessError};
@@ -103,14 +107,18 @@ pub async fn run(
         drivers,
         bbr: report.use_bbr(),
     };
+    // READY=1 (systemd): bound, preflight passed, privileges dropped, serving.
+    let reporter = systemd::Reporter::serving(&config, permits.clone(), limit);
     front.accept_until(bound.listener, &permits, signal).await;
 
+    reporter.draining();
     trigger.request();
     drain(&permits, limit, config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&config.accept_proxy_protocol);
     for task in [h3_task, relay_task].into_iter().flatten() {
         task.abort();
     }
+    drop(reporter);
     plan.finish();
     Ok(())
 }
@@ -134,20 +142,33 @@ fn drop_privileges(
     Ok(())
 }
 
-/// Hands the pin folder and what is pinned in it to the service account. Links are
-/// not followed: the account owned the folder on an earlier run and may have left
-/// one there naming any file of root's.
+/// Hands what is pinned to the service account, so that it can remove the maps at
+/// shutdown: the maps become the account's, the folder its group's (rwx). The folder
+/// itself stays root's: had the account owned it, root would need CAP_DAC_OVERRIDE
+/// (which the systemd unit does not grant) to pin in it at the next start. Links
+/// are not followed: the account may have planted one naming any file of root's.
 fn give_pins(dir: &std::path::Path, uid: u32, gid: u32) {
     #[cfg(unix)]
     {
-        let entries = std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| e.path());
-        for path in std::iter::once(dir.to_path_buf()).chain(entries) {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        let warn = |path: &std::path::Path, e: std::io::Error| {
+            tracing::warn!(path = %path.display(), error = %e, "cannot hand a pinned map to the service account; it stays after shutdown");
+        };
+        let folder = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+            .open(dir)
+            .and_then(|folder| {
+                std::os::unix::fs::fchown(&folder, Some(0), Some(gid))?;
+                folder.set_permissions(std::fs::Permissions::from_mode(0o770))
+            });
+        if let Err(e) = folder {
+            warn(dir, e);
+        }
+        let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
+        for path in entries.map(|e| e.path()) {
             if let Err(e) = std::os::unix::fs::lchown(&path, Some(uid), Some(gid)) {
-                tracing::warn!(path = %path.display(), error = %e, "cannot hand a pinned map to the service account; it stays after shutdown");
+                warn(&path, e);
             }
         }
     }

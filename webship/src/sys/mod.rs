@@ -6,6 +6,7 @@
 #![allow(unsafe_code)]
 
 pub(crate) mod file;
+pub mod notify;
 pub(crate) mod privilege;
 pub(crate) mod rlimit;
 

@@ -1,0 +1,110 @@
+//! What the service manager hears from a running server (`sys::notify` speaks the
+//! protocol): `READY=1` once it serves, a `STATUS=` line that follows the open
+//! connections, `WATCHDOG=1` pings from a task on the runtime (so a runtime that no
+//! longer schedules tasks stops them and systemd restarts the service), and
+//! `STOPPING=1` when the drain starts. Without `$NOTIFY_SOCKET` nothing is spawned.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::sys::notify;
+
+/// How often the status line is refreshed when no watchdog asks for more often.
+const STATUS_EVERY: Duration = Duration::from_secs(5);
+
+#[derive(Debug)]
+pub(super) struct Reporter {
+    task: Option<JoinHandle<()>>,
+    draining: Arc<AtomicBool>,
+    permits: Arc<Semaphore>,
+    limit: usize,
+}
+
+impl Reporter {
+    /// Tells the manager the server is up (status first, so `systemctl status` has
+    /// it when the unit turns active) and starts the watchdog and status task.
+    pub(super) fn serving(config: &Config, permits: Arc<Semaphore>, limit: usize) -> Self {
+        let draining = Arc::new(AtomicBool::new(false));
+        let mut reporter = Self {
+            task: None,
+            draining: draining.clone(),
+            permits: permits.clone(),
+            limit,
+        };
+        if !notify::enabled() {
+            return reporter;
+        }
+        let what = summary(config);
+        let mut shown = format!("serving {what}; 0 connections open");
+        notify::status(&shown);
+        notify::ready();
+        let watchdog = notify::watchdog_interval();
+        if let Some(every) = watchdog {
+            tracing::info!(
+                every_ms = u64::try_from(every.as_millis()).unwrap_or(u64::MAX),
+                "systemd watchdog: pinging"
+            );
+        }
+        let every = watchdog.map_or(STATUS_EVERY, |w| w.min(STATUS_EVERY));
+        reporter.task = Some(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                if watchdog.is_some() {
+                    notify::watchdog_ping();
+                }
+                if draining.load(Ordering::Relaxed) {
+                    // The drain's waiters hold the permits they collect, so they no
+                    // longer count connections: the status keeps the drain's start.
+                    continue;
+                }
+                let open = limit - permits.available_permits();
+                let line = format!("serving {what}; {open} connections open");
+                if line != shown {
+                    notify::status(&line);
+                    shown = line;
+                }
+            }
+        }));
+        reporter
+    }
+
+    /// `STOPPING=1`, and the status says how many connections the drain waits for.
+    /// Call it before the shutdown is requested: then the permits still count the
+    /// open connections.
+    pub(super) fn draining(&self) {
+        if !notify::enabled() {
+            return;
+        }
+        self.draining.store(true, Ordering::Relaxed);
+        notify::stopping();
+        let open = self.limit - self.permits.available_permits();
+        notify::status(&format!("draining {open} connections"));
+    }
+}
+
+impl Drop for Reporter {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+    }
+}
+
+/// "3 sites and 1 passthrough route on 0.0.0.0:443".
+fn summary(config: &Config) -> String {
+    let plural = |n: usize, one: &str| format!("{n} {one}{}", if n == 1 { "" } else { "s" });
+    let mut out = plural(config.sites.len(), "site");
+    if !config.passthrough.is_empty() {
+        out.push_str(" and ");
+        out.push_str(&plural(config.passthrough.len(), "passthrough route"));
+    }
+    out.push_str(&format!(" on {}", config.listen));
+    out
+}
