@@ -271,6 +271,29 @@ fn installed(root: &Path) {
     assert!(user[6].ends_with("nologin"), "webship can log in: {user:?}");
     let gid: u32 = group[2].parse().unwrap();
 
+    // The pin folder as systemd-tmpfiles makes it at boot (here in the root's /sys,
+    // which is a plain folder: the snippet and its account resolve there).
+    ok(Command::new("systemd-tmpfiles")
+        .arg(format!("--root={}", root.display()))
+        .args(["--create", "webship.conf"]));
+    let pins = std::fs::metadata(root.join("sys/fs/bpf/webship")).unwrap();
+    assert_eq!(
+        (pins.mode() & 0o7777, pins.uid(), pins.gid()),
+        (0o750, uid, gid),
+        "the pin folder"
+    );
+    std::fs::remove_dir_all(root.join("sys")).unwrap();
+
+    let mut tls: Vec<String> = std::fs::read_dir(root.join("etc/webship/tls"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    tls.sort();
+    assert_eq!(
+        tls,
+        ["placeholder-cert.pem", "placeholder-key.pem"],
+        "etc/webship/tls"
+    );
     let key = std::fs::metadata(root.join(KEY)).unwrap();
     assert_eq!(
         (key.mode() & 0o777, key.uid(), key.gid()),
