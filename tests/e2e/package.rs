@@ -172,9 +172,13 @@ fn the_debian_package_installs_checks_and_purges_cleanly() {
         unit,
         std::fs::read_to_string(workspace().join("packaging/webship.service")).unwrap()
     );
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("the unit has no ExecStart=");
     assert!(
-        unit.contains(&format!("/usr/bin/webship serve --config {CONFIG}")),
-        "{unit}"
+        exec.starts_with("/usr/bin/webship ") && exec.contains(CONFIG),
+        "ExecStart does not run the packaged binary on the packaged config: {exec}"
     );
     man_page_names_every_command(&unpacked);
 
