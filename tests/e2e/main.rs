@@ -13,6 +13,7 @@ mod h3;
 mod h3_conformance;
 mod lifecycle;
 mod origins;
+mod package;
 mod passthrough;
 mod passthrough_limits;
 mod paths;

@@ -1,13 +1,16 @@
 //! `cargo xtask`: the project's own commands.
 //!
 //! - `cargo xtask test`: install what the suite needs when missing (Debian packages:
-//!   curl, nginx, nghttp2-client, ngtcp2-client, python3, chromium + chromium-driver; PyPI:
+//!   curl, nginx, nghttp2-client, ngtcp2-client, python3, chromium + chromium-driver,
+//!   and for the package test dpkg-dev, binutils, lintian, systemd; PyPI:
 //!   aioquic; only what is absent), build, then run
 //!   every test: formatting, clippy, unit tests, the end-to-end suite, the kTLS VM
 //!   test and a smoke run of the benchmark harness.
 //! - `cargo xtask vm-test [--release]`: the kTLS promotion path inside user-mode
 //!   Linux, whose kernel has kTLS (this host's does not); part of `test`.
 //! - `cargo xtask bench [ARGS]`: the benchmark runner in `benches/` (release build).
+//! - `cargo xtask deb [--binary PATH] [--out DIR] [--lintian]`: the Debian package
+//!   (`deb.rs`); the end-to-end test `package` builds it from the debug binary.
 //! - `cargo xtask build-ebpf`: the eBPF programs, embedded by the next daemon build.
 //! - `cargo xtask run [ARGS]`: builds everything (eBPF included) in release mode and
 //!   starts the daemon with the privileges eBPF and port binding need.
@@ -20,6 +23,7 @@ use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context};
 
+mod deb;
 mod ebpf;
 mod vm;
 
@@ -40,6 +44,11 @@ const APT: &[(&str, &str)] = &[
     ("systemd-analyze", "systemd"),
     ("setpriv", "util-linux"),
     ("strace", "strace"),
+    // The package test: build (dpkg-shlibdeps, strip), check, install into a root.
+    ("dpkg-shlibdeps", "dpkg-dev"),
+    ("strip", "binutils"),
+    ("lintian", "lintian"),
+    ("systemd-sysusers", "systemd"),
 ];
 
 fn main() -> ExitCode {
@@ -52,9 +61,10 @@ fn main() -> ExitCode {
         Some("run") => run_daemon(&args[1..]),
         Some("fuzz") => fuzz(args.get(1).map(String::as_str)),
         Some("vm-test") => vm::vm_test(args.iter().any(|a| a == "--release")),
+        Some("deb") => deb::deb(&args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <test [-- CARGO TEST ARGS] | build-ebpf | run [SERVE ARGS] | fuzz [SECONDS] | vm-test [--release] | bench [ARGS] | deps>"
+                "usage: cargo xtask <test [-- CARGO TEST ARGS] | build-ebpf | run [SERVE ARGS] | fuzz [SECONDS] | vm-test [--release] | bench [ARGS] | deb [--binary PATH] [--out DIR] [--lintian] | deps>"
             );
             return ExitCode::from(2);
         }
@@ -135,7 +145,7 @@ fn install_pypi(packages: &[(&str, &str)]) -> anyhow::Result<()> {
 }
 
 /// Installs the packages whose command (or file, for an absolute path) is missing.
-fn install_apt(packages: &[(&str, &str)]) -> anyhow::Result<()> {
+pub(crate) fn install_apt(packages: &[(&str, &str)]) -> anyhow::Result<()> {
     let missing: Vec<&str> = packages
         .iter()
         .filter(|(cmd, _)| {
