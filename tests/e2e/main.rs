@@ -20,6 +20,7 @@ mod preflight;
 mod process;
 mod proxy;
 mod proxy_hardening;
+mod reload;
 mod sites;
 mod stalls;
 mod support;
