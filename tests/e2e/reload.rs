@@ -511,3 +511,43 @@ async fn sighup_reloads_the_file_the_daemon_runs_on() {
         "{takeover:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_account_cannot_reread_a_root_only_key_and_the_refusal_says_what_to_do() {
+    use std::os::unix::fs::PermissionsExt;
+    let env = Env::new();
+    // The temp dirs are 0700: the service account must reach the file and the root.
+    for dir in [env.dir.path(), env.root.as_path()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::set_permissions(&env.key, std::fs::Permissions::from_mode(0o600)).unwrap();
+    env.write("hello.txt", b"hello\n");
+    let control = env.dir.path().join("control.sock");
+    let server = Server::start(
+        env.dir.path(),
+        &config(&env, &control, "user = \"nobody\"\ngroup = \"nogroup\"", ""),
+    );
+    let file = env.dir.path().join("webship.toml");
+    let reload = || webship(&["reload", "--config", file.to_str().unwrap()], env.dir.path());
+    let out = reload();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(stderr.contains("Permission denied"), "{stderr}");
+    assert!(
+        stdout.contains("the daemon runs as `nobody`") && stdout.contains("chgrp nogroup KEY"),
+        "{stdout}"
+    );
+    // As the note says: the key readable by the account's group, and it reloads.
+    let chgrp = std::process::Command::new("chgrp")
+        .arg("nogroup")
+        .arg(&env.key)
+        .status()
+        .unwrap();
+    assert!(chgrp.success());
+    std::fs::set_permissions(&env.key, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let out = reload();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let got = env.get(Proto::H2, &server, "/hello.txt", &[]).await;
+    assert_eq!(got.status, 200);
+}

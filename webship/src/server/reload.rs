@@ -154,9 +154,12 @@ impl Reloader {
             .as_deref()
             .filter(|_| mentions_unreadable(&reply.message))
         {
+            // The group it runs with: the configured one, else its primary group,
+            // which the account's own name usually names.
+            let group = self.running.group.as_deref().unwrap_or(account);
             reply.notes.push(format!(
                 "the daemon runs as `{account}` since it started and reads files with that account's \
-                 rights: make certificates and keys readable by it (e.g. `chgrp {account} KEY; chmod 0640 KEY`), \
+                 rights: make certificates and keys readable by its group (e.g. `chgrp {group} KEY; chmod 0640 KEY`), \
                  or restart the daemon to read them as root"
             ));
         }
