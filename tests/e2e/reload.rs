@@ -551,3 +551,44 @@ async fn a_service_account_cannot_reread_a_root_only_key_and_the_refusal_says_wh
     let got = env.get(Proto::H2, &server, "/hello.txt", &[]).await;
     assert_eq!(got.status, 200);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passthrough_route_added_by_a_reload_carries_new_connections() {
+    let w = World::start();
+    let origin_root = w.env.dir.path().join("origin-root");
+    std::fs::create_dir(&origin_root).unwrap();
+    std::fs::write(origin_root.join("who.txt"), b"origin a").unwrap();
+    let origin_dir = tempfile::tempdir().unwrap();
+    let (cert, key) = w.env.leaf("a", &["a.pass"]);
+    let origin = Server::start(
+        origin_dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\n[[sites]]\ndomain = \"a.pass\"\nroot = \"{}\"\n\
+             [sites.protocols]\nh3 = false\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            origin_root.display(),
+            cert.display(),
+            key.display()
+        ),
+    );
+    w.write(
+        "",
+        &format!(
+            "\n[reverse_proxy]\nenabled = true\ntls_termination = false\n[reverse_proxy.protocols]\nh1 = true\nh2 = true\nh3 = false\n\
+             [[reverse_proxy.routes]]\ndomain = \"a.pass\"\nupstreams = [\"{}\"]\n",
+            origin.addr()
+        ),
+    );
+    let out = w.reload();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The client verifies a.pass's chain: only the origin holds that key.
+    let (status, body, served) = w.get(Proto::H2, "a.pass", "/who.txt").await;
+    assert_eq!((status, body.as_slice()), (200, &b"origin a"[..]));
+    assert_eq!(served, pem_serial(&cert));
+    w.env.write("hello.txt", b"hello\n");
+    let (status, body, _) = w.get(Proto::H1, HOST, "/hello.txt").await;
+    assert_eq!(
+        (status, body.as_slice()),
+        (200, &b"hello\n"[..]),
+        "the files site still terminates"
+    );
+}
