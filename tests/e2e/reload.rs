@@ -18,10 +18,10 @@ use webship_tests::{webship, Server};
 
 use crate::support::{pattern, Env, HOST, MIB};
 
-/// Each download's size and the pace its client reads at: about four seconds each,
+/// Each download's size and the pace its client reads at: about five seconds each,
 /// so all of them are in flight when the reload comes, a second after they start.
 const LEN: usize = 16 * MIB as usize;
-const READ_BYTES_PER_SEC: u64 = 4 * MIB;
+const READ_BYTES_PER_SEC: u64 = 3 * MIB;
 const NEW_SITE: &str = "new.test";
 const NEW_ROUTE: &str = "api.test";
 
@@ -510,6 +510,15 @@ async fn sighup_reloads_the_file_the_daemon_runs_on() {
         !takeover.ok && takeover.message.contains("takeover"),
         "{takeover:?}"
     );
+    // The socket file goes with the daemon.
+    assert!(w.control.exists());
+    let mut w = w;
+    w.server.terminate();
+    assert!(w
+        .server
+        .wait_exit(Duration::from_secs(10))
+        .is_some_and(|s| s.success()));
+    assert!(!w.control.exists(), "the control socket was left behind");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

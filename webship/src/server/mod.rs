@@ -121,7 +121,7 @@ pub async fn run(
         tokio::spawn(endpoint.serve(move || current.load(), permits.clone(), limit))
     });
     let relay_task = plan.start_relay(bound.relay);
-    let control_path = control.as_ref().map(|c| c.path().to_owned());
+    let control_file = control.as_ref().map(|c| reload::SocketFile::of(c.path()));
     let reloader = reload::Reloader {
         current: current.clone(),
         fixed,
@@ -140,8 +140,8 @@ pub async fn run(
     front.accept_until(bound.listener, &permits, signal).await;
 
     supervisor.abort();
-    if let Some(path) = control_path {
-        let _ = std::fs::remove_file(path);
+    if let Some(file) = control_file {
+        file.remove();
     }
     trigger.request();
     drain(&permits, limit, current.load().config.limits.shutdown_grace).await;

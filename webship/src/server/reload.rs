@@ -66,6 +66,42 @@ fn refused(config: &Config, e: &ServerError) -> CheckError {
     CheckError(format!("{}: {}", config.source, chain(e)))
 }
 
+/// The control socket's file, removed at shutdown only while it is still this
+/// daemon's: a process that took over binds its own in its place.
+#[derive(Debug)]
+pub(super) struct SocketFile {
+    path: PathBuf,
+    inode: Option<(u64, u64)>,
+}
+
+impl SocketFile {
+    pub(super) fn of(path: &Path) -> Self {
+        Self {
+            path: path.to_owned(),
+            inode: inode(path),
+        }
+    }
+
+    pub(super) fn remove(self) {
+        if self.inode.is_some() && inode(&self.path) == self.inode {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn inode(path: &Path) -> Option<(u64, u64)> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
+}
+
 /// What the reload needs besides the current generation.
 #[derive(Debug)]
 pub(super) struct Reloader {
