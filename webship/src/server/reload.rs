@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use super::generation::{Current, Fixed, Generation};
 use super::{process, ServerError, Stack};
-use crate::config::{self, Config, Engine, UdpPassthrough};
+use crate::config::{self, Config, UdpPassthrough};
 use crate::control::{ControlListener, Incoming, Reply, Request};
 use crate::h3::H3Switch;
 
@@ -236,72 +236,93 @@ fn mentions_unreadable(text: &str) -> bool {
 /// and says which ones the file changed.
 fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<String> {
     let mut notes = Vec::new();
-    let mut keep = |key: &str, new_shown: String, running_shown: String, what: &str| {
-        notes.push(format!(
-            "{key} changed from {running_shown} to {new_shown}: needs a restart; still {what} {running_shown}"
-        ));
-    };
-    macro_rules! keep {
-        ($key:expr, $field:ident $(. $rest:ident)*, $what:expr, $show:expr) => {
-            if new.$field$(.$rest)* != running.$field$(.$rest)* {
-                keep($key, $show(&new.$field$(.$rest)*), $show(&running.$field$(.$rest)*), $what);
-                new.$field$(.$rest)* = running.$field$(.$rest)*.clone();
-            }
-        };
-    }
-    let display = |v: &dyn std::fmt::Display| v.to_string();
-    let account = |v: &Option<String>| v.clone().unwrap_or_else(|| "(none)".into());
-    let path = |v: &Option<PathBuf>| {
-        v.as_ref()
-            .map_or_else(|| "(none)".into(), |p| p.display().to_string())
-    };
-    keep!("listen", listen, "listening on", |v: &std::net::SocketAddr| {
-        display(v)
+    let n = &mut notes;
+    let shown = |v: &dyn std::fmt::Display| v.to_string();
+    let or_none = |v: Option<String>| v.unwrap_or_else(|| "(none)".into());
+    let path = |v: &Option<PathBuf>| or_none(v.as_ref().map(|p| p.display().to_string()));
+    kept(
+        n,
+        "listen",
+        "listening on",
+        &mut new.listen,
+        &running.listen,
+        |v| shown(v),
+    );
+    kept(n, "workers", "running", &mut new.workers, &running.workers, |v| {
+        shown(v)
     });
-    keep!("workers", workers, "running", |v: &usize| display(v));
-    keep!("user", user, "running as", account);
-    keep!("group", group, "running with group", account);
-    keep!("control_socket", control_socket, "answering on", path);
-    keep!("[kernel] ktls", kernel.ktls, "using", |v: &config::Policy| {
-        display(v)
+    kept(n, "user", "running as", &mut new.user, &running.user, |v| {
+        or_none(v.clone())
     });
-    keep!("[kernel] bbr", kernel.bbr, "using", |v: &config::Policy| display(
-        v
-    ));
-    keep!("[kernel] ebpf", kernel.ebpf, "using", |v: &config::Policy| {
-        display(v)
+    kept(
+        n,
+        "group",
+        "running with group",
+        &mut new.group,
+        &running.group,
+        |v| or_none(v.clone()),
+    );
+    kept(
+        n,
+        "control_socket",
+        "answering on",
+        &mut new.control_socket,
+        &running.control_socket,
+        path,
+    );
+    let (kernel, was) = (&mut new.kernel, &running.kernel);
+    kept(n, "[kernel] ktls", "using", &mut kernel.ktls, &was.ktls, |v| {
+        shown(v)
     });
-    keep!(
+    kept(n, "[kernel] bbr", "using", &mut kernel.bbr, &was.bbr, |v| {
+        shown(v)
+    });
+    kept(n, "[kernel] ebpf", "using", &mut kernel.ebpf, &was.ebpf, |v| {
+        shown(v)
+    });
+    kept(
+        n,
         "[kernel] bpf_pin_dir",
-        kernel.bpf_pin_dir,
         "pinning under",
-        |v: &PathBuf| v.display().to_string()
+        &mut kernel.bpf_pin_dir,
+        &was.bpf_pin_dir,
+        |v| v.display().to_string(),
     );
-    keep!(
+    let engine = (&mut new.passthrough_engine, &running.passthrough_engine);
+    kept(
+        n,
         "[reverse_proxy] passthrough_engine",
-        passthrough_engine,
         "using",
-        |v: &Engine| display(v)
+        engine.0,
+        engine.1,
+        |v| shown(v),
     );
-    keep!(
-        "the HTTP/3 passthrough ([reverse_proxy] udp_*)",
-        passthrough_udp,
+    let udp_key = "the HTTP/3 passthrough ([reverse_proxy] udp_*)";
+    kept(
+        n,
+        udp_key,
         "relaying to",
-        udp
+        &mut new.passthrough_udp,
+        &running.passthrough_udp,
+        udp,
     );
+    // A default cap may have been lowered to fit the open-file limit: only a
+    // configured one is compared.
     let cap = |c: &Config| {
         c.limits
             .max_connections_configured
             .then_some(c.limits.max_connections)
     };
-    if cap(new) != cap(running) {
-        keep(
-            "[limits] max_connections",
-            new.limits.max_connections.to_string(),
-            running.limits.max_connections.to_string(),
-            "at most",
-        );
-    }
+    let (mut new_cap, running_cap) = (cap(new), cap(running));
+    let show_cap = |v: &Option<usize>| or_none(v.map(|c| c.to_string()));
+    kept(
+        n,
+        "[limits] max_connections",
+        "at most",
+        &mut new_cap,
+        &running_cap,
+        show_cap,
+    );
     new.limits.max_connections = running.limits.max_connections;
     new.limits.max_connections_configured = running.limits.max_connections_configured;
     if !h3_bound {
@@ -315,6 +336,24 @@ fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<Strin
         }
     }
     notes
+}
+
+/// One restart-only setting: a change is noted and the running value put back.
+fn kept<T: PartialEq + Clone>(
+    notes: &mut Vec<String>,
+    key: &str,
+    what: &str,
+    new: &mut T,
+    running: &T,
+    show: impl Fn(&T) -> String,
+) {
+    if new != running {
+        let (from, to) = (show(running), show(new));
+        notes.push(format!(
+            "{key} changed from {from} to {to}: needs a restart; still {what} {from}"
+        ));
+        *new = running.clone();
+    }
 }
 
 fn udp(v: &Option<UdpPassthrough>) -> String {
