@@ -195,7 +195,7 @@ impl Reloader {
             let group = self.running.group.as_deref().unwrap_or(account);
             reply.notes.push(format!(
                 "the daemon runs as `{account}` since it started and reads files with that account's \
-                 rights: make certificates and keys readable by its group (e.g. `chgrp {group} KEY; chmod 0640 KEY`), \
+                 rights: make the configuration, certificates and keys readable by its group (e.g. `chgrp {group} KEY; chmod 0640 KEY`), \
                  or restart the daemon to read them as root"
             ));
         }
