@@ -22,6 +22,7 @@ mod process;
 mod proxy;
 mod proxy_hardening;
 mod proxy_protocol;
+mod reload;
 mod sites;
 mod stalls;
 mod support;

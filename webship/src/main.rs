@@ -48,6 +48,15 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
+    /// Reload the running daemon's configuration (as SIGHUP does) and print the
+    /// outcome; exits 1 when the daemon refused the file.
+    Reload {
+        /// The file to load: the daemon is found through its `control_socket` (or
+        /// the per-port default) and runs on this file from then on. Without it: the
+        /// one daemon with a socket in /run/webship, on the file it runs on.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+    },
     /// Print the passthrough counters of the running daemon (kernel and userspace),
     /// read from its pinned bpf maps.
     Stats {
@@ -75,6 +84,7 @@ fn main() -> ExitCode {
     let result = match cli.command.unwrap_or(Command::Serve { config: None }) {
         Command::Serve { config } => serve(config.as_deref()),
         Command::Check { config } => check(&config),
+        Command::Reload { config } => reload(config.as_deref()),
         Command::Preflight { config } => run_preflight(config.as_deref()),
         Command::Stats {
             config,
@@ -162,8 +172,7 @@ async fn shutdown_signal() {
 }
 
 fn check(path: &Path) -> anyhow::Result<ExitCode> {
-    let config = config::load(path)?;
-    server::check(&config).with_context(|| config.source.clone())?;
+    let config = server::check_file(path)?;
     println!("{}: OK", config.source);
     println!("  listen   {}", config.listen);
     println!("  workers  {}", config.workers);
@@ -199,6 +208,101 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// How long `webship reload` waits for the daemon's answer.
+const RELOAD_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+fn reload(path: Option<&Path>) -> anyhow::Result<ExitCode> {
+    use webship::control::{self, Request};
+    let (socket, config) = match path {
+        Some(path) => {
+            let file = std::fs::canonicalize(path)
+                .with_context(|| format!("{}: cannot read the configuration", path.display()))?;
+            (control_socket_of(&file)?, Some(file))
+        }
+        None => (only_control_socket()?, None),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let request = Request::Reload { config };
+    let reply = runtime.block_on(control::call(&socket, &request, RELOAD_REPLY_TIMEOUT))?;
+    if reply.ok {
+        println!("{}", reply.message);
+    } else {
+        eprintln!("webship: {}", reply.message);
+    }
+    for note in &reply.notes {
+        println!("note: {note}");
+    }
+    Ok(if reply.ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+/// The control socket the daemon running `file` answers on: its `control_socket`,
+/// else the default of its `listen` port. Read leniently, so a file the daemon will
+/// refuse (a syntax error further down) still names its daemon.
+fn control_socket_of(file: &Path) -> anyhow::Result<PathBuf> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("{}: cannot read the configuration", file.display()))?;
+    let table: toml::Table = toml::from_str(&text).unwrap_or_else(|_| {
+        // Top-level `key = value` lines, each on its own, before the first table.
+        text.lines()
+            .map(str::trim)
+            .take_while(|line| !line.starts_with('['))
+            .filter_map(|line| toml::from_str::<toml::Table>(line).ok())
+            .flatten()
+            .collect()
+    });
+    if let Some(path) = table.get("control_socket").and_then(toml::Value::as_str) {
+        return Ok(PathBuf::from(path));
+    }
+    let port = table
+        .get("listen")
+        .and_then(toml::Value::as_str)
+        .and_then(|listen| listen.parse::<std::net::SocketAddr>().ok())
+        .map(|addr| addr.port())
+        .with_context(|| {
+            format!(
+                "{}: cannot tell which daemon runs it: neither `control_socket` nor a `listen` address is readable",
+                file.display()
+            )
+        })?;
+    Ok(config::default_control_socket(port))
+}
+
+/// The one control socket in /run/webship.
+fn only_control_socket() -> anyhow::Result<PathBuf> {
+    let dir = Path::new(config::CONTROL_DIR);
+    let mut sockets: Vec<PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "sock"))
+        .collect();
+    sockets.sort();
+    match sockets.len() {
+        0 => anyhow::bail!(
+            "no webship control socket in {} (is the daemon running? one with a `control_socket` elsewhere is \
+             found with `webship reload --config FILE`)",
+            dir.display()
+        ),
+        1 => Ok(sockets.remove(0)),
+        _ => {
+            let list: Vec<String> = sockets.iter().map(|p| p.display().to_string()).collect();
+            anyhow::bail!(
+                "several webship daemons answer in {}: {} (fix: name one with `webship reload --config FILE`)",
+                dir.display(),
+                list.join(", ")
+            )
+        }
+    }
 }
 
 fn run_preflight(path: Option<&Path>) -> anyhow::Result<ExitCode> {

@@ -60,6 +60,43 @@ pub(crate) struct H3Endpoint {
     base: quinn::ServerConfig,
 }
 
+/// What the endpoint serves a new connection with: the drivers and the QUIC TLS
+/// configuration of the generation current when it arrives (a reload replaces
+/// both; connections keep the ones they started with). `quic` is `None` when no
+/// site serves HTTP/3 any more: new connections are refused.
+pub(crate) trait Serving: Send + Sync + 'static {
+    fn drivers(&self) -> &Arc<Drivers>;
+    fn quic(&self) -> Option<&Arc<QuicServerConfig>>;
+}
+
+/// The QUIC form of the rustls configuration `Acceptor::quic_config` builds.
+pub(crate) fn quic_crypto(tls: Arc<rustls::ServerConfig>) -> Result<Arc<QuicServerConfig>, H3Error> {
+    QuicServerConfig::try_from(tls)
+        .map(Arc::new)
+        .map_err(|e| H3Error::Crypto(e.to_string()))
+}
+
+/// Replaces the endpoint's server configuration on reload, keeping its Retry token
+/// key (a client answering a Retry sent before the reload is still let in).
+#[derive(Debug, Clone)]
+pub(crate) struct H3Switch {
+    endpoint: quinn::Endpoint,
+    base: quinn::ServerConfig,
+}
+
+impl H3Switch {
+    pub(crate) fn set(&self, crypto: Option<&Arc<QuicServerConfig>>) {
+        self.endpoint
+            .set_server_config(crypto.map(|c| with_crypto(&self.base, c)));
+    }
+}
+
+fn with_crypto(base: &quinn::ServerConfig, crypto: &Arc<QuicServerConfig>) -> quinn::ServerConfig {
+    let mut config = base.clone();
+    config.crypto = crypto.clone();
+    config
+}
+
 impl H3Endpoint {
     /// Binds UDP `addr` for the sites that serve HTTP/3.
     pub(crate) fn bind(
@@ -68,8 +105,8 @@ impl H3Endpoint {
         settings: &H3Settings,
         limits: &Limits,
     ) -> Result<Self, H3Error> {
-        let crypto = QuicServerConfig::try_from(tls).map_err(|e| H3Error::Crypto(e.to_string()))?;
-        let mut base = quinn::ServerConfig::with_crypto(Arc::new(crypto));
+        let crypto = quic_crypto(tls)?;
+        let mut base = quinn::ServerConfig::with_crypto(crypto);
         base.transport_config(Arc::new(transport(
             settings,
             limits,
@@ -87,11 +124,25 @@ impl H3Endpoint {
         Ok(Self { endpoint, base })
     }
 
+    /// The handle a reload replaces the server configuration through.
+    pub(crate) fn switch(&self) -> H3Switch {
+        H3Switch {
+            endpoint: self.endpoint.clone(),
+            base: self.base.clone(),
+        }
+    }
+
     /// Accepts connections until shutdown, each holding one of `permits` (shared with
-    /// TCP) for its whole life. Under load (more than half the permits taken), or
-    /// always with `h3_retry`, new clients must prove their address first (Retry).
-    pub(crate) async fn serve(self, drivers: Arc<Drivers>, permits: Arc<Semaphore>, max_connections: usize) {
-        let mut shutdown = drivers.shutdown.clone();
+    /// TCP) for its whole life, and served by the generation `current` returns when
+    /// it arrives. Under load (more than half the permits taken), or always with
+    /// `h3_retry`, new clients must prove their address first (Retry).
+    pub(crate) async fn serve<S: Serving>(
+        self,
+        current: impl Fn() -> Arc<S> + Send,
+        permits: Arc<Semaphore>,
+        max_connections: usize,
+    ) {
+        let mut shutdown = current().drivers().shutdown.clone();
         loop {
             let incoming = tokio::select! {
                 incoming = self.endpoint.accept() => match incoming {
@@ -99,6 +150,13 @@ impl H3Endpoint {
                     None => break,
                 },
                 () = shutdown.requested() => break,
+            };
+            // One load per connection: the generation it keeps for its whole life.
+            let generation = current();
+            let drivers = generation.drivers();
+            let Some(crypto) = generation.quic() else {
+                incoming.refuse();
+                continue;
             };
             let busy = permits.available_permits() < max_connections / 2;
             if (drivers.h3.always_retry || busy)
@@ -118,7 +176,7 @@ impl H3Endpoint {
             };
             // One controller factory per connection carries that connection's signal.
             let signal = BulkSignal::default();
-            let mut config = self.base.clone();
+            let mut config = with_crypto(&self.base, crypto);
             let webtransport = drivers.webtransport_sessions > 0;
             config.transport_config(Arc::new(transport(
                 &drivers.h3,

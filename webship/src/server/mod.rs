@@ -2,13 +2,17 @@
 //! limit, and drains on shutdown. [`run`] is those steps in order: [`Stack::build`]
 //! (what `webship check` builds too), the passthrough [`Plan`], [`Bound::bind`], the
 //! switch to the service account (`process.rs`), the accept loop, and the drain.
+//! What serves new connections is one [`Generation`](generation::Generation), which
+//! `SIGHUP` or `webship reload` replaces (`reload.rs`).
 //!
 //! Every connection holds one permit of a semaphore sized `max_connections`; a full
 //! server stops accepting (the kernel backlog absorbs the burst) instead of failing
 //! new clients. Draining is waiting for every permit to come back.
 
+mod generation;
 mod plan;
 mod process;
+mod reload;
 mod systemd;
 
 use std::future::Future;
@@ -19,17 +23,18 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{Config, TlsSource};
-use crate::exchange::Drivers;
 use crate::h3::H3Endpoint;
-use crate::passthrough::{Decision, Passthrough};
+use crate::passthrough::Decision;
 use crate::preflight::Report;
 use crate::service::Service;
 /// sd_notify: `ready()`, `reloading()`, `stopping()`, `status()`, `mainpid()`, the
 /// watchdog (see the module).
 pub use crate::sys::notify;
 use crate::tls::{Acceptor, SiteNames};
+use generation::{Current, Fixed, Generation};
 use plan::Plan;
 pub use process::{raise_fd_limit, Privilege, ProcessError};
+pub use reload::CheckError;
 
 // The errors a server can fail with, nameable by the binary.
 pub use crate::h3::H3Error;
@@ -48,6 +53,8 @@ pub enum ServerError {
     Process(#[from] ProcessError),
     #[error("eBPF could not be set up")]
     Ebpf(#[from] crate::ebpf::EbpfError),
+    #[error(transparent)]
+    Control(#[from] crate::control::ControlError),
     #[error(
         "cannot listen on {addr}: {source} (fix: choose a free port, or run with the privilege to bind it)"
     )]
@@ -68,6 +75,14 @@ pub fn check(config: &Config) -> Result<(), ServerError> {
     Ok(())
 }
 
+/// `webship check FILE`: loads and builds the file as [`run`] and a reload do; the
+/// error is the text both print.
+pub fn check_file(path: &std::path::Path) -> Result<Config, CheckError> {
+    let config = reload::load(path)?;
+    reload::build(&config)?;
+    Ok(config)
+}
+
 /// Serves `config` until `signal` completes, then drains for up to
 /// `limits.shutdown_grace`. Certificates are loaded before the port is bound, so a
 /// bad certificate never leaves a half-started server. Everything that needs root
@@ -83,44 +98,85 @@ pub async fn run(
     let guard = privilege.guard();
     let stack = Stack::build(&config)?;
     let plan = Plan::load(&config, &report)?;
-    let bound = Bound::bind(&config, &stack, &plan)?;
+    let (trigger, shutdown) = crate::shutdown::channel();
+    let fixed = Fixed {
+        shutdown,
+        ktls: report
+            .use_ktls()
+            .then(|| Arc::new(crate::ktls::Support::new(report.ktls_suites.clone())))
+            .filter(|support| !support.is_empty()),
+        engine: plan.engine(),
+        programs: plan.programs(),
+    };
+    let first = Generation::new(1, config.clone(), stack, &fixed)?;
+    let bound = Bound::bind(&config, &first.stack, &plan)?;
+    let control = bind_control(&config)?;
+    let hangup = reload::hangup_signal();
     drop_privileges(&config, &report, &plan, &privilege)?;
     drop(guard);
     announce(&config, &report, &bound);
 
-    let (trigger, shutdown) = crate::shutdown::channel();
-    let ktls = report
-        .use_ktls()
-        .then(|| Arc::new(crate::ktls::Support::new(report.ktls_suites.clone())))
-        .filter(|support| !support.is_empty());
-    let drivers = Arc::new(Drivers::new(&config, stack.service.clone(), shutdown, ktls));
+    let current = Arc::new(Current::new(first));
     let limit = config.limits.max_connections;
     let permits = Arc::new(Semaphore::new(limit));
-    let h3_task = bound
-        .h3
-        .map(|endpoint| tokio::spawn(endpoint.serve(drivers.clone(), permits.clone(), limit)));
+    let h3_switch = bound.h3.as_ref().map(H3Endpoint::switch);
+    let h3_task = bound.h3.map(|endpoint| {
+        let current = current.clone();
+        tokio::spawn(endpoint.serve(move || current.load(), permits.clone(), limit))
+    });
     let relay_task = plan.start_relay(bound.relay);
+    let control_file = control.as_ref().map(|c| reload::SocketFile::of(c.path()));
+    let reloader = reload::Reloader {
+        current: current.clone(),
+        fixed,
+        file: (config.source != crate::config::BUILTIN_SOURCE).then(|| config.source.clone().into()),
+        running: config,
+        h3: h3_switch,
+        account: privilege.account().map(str::to_owned),
+        started: std::time::Instant::now(),
+    };
+    let supervisor = tokio::spawn(reload::supervise(reloader, control, hangup));
 
     let front = Front {
-        acceptor: Arc::new(stack.acceptor),
-        passthrough: plan.passthrough.clone(),
-        drivers,
+        current: current.clone(),
         bbr: report.use_bbr(),
     };
     // READY=1 (systemd): bound, preflight passed, privileges dropped, serving.
-    let reporter = systemd::Reporter::serving(&config, permits.clone(), limit);
+    let reporter = systemd::Reporter::serving(current.clone(), permits.clone(), limit);
     front.accept_until(bound.listener, &permits, signal).await;
 
     reporter.draining();
+    supervisor.abort();
+    if let Some(file) = control_file {
+        file.remove();
+    }
     trigger.request();
-    drain(&permits, limit, config.limits.shutdown_grace).await;
-    crate::proxy_protocol::accept::log_counters(&config.accept_proxy_protocol);
+    let last = current.load();
+    drain(&permits, limit, last.config.limits.shutdown_grace).await;
+    crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
     for task in [h3_task, relay_task].into_iter().flatten() {
         task.abort();
     }
     drop(reporter);
     plan.finish();
     Ok(())
+}
+
+/// The control socket (`webship reload`): one the file names must be bound; the
+/// default one (`/run/webship/<port>.sock`) is best effort, the daemon runs without
+/// it (SIGHUP still reloads).
+fn bind_control(config: &Config) -> Result<Option<crate::control::ControlListener>, ServerError> {
+    let Some(path) = &config.control_socket else {
+        return Ok(None);
+    };
+    match crate::control::ControlListener::bind(path) {
+        Ok(listener) => Ok(Some(listener)),
+        Err(e) if *path == crate::config::default_control_socket(config.listen.port()) => {
+            tracing::warn!(error = %e, "no control socket: `webship reload` cannot reach this daemon (SIGHUP still reloads)");
+            Ok(None)
+        }
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Switches to the service account keeping only what serving still needs; the pinned
@@ -178,6 +234,7 @@ fn give_pins(dir: &std::path::Path, uid: u32, gid: u32) {
 
 /// What serves requests: the TLS acceptor and the service, which share one table of
 /// site names.
+#[derive(Debug)]
 struct Stack {
     acceptor: Acceptor,
     service: Arc<Service>,
@@ -223,11 +280,10 @@ impl Bound {
     }
 }
 
-/// The TCP front door: every accepted connection is passed through or terminated.
+/// The TCP front door: every accepted connection is passed through or terminated,
+/// by the generation current when it was accepted.
 struct Front {
-    acceptor: Arc<Acceptor>,
-    passthrough: Option<Arc<Passthrough>>,
-    drivers: Arc<Drivers>,
+    current: Arc<Current>,
     bbr: bool,
 }
 
@@ -261,14 +317,7 @@ impl Front {
                 () = &mut signal => break,
             };
             crate::listener::configure(&tcp, self.bbr);
-            tokio::spawn(connection(
-                tcp,
-                peer,
-                self.acceptor.clone(),
-                self.passthrough.clone(),
-                self.drivers.clone(),
-                permit,
-            ));
+            tokio::spawn(connection(tcp, peer, self.current.load(), permit));
         }
     }
 }
@@ -293,11 +342,10 @@ async fn drain(permits: &Semaphore, limit: usize, grace: std::time::Duration) {
 async fn connection(
     tcp: TcpStream,
     peer: SocketAddr,
-    acceptor: Arc<Acceptor>,
-    passthrough: Option<Arc<Passthrough>>,
-    drivers: Arc<Drivers>,
+    generation: Arc<Generation>,
     _permit: OwnedSemaphorePermit,
 ) {
+    let (acceptor, drivers) = (&generation.stack.acceptor, &generation.drivers);
     let handshake_timeout = drivers.limits.handshake_timeout;
     // Before anything else reads: a load balancer's PROXY header names the client.
     let listed = &drivers.accept_proxy_protocol;
@@ -306,7 +354,7 @@ async fn connection(
         return;
     };
     let peer = ends.client;
-    if let Some(pt) = &passthrough {
+    if let Some(pt) = &generation.passthrough {
         match pt.decide(&tcp, handshake_timeout).await {
             Decision::Forward(route) => return pt.forward(route, tcp, ends).await,
             Decision::Close(reason) => {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use tokio::task::JoinHandle;
 
 use super::ServerError;
-use crate::config::{Config, Policy, UdpEngine, UdpPassthrough};
+use crate::config::{Config, Engine, Policy, UdpEngine, UdpPassthrough};
 use crate::ebpf::{EbpfError, Programs};
 use crate::passthrough::udp::UdpRelay;
 use crate::passthrough::Passthrough;
@@ -24,6 +24,8 @@ pub(super) struct Plan {
     programs: Option<Arc<Programs>>,
     /// Mirrors the daemon's counters into the pinned map for `webship stats`.
     publisher: Option<JoinHandle<()>>,
+    /// The engine TCP passthrough runs, resolved once for every generation.
+    engine: Engine,
     udp: Option<UdpPassthrough>,
     ebpf_policy: Policy,
     ktls_counters: bool,
@@ -42,10 +44,21 @@ impl Plan {
             passthrough,
             programs,
             publisher,
+            engine,
             udp: config.passthrough_udp,
             ebpf_policy: config.kernel.ebpf,
             ktls_counters: report.use_ktls(),
         })
+    }
+
+    /// The TCP passthrough engine and the programs it uses: what every generation's
+    /// passthrough routes are carried by (reloads change routes, not engines).
+    pub(super) fn engine(&self) -> Engine {
+        self.engine
+    }
+
+    pub(super) fn programs(&self) -> Option<Arc<Programs>> {
+        self.programs.clone()
     }
 
     /// Whether eBPF programs were loaded (the process keeps what they need at run time).

@@ -278,6 +278,11 @@ impl Privilege {
         Ok(())
     }
 
+    /// The service account's name, when the daemon switches.
+    pub(super) fn account(&self) -> Option<&str> {
+        self.inner.account.as_ref().map(|a| a.user.as_str())
+    }
+
     /// The service account's ids, when the daemon switches.
     pub(super) fn ids(&self) -> Option<(u32, u32)> {
         self.inner.account.as_ref().map(|a| (a.uid, a.gid))

@@ -11,6 +11,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
+use super::generation::Current;
 use crate::config::Config;
 use crate::sys::notify;
 
@@ -28,7 +29,7 @@ pub(super) struct Reporter {
 impl Reporter {
     /// Tells the manager the server is up (status first, so `systemctl status` has
     /// it when the unit turns active) and starts the watchdog and status task.
-    pub(super) fn serving(config: &Config, permits: Arc<Semaphore>, limit: usize) -> Self {
+    pub(super) fn serving(current: Arc<Current>, permits: Arc<Semaphore>, limit: usize) -> Self {
         let draining = Arc::new(AtomicBool::new(false));
         let mut reporter = Self {
             task: None,
@@ -39,8 +40,9 @@ impl Reporter {
         if !notify::enabled() {
             return reporter;
         }
-        let what = summary(config);
-        let mut shown = format!("serving {what}; 0 connections open");
+        // The summary follows reloads: each line reads the current generation.
+        let what = move || summary(&current.load().config);
+        let mut shown = format!("serving {}; 0 connections open", what());
         notify::status(&shown);
         notify::ready();
         let watchdog = notify::watchdog_interval();
@@ -65,7 +67,7 @@ impl Reporter {
                     continue;
                 }
                 let open = limit - permits.available_permits();
-                let line = format!("serving {what}; {open} connections open");
+                let line = format!("serving {}; {open} connections open", what());
                 if line != shown {
                     notify::status(&line);
                     shown = line;

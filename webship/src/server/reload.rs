@@ -1,0 +1,490 @@
+//! Reload: `SIGHUP` or a `Reload` on the control socket re-reads the configuration
+//! file, builds a new [`Generation`] the way `webship check` builds one (same code,
+//! same error text) and makes it current; connections in flight keep theirs.
+//!
+//! Settings that cannot change while running (the sockets, the runtime's threads,
+//! the account, the kernel programs, the connection cap the open-file limit was sized
+//! for) are compared with the running ones: a change is named in the log and in the
+//! reply, the running value is kept, and the rest of the reload applies. A
+//! configuration that fails to load or build is refused and the current generation
+//! keeps serving. Reloads run one at a time in the supervisor task ([`supervise`]);
+//! signals that arrive during one are merged into one more.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::generation::{Current, Fixed, Generation};
+use super::{process, ServerError, Stack};
+use crate::config::{self, Config, UdpPassthrough};
+use crate::control::{ControlListener, Incoming, Reply, Request};
+use crate::h3::H3Switch;
+
+/// A configuration refused, in the words `webship check` prints (after `webship: `).
+#[derive(Debug)]
+pub struct CheckError(String);
+
+impl std::fmt::Display for CheckError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for CheckError {}
+
+/// An error and its causes on one line, as `anyhow`'s `{:#}` writes them.
+fn chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut cause = error.source();
+    while let Some(e) = cause {
+        text.push_str(": ");
+        text.push_str(&e.to_string());
+        cause = e.source();
+    }
+    text
+}
+
+/// Reads and validates `path` (`webship check`'s first half).
+pub(super) fn load(path: &Path) -> Result<Config, CheckError> {
+    config::load(path).map_err(|e| CheckError(chain(&e)))
+}
+
+/// Builds what `config` serves with: the account looked up, certificates and keys
+/// read, upstream TLS, the service (`webship check`'s second half).
+pub(super) fn build(config: &Config) -> Result<Stack, CheckError> {
+    account(config)?;
+    Stack::build(config).map_err(|e| refused(config, &e))
+}
+
+/// Looks up the service account the file names (whether or not it is the running one).
+fn account(config: &Config) -> Result<(), CheckError> {
+    process::resolve(config).map_err(|e| refused(config, &ServerError::from(e)))?;
+    Ok(())
+}
+
+fn refused(config: &Config, e: &ServerError) -> CheckError {
+    CheckError(format!("{}: {}", config.source, chain(e)))
+}
+
+/// The control socket's file, removed at shutdown only while it is still this
+/// daemon's: a process that took over binds its own in its place.
+#[derive(Debug)]
+pub(super) struct SocketFile {
+    path: PathBuf,
+    inode: Option<(u64, u64)>,
+}
+
+impl SocketFile {
+    pub(super) fn of(path: &Path) -> Self {
+        Self {
+            path: path.to_owned(),
+            inode: inode(path),
+        }
+    }
+
+    pub(super) fn remove(self) {
+        if self.inode.is_some() && inode(&self.path) == self.inode {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn inode(path: &Path) -> Option<(u64, u64)> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = path;
+        None
+    }
+}
+
+/// What the reload needs besides the current generation.
+#[derive(Debug)]
+pub(super) struct Reloader {
+    pub(super) current: Arc<Current>,
+    pub(super) fixed: Fixed,
+    /// The configuration the daemon started with: what restart-only settings are.
+    pub(super) running: Config,
+    /// The file a reload reads; `None` for the built-in configuration.
+    pub(super) file: Option<PathBuf>,
+    /// The HTTP/3 endpoint, when one is bound.
+    pub(super) h3: Option<H3Switch>,
+    /// The service account the daemon switched to, if it did.
+    pub(super) account: Option<String>,
+    pub(super) started: Instant,
+}
+
+impl Reloader {
+    /// Re-reads `path` (or the daemon's file), and makes it current if it builds.
+    /// The one place a reload happens; the service manager hears `RELOADING=1`
+    /// before and `READY=1` after, whatever the outcome.
+    pub(super) async fn reload(&mut self, path: Option<PathBuf>) -> Reply {
+        super::notify::reloading();
+        let reply = self.reload_now(path).await;
+        super::notify::ready();
+        reply
+    }
+
+    async fn reload_now(&mut self, path: Option<PathBuf>) -> Reply {
+        let Some(path) = path.or_else(|| self.file.clone()) else {
+            return Reply::refused(
+                "this daemon runs on the built-in configuration: there is no file to re-read \
+                 (fix: restart it with --config FILE, or reload with --config FILE)",
+            );
+        };
+        let begun = Instant::now();
+        let current = self.current.load().number;
+        tracing::info!(file = %path.display(), "reloading the configuration");
+        let running = self.running.clone();
+        let h3_bound = self.h3.is_some();
+        let file = path.clone();
+        // Reading files and building TLS configurations blocks: off the reactors.
+        let prepared = tokio::task::spawn_blocking(move || {
+            let mut config = load(&file)?;
+            account(&config)?;
+            let notes = keep_running(&mut config, &running, h3_bound);
+            let stack = build(&config)?;
+            Ok::<_, CheckError>((config, stack, notes))
+        })
+        .await;
+        let built = match prepared {
+            Ok(Ok(built)) => Ok(built),
+            Ok(Err(refused)) => Err(refused.0),
+            Err(e) => Err(format!("the reload task failed: {e}")),
+        };
+        let (config, stack, notes) = match built {
+            Ok(built) => built,
+            Err(text) => return self.refuse(text, current),
+        };
+        let number = current + 1;
+        let generation = match Generation::new(number, config, stack, &self.fixed) {
+            Ok(g) => g,
+            Err(e) => return self.refuse(format!("{}: {}", path.display(), chain(&e)), current),
+        };
+        if self.account.is_some() {
+            process::check_roots(&generation.config);
+        }
+        let quic = generation.quic.clone();
+        let sites = generation.config.sites.len();
+        self.current.swap(generation);
+        if let Some(h3) = &self.h3 {
+            h3.set(quic.as_ref());
+        }
+        self.file = Some(path.clone());
+        let took = begun.elapsed().as_millis();
+        for note in &notes {
+            tracing::warn!("reload: {note}");
+        }
+        tracing::info!(generation = number, file = %path.display(), sites, took_ms = took, "configuration reloaded");
+        Reply {
+            ok: true,
+            message: format!(
+                "{}: reloaded (generation {number}, {sites} site(s), {took} ms); new connections use it, \
+                 open ones finish on the one they started with",
+                path.display()
+            ),
+            notes,
+        }
+    }
+
+    fn refuse(&self, text: String, current: u64) -> Reply {
+        let mut reply = Reply::refused(text);
+        if let Some(account) = self
+            .account
+            .as_deref()
+            .filter(|_| mentions_unreadable(&reply.message))
+        {
+            // The group it runs with: the configured one, else its primary group,
+            // which the account's own name usually names.
+            let group = self.running.group.as_deref().unwrap_or(account);
+            reply.notes.push(format!(
+                "the daemon runs as `{account}` since it started and reads files with that account's \
+                 rights: make the configuration, certificates and keys readable by its group (e.g. `chgrp {group} KEY; chmod 0640 KEY`), \
+                 or restart the daemon to read them as root"
+            ));
+        }
+        tracing::warn!(
+            generation = current,
+            "reload refused, the running configuration keeps serving: {}",
+            reply.message
+        );
+        for note in &reply.notes {
+            tracing::warn!("reload: {note}");
+        }
+        reply
+    }
+
+    /// `Status`: who is running and on what.
+    pub(super) fn status(&self) -> Reply {
+        let generation = self.current.load();
+        let file = self
+            .file
+            .as_deref()
+            .map_or_else(|| config::BUILTIN_SOURCE.to_owned(), |p| p.display().to_string());
+        Reply::ok(format!(
+            "webship {} pid {} config {file} generation {} up {} s",
+            env!("CARGO_PKG_VERSION"),
+            std::process::id(),
+            generation.number,
+            self.started.elapsed().as_secs(),
+        ))
+    }
+}
+
+/// Whether a refusal is about a file the process may not read.
+fn mentions_unreadable(text: &str) -> bool {
+    text.contains("Permission denied") || text.contains("permission denied")
+}
+
+/// Puts the running value back into `new` for every setting that needs a restart,
+/// and says which ones the file changed.
+fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<String> {
+    let mut notes = Vec::new();
+    let n = &mut notes;
+    let shown = |v: &dyn std::fmt::Display| v.to_string();
+    let or_none = |v: Option<String>| v.unwrap_or_else(|| "(none)".into());
+    let path = |v: &Option<PathBuf>| or_none(v.as_ref().map(|p| p.display().to_string()));
+    kept(
+        n,
+        "listen",
+        "listening on",
+        &mut new.listen,
+        &running.listen,
+        |v| shown(v),
+    );
+    kept(n, "workers", "running", &mut new.workers, &running.workers, |v| {
+        shown(v)
+    });
+    kept(n, "user", "running as", &mut new.user, &running.user, |v| {
+        or_none(v.clone())
+    });
+    kept(
+        n,
+        "group",
+        "running with group",
+        &mut new.group,
+        &running.group,
+        |v| or_none(v.clone()),
+    );
+    kept(
+        n,
+        "control_socket",
+        "answering on",
+        &mut new.control_socket,
+        &running.control_socket,
+        path,
+    );
+    let (kernel, was) = (&mut new.kernel, &running.kernel);
+    kept(n, "[kernel] ktls", "using", &mut kernel.ktls, &was.ktls, |v| {
+        shown(v)
+    });
+    kept(n, "[kernel] bbr", "using", &mut kernel.bbr, &was.bbr, |v| {
+        shown(v)
+    });
+    kept(n, "[kernel] ebpf", "using", &mut kernel.ebpf, &was.ebpf, |v| {
+        shown(v)
+    });
+    kept(
+        n,
+        "[kernel] bpf_pin_dir",
+        "pinning under",
+        &mut kernel.bpf_pin_dir,
+        &was.bpf_pin_dir,
+        |v| v.display().to_string(),
+    );
+    let engine = (&mut new.passthrough_engine, &running.passthrough_engine);
+    kept(
+        n,
+        "[reverse_proxy] passthrough_engine",
+        "using",
+        engine.0,
+        engine.1,
+        |v| shown(v),
+    );
+    let udp_key = "the HTTP/3 passthrough ([reverse_proxy] udp_*)";
+    kept(
+        n,
+        udp_key,
+        "relaying to",
+        &mut new.passthrough_udp,
+        &running.passthrough_udp,
+        udp,
+    );
+    // A default cap may have been lowered to fit the open-file limit: only a
+    // configured one is compared.
+    let cap = |c: &Config| {
+        c.limits
+            .max_connections_configured
+            .then_some(c.limits.max_connections)
+    };
+    let (mut new_cap, running_cap) = (cap(new), cap(running));
+    let show_cap = |v: &Option<usize>| or_none(v.map(|c| c.to_string()));
+    kept(
+        n,
+        "[limits] max_connections",
+        "at most",
+        &mut new_cap,
+        &running_cap,
+        show_cap,
+    );
+    new.limits.max_connections = running.limits.max_connections;
+    new.limits.max_connections_configured = running.limits.max_connections_configured;
+    if !h3_bound {
+        for site in new.sites.iter_mut().filter(|s| s.protocols.h3) {
+            notes.push(format!(
+                "site {}: h3 turned on, but no UDP socket is bound for HTTP/3: needs a restart; \
+                 still served over TCP only",
+                site.domain
+            ));
+            site.protocols.h3 = false;
+        }
+    }
+    notes
+}
+
+/// One restart-only setting: a change is noted and the running value put back.
+fn kept<T: PartialEq + Clone>(
+    notes: &mut Vec<String>,
+    key: &str,
+    what: &str,
+    new: &mut T,
+    running: &T,
+    show: impl Fn(&T) -> String,
+) {
+    if new != running {
+        let (from, to) = (show(running), show(new));
+        notes.push(format!(
+            "{key} changed from {from} to {to}: needs a restart; still {what} {from}"
+        ));
+        *new = running.clone();
+    }
+}
+
+fn udp(v: &Option<UdpPassthrough>) -> String {
+    match v {
+        Some(u) => format!("{} ({} engine)", u.upstream, u.engine),
+        None => "(none)".into(),
+    }
+}
+
+/// The supervisor's side of the control socket and of `SIGHUP`: one request or
+/// signal at a time, so reloads never overlap. Runs until aborted at shutdown.
+pub(super) async fn supervise(mut reloader: Reloader, control: Option<ControlListener>, mut hangup: Hangup) {
+    let mut requests = control.map(ControlListener::serve);
+    loop {
+        tokio::select! {
+            Some(incoming) = next(&mut requests) => answer(incoming, &mut reloader).await,
+            Some(()) = next_hangup(&mut hangup) => {
+                tracing::info!("SIGHUP: reloading");
+                reloader.reload(None).await;
+            }
+            else => return,
+        }
+    }
+}
+
+/// Answers one control request.
+async fn answer(incoming: Incoming, reloader: &mut Reloader) {
+    let reply = match &incoming.request {
+        Request::Reload { config } => reloader.reload(config.clone()).await,
+        Request::Status => reloader.status(),
+        Request::Takeover => Reply::refused(
+            "this daemon cannot hand its sockets over: takeover is not supported by this version",
+        ),
+    };
+    incoming.reply(&reply).await;
+}
+
+async fn next(requests: &mut Option<tokio::sync::mpsc::Receiver<Incoming>>) -> Option<Incoming> {
+    match requests {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(unix)]
+pub(super) type Hangup = Option<tokio::signal::unix::Signal>;
+#[cfg(not(unix))]
+pub(super) type Hangup = Option<()>;
+
+/// SIGHUP, registered before the daemon announces itself (from then on the signal no
+/// longer ends the process).
+#[cfg(unix)]
+pub(super) fn hangup_signal() -> Hangup {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot watch SIGHUP: reload through `webship reload` only");
+            None
+        }
+    }
+}
+
+#[cfg(not(unix))]
+pub(super) fn hangup_signal() -> Hangup {
+    None
+}
+
+async fn next_hangup(hangup: &mut Hangup) -> Option<()> {
+    #[cfg(unix)]
+    if let Some(s) = hangup {
+        return s.recv().await;
+    }
+    let _ = hangup;
+    std::future::pending().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn running() -> Config {
+        config::builtin_default(Path::new("/")).unwrap()
+    }
+
+    #[test]
+    fn restart_only_changes_are_named_and_kept() {
+        let running = running();
+        let mut same = running.clone();
+        assert!(keep_running(&mut same, &running, true).is_empty());
+
+        let mut new = running.clone();
+        new.listen.set_port(9443);
+        new.workers = running.workers + 1;
+        new.access_log = !running.access_log;
+        let notes = keep_running(&mut new, &running, true);
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert_eq!(
+            notes[0],
+            "listen changed from 127.0.0.1:8443 to 127.0.0.1:9443: needs a restart; still listening on 127.0.0.1:8443"
+        );
+        assert_eq!(new.listen, running.listen);
+        assert_eq!(new.workers, running.workers);
+        assert_ne!(new.access_log, running.access_log, "what reloads is left alone");
+    }
+
+    #[test]
+    fn h3_without_a_udp_socket_stays_off() {
+        let running = running();
+        let mut new = running.clone();
+        assert!(new.sites[0].protocols.h3);
+        let notes = keep_running(&mut new, &running, false);
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(!new.sites[0].protocols.h3);
+    }
+
+    #[test]
+    fn the_error_chain_reads_like_check() {
+        let e = config::load(Path::new("/nonexistent/webship.toml")).unwrap_err();
+        let text = chain(&e);
+        assert!(
+            text.starts_with("/nonexistent/webship.toml: cannot read the configuration: "),
+            "{text}"
+        );
+    }
+}
