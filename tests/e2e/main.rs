@@ -24,4 +24,5 @@ mod sites;
 mod stalls;
 mod support;
 mod tls;
+mod upgrade;
 mod webtransport;

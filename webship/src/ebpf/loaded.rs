@@ -1,8 +1,9 @@
 //! The real implementation (Linux, feature `ebpf`), on aya.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use std::net::SocketAddrV4;
@@ -38,7 +39,11 @@ pub(crate) struct Programs {
     ebpf: Mutex<Ebpf>,
     /// The pin folder, open and exclusively locked (`flock`) for this daemon's
     /// life: a second daemon with the same folder is refused, not given our pins.
-    _lock: std::fs::File,
+    /// A binary upgrade hands this open file to the successor, so the lock (which
+    /// belongs to the open file, not the process) passes on with it.
+    lock: std::fs::File,
+    /// Set once a successor took the pins over: they are its now, and stay.
+    handed_over: AtomicBool,
 }
 
 impl std::fmt::Debug for Programs {
@@ -53,7 +58,11 @@ impl Programs {
     /// Loads and attaches the programs and pins the counter maps under `pin_dir`
     /// (mounting the BPF filesystem on /sys/fs/bpf when it is not there yet). Log
     /// records from the programs go to tracing under the `webship::ebpf` target.
-    pub(crate) fn load(pin_dir: &Path) -> Result<Arc<Self>, EbpfError> {
+    ///
+    /// `inherited_lock` is the locked pin folder a predecessor handed over in a binary
+    /// upgrade: the lock is already held (shared with the predecessor until it
+    /// exits), and the pins found there are taken over, not stale.
+    pub(crate) fn load(pin_dir: &Path, inherited_lock: Option<OwnedFd>) -> Result<Arc<Self>, EbpfError> {
         let debug = tracing::enabled!(target: "webship::ebpf", tracing::Level::DEBUG);
         let level = if debug {
             aya_log::Level::Debug
@@ -72,7 +81,11 @@ impl Programs {
         let udp_config = typed(take(&mut ebpf, UDP_CONFIG_MAP)?)?;
         attach_verdict(&mut ebpf, &socks)?;
 
-        let lock = prepare_pin_dir(pin_dir)?;
+        let taking_over = inherited_lock.is_some();
+        let lock = match inherited_lock {
+            Some(fd) => std::fs::File::from(fd),
+            None => prepare_pin_dir(pin_dir)?,
+        };
         let [kernel_pin, user_pin, links_pin] = pin_paths(pin_dir);
         for (map, path) in [
             (&kernel_map, &kernel_pin),
@@ -80,7 +93,11 @@ impl Programs {
             (&links_map, &links_pin),
         ] {
             if path.exists() {
-                tracing::warn!(path = %path.display(), "replacing a stale pinned map (a previous daemon did not stop cleanly?)");
+                if taking_over {
+                    tracing::debug!(path = %path.display(), "taking the pin over from the previous process");
+                } else {
+                    tracing::warn!(path = %path.display(), "replacing a stale pinned map (a previous daemon did not stop cleanly?)");
+                }
                 let _ = std::fs::remove_file(path);
             }
             map.pin(path).map_err(|e| EbpfError::Pin {
@@ -97,8 +114,20 @@ impl Programs {
             udp_config: Mutex::new(udp_config),
             pin_dir: pin_dir.to_owned(),
             ebpf: Mutex::new(ebpf),
-            _lock: lock,
+            lock,
+            handed_over: AtomicBool::new(false),
         }))
+    }
+
+    /// The locked pin folder, for a successor to inherit.
+    pub(crate) fn pin_lock(&self) -> BorrowedFd<'_> {
+        self.lock.as_fd()
+    }
+
+    /// A successor has taken the pins over: this process's programs and maps still
+    /// serve its own linked sockets until it exits, but its pins are not removed.
+    pub(crate) fn hand_over(&self) {
+        self.handed_over.store(true, Ordering::SeqCst);
     }
 
     /// Starts the kernel's UDP redirection for HTTP/3 passthrough: the tc
@@ -184,6 +213,9 @@ impl Programs {
 
 impl Drop for Programs {
     fn drop(&mut self) {
+        if self.handed_over.load(Ordering::SeqCst) {
+            return;
+        }
         for path in pin_paths(&self.pin_dir) {
             if let Err(e) = std::fs::remove_file(&path) {
                 if e.kind() != io::ErrorKind::NotFound {

@@ -16,6 +16,7 @@
 
 pub(crate) mod congestion;
 mod fields;
+pub(crate) mod generation;
 pub(crate) mod uni;
 
 use std::net::SocketAddr;
@@ -32,6 +33,7 @@ use crate::files::cursor::STREAM_CHUNK;
 use crate::message::{BoxError, Response};
 use crate::webtransport::h3::WtConn;
 use congestion::{BulkSignal, SwitchingFactory};
+use generation::{CidGenerator, GenerationKey, Handshakes, QuicSocket};
 
 /// Kernel socket buffers for the UDP socket; bulk QUIC needs far more than the
 /// defaults to absorb bursts (best effort: capped by net.core.{r,w}mem_max).
@@ -58,12 +60,25 @@ pub enum H3Error {
 pub(crate) struct H3Endpoint {
     endpoint: quinn::Endpoint,
     base: quinn::ServerConfig,
+    generation: Generation,
+}
+
+/// What a binary upgrade needs of the endpoint: its socket (to switch reading modes),
+/// the key its connection IDs are tagged with, and the handshakes it has started.
+#[derive(Debug, Clone)]
+pub(crate) struct Generation {
+    pub(crate) socket: Arc<QuicSocket>,
+    pub(crate) key: GenerationKey,
+    pub(crate) handshakes: Arc<Handshakes>,
+    pub(crate) udp: Arc<std::net::UdpSocket>,
 }
 
 impl H3Endpoint {
-    /// Binds UDP `addr` for the sites that serve HTTP/3.
+    /// Binds UDP `addr` for the sites that serve HTTP/3, or serves on `inherited`,
+    /// the bound socket a previous process handed over.
     pub(crate) fn bind(
         addr: SocketAddr,
+        inherited: Option<std::net::UdpSocket>,
         tls: Arc<rustls::ServerConfig>,
         settings: &H3Settings,
         limits: &Limits,
@@ -76,15 +91,39 @@ impl H3Endpoint {
             false,
             BulkSignal::default(),
         )));
-        let socket = udp_socket(addr).map_err(|source| H3Error::Bind { addr, source })?;
-        let endpoint = quinn::Endpoint::new(
-            quinn::EndpointConfig::default(),
+        let bind_err = |source| H3Error::Bind { addr, source };
+        let socket = match inherited {
+            Some(socket) => socket,
+            None => udp_socket(addr).map_err(bind_err)?,
+        };
+        socket.set_nonblocking(true).map_err(bind_err)?;
+        let udp = Arc::new(socket.try_clone().map_err(bind_err)?);
+        let key = GenerationKey::random().map_err(bind_err)?;
+        let quic = QuicSocket::new(socket).map_err(bind_err)?;
+        let mut config = quinn::EndpointConfig::default();
+        config.cid_generator(move || Box::new(CidGenerator::new(key)));
+        let endpoint = quinn::Endpoint::new_with_abstract_socket(
+            config,
             Some(base.clone()),
-            socket,
+            quic.clone(),
             Arc::new(quinn::TokioRuntime),
         )
-        .map_err(|source| H3Error::Bind { addr, source })?;
-        Ok(Self { endpoint, base })
+        .map_err(bind_err)?;
+        let generation = Generation {
+            socket: quic,
+            key,
+            handshakes: Arc::default(),
+            udp,
+        };
+        Ok(Self {
+            endpoint,
+            base,
+            generation,
+        })
+    }
+
+    pub(crate) fn generation(&self) -> &Generation {
+        &self.generation
     }
 
     /// Accepts connections until shutdown, each holding one of `permits` (shared with
@@ -127,9 +166,22 @@ impl H3Endpoint {
                 signal.clone(),
             )));
             let peer = incoming.remote_address();
+            let cid = incoming.orig_dst_cid();
             match incoming.accept_with(Arc::new(config)) {
                 Ok(connecting) => {
-                    tokio::spawn(connection(connecting, drivers.clone(), signal, peer, permit));
+                    let handshake = Handshake {
+                        cid,
+                        table: self.generation.handshakes.clone(),
+                    };
+                    handshake.table.started(&handshake.cid);
+                    tokio::spawn(connection(
+                        connecting,
+                        drivers.clone(),
+                        signal,
+                        peer,
+                        permit,
+                        handshake,
+                    ));
                 }
                 Err(e) => tracing::debug!(%peer, error = %e, "h3: accept failed"),
             }
@@ -189,14 +241,29 @@ fn transport(
     t
 }
 
+/// A handshake in progress, struck from the endpoint's table when it ends.
+struct Handshake {
+    cid: quinn::ConnectionId,
+    table: Arc<Handshakes>,
+}
+
+impl Drop for Handshake {
+    fn drop(&mut self) {
+        self.table.ended(&self.cid);
+    }
+}
+
 async fn connection(
     connecting: quinn::Connecting,
     drivers: Arc<Drivers>,
     signal: BulkSignal,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
+    handshake: Handshake,
 ) {
-    let conn = match tokio::time::timeout(drivers.limits.handshake_timeout, connecting).await {
+    let handshaken = tokio::time::timeout(drivers.limits.handshake_timeout, connecting).await;
+    drop(handshake);
+    let conn = match handshaken {
         Ok(Ok(conn)) => conn,
         Ok(Err(e)) => return tracing::debug!(%peer, error = %e, "h3: handshake failed"),
         Err(_) => return tracing::debug!(%peer, "h3: handshake timed out"),

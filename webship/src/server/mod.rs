@@ -7,6 +7,7 @@
 //! server stops accepting (the kernel backlog absorbs the burst) instead of failing
 //! new clients. Draining is waiting for every permit to come back.
 
+mod handover;
 mod plan;
 mod process;
 
@@ -14,16 +15,20 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use std::os::fd::{AsFd, OwnedFd};
+
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{Config, TlsSource};
+use crate::control::{ControlListener, Reply, Request};
 use crate::exchange::Drivers;
 use crate::h3::H3Endpoint;
 use crate::passthrough::{Decision, Passthrough};
 use crate::preflight::Report;
 use crate::service::Service;
 use crate::tls::{Acceptor, SiteNames};
+pub use handover::HandoverError;
 use plan::Plan;
 pub use process::{raise_fd_limit, Privilege, ProcessError};
 
@@ -44,6 +49,12 @@ pub enum ServerError {
     Process(#[from] ProcessError),
     #[error("eBPF could not be set up")]
     Ebpf(#[from] crate::ebpf::EbpfError),
+    #[error(transparent)]
+    Handover(#[from] HandoverError),
+    #[error(transparent)]
+    Control(#[from] crate::control::ControlError),
+    #[error("the inherited listening socket cannot be used: {0}")]
+    Inherited(std::io::Error),
     #[error(
         "cannot listen on {addr}: {source} (fix: choose a free port, or run with the privilege to bind it)"
     )]
@@ -69,17 +80,34 @@ pub fn check(config: &Config) -> Result<(), ServerError> {
 /// bad certificate never leaves a half-started server. Everything that needs root
 /// (certificates and keys, eBPF, binding) happens before `privilege` switches every
 /// thread to the service account; nothing is accepted before.
+///
+/// With `takeover`, the sockets come from the daemon running on the same control
+/// socket (`handover.rs`), which drains once this one serves.
 pub async fn run(
     config: Config,
     report: Report,
     privilege: Privilege,
+    takeover: bool,
     signal: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
     // The runtime's threads wait for the switch; whatever fails first releases them.
     let guard = privilege.guard();
     let stack = Stack::build(&config)?;
-    let plan = Plan::load(&config, &report)?;
-    let bound = Bound::bind(&config, &stack, &plan)?;
+    let mut inherited = match (takeover, &config.control_socket) {
+        (true, Some(path)) => Some(handover::take(path, config.listen).await?),
+        (true, None) => return Err(HandoverError::NoControlSocket.into()),
+        (false, _) => None,
+    };
+    let plan = Plan::load(
+        &config,
+        &report,
+        inherited.as_mut().and_then(|i| i.pin_lock.take()),
+    )?;
+    let bound = Bound::bind(&config, &stack, &plan, inherited.as_mut())?;
+    let control = match &config.control_socket {
+        Some(path) => bind_control(path, takeover)?,
+        None => None,
+    };
     drop_privileges(&config, &report, &plan, &privilege)?;
     drop(guard);
     announce(&config, &report, &bound);
@@ -89,13 +117,36 @@ pub async fn run(
         .use_ktls()
         .then(|| Arc::new(crate::ktls::Support::new(report.ktls_suites.clone())))
         .filter(|support| !support.is_empty());
+    let relay_task = plan.start_relay(bound.relay, shutdown.clone());
     let drivers = Arc::new(Drivers::new(&config, stack.service.clone(), shutdown, ktls));
     let limit = config.limits.max_connections;
     let permits = Arc::new(Semaphore::new(limit));
+    let generation = bound.h3.as_ref().map(|h3| h3.generation().clone());
     let h3_task = bound
         .h3
         .map(|endpoint| tokio::spawn(endpoint.serve(drivers.clone(), permits.clone(), limit)));
-    let relay_task = plan.start_relay(bound.relay);
+    let predecessor = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(inherited) = inherited {
+        let (alive, quic) = (predecessor.clone(), generation.clone());
+        alive.store(true, std::sync::atomic::Ordering::SeqCst);
+        let gone = move || {
+            alive.store(false, std::sync::atomic::Ordering::SeqCst);
+            if let Some(g) = quic {
+                g.socket.direct();
+                let stats = g.socket.forward_stats();
+                tracing::info!(
+                    forwarded = stats.forwarded,
+                    dropped = stats.dropped,
+                    "takeover: QUIC datagrams of the previous process's connections, handed to it"
+                );
+            }
+        };
+        // The listener already queues connections for this process; the old one
+        // stops accepting once it reads this.
+        if let Err(e) = inherited.serving(gone).await {
+            tracing::warn!(error = %e, "takeover: the previous process did not hear that this one serves");
+        }
+    }
 
     let front = Front {
         acceptor: Arc::new(stack.acceptor),
@@ -103,15 +154,91 @@ pub async fn run(
         drivers,
         bbr: report.use_bbr(),
     };
-    front.accept_until(bound.listener, &permits, signal).await;
+    let sockets = handover::Sockets {
+        listen: config.listen,
+        tcp: bound.tcp.as_fd(),
+        h3: generation.as_ref(),
+        relay: bound.relay_fd.as_ref().map(AsFd::as_fd),
+        programs: plan.programs(),
+    };
+    let answer = control_requests(control, sockets, &predecessor);
+    let successor = front
+        .accept_until(bound.listener, &permits, async {
+            tokio::select! {
+                () = signal => None,
+                successor = answer => Some(successor),
+            }
+        })
+        .await
+        .flatten();
 
+    if successor.is_some() {
+        plan.hand_over();
+    }
     trigger.request();
     drain(&permits, limit, config.limits.shutdown_grace).await;
     for task in [h3_task, relay_task].into_iter().flatten() {
         task.abort();
     }
+    if let Some(successor) = successor {
+        tracing::info!(successor = successor.pid(), "drained; the new process carries on");
+        successor.farewell().await;
+    }
     plan.finish();
     Ok(())
+}
+
+/// Binds the control socket (in place of the old daemon's after a takeover). A
+/// daemon without one still serves; it only cannot be reloaded or taken over.
+fn bind_control(path: &std::path::Path, takeover: bool) -> Result<Option<ControlListener>, ServerError> {
+    let bound = match takeover {
+        true => ControlListener::replace(path),
+        false => ControlListener::bind(path),
+    };
+    match bound {
+        Ok(listener) => Ok(Some(listener)),
+        Err(e @ crate::control::ControlError::InUse(_)) => Err(e.into()),
+        Err(e) => {
+            tracing::warn!(error = %e, "no control socket: `webship serve --takeover` cannot reach this daemon");
+            Ok(None)
+        }
+    }
+}
+
+/// Answers control requests until a new process has taken the sockets over, and
+/// returns it. (RELOAD merge point: `Reload` and `Status` are answered here too.)
+async fn control_requests(
+    control: Option<ControlListener>,
+    sockets: handover::Sockets<'_>,
+    predecessor: &std::sync::atomic::AtomicBool,
+) -> handover::Successor {
+    let Some(control) = control else {
+        return std::future::pending().await;
+    };
+    let mut requests = control.serve();
+    while let Some(incoming) = requests.recv().await {
+        match incoming.request {
+            Request::Takeover if predecessor.load(std::sync::atomic::Ordering::SeqCst) => {
+                let reason = "the process this one took over from is still draining; try again once it exits";
+                handover::refuse(incoming, reason).await;
+            }
+            Request::Takeover => {
+                if let Some(successor) = handover::give(incoming, sockets.clone()).await {
+                    return successor;
+                }
+            }
+            Request::Status => {
+                let message = format!("webship {} pid {}", env!("CARGO_PKG_VERSION"), std::process::id());
+                incoming.reply(&Reply::ok(message)).await;
+            }
+            Request::Reload { .. } => {
+                incoming
+                    .reply(&Reply::refused("reload is not supported by this build"))
+                    .await;
+            }
+        }
+    }
+    std::future::pending().await
 }
 
 /// Switches to the service account keeping only what serving still needs; the pinned
@@ -175,28 +302,68 @@ impl Stack {
 /// passthrough.
 struct Bound {
     listener: TcpListener,
+    /// The listener's descriptor again, for a successor.
+    tcp: OwnedFd,
     local: SocketAddr,
     h3: Option<H3Endpoint>,
     relay: Option<crate::passthrough::udp::UdpRelay>,
+    relay_fd: Option<OwnedFd>,
 }
 
 impl Bound {
-    fn bind(config: &Config, stack: &Stack, plan: &Plan) -> Result<Self, ServerError> {
-        let listener = crate::listener::bind(config.listen).map_err(|source| ServerError::Bind {
-            addr: config.listen,
-            source,
-        })?;
+    /// Binds, or takes the sockets a predecessor handed over (`inherited`).
+    fn bind(
+        config: &Config,
+        stack: &Stack,
+        plan: &Plan,
+        mut inherited: Option<&mut handover::Inherited>,
+    ) -> Result<Self, ServerError> {
+        let listener = match inherited.as_mut().and_then(|i| i.tcp.take()) {
+            Some(std) => std
+                .set_nonblocking(true)
+                .and_then(|()| TcpListener::from_std(std))
+                .map_err(ServerError::Inherited)?,
+            None => crate::listener::bind(config.listen).map_err(|source| ServerError::Bind {
+                addr: config.listen,
+                source,
+            })?,
+        };
+        let tcp = listener
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(ServerError::Inherited)?;
         let local = listener.local_addr().unwrap_or(config.listen);
+        let mut udp = inherited.as_mut().and_then(|i| i.udp.take());
         let h3 = match stack.acceptor.quic_config() {
-            Some(tls) => Some(H3Endpoint::bind(local, tls, &config.h3, &config.limits)?),
+            Some(tls) => Some(H3Endpoint::bind(
+                local,
+                udp.take(),
+                tls,
+                &config.h3,
+                &config.limits,
+            )?),
             None => None,
         };
-        let relay = plan.bind_udp(config, local)?;
+        let predecessor = inherited.as_mut().and_then(|i| i.predecessor.take());
+        match (&h3, predecessor) {
+            (Some(h3), Some(pred)) => h3.generation().socket.demux(pred),
+            (None, Some(_)) => tracing::warn!(
+                "takeover: this configuration serves no HTTP/3; the previous process's QUIC connections end"
+            ),
+            _ => {}
+        }
+        let relay = plan.bind_udp(config, local, udp.take())?;
+        let relay_fd = match &relay {
+            Some(r) => Some(r.socket().try_clone_to_owned().map_err(ServerError::Inherited)?),
+            None => None,
+        };
         Ok(Self {
             listener,
+            tcp,
             local,
             h3,
             relay,
+            relay_fd,
         })
     }
 }
@@ -210,21 +377,22 @@ struct Front {
 }
 
 impl Front {
-    /// Accepts connections, each holding a permit, until `signal` completes.
-    async fn accept_until(
+    /// Accepts connections, each holding a permit, until `signal` completes, and
+    /// returns what it completed with.
+    async fn accept_until<T>(
         &self,
         listener: TcpListener,
         permits: &Arc<Semaphore>,
-        signal: impl Future<Output = ()>,
-    ) {
+        signal: impl Future<Output = T>,
+    ) -> Option<T> {
         tokio::pin!(signal);
         loop {
             let permit = tokio::select! {
                 p = permits.clone().acquire_owned() => match p {
                     Ok(p) => p,
-                    Err(_) => break,
+                    Err(_) => return None,
                 },
-                () = &mut signal => break,
+                t = &mut signal => return Some(t),
             };
             let (tcp, peer) = tokio::select! {
                 r = listener.accept() => match r {
@@ -236,7 +404,7 @@ impl Front {
                         continue;
                     }
                 },
-                () = &mut signal => break,
+                t = &mut signal => return Some(t),
             };
             crate::listener::configure(&tcp, self.bbr);
             tokio::spawn(connection(
