@@ -281,7 +281,17 @@ async fn upgrade_keeps_downloads_and_connections_and_hands_new_ones_over() {
         "connections failed during the takeover"
     );
     assert!(old.log().contains("takeover: the new process serves; draining"));
-    assert!(new.log().contains("takeover: the previous process has exited"));
+    let log = new.log();
+    assert!(log.contains("takeover: the previous process has exited"), "{log}");
+    // The old h3 download's ACKs reached the old process through the new one.
+    let forwarded: u64 = log
+        .split("handed to it forwarded=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no forwarding summary in the new log:\n{log}"));
+    eprintln!("upgrade: QUIC datagrams forwarded to the old process: {forwarded}");
+    assert!(forwarded > 0);
     new.terminate();
     assert!(new.wait_exit(Duration::from_secs(30)).is_some());
 }

@@ -38,6 +38,9 @@ use generation::{CidGenerator, GenerationKey, Handshakes, QuicSocket};
 /// Kernel socket buffers for the UDP socket; bulk QUIC needs far more than the
 /// defaults to absorb bursts (best effort: capped by net.core.{r,w}mem_max).
 const UDP_BUFFER_BYTES: usize = 8 * 1024 * 1024;
+/// How long a draining connection with nothing left to do must have sent nothing
+/// before it closes.
+const CLOSE_QUIET: Duration = Duration::from_secs(1);
 /// QUIC datagrams queued per connection each way (WebTransport only).
 const DATAGRAM_BUFFER_BYTES: usize = 2 * 1024 * 1024;
 
@@ -298,6 +301,8 @@ async fn connection(
     // keeps the connection alive with PINGs: with no request for `idle_timeout`, the
     // connection goes (GOAWAY, then H3_NO_ERROR), as an idle HTTP/2 one does.
     let mut idle_since = tokio::time::Instant::now();
+    // While closing: what the connection had sent at the last check, and since when.
+    let mut quiet = (0u64, tokio::time::Instant::now());
     loop {
         let accept = std::future::poll_fn(|cx| {
             let polled = h3.poll_accept_request_stream(cx);
@@ -324,8 +329,17 @@ async fn connection(
             // connection, it is done, and shutdown need not wait for the client.
             _ = check.tick() => {
                 let idle = Arc::strong_count(&permit) == 1;
+                // A response whose task is done may still sit in quinn's send
+                // buffer (up to the send window): closing the connection would
+                // discard it. So a draining connection closes once it has sent
+                // nothing for CLOSE_QUIET (all acknowledged, or the client stalls).
                 if closing && idle {
-                    break;
+                    let sent = quic.stats().udp_tx.bytes;
+                    if sent != quiet.0 {
+                        quiet = (sent, tokio::time::Instant::now());
+                    } else if quiet.1.elapsed() >= CLOSE_QUIET {
+                        break;
+                    }
                 }
                 if !idle {
                     idle_since = tokio::time::Instant::now();
