@@ -123,7 +123,7 @@ fn siphash(key: (u64, u64), data: &[u8]) -> u64 {
 }
 
 pub(crate) fn hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 || s.len() > 512 {
+    if !s.len().is_multiple_of(2) || s.len() > 512 {
         return None;
     }
     (0..s.len())
