@@ -17,7 +17,7 @@ use webship_testkit::body::Sink;
 use webship_tests::client::{connect, fetch_h3, Collect, Conn, H3Client, H3Options, Proto, Tuning};
 use webship_tests::{fixture, Server, FIXTURE_LEN};
 
-use crate::support::{Env, HOST, MIB};
+use crate::support::{passthrough_config, stats_json, Env, HOST, MIB};
 
 /// What the test's downloads read before the takeover starts, and their pace after.
 const HEAD_START: u64 = 8 * MIB;
@@ -63,9 +63,20 @@ async fn paced_tcp(
     proto: Proto,
     started: tokio::sync::mpsc::Sender<()>,
 ) -> (u64, bool) {
+    paced_tcp_to(env.client(proto.alpn()), port, HOST, proto, started).await
+}
+
+/// The same to `sni` (a passthrough route), trusting `client`'s roots.
+async fn paced_tcp_to(
+    client: Arc<rustls::ClientConfig>,
+    port: u16,
+    sni: &str,
+    proto: Proto,
+    started: tokio::sync::mpsc::Sender<()>,
+) -> (u64, bool) {
     let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
-    let tls = connect(addr, HOST, env.client(proto.alpn())).await.unwrap();
-    let mut conn = Conn::handshake(tls, proto, &format!("{HOST}:{port}"), Tuning::default())
+    let tls = connect(addr, sni, client).await.unwrap();
+    let mut conn = Conn::handshake(tls, proto, &format!("{sni}:{port}"), Tuning::default())
         .await
         .unwrap();
     let response = conn.send("GET", "/fixture.bin", &[], Bytes::new()).await.unwrap();
@@ -356,4 +367,136 @@ async fn a_failed_takeover_leaves_the_old_process_serving() {
     assert!(old.wait_exit(Duration::from_millis(100)).is_none());
     old.terminate();
     assert!(old.wait_exit(Duration::from_secs(30)).is_some());
+}
+
+/// `counters.<name>.total` from `webship stats --json` for the pins at `pins`.
+fn total(pins: &str, name: &str) -> u64 {
+    let stats = stats_json(pins);
+    stats["counters"][name]["total"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no counter {name} in {stats}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sockmap_passthrough_counters_and_links_carry_on_across_a_takeover() {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("a");
+    std::fs::create_dir(&origin_root).unwrap();
+    fixture().place(&origin_root, "fixture.bin").unwrap();
+    let (cert, key) = env.leaf("a", &["a.pass"]);
+    let origin = webship_tests::nginx::Nginx::start_tls(&origin_root, &cert, &key);
+    let control = env.dir.path().join("control.sock");
+    let config = passthrough_config(
+        "passthrough_engine = \"sockmap\"\n",
+        false,
+        &[("a.pass", origin.addr)],
+    )
+    .replace(
+        "workers = 2\n",
+        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
+    );
+    let mut old = Server::start(env.dir.path(), &config);
+    let port = old.port;
+    let pins = format!("/sys/fs/bpf/webship-e2e-{port}");
+    assert!(
+        old.log().contains("passthrough engine engine=sockmap"),
+        "{}",
+        old.log()
+    );
+
+    // One whole download before, one in flight across the takeover (linked in the
+    // old process's sockmap), one after through the new process.
+    let (started, mut heads) = tokio::sync::mpsc::channel(1);
+    let first = webship_tests::client::fetch(
+        Proto::H1,
+        old.addr(),
+        "a.pass",
+        env.client(b"http/1.1"),
+        "GET",
+        "/fixture.bin",
+        &[],
+    )
+    .await;
+    assert_eq!((first.len, first.sha256), (FIXTURE_LEN, fixture().sha256));
+    let paced = tokio::spawn(paced_tcp_to(
+        env.client(b"http/1.1"),
+        port,
+        "a.pass",
+        Proto::H1,
+        started,
+    ));
+    tokio::time::timeout(Duration::from_secs(60), heads.recv())
+        .await
+        .expect("download under way");
+    let before = total(&pins, "bytes_down");
+    let steered_before = total(&pins, "connections_steered");
+    assert!(before >= FIXTURE_LEN, "{before}");
+
+    let new_dir = tempfile::tempdir().unwrap();
+    let new_config = new_dir.path().join("webship.toml");
+    std::fs::write(&new_config, config.replace("{port}", &port.to_string())).unwrap();
+    let mut new = Server::spawn(
+        new_dir.path(),
+        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new.wait_listening();
+    // No reset to zero while the old process drains.
+    let during = total(&pins, "bytes_down");
+    assert!(
+        during >= before,
+        "bytes_down went from {before} to {during} at the takeover"
+    );
+
+    let (len, exact) = paced.await.unwrap();
+    assert!(
+        len == FIXTURE_LEN && exact,
+        "the linked download across the takeover: {len} bytes, exact {exact}"
+    );
+    let exit = old.wait_exit(Duration::from_secs(30));
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "old process: {exit:?}\n{}",
+        old.log()
+    );
+    let last = webship_tests::client::fetch(
+        Proto::H1,
+        new.addr(),
+        "a.pass",
+        env.client(b"http/1.1"),
+        "GET",
+        "/fixture.bin",
+        &[],
+    )
+    .await;
+    assert_eq!((last.len, last.sha256), (FIXTURE_LEN, fixture().sha256));
+
+    // Three connections steered in all, counted once each; three fixtures went down.
+    let mut steered = 0;
+    let mut down = 0;
+    for _ in 0..40 {
+        steered = total(&pins, "connections_steered");
+        down = total(&pins, "bytes_down");
+        if steered == 3 && down > 3 * FIXTURE_LEN {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!("sockmap upgrade: bytes_down {before} before, {during} at the takeover, {down} after; connections_steered {steered_before} before, {steered} after");
+    assert_eq!(steered, 3, "connections counted across the takeover");
+    assert!(
+        down > 3 * FIXTURE_LEN && down < 3 * FIXTURE_LEN + 1_000_000,
+        "{down}"
+    );
+    assert!(
+        new.log().contains("passthrough engine engine=sockmap"),
+        "{}",
+        new.log()
+    );
+    new.terminate();
+    assert!(new.wait_exit(Duration::from_secs(30)).is_some());
+    assert!(
+        !std::path::Path::new(&pins).exists(),
+        "pins left behind after the new process stopped"
+    );
 }

@@ -87,6 +87,9 @@ struct Offer {
     udp: Option<usize>,
     quic: Option<QuicOffer>,
     pin_lock: Option<usize>,
+    /// Passthrough counters so far (kernel and userspace summed), so the new process
+    /// publishes continuous totals from its first publication on.
+    counters: Vec<u64>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -260,6 +263,7 @@ async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<u32, String
         udp: udp_index,
         quic,
         pin_lock,
+        counters: super::plan::Plan::totals(sockets.programs.as_deref()).to_vec(),
     });
     wire.send(&offer, &fds).await?;
     drop(pair);
@@ -379,6 +383,7 @@ pub(super) async fn take(control: &Path, listen: SocketAddr) -> Result<Inherited
         version = %offer.version,
         "takeover: received the listening sockets"
     );
+    super::plan::inherit_counters(&offer.counters);
     let leftover = std::mem::take(&mut wire.pending);
     drop(wire);
     Ok(Inherited {
