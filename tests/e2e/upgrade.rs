@@ -500,3 +500,64 @@ async fn sockmap_passthrough_counters_and_links_carry_on_across_a_takeover() {
         "pins left behind after the new process stopped"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webtransport_session_keeps_echoing_across_a_takeover() {
+    let env = Env::new();
+    let control = env.dir.path().join("control.sock");
+    let config = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\ncontrol_socket = \"{}\"\n[kernel]\nebpf = \"off\"\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n[sites.webtransport]\npath = \"/wt\"\nallowed_origins = [\"https://app.test\"]\n",
+        control.display(),
+        env.root.display(),
+        env.cert.display(),
+        env.key.display()
+    );
+    let mut old = Server::start(env.dir.path(), &config);
+    let port = old.port;
+    let ca = env.ca_file();
+    let session = std::thread::spawn(move || {
+        std::process::Command::new("timeout")
+            .args(["60", "python3"])
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/clients/wt_client.py"))
+            .args(["127.0.0.1", &port.to_string(), HOST, "/wt", ca.to_str().unwrap()])
+            .args(["https://app.test", "echo-loop", "6"])
+            .output()
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let new_dir = tempfile::tempdir().unwrap();
+    let new_config = new_dir.path().join("webship.toml");
+    std::fs::write(&new_config, config.replace("{port}", &port.to_string())).unwrap();
+    let mut new = Server::spawn(
+        new_dir.path(),
+        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new.wait_listening();
+    let out = session.join().unwrap();
+    assert!(
+        out.status.success(),
+        "aioquic: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("webtransport across the takeover: {report}");
+    let n = |k: &str| report[k].as_u64().unwrap_or_else(|| panic!("{k} in {report}"));
+    assert_eq!(report["status"], 200, "{report}");
+    assert!(n("echoes_before_drain") > 0, "{report}");
+    // After the new process took the UDP socket over and the old one began to
+    // drain (as at SIGTERM: DRAIN_WEBTRANSPORT_SESSION, no new streams, closed after
+    // the drain time), the old session still echoed datagrams: they were forwarded.
+    assert!(
+        n("datagrams_echoed_while_draining") > 0,
+        "{report}\nold log:\n{}",
+        old.log()
+    );
+    assert_eq!(report["drained"], true, "{report}");
+    assert_eq!(n("echoes_failed"), 0, "{report}");
+    assert!(old
+        .wait_exit(Duration::from_secs(30))
+        .is_some_and(|s| s.success()));
+    new.terminate();
+    assert!(new.wait_exit(Duration::from_secs(30)).is_some());
+}

@@ -171,6 +171,10 @@ pub async fn run(
         })
         .await
         .flatten();
+    // The copies kept for a successor go too: once the accept loop has dropped its
+    // listener, nothing may hold the port open (the kernel would keep completing
+    // handshakes nobody accepts).
+    drop((bound.tcp, bound.relay_fd, generation));
 
     if successor.is_some() {
         plan.hand_over();
