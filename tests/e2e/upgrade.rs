@@ -561,3 +561,55 @@ async fn a_webtransport_session_keeps_echoing_across_a_takeover() {
     new.terminate();
     assert!(new.wait_exit(Duration::from_secs(30)).is_some());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h3_passthrough_connection_moves_to_the_new_relay() {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("origin");
+    std::fs::create_dir(&origin_root).unwrap();
+    std::fs::write(origin_root.join("who.txt"), b"origin").unwrap();
+    let origin = crate::support::origin_server(&env, "quic-origin", "a.pass", &origin_root, "", "");
+    let control = env.dir.path().join("control.sock");
+    let udp = format!(
+        "udp_upstream = \"{}\"\nudp_engine = \"userspace\"\n",
+        origin.addr()
+    );
+    let config = passthrough_config(&udp, true, &[("a.pass", origin.addr())]).replace(
+        "workers = 2\n",
+        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
+    );
+    let mut old = Server::start(env.dir.path(), &config);
+    let port = old.port;
+    let tls = env.client(b"h3");
+    let mut client = H3Client::connect(old.addr(), "a.pass", &tls, &H3Options::default())
+        .await
+        .unwrap();
+    assert_eq!(client.fetch("GET", "/who.txt", &[]).await.body, b"origin");
+
+    let new_dir = tempfile::tempdir().unwrap();
+    let new_config = new_dir.path().join("webship.toml");
+    std::fs::write(&new_config, config.replace("{port}", &port.to_string())).unwrap();
+    let mut new = Server::spawn(
+        new_dir.path(),
+        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new.wait_listening();
+    // The same QUIC connection, now relayed by the new process from another port:
+    // the origin sees a NAT rebinding.
+    let again = tokio::time::timeout(Duration::from_secs(20), client.fetch("GET", "/who.txt", &[]))
+        .await
+        .unwrap_or_else(|_| panic!("the old connection stalled; new log:\n{}", new.log()));
+    assert_eq!(again.body, b"origin");
+    client.close().await;
+    let fresh = fetch_h3(old.addr(), "a.pass", env.client(b"h3"), "GET", "/who.txt", &[]).await;
+    assert_eq!(fresh.body, b"origin");
+    assert!(
+        old.wait_exit(Duration::from_secs(30))
+            .is_some_and(|s| s.success()),
+        "{}",
+        old.log()
+    );
+    new.terminate();
+    assert!(new.wait_exit(Duration::from_secs(30)).is_some());
+}
