@@ -44,6 +44,9 @@ pub(crate) struct Programs {
     lock: std::fs::File,
     /// Set once a successor took the pins over: they are its now, and stay.
     handed_over: AtomicBool,
+    /// Taking over: the maps are pinned under their pending names until this
+    /// process serves.
+    pending: AtomicBool,
 }
 
 impl std::fmt::Debug for Programs {
@@ -86,16 +89,20 @@ impl Programs {
             Some(fd) => std::fs::File::from(fd),
             None => prepare_pin_dir(pin_dir)?,
         };
-        let [kernel_pin, user_pin, links_pin] = pin_paths(pin_dir);
+        // Taking over, the maps go in under other names first and replace the
+        // predecessor's pins only once this process serves (`adopt_pins`): should it
+        // fail before, the predecessor's pins stay as they were.
+        let [kernel_pin, user_pin, links_pin] = match taking_over {
+            true => pin_paths(pin_dir).map(|p| pending(&p)),
+            false => pin_paths(pin_dir),
+        };
         for (map, path) in [
             (&kernel_map, &kernel_pin),
             (&user_map, &user_pin),
             (&links_map, &links_pin),
         ] {
             if path.exists() {
-                if taking_over {
-                    tracing::debug!(path = %path.display(), "taking the pin over from the previous process");
-                } else {
+                if !taking_over {
                     tracing::warn!(path = %path.display(), "replacing a stale pinned map (a previous daemon did not stop cleanly?)");
                 }
                 let _ = std::fs::remove_file(path);
@@ -116,7 +123,21 @@ impl Programs {
             ebpf: Mutex::new(ebpf),
             lock,
             handed_over: AtomicBool::new(false),
+            pending: AtomicBool::new(taking_over),
         }))
+    }
+
+    /// Puts this process's maps in place of the predecessor's pins (an atomic
+    /// rename on the BPF filesystem each), once this process serves.
+    pub(crate) fn adopt_pins(&self) {
+        if !self.pending.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        for path in pin_paths(&self.pin_dir) {
+            if let Err(e) = std::fs::rename(pending(&path), &path) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot take the pinned map over");
+            }
+        }
     }
 
     /// The locked pin folder, for a successor to inherit.
@@ -216,7 +237,9 @@ impl Drop for Programs {
         if self.handed_over.load(Ordering::SeqCst) {
             return;
         }
+        let pending_pins = self.pending.load(Ordering::SeqCst);
         for path in pin_paths(&self.pin_dir) {
+            let path = if pending_pins { pending(&path) } else { path };
             if let Err(e) = std::fs::remove_file(&path) {
                 if e.kind() != io::ErrorKind::NotFound {
                     tracing::warn!(path = %path.display(), error = %e, "cannot remove a pinned map");
@@ -226,6 +249,14 @@ impl Drop for Programs {
         // Only removes the folder when nothing else is pinned there.
         let _ = std::fs::remove_dir(&self.pin_dir);
     }
+}
+
+/// Where a map is pinned by a process taking over until it serves.
+fn pending(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    // No dot: the BPF filesystem keeps names with dots for itself (EPERM).
+    name.push("_takeover");
+    PathBuf::from(name)
 }
 
 /// A linked socket pair; dropping it unlinks both sockets.

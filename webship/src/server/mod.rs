@@ -146,6 +146,7 @@ pub async fn run(
         if let Err(e) = inherited.serving(gone).await {
             tracing::warn!(error = %e, "takeover: the previous process did not hear that this one serves");
         }
+        plan.adopt_pins();
     }
 
     let front = Front {

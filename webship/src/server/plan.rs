@@ -104,6 +104,13 @@ impl Plan {
         self.programs.clone()
     }
 
+    /// This process serves now: its maps replace the predecessor's pins.
+    pub(super) fn adopt_pins(&self) {
+        if let Some(p) = &self.programs {
+            p.adopt_pins();
+        }
+    }
+
     /// A successor serves now and has taken over the pins: stop publishing into
     /// maps nobody reads, and leave the pins alone at exit.
     pub(super) fn hand_over(&self) {
