@@ -16,6 +16,9 @@ scenarios:
   idle                      opens a session and sends nothing
   churn N                   N sessions in turn, each on its own connection, echoing
                             one stream and closing cleanly
+  echo-loop SECS            a datagram and a stream echoed every 100 ms for SECS seconds
+                            or until the session ends; counts echoes before and after
+                            the server's DRAIN_WEBTRANSPORT_SESSION, and failures
 
 Whenever the server ends the session its CLOSE_WEBTRANSPORT_SESSION code and reason
 are reported as close_code / close_reason.
@@ -109,6 +112,7 @@ class Client(QuicConnectionProtocol):
         self.capsules = bytearray()
         self.close_info = None
         self.capsule_kinds = []
+        self.drain_at = None
         self.closed = None
         self.streams = {}
         self.datagrams = []
@@ -164,6 +168,8 @@ class Client(QuicConnectionProtocol):
             payload = bytes(self.capsules[at2 : at2 + length])
             del self.capsules[: at2 + length]
             self.capsule_kinds.append(kind)
+            if kind == DRAIN_SESSION and self.drain_at is None:
+                self.drain_at = time.monotonic()
             if kind == CLOSE_SESSION:
                 code = struct.unpack(">I", payload[:4])[0]
                 self.close_info = (code, payload[4:].decode())
@@ -308,6 +314,40 @@ async def scenario(client, name, args, out):
         await client.session_closed(10)
     elif name == "idle":
         await client.session_closed(30)
+    elif name == "echo-loop":
+        end = time.monotonic() + float(args[0])
+        before = after = failed = refused = datagrams_after = 0
+        i = 0
+        while time.monotonic() < end and not client.closed.done():
+            i += 1
+            draining = client.drain_at is not None
+            # A datagram every turn: still echoed while the session drains.
+            probe = struct.pack(">Q", i) + b"probe"
+            client.datagram(probe)
+            data = f"ping {i}".encode()
+            sid = client.open_stream()
+            await client.send(sid, data, True)
+            try:
+                await asyncio.wait_for(asyncio.shield(client.streams[sid].ended), 5)
+                ok = bytes(client.streams[sid].data) == data
+            except asyncio.TimeoutError:
+                ok = False
+            await asyncio.sleep(0.1)
+            if draining and probe in client.datagrams:
+                datagrams_after += 1
+            if ok and not draining:
+                before += 1
+            elif ok:
+                after += 1
+            elif draining or client.drain_at is not None:
+                refused += 1  # a draining session admits no new streams
+            else:
+                failed += 1
+        out["echoes_before_drain"] = before
+        out["echoes_after_drain"] = after
+        out["streams_refused_while_draining"] = refused
+        out["datagrams_echoed_while_draining"] = datagrams_after
+        out["echoes_failed"] = failed
     elif name == "bad-command":
         sid = client.open_stream()
         await client.send(sid, b"make coffee\n", True)

@@ -28,4 +28,5 @@ mod stalls;
 mod support;
 mod systemd;
 mod tls;
+mod upgrade;
 mod webtransport;

@@ -37,6 +37,11 @@ enum Command {
     Serve {
         #[arg(long, short)]
         config: Option<PathBuf>,
+        /// Zero-downtime upgrade: take the listening sockets over from the webship
+        /// running with this configuration's `control_socket` (run as root, like the
+        /// first); it drains and exits once this one serves.
+        #[arg(long, requires = "config")]
+        takeover: bool,
     },
     /// Validate a configuration (and load its certificates), print a summary.
     Check {
@@ -81,8 +86,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let result = match cli.command.unwrap_or(Command::Serve { config: None }) {
-        Command::Serve { config } => serve(config.as_deref()),
+    let default = Command::Serve {
+        config: None,
+        takeover: false,
+    };
+    let result = match cli.command.unwrap_or(default) {
+        Command::Serve { config, takeover } => serve(config.as_deref(), takeover),
         Command::Check { config } => check(&config),
         Command::Reload { config } => reload(config.as_deref()),
         Command::Preflight { config } => run_preflight(config.as_deref()),
@@ -111,7 +120,7 @@ fn load(path: Option<&Path>) -> anyhow::Result<Config> {
     })
 }
 
-fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
+fn serve(path: Option<&Path>, takeover: bool) -> anyhow::Result<ExitCode> {
     let mut config = load(path)?;
     let report = preflight::run(&config.kernel, !config.passthrough.is_empty());
     let missing = report.missing_required();
@@ -145,7 +154,13 @@ fn serve(path: Option<&Path>) -> anyhow::Result<ExitCode> {
         .context("cannot start the async runtime")?;
     let source = config.source.clone();
     runtime
-        .block_on(server::run(config, report, privilege, shutdown_signal()))
+        .block_on(server::run(
+            config,
+            report,
+            privilege,
+            takeover,
+            shutdown_signal(),
+        ))
         .with_context(|| source)?;
     Ok(ExitCode::SUCCESS)
 }

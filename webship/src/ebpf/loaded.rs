@@ -1,8 +1,9 @@
 //! The real implementation (Linux, feature `ebpf`), on aya.
 
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use std::net::SocketAddrV4;
@@ -38,8 +39,15 @@ pub(crate) struct Programs {
     ebpf: Mutex<Ebpf>,
     /// The pin folder, open and exclusively locked (`flock`) for this daemon's
     /// life: a second daemon with the same folder is refused, not given our pins.
-    /// The maps are unpinned through it at shutdown.
+    /// The maps are unpinned (and, taking over, renamed) through it. A binary
+    /// upgrade hands this open file to the successor, so the lock (which belongs to
+    /// the open file, not the process) passes on with it.
     folder: std::fs::File,
+    /// Set once a successor took the pins over: they are its now, and stay.
+    handed_over: AtomicBool,
+    /// Taking over: the maps are pinned under their pending names until this
+    /// process serves.
+    pending: AtomicBool,
 }
 
 impl std::fmt::Debug for Programs {
@@ -54,7 +62,11 @@ impl Programs {
     /// Loads and attaches the programs and pins the counter maps under `pin_dir`
     /// (mounting the BPF filesystem on /sys/fs/bpf when it is not there yet). Log
     /// records from the programs go to tracing under the `webship::ebpf` target.
-    pub(crate) fn load(pin_dir: &Path) -> Result<Arc<Self>, EbpfError> {
+    ///
+    /// `inherited_lock` is the locked pin folder a predecessor handed over in a binary
+    /// upgrade: the lock is already held (shared with the predecessor until it
+    /// exits), and the pins found there are taken over, not stale.
+    pub(crate) fn load(pin_dir: &Path, inherited_lock: Option<OwnedFd>) -> Result<Arc<Self>, EbpfError> {
         let debug = tracing::enabled!(target: "webship::ebpf", tracing::Level::DEBUG);
         let level = if debug {
             aya_log::Level::Debug
@@ -73,15 +85,27 @@ impl Programs {
         let udp_config = typed(take(&mut ebpf, UDP_CONFIG_MAP)?)?;
         attach_verdict(&mut ebpf, &socks)?;
 
-        let lock = prepare_pin_dir(pin_dir)?;
-        let [kernel_pin, user_pin, links_pin] = pin_paths(pin_dir);
+        let taking_over = inherited_lock.is_some();
+        let lock = match inherited_lock {
+            Some(fd) => std::fs::File::from(fd),
+            None => prepare_pin_dir(pin_dir)?,
+        };
+        // Taking over, the maps go in under other names first and replace the
+        // predecessor's pins only once this process serves (`adopt_pins`): should it
+        // fail before, the predecessor's pins stay as they were.
+        let [kernel_pin, user_pin, links_pin] = match taking_over {
+            true => pin_paths(pin_dir).map(|p| pending(&p)),
+            false => pin_paths(pin_dir),
+        };
         for (map, path) in [
             (&kernel_map, &kernel_pin),
             (&user_map, &user_pin),
             (&links_map, &links_pin),
         ] {
             if path.exists() {
-                tracing::warn!(path = %path.display(), "replacing a stale pinned map (a previous daemon did not stop cleanly?)");
+                if !taking_over {
+                    tracing::warn!(path = %path.display(), "replacing a stale pinned map (a previous daemon did not stop cleanly?)");
+                }
                 let _ = std::fs::remove_file(path);
             }
             map.pin(path).map_err(|e| EbpfError::Pin {
@@ -99,7 +123,38 @@ impl Programs {
             pin_dir: pin_dir.to_owned(),
             ebpf: Mutex::new(ebpf),
             folder: lock,
+            handed_over: AtomicBool::new(false),
+            pending: AtomicBool::new(taking_over),
         }))
+    }
+
+    /// Puts this process's maps in place of the predecessor's pins (an atomic
+    /// rename on the BPF filesystem each), once this process serves.
+    pub(crate) fn adopt_pins(&self) {
+        if !self.pending.swap(false, Ordering::SeqCst) {
+            return;
+        }
+        for path in pin_paths(&self.pin_dir) {
+            // Relative to the folder, as the service account: see `Drop`.
+            let name = path.file_name().unwrap_or(path.as_os_str());
+            let from = pending(&path);
+            let from = from.file_name().unwrap_or(from.as_os_str());
+            let renamed = rustix::fs::renameat(&self.folder, from, &self.folder, name);
+            if let Err(e) = renamed.map_err(io::Error::from) {
+                tracing::warn!(path = %path.display(), error = %e, "cannot take the pinned map over");
+            }
+        }
+    }
+
+    /// The locked pin folder, for a successor to inherit.
+    pub(crate) fn pin_lock(&self) -> BorrowedFd<'_> {
+        self.folder.as_fd()
+    }
+
+    /// A successor has taken the pins over: this process's programs and maps still
+    /// serve its own linked sockets until it exits, but its pins are not removed.
+    pub(crate) fn hand_over(&self) {
+        self.handed_over.store(true, Ordering::SeqCst);
     }
 
     /// Starts the kernel's UDP redirection for HTTP/3 passthrough: the tc
@@ -185,10 +240,15 @@ impl Programs {
 
 impl Drop for Programs {
     fn drop(&mut self) {
+        if self.handed_over.load(Ordering::SeqCst) {
+            return;
+        }
+        let pending_pins = self.pending.load(Ordering::SeqCst);
         for path in pin_paths(&self.pin_dir) {
             // Relative to the folder opened at start: the service account may not
             // search /sys/fs/bpf (systemd mounts it 0700), only the folder it was
             // given (see `server::give_pins`).
+            let path = if pending_pins { pending(&path) } else { path };
             let name = path.file_name().unwrap_or(path.as_os_str());
             let removed = rustix::fs::unlinkat(&self.folder, name, rustix::fs::AtFlags::empty());
             if let Err(e) = removed.map_err(io::Error::from) {
@@ -200,6 +260,14 @@ impl Drop for Programs {
         // Only removes the folder when nothing else is pinned there.
         let _ = std::fs::remove_dir(&self.pin_dir);
     }
+}
+
+/// Where a map is pinned by a process taking over until it serves.
+fn pending(path: &Path) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    // No dot: the BPF filesystem keeps names with dots for itself (EPERM).
+    name.push("_takeover");
+    PathBuf::from(name)
 }
 
 /// A linked socket pair; dropping it unlinks both sockets.

@@ -16,6 +16,7 @@
 
 pub(crate) mod congestion;
 mod fields;
+pub(crate) mod generation;
 pub(crate) mod uni;
 
 use std::net::SocketAddr;
@@ -32,10 +33,14 @@ use crate::files::cursor::STREAM_CHUNK;
 use crate::message::{BoxError, Response};
 use crate::webtransport::h3::WtConn;
 use congestion::{BulkSignal, SwitchingFactory};
+use generation::{CidGenerator, GenerationKey, Handshakes, QuicSocket};
 
 /// Kernel socket buffers for the UDP socket; bulk QUIC needs far more than the
 /// defaults to absorb bursts (best effort: capped by net.core.{r,w}mem_max).
 const UDP_BUFFER_BYTES: usize = 8 * 1024 * 1024;
+/// How long a draining connection with nothing left to do must have sent nothing
+/// before it closes.
+const CLOSE_QUIET: Duration = Duration::from_secs(1);
 /// QUIC datagrams queued per connection each way (WebTransport only).
 const DATAGRAM_BUFFER_BYTES: usize = 2 * 1024 * 1024;
 
@@ -58,6 +63,17 @@ pub enum H3Error {
 pub(crate) struct H3Endpoint {
     endpoint: quinn::Endpoint,
     base: quinn::ServerConfig,
+    handover: Handover,
+}
+
+/// What a binary upgrade needs of the endpoint: its socket (to switch reading modes),
+/// the key its connection IDs are tagged with, and the handshakes it has started.
+#[derive(Debug, Clone)]
+pub(crate) struct Handover {
+    pub(crate) socket: Arc<QuicSocket>,
+    pub(crate) key: GenerationKey,
+    pub(crate) handshakes: Arc<Handshakes>,
+    pub(crate) udp: Arc<std::net::UdpSocket>,
 }
 
 /// What the endpoint serves a new connection with: the drivers and the QUIC TLS
@@ -98,9 +114,11 @@ fn with_crypto(base: &quinn::ServerConfig, crypto: &Arc<QuicServerConfig>) -> qu
 }
 
 impl H3Endpoint {
-    /// Binds UDP `addr` for the sites that serve HTTP/3.
+    /// Binds UDP `addr` for the sites that serve HTTP/3, or serves on `inherited`,
+    /// the bound socket a previous process handed over.
     pub(crate) fn bind(
         addr: SocketAddr,
+        inherited: Option<std::net::UdpSocket>,
         tls: Arc<rustls::ServerConfig>,
         settings: &H3Settings,
         limits: &Limits,
@@ -113,15 +131,40 @@ impl H3Endpoint {
             false,
             BulkSignal::default(),
         )));
-        let socket = udp_socket(addr).map_err(|source| H3Error::Bind { addr, source })?;
-        let endpoint = quinn::Endpoint::new(
-            quinn::EndpointConfig::default(),
+        let bind_err = |source| H3Error::Bind { addr, source };
+        let socket = match inherited {
+            Some(socket) => socket,
+            None => udp_socket(addr).map_err(bind_err)?,
+        };
+        socket.set_nonblocking(true).map_err(bind_err)?;
+        let udp = Arc::new(socket.try_clone().map_err(bind_err)?);
+        let key = GenerationKey::random().map_err(bind_err)?;
+        let quic = QuicSocket::new(socket).map_err(bind_err)?;
+        let mut config = quinn::EndpointConfig::default();
+        config.cid_generator(move || Box::new(CidGenerator::new(key)));
+        let endpoint = quinn::Endpoint::new_with_abstract_socket(
+            config,
             Some(base.clone()),
-            socket,
+            quic.clone(),
             Arc::new(quinn::TokioRuntime),
         )
-        .map_err(|source| H3Error::Bind { addr, source })?;
-        Ok(Self { endpoint, base })
+        .map_err(bind_err)?;
+        let handover = Handover {
+            socket: quic,
+            key,
+            handshakes: Arc::default(),
+            udp,
+        };
+        Ok(Self {
+            endpoint,
+            base,
+            handover,
+        })
+    }
+
+    /// What a binary upgrade hands over or switches (see [`Handover`]).
+    pub(crate) fn handover(&self) -> &Handover {
+        &self.handover
     }
 
     /// The handle a reload replaces the server configuration through.
@@ -185,9 +228,22 @@ impl H3Endpoint {
                 signal.clone(),
             )));
             let peer = incoming.remote_address();
+            let cid = incoming.orig_dst_cid();
             match incoming.accept_with(Arc::new(config)) {
                 Ok(connecting) => {
-                    tokio::spawn(connection(connecting, drivers.clone(), signal, peer, permit));
+                    let handshake = Handshake {
+                        cid,
+                        table: self.handover.handshakes.clone(),
+                    };
+                    handshake.table.started(&handshake.cid);
+                    tokio::spawn(connection(
+                        connecting,
+                        drivers.clone(),
+                        signal,
+                        peer,
+                        permit,
+                        handshake,
+                    ));
                 }
                 Err(e) => tracing::debug!(%peer, error = %e, "h3: accept failed"),
             }
@@ -247,14 +303,29 @@ fn transport(
     t
 }
 
+/// A handshake in progress, struck from the endpoint's table when it ends.
+struct Handshake {
+    cid: quinn::ConnectionId,
+    table: Arc<Handshakes>,
+}
+
+impl Drop for Handshake {
+    fn drop(&mut self) {
+        self.table.ended(&self.cid);
+    }
+}
+
 async fn connection(
     connecting: quinn::Connecting,
     drivers: Arc<Drivers>,
     signal: BulkSignal,
     peer: SocketAddr,
     permit: OwnedSemaphorePermit,
+    handshake: Handshake,
 ) {
-    let conn = match tokio::time::timeout(drivers.limits.handshake_timeout, connecting).await {
+    let handshaken = tokio::time::timeout(drivers.limits.handshake_timeout, connecting).await;
+    drop(handshake);
+    let conn = match handshaken {
         Ok(Ok(conn)) => conn,
         Ok(Err(e)) => return tracing::debug!(%peer, error = %e, "h3: handshake failed"),
         Err(_) => return tracing::debug!(%peer, "h3: handshake timed out"),
@@ -289,6 +360,8 @@ async fn connection(
     // keeps the connection alive with PINGs: with no request for `idle_timeout`, the
     // connection goes (GOAWAY, then H3_NO_ERROR), as an idle HTTP/2 one does.
     let mut idle_since = tokio::time::Instant::now();
+    // While closing: what the connection had sent at the last check, and since when.
+    let mut quiet = (0u64, tokio::time::Instant::now());
     loop {
         let accept = std::future::poll_fn(|cx| {
             let polled = h3.poll_accept_request_stream(cx);
@@ -315,8 +388,17 @@ async fn connection(
             // connection, it is done, and shutdown need not wait for the client.
             _ = check.tick() => {
                 let idle = Arc::strong_count(&permit) == 1;
+                // A response whose task is done may still sit in quinn's send
+                // buffer (up to the send window): closing the connection would
+                // discard it. So a draining connection closes once it has sent
+                // nothing for CLOSE_QUIET (all acknowledged, or the client stalls).
                 if closing && idle {
-                    break;
+                    let sent = quic.stats().udp_tx.bytes;
+                    if sent != quiet.0 {
+                        quiet = (sent, tokio::time::Instant::now());
+                    } else if quiet.1.elapsed() >= CLOSE_QUIET {
+                        break;
+                    }
                 }
                 if !idle {
                     idle_since = tokio::time::Instant::now();

@@ -303,9 +303,18 @@ fn prune(queue: &mut VecDeque<(SocketAddr, u64)>, live: usize, flows: &HashMap<S
 }
 
 impl UdpRelay {
-    /// Binds the client-facing UDP socket on `listen`.
-    pub(crate) fn bind(listen: SocketAddr, config: UdpPassthrough, max_flows: usize) -> io::Result<Self> {
-        let socket = std::net::UdpSocket::bind(listen)?;
+    /// Binds the client-facing UDP socket on `listen`, or relays on `inherited`, the
+    /// bound socket a previous process handed over.
+    pub(crate) fn bind(
+        listen: SocketAddr,
+        inherited: Option<std::net::UdpSocket>,
+        config: UdpPassthrough,
+        max_flows: usize,
+    ) -> io::Result<Self> {
+        let socket = match inherited {
+            Some(socket) => socket,
+            None => std::net::UdpSocket::bind(listen)?,
+        };
         Ok(Self {
             listener: Arc::new(Side::new(socket)?),
             config,
@@ -317,8 +326,18 @@ impl UdpRelay {
         self.listener.socket.local_addr()
     }
 
-    /// Relays until the task is dropped (which aborts every flow task too).
-    pub(crate) async fn run(self) {
+    /// The client-facing socket, for a successor to inherit.
+    pub(crate) fn socket(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.listener.socket.as_fd()
+    }
+
+    /// Relays until the task is dropped (which aborts every flow task too). Once
+    /// `stop` is requested it reads no more client datagrams (a successor process
+    /// reads them after a binary upgrade; its flows reach the origin from new ports,
+    /// which QUIC takes as a NAT rebinding) while its flows still carry the origin's
+    /// replies back.
+    pub(crate) async fn run(self, mut stop: crate::shutdown::Shutdown) {
         let epoch = Instant::now();
         let flows: Flows = Arc::new(Mutex::new(Table::new(
             self.max_flows,
@@ -329,7 +348,11 @@ impl UdpRelay {
         let mut meta = vec![RecvMeta::default(); BATCHES];
         // Bounded: each turn handles received datagrams; the task ends when dropped.
         loop {
-            let n = match self.listener.recv(&mut bufs, &mut meta).await {
+            let received = tokio::select! {
+                r = self.listener.recv(&mut bufs, &mut meta) => r,
+                () = stop.requested() => break,
+            };
+            let n = match received {
                 Ok(n) => n,
                 Err(e) => {
                     // ICMP errors surface here on some kernels: keep relaying.
@@ -356,6 +379,9 @@ impl UdpRelay {
                 }
             }
         }
+        // The flows (in `tasks`) keep relaying replies until the task is dropped.
+        std::future::pending::<()>().await;
+        drop(tasks);
     }
 
     /// The flow of `m.addr`, created (with its reply task) when new and there is

@@ -10,6 +10,7 @@
 //! new clients. Draining is waiting for every permit to come back.
 
 mod generation;
+mod handover;
 mod plan;
 mod process;
 mod reload;
@@ -17,12 +18,16 @@ mod systemd;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+
+use std::os::fd::{AsFd, OwnedFd};
 
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{Config, TlsSource};
+use crate::control::ControlListener;
 use crate::h3::H3Endpoint;
 use crate::passthrough::Decision;
 use crate::preflight::Report;
@@ -32,6 +37,7 @@ use crate::service::Service;
 pub use crate::sys::notify;
 use crate::tls::{Acceptor, SiteNames};
 use generation::{Current, Fixed, Generation};
+pub use handover::HandoverError;
 use plan::Plan;
 pub use process::{raise_fd_limit, Privilege, ProcessError};
 pub use reload::CheckError;
@@ -54,7 +60,11 @@ pub enum ServerError {
     #[error("eBPF could not be set up")]
     Ebpf(#[from] crate::ebpf::EbpfError),
     #[error(transparent)]
+    Handover(#[from] HandoverError),
+    #[error(transparent)]
     Control(#[from] crate::control::ControlError),
+    #[error("the inherited listening socket cannot be used: {0}")]
+    Inherited(std::io::Error),
     #[error(
         "cannot listen on {addr}: {source} (fix: choose a free port, or run with the privilege to bind it)"
     )]
@@ -88,19 +98,32 @@ pub fn check_file(path: &std::path::Path) -> Result<Config, CheckError> {
 /// bad certificate never leaves a half-started server. Everything that needs root
 /// (certificates and keys, eBPF, binding) happens before `privilege` switches every
 /// thread to the service account; nothing is accepted before.
+///
+/// With `takeover`, the sockets come from the daemon running on the same control
+/// socket (`handover.rs`), which drains once this one serves.
 pub async fn run(
     config: Config,
     report: Report,
     privilege: Privilege,
+    takeover: bool,
     signal: impl Future<Output = ()>,
 ) -> Result<(), ServerError> {
     // The runtime's threads wait for the switch; whatever fails first releases them.
     let guard = privilege.guard();
     let stack = Stack::build(&config)?;
-    let plan = Plan::load(&config, &report)?;
+    let mut inherited = match (takeover, &config.control_socket) {
+        (true, Some(path)) => Some(handover::take(path, config.listen).await?),
+        (true, None) => return Err(HandoverError::NoControlSocket.into()),
+        (false, _) => None,
+    };
+    let plan = Plan::load(
+        &config,
+        &report,
+        inherited.as_mut().and_then(|i| i.pin_lock.take()),
+    )?;
     let (trigger, shutdown) = crate::shutdown::channel();
     let fixed = Fixed {
-        shutdown,
+        shutdown: shutdown.clone(),
         ktls: report
             .use_ktls()
             .then(|| Arc::new(crate::ktls::Support::new(report.ktls_suites.clone())))
@@ -109,8 +132,8 @@ pub async fn run(
         programs: plan.programs(),
     };
     let first = Generation::new(1, config.clone(), stack, &fixed)?;
-    let bound = Bound::bind(&config, &first.stack, &plan)?;
-    let control = bind_control(&config)?;
+    let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
+    let control = bind_control(&config, takeover)?;
     let hangup = reload::hangup_signal();
     drop_privileges(&config, &report, &plan, &privilege)?;
     drop(guard);
@@ -119,36 +142,88 @@ pub async fn run(
     let current = Arc::new(Current::new(first));
     let limit = config.limits.max_connections;
     let permits = Arc::new(Semaphore::new(limit));
+    let relay_task = plan.start_relay(bound.relay, shutdown);
     let h3_switch = bound.h3.as_ref().map(H3Endpoint::switch);
+    let quic_handover = bound.h3.as_ref().map(|h3| h3.handover().clone());
     let h3_task = bound.h3.map(|endpoint| {
         let current = current.clone();
         tokio::spawn(endpoint.serve(move || current.load(), permits.clone(), limit))
     });
-    let relay_task = plan.start_relay(bound.relay);
-    let control_file = control.as_ref().map(|c| reload::SocketFile::of(c.path()));
-    let reloader = reload::Reloader {
-        current: current.clone(),
-        fixed,
-        file: (config.source != crate::config::BUILTIN_SOURCE).then(|| config.source.clone().into()),
-        running: config,
-        h3: h3_switch,
-        account: privilege.account().map(str::to_owned),
-        started: std::time::Instant::now(),
-    };
-    let supervisor = tokio::spawn(reload::supervise(reloader, control, hangup));
+    let predecessor = Arc::new(AtomicBool::new(false));
+    if let Some(inherited) = inherited {
+        let (alive, quic) = (predecessor.clone(), quic_handover.clone());
+        alive.store(true, Ordering::SeqCst);
+        let gone = move || {
+            alive.store(false, Ordering::SeqCst);
+            if let Some(q) = quic {
+                q.socket.direct();
+                let stats = q.socket.forward_stats();
+                tracing::info!(
+                    forwarded = stats.forwarded,
+                    dropped = stats.dropped,
+                    "takeover: QUIC datagrams of the previous process's connections, handed to it"
+                );
+            }
+        };
+        // The listener already queues connections for this process; the old one
+        // stops accepting once it reads this.
+        if let Err(e) = inherited.serving(gone).await {
+            tracing::warn!(error = %e, "takeover: the previous process did not hear that this one serves");
+        }
+        plan.adopt_pins();
+    }
 
     let front = Front {
         current: current.clone(),
         bbr: report.use_bbr(),
     };
     // READY=1 (systemd): bound, preflight passed, privileges dropped, serving.
-    let reporter = systemd::Reporter::serving(current.clone(), permits.clone(), limit);
-    front.accept_until(bound.listener, &permits, signal).await;
+    let mut reporter = systemd::Reporter::serving(current.clone(), permits.clone(), limit);
+    let control_file = control.as_ref().map(|c| reload::SocketFile::of(c.path()));
+    let reloader = reload::Reloader {
+        current: current.clone(),
+        fixed,
+        file: (config.source != crate::config::BUILTIN_SOURCE).then(|| config.source.clone().into()),
+        h3: h3_switch,
+        account: privilege.account().map(str::to_owned),
+        started: std::time::Instant::now(),
+        running: config,
+    };
+    let sockets = handover::Sockets {
+        listen: reloader.running.listen,
+        tcp: bound.tcp.as_fd(),
+        h3: quic_handover.as_ref(),
+        relay: bound.relay_fd.as_ref().map(AsFd::as_fd),
+        programs: plan.programs(),
+    };
+    // The control socket and SIGHUP are answered inside the accept loop's signal: a
+    // takeover ends accepting the way SIGTERM does.
+    let control = reload::supervise(reloader, control, hangup, sockets, &predecessor);
+    let successor = front
+        .accept_until(bound.listener, &permits, async {
+            tokio::select! {
+                () = signal => None,
+                successor = control => Some(successor),
+            }
+        })
+        .await
+        .flatten();
+    // The copies kept for a successor go too: once the accept loop has dropped its
+    // listener, nothing may hold the port open (the kernel would keep completing
+    // handshakes nobody accepts).
+    drop((bound.tcp, bound.relay_fd, quic_handover));
 
-    reporter.draining();
-    supervisor.abort();
-    if let Some(file) = control_file {
+    match &successor {
+        // The successor is the service now: it says READY, this one no longer speaks
+        // for the service (no STOPPING=1, which would stop it).
+        Some(successor) => reporter.hand_over(successor.pid()),
+        None => reporter.draining(),
+    }
+    if let Some(file) = control_file.filter(|_| successor.is_none()) {
         file.remove();
+    }
+    if successor.is_some() {
+        plan.hand_over();
     }
     trigger.request();
     let last = current.load();
@@ -158,21 +233,31 @@ pub async fn run(
         task.abort();
     }
     drop(reporter);
+    if let Some(successor) = successor {
+        tracing::info!(successor = successor.pid(), "drained; the new process carries on");
+        successor.farewell().await;
+    }
     plan.finish();
     Ok(())
 }
 
-/// The control socket (`webship reload`): one the file names must be bound; the
-/// default one (`/run/webship/<port>.sock`) is best effort, the daemon runs without
-/// it (SIGHUP still reloads).
-fn bind_control(config: &Config) -> Result<Option<crate::control::ControlListener>, ServerError> {
+/// The control socket (`webship reload`, `webship serve --takeover`), in place of
+/// the running daemon's when taking over. One the file names must be bound (a live
+/// daemon on it is an error); the default one (`/run/webship/<port>.sock`) is best
+/// effort: the daemon runs without it, and SIGHUP still reloads.
+fn bind_control(config: &Config, takeover: bool) -> Result<Option<ControlListener>, ServerError> {
     let Some(path) = &config.control_socket else {
         return Ok(None);
     };
-    match crate::control::ControlListener::bind(path) {
+    let bound = match takeover {
+        true => ControlListener::replace(path),
+        false => ControlListener::bind(path),
+    };
+    match bound {
         Ok(listener) => Ok(Some(listener)),
+        Err(e @ crate::control::ControlError::InUse(_)) => Err(e.into()),
         Err(e) if *path == crate::config::default_control_socket(config.listen.port()) => {
-            tracing::warn!(error = %e, "no control socket: `webship reload` cannot reach this daemon (SIGHUP still reloads)");
+            tracing::warn!(error = %e, "no control socket: `webship reload` and `webship serve --takeover` cannot reach this daemon (SIGHUP still reloads)");
             Ok(None)
         }
         Err(e) => Err(e.into()),
@@ -254,28 +339,68 @@ impl Stack {
 /// passthrough.
 struct Bound {
     listener: TcpListener,
+    /// The listener's descriptor again, for a successor.
+    tcp: OwnedFd,
     local: SocketAddr,
     h3: Option<H3Endpoint>,
     relay: Option<crate::passthrough::udp::UdpRelay>,
+    relay_fd: Option<OwnedFd>,
 }
 
 impl Bound {
-    fn bind(config: &Config, stack: &Stack, plan: &Plan) -> Result<Self, ServerError> {
-        let listener = crate::listener::bind(config.listen).map_err(|source| ServerError::Bind {
-            addr: config.listen,
-            source,
-        })?;
+    /// Binds, or takes the sockets a predecessor handed over (`inherited`).
+    fn bind(
+        config: &Config,
+        stack: &Stack,
+        plan: &Plan,
+        mut inherited: Option<&mut handover::Inherited>,
+    ) -> Result<Self, ServerError> {
+        let listener = match inherited.as_mut().and_then(|i| i.tcp.take()) {
+            Some(std) => std
+                .set_nonblocking(true)
+                .and_then(|()| TcpListener::from_std(std))
+                .map_err(ServerError::Inherited)?,
+            None => crate::listener::bind(config.listen).map_err(|source| ServerError::Bind {
+                addr: config.listen,
+                source,
+            })?,
+        };
+        let tcp = listener
+            .as_fd()
+            .try_clone_to_owned()
+            .map_err(ServerError::Inherited)?;
         let local = listener.local_addr().unwrap_or(config.listen);
+        let mut udp = inherited.as_mut().and_then(|i| i.udp.take());
         let h3 = match stack.acceptor.quic_config() {
-            Some(tls) => Some(H3Endpoint::bind(local, tls, &config.h3, &config.limits)?),
+            Some(tls) => Some(H3Endpoint::bind(
+                local,
+                udp.take(),
+                tls,
+                &config.h3,
+                &config.limits,
+            )?),
             None => None,
         };
-        let relay = plan.bind_udp(config, local)?;
+        let predecessor = inherited.as_mut().and_then(|i| i.predecessor.take());
+        match (&h3, predecessor) {
+            (Some(h3), Some(pred)) => h3.handover().socket.demux(pred),
+            (None, Some(_)) => tracing::warn!(
+                "takeover: this configuration serves no HTTP/3; the previous process's QUIC connections end"
+            ),
+            _ => {}
+        }
+        let relay = plan.bind_udp(config, local, udp.take())?;
+        let relay_fd = match &relay {
+            Some(r) => Some(r.socket().try_clone_to_owned().map_err(ServerError::Inherited)?),
+            None => None,
+        };
         Ok(Self {
             listener,
+            tcp,
             local,
             h3,
             relay,
+            relay_fd,
         })
     }
 }
@@ -288,21 +413,22 @@ struct Front {
 }
 
 impl Front {
-    /// Accepts connections, each holding a permit, until `signal` completes.
-    async fn accept_until(
+    /// Accepts connections, each holding a permit, until `signal` completes, and
+    /// returns what it completed with.
+    async fn accept_until<T>(
         &self,
         listener: TcpListener,
         permits: &Arc<Semaphore>,
-        signal: impl Future<Output = ()>,
-    ) {
+        signal: impl Future<Output = T>,
+    ) -> Option<T> {
         tokio::pin!(signal);
         loop {
             let permit = tokio::select! {
                 p = permits.clone().acquire_owned() => match p {
                     Ok(p) => p,
-                    Err(_) => break,
+                    Err(_) => return None,
                 },
-                () = &mut signal => break,
+                t = &mut signal => return Some(t),
             };
             let (tcp, peer) = tokio::select! {
                 r = listener.accept() => match r {
@@ -314,7 +440,7 @@ impl Front {
                         continue;
                     }
                 },
-                () = &mut signal => break,
+                t = &mut signal => return Some(t),
             };
             crate::listener::configure(&tcp, self.bbr);
             tokio::spawn(connection(tcp, peer, self.current.load(), permit));

@@ -5,13 +5,14 @@
 //! on with a userspace engine.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
 
 use tokio::task::JoinHandle;
 
 use super::ServerError;
 use crate::config::{Config, Engine, Policy, UdpEngine, UdpPassthrough};
-use crate::ebpf::{EbpfError, Programs};
+use crate::ebpf::{EbpfError, Programs, Values};
 use crate::passthrough::udp::UdpRelay;
 use crate::passthrough::Passthrough;
 use crate::preflight::Report;
@@ -31,9 +32,43 @@ pub(super) struct Plan {
     ktls_counters: bool,
 }
 
+/// The passthrough counters the processes before this one counted (kernel and
+/// userspace, summed), as the last of them reported them over the takeover
+/// connection: published on top of this process's own, so `webship stats` totals
+/// carry on across a binary upgrade.
+static INHERITED: Mutex<Values> = Mutex::new([0; crate::ebpf::COUNTERS as usize]);
+
+/// Records what the predecessor reported it has counted so far (it reports more
+/// while it drains; each report replaces the last).
+pub(super) fn inherit_counters(values: &[u64]) {
+    let mut inherited = INHERITED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    for (slot, v) in inherited.iter_mut().zip(values) {
+        *slot = *v;
+    }
+}
+
+/// This process's userspace counters plus what it inherited.
+fn published() -> Values {
+    let inherited = *INHERITED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut values = crate::passthrough::counters();
+    for (v, i) in values.iter_mut().zip(inherited) {
+        *v = v.saturating_add(i);
+    }
+    values
+}
+
 impl Plan {
-    pub(super) fn load(config: &Config, report: &Report) -> Result<Self, ServerError> {
-        let programs = load_programs(config, report)?;
+    /// `inherited_lock`: the locked pin folder a predecessor handed over.
+    pub(super) fn load(
+        config: &Config,
+        report: &Report,
+        inherited_lock: Option<OwnedFd>,
+    ) -> Result<Self, ServerError> {
+        let programs = load_programs(config, report, inherited_lock)?;
         let engine = crate::passthrough::resolve(config.passthrough_engine, programs.is_some());
         let passthrough = Passthrough::new(config, engine, programs.clone()).map(Arc::new);
         if let Some(pt) = &passthrough {
@@ -66,12 +101,43 @@ impl Plan {
         self.programs.is_some()
     }
 
+    /// Every passthrough counter this process and its predecessors counted, kernel
+    /// and userspace summed: what a successor publishes on top of its own.
+    pub(super) fn totals(programs: Option<&Programs>) -> Values {
+        let mut values = published();
+        if let Some(kernel) = programs.map(Programs::kernel_counters) {
+            for (v, k) in values.iter_mut().zip(kernel) {
+                *v = v.saturating_add(k);
+            }
+        }
+        values
+    }
+
+    /// This process serves now: its maps replace the predecessor's pins.
+    pub(super) fn adopt_pins(&self) {
+        if let Some(p) = &self.programs {
+            p.adopt_pins();
+        }
+    }
+
+    /// A successor serves now and has taken over the pins: stop publishing into
+    /// maps nobody reads, and leave the pins alone at exit.
+    pub(super) fn hand_over(&self) {
+        if let Some(task) = &self.publisher {
+            task.abort();
+        }
+        if let Some(p) = &self.programs {
+            p.hand_over();
+        }
+    }
+
     /// HTTP/3 passthrough on the UDP side of `listen`: the kernel redirect when it
     /// applies, and the userspace relay, which owns the port either way.
     pub(super) fn bind_udp(
         &self,
         config: &Config,
         listen: SocketAddr,
+        inherited: Option<std::net::UdpSocket>,
     ) -> Result<Option<UdpRelay>, ServerError> {
         let Some(udp) = self.udp else {
             return Ok(None);
@@ -80,7 +146,7 @@ impl Plan {
         // relay took first would start that client's flow on the other path, and the
         // rest of the flow, redirected, would reach the origin from another address.
         self.redirect_udp_in_kernel(udp, listen)?;
-        let relay = UdpRelay::bind(listen, udp, config.limits.max_connections)
+        let relay = UdpRelay::bind(listen, inherited, udp, config.limits.max_connections)
             .map_err(|source| ServerError::Bind { addr: listen, source })?;
         tracing::info!(
             udp = %relay.local_addr().unwrap_or(listen),
@@ -90,8 +156,14 @@ impl Plan {
         Ok(Some(relay))
     }
 
-    pub(super) fn start_relay(&self, relay: Option<UdpRelay>) -> Option<JoinHandle<()>> {
-        relay.map(|relay| tokio::spawn(relay.run()))
+    /// Relays until aborted; stops reading clients once `stop` is requested (a
+    /// successor reads them then).
+    pub(super) fn start_relay(
+        &self,
+        relay: Option<UdpRelay>,
+        stop: crate::shutdown::Shutdown,
+    ) -> Option<JoinHandle<()>> {
+        relay.map(|relay| tokio::spawn(relay.run(stop)))
     }
 
     /// Hands HTTP/3 passthrough to the kernel when the UDP engine asks for eBPF (or
@@ -134,7 +206,7 @@ impl Plan {
             task.abort();
         }
         if self.passthrough.is_some() {
-            let user = crate::passthrough::counters();
+            let user = published();
             let kernel = self.programs.as_ref().map(|p| p.kernel_counters());
             if let Some(p) = &self.programs {
                 p.publish(&user);
@@ -162,11 +234,15 @@ impl Plan {
     }
 }
 
-fn load_programs(config: &Config, report: &Report) -> Result<Option<Arc<Programs>>, ServerError> {
+fn load_programs(
+    config: &Config,
+    report: &Report,
+    inherited_lock: Option<OwnedFd>,
+) -> Result<Option<Arc<Programs>>, ServerError> {
     if config.passthrough.is_empty() || !report.use_ebpf() {
         return Ok(None);
     }
-    match Programs::load(&config.kernel.bpf_pin_dir) {
+    match Programs::load(&config.kernel.bpf_pin_dir, inherited_lock) {
         Ok(programs) => {
             tracing::info!(pins = %config.kernel.bpf_pin_dir.display(), "eBPF programs loaded; counters pinned for `webship stats`");
             Ok(Some(programs))
@@ -185,6 +261,6 @@ async fn publish_counters(programs: Arc<Programs>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        programs.publish(&crate::passthrough::counters());
+        programs.publish(&published());
     }
 }

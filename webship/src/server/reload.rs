@@ -11,11 +11,12 @@
 //! signals that arrive during one are merged into one more.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use super::generation::{Current, Fixed, Generation};
-use super::{process, ServerError, Stack};
+use super::{handover, process, ServerError, Stack};
 use crate::config::{self, Config, UdpPassthrough};
 use crate::control::{ControlListener, Incoming, Reply, Request};
 use crate::h3::H3Switch;
@@ -372,31 +373,53 @@ fn udp(v: &Option<UdpPassthrough>) -> String {
 }
 
 /// The supervisor's side of the control socket and of `SIGHUP`: one request or
-/// signal at a time, so reloads never overlap. Runs until aborted at shutdown.
-pub(super) async fn supervise(mut reloader: Reloader, control: Option<ControlListener>, mut hangup: Hangup) {
+/// signal at a time, so reloads never overlap. Returns once a new process has taken
+/// the sockets over (`webship serve --takeover`); until then it answers requests.
+/// `predecessor` is set while the process this one took over from still drains: a
+/// second takeover then waits.
+pub(super) async fn supervise(
+    mut reloader: Reloader,
+    control: Option<ControlListener>,
+    mut hangup: Hangup,
+    sockets: handover::Sockets<'_>,
+    predecessor: &AtomicBool,
+) -> handover::Successor {
     let mut requests = control.map(ControlListener::serve);
     loop {
         tokio::select! {
-            Some(incoming) = next(&mut requests) => answer(incoming, &mut reloader).await,
+            Some(incoming) = next(&mut requests) => {
+                if let Some(successor) = answer(incoming, &mut reloader, &sockets, predecessor).await {
+                    return successor;
+                }
+            }
             Some(()) = next_hangup(&mut hangup) => {
                 tracing::info!("SIGHUP: reloading");
                 reloader.reload(None).await;
             }
-            else => return,
+            else => return std::future::pending().await,
         }
     }
 }
 
-/// Answers one control request.
-async fn answer(incoming: Incoming, reloader: &mut Reloader) {
+/// Answers one control request; a takeover that succeeded returns the successor.
+async fn answer(
+    incoming: Incoming,
+    reloader: &mut Reloader,
+    sockets: &handover::Sockets<'_>,
+    predecessor: &AtomicBool,
+) -> Option<handover::Successor> {
     let reply = match &incoming.request {
         Request::Reload { config } => reloader.reload(config.clone()).await,
         Request::Status => reloader.status(),
-        Request::Takeover => Reply::refused(
-            "this daemon cannot hand its sockets over: takeover is not supported by this version",
-        ),
+        Request::Takeover if predecessor.load(Ordering::SeqCst) => {
+            let reason = "the process this one took over from is still draining; try again once it exits";
+            handover::refuse(incoming, reason).await;
+            return None;
+        }
+        Request::Takeover => return handover::give(incoming, sockets.clone()).await,
     };
     incoming.reply(&reply).await;
+    None
 }
 
 async fn next(requests: &mut Option<tokio::sync::mpsc::Receiver<Incoming>>) -> Option<Incoming> {

@@ -91,6 +91,21 @@ impl Reporter {
     }
 }
 
+impl Reporter {
+    /// A new process took the sockets over (`webship serve --takeover`) and serves:
+    /// `MAINPID=` names it, so the manager follows it, and this process stops
+    /// speaking for the service (no more watchdog pings or status lines, and no
+    /// `STOPPING=1`, which would stop the service the successor now carries).
+    pub(super) fn hand_over(&mut self, successor: u32) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
+        if notify::enabled() {
+            notify::mainpid(successor);
+        }
+    }
+}
+
 impl Drop for Reporter {
     fn drop(&mut self) {
         if let Some(task) = self.task.take() {

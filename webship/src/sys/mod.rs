@@ -5,6 +5,7 @@
 //! rest of the crate compiles and falls back to the portable rustls path everywhere.
 #![allow(unsafe_code)]
 
+pub(crate) mod fdpass;
 pub(crate) mod file;
 pub mod notify;
 pub(crate) mod privilege;

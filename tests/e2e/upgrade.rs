@@ -1,0 +1,615 @@
+//! Zero-downtime binary upgrade: `webship serve --takeover` takes the listening
+//! sockets over from the running daemon, which drains and exits. Downloads in flight
+//! over h1, h2 and h3 finish byte-exact on the old process, a client connecting in a
+//! tight loop throughout is never refused or reset, new connections reach the new
+//! process (it serves another root, so `/which.txt` says which answered), and a
+//! takeover that fails leaves the old process serving, HTTP/3 included.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use webship_testkit::body::Sink;
+use webship_tests::client::{connect, fetch_h3, Collect, Conn, H3Client, H3Options, Proto, Tuning};
+use webship_tests::{fixture, Server, FIXTURE_LEN};
+
+use crate::support::{passthrough_config, stats_json, Env, HOST, MIB};
+
+/// What the test's downloads read before the takeover starts, and their pace after.
+const HEAD_START: u64 = 8 * MIB;
+const PACE_CHUNK: u64 = 2 * MIB;
+const PACE_PAUSE: Duration = Duration::from_millis(40);
+
+/// The old daemon's world: its config file names a root whose `which.txt` says "old".
+fn old_daemon(env: &Env) -> (Server, PathBuf) {
+    fixture().place(&env.root, "fixture.bin").unwrap();
+    env.write("which.txt", b"old");
+    let control = env.dir.path().join("control.sock");
+    let extra = format!(
+        "control_socket = \"{}\"\n\n[limits]\nshutdown_grace_secs = 60\nidle_timeout_secs = 5\n",
+        control.display()
+    );
+    (env.start(&extra), control)
+}
+
+/// The new daemon's configuration: the same listen address and control socket, a
+/// root of its own (`which.txt` says "new"), in `dir`.
+fn new_config(env: &Env, server: &Server, control: &Path, dir: &Path, listen_port: u16) -> PathBuf {
+    let root = dir.join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::write(root.join("which.txt"), b"new").unwrap();
+    let config = format!(
+        "listen = \"127.0.0.1:{listen_port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n\n[limits]\nshutdown_grace_secs = 60\n\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+        control.display(),
+        root.display(),
+        env.cert.display(),
+        env.key.display()
+    );
+    let _ = server;
+    let path = dir.join("webship.toml");
+    std::fs::write(&path, config).unwrap();
+    path
+}
+
+/// A download over h1 or h2 that reads [`HEAD_START`], says so, then reads the rest
+/// at a pace. Returns (bytes, sha256 matches).
+async fn paced_tcp(
+    env: &Env,
+    port: u16,
+    proto: Proto,
+    started: tokio::sync::mpsc::Sender<()>,
+) -> (u64, bool) {
+    paced_tcp_to(env.client(proto.alpn()), port, HOST, proto, started).await
+}
+
+/// The same to `sni` (a passthrough route), trusting `client`'s roots.
+async fn paced_tcp_to(
+    client: Arc<rustls::ClientConfig>,
+    port: u16,
+    sni: &str,
+    proto: Proto,
+    started: tokio::sync::mpsc::Sender<()>,
+) -> (u64, bool) {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let tls = connect(addr, sni, client).await.unwrap();
+    let mut conn = Conn::handshake(tls, proto, &format!("{sni}:{port}"), Tuning::default())
+        .await
+        .unwrap();
+    let response = conn.send("GET", "/fixture.bin", &[], Bytes::new()).await.unwrap();
+    let (parts, mut body) = response.into_parts();
+    let mut sink = Collect::default();
+    let (mut got, mut told, mut since) = (0u64, false, 0u64);
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else { break };
+        if let Some(data) = frame.data_ref() {
+            sink.update(data);
+            got += data.len() as u64;
+            since += data.len() as u64;
+        }
+        if !told && got >= HEAD_START {
+            told = true;
+            let _ = started.send(()).await;
+        }
+        if told && since >= PACE_CHUNK {
+            since = 0;
+            tokio::time::sleep(PACE_PAUSE).await;
+        }
+    }
+    let fetched = sink.into_fetched(parts);
+    (fetched.len, fetched.sha256 == fixture().sha256)
+}
+
+/// The same over HTTP/3.
+async fn paced_h3(env: &Env, port: u16, started: tokio::sync::mpsc::Sender<()>) -> (u64, bool) {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let tls = env.client(b"h3");
+    let mut client = H3Client::connect(addr, HOST, &tls, &H3Options::default())
+        .await
+        .unwrap();
+    let (parts, mut stream) = client.send("GET", "/fixture.bin", &[]).await.unwrap();
+    let mut sink = Collect::default();
+    let (mut got, mut told, mut since) = (0u64, false, 0u64);
+    loop {
+        let chunk = match stream.recv_data().await {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(e) => {
+                eprintln!("h3 download: {e}");
+                break;
+            }
+        };
+        let mut chunk = chunk;
+        while bytes::Buf::has_remaining(&chunk) {
+            let data = bytes::Buf::chunk(&chunk);
+            let n = data.len();
+            sink.update(data);
+            got += n as u64;
+            since += n as u64;
+            bytes::Buf::advance(&mut chunk, n);
+        }
+        if !told && got >= HEAD_START {
+            told = true;
+            let _ = started.send(()).await;
+        }
+        if told && since >= PACE_CHUNK {
+            since = 0;
+            tokio::time::sleep(PACE_PAUSE).await;
+        }
+    }
+    let fetched = sink.into_fetched(parts);
+    client.close().await;
+    (fetched.len, fetched.sha256 == fixture().sha256)
+}
+
+#[derive(Default)]
+struct Tally {
+    attempted: AtomicU64,
+    refused: AtomicU64,
+    reset: AtomicU64,
+    other: AtomicU64,
+    old: AtomicU64,
+    new: AtomicU64,
+}
+
+/// New connections in a tight, bounded loop: TCP connect, TLS, `GET /which.txt`,
+/// read to the end; every failure counted by kind.
+async fn connect_loop(env: Arc<Env>, port: u16, stop: Arc<AtomicBool>, tally: Arc<Tally>) {
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let config = env.client(b"http/1.1");
+    let request = format!("GET /which.txt HTTP/1.1\r\nHost: {HOST}\r\nConnection: close\r\n\r\n");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for _ in 0..50_000 {
+        if stop.load(Ordering::SeqCst) || Instant::now() > deadline {
+            break;
+        }
+        tally.attempted.fetch_add(1, Ordering::SeqCst);
+        let outcome = async {
+            let mut tls = connect(addr, HOST, config.clone()).await?;
+            tls.write_all(request.as_bytes()).await?;
+            let mut answer = Vec::new();
+            tls.read_to_end(&mut answer).await?;
+            Ok::<_, std::io::Error>(answer)
+        };
+        match tokio::time::timeout(Duration::from_secs(10), outcome).await {
+            Ok(Ok(answer)) if answer.ends_with(b"\r\n\r\nold") => tally.old.fetch_add(1, Ordering::SeqCst),
+            Ok(Ok(answer)) if answer.ends_with(b"\r\n\r\nnew") => tally.new.fetch_add(1, Ordering::SeqCst),
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                tally.refused.fetch_add(1, Ordering::SeqCst)
+            }
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::ConnectionReset => {
+                tally.reset.fetch_add(1, Ordering::SeqCst)
+            }
+            Ok(Ok(answer)) => {
+                eprintln!(
+                    "connect loop: unexpected answer {:?}",
+                    String::from_utf8_lossy(&answer)
+                );
+                tally.other.fetch_add(1, Ordering::SeqCst)
+            }
+            other => {
+                eprintln!("connect loop: {other:?}");
+                tally.other.fetch_add(1, Ordering::SeqCst)
+            }
+        };
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn upgrade_keeps_downloads_and_connections_and_hands_new_ones_over() {
+    let env = Arc::new(Env::new());
+    let (mut old, control) = old_daemon(&env);
+    let port = old.port;
+    let new_dir = tempfile::tempdir().unwrap();
+    let config = new_config(&env, &old, &control, new_dir.path(), port);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let tally = Arc::new(Tally::default());
+    let looping = tokio::spawn(connect_loop(env.clone(), port, stop.clone(), tally.clone()));
+
+    let (started, mut heads) = tokio::sync::mpsc::channel(8);
+    let h1 = tokio::spawn({
+        let (env, started) = (env.clone(), started.clone());
+        async move { paced_tcp(&env, port, Proto::H1, started).await }
+    });
+    let h2 = tokio::spawn({
+        let (env, started) = (env.clone(), started.clone());
+        async move { paced_tcp(&env, port, Proto::H2, started).await }
+    });
+    let h3 = tokio::spawn({
+        let (env, started) = (env.clone(), started.clone());
+        async move { paced_h3(&env, port, started).await }
+    });
+    drop(started);
+    for _ in 0..3 {
+        tokio::time::timeout(Duration::from_secs(60), heads.recv())
+            .await
+            .expect("every download under way within 60 s");
+    }
+    assert!(
+        tally.old.load(Ordering::SeqCst) > 0,
+        "the loop reached the old process"
+    );
+
+    let mut new = Server::spawn(
+        new_dir.path(),
+        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new.wait_listening();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tally.new.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        tally.new.load(Ordering::SeqCst) > 0,
+        "no new connection reached the new process; its log:\n{}",
+        new.log()
+    );
+    // A new HTTP/3 connection goes to the new process too.
+    let fresh = fetch_h3(old.addr(), HOST, env.client(b"h3"), "GET", "/which.txt", &[]).await;
+    assert_eq!(fresh.body, b"new", "a new h3 connection reached the old process");
+
+    let results = [
+        ("h1", h1.await.unwrap()),
+        ("h2", h2.await.unwrap()),
+        ("h3", h3.await.unwrap()),
+    ];
+    for (proto, (len, exact)) in results {
+        assert!(
+            len == FIXTURE_LEN && exact,
+            "{proto} download across the takeover: {len} of {FIXTURE_LEN} bytes, digest exact: {exact}; old log:\n{}",
+            old.log()
+        );
+    }
+    let exit = old.wait_exit(Duration::from_secs(30));
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "the old process did not exit cleanly once drained ({exit:?}); its log:\n{}",
+        old.log()
+    );
+    // A moment of new-process-only traffic, then the loop stops.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop.store(true, Ordering::SeqCst);
+    looping.await.unwrap();
+    let t = |c: &AtomicU64| c.load(Ordering::SeqCst);
+    eprintln!(
+        "upgrade: connections attempted {}, refused {}, reset {}, other failures {}, answered by old {}, by new {}; downloads exact 3 of 3",
+        t(&tally.attempted),
+        t(&tally.refused),
+        t(&tally.reset),
+        t(&tally.other),
+        t(&tally.old),
+        t(&tally.new)
+    );
+    assert_eq!(
+        (t(&tally.refused), t(&tally.reset), t(&tally.other)),
+        (0, 0, 0),
+        "connections failed during the takeover"
+    );
+    assert!(old.log().contains("takeover: the new process serves; draining"));
+    let log = new.log();
+    assert!(log.contains("takeover: the previous process has exited"), "{log}");
+    // The old h3 download's ACKs reached the old process through the new one.
+    let forwarded: u64 = log
+        .split("handed to it forwarded=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no forwarding summary in the new log:\n{log}"));
+    eprintln!("upgrade: QUIC datagrams forwarded to the old process: {forwarded}");
+    assert!(forwarded > 0);
+    new.terminate();
+    assert!(new.wait_exit(Duration::from_secs(30)).is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_takeover_leaves_the_old_process_serving() {
+    let env = Env::new();
+    let (mut old, control) = old_daemon(&env);
+    let port = old.port;
+    // An h3 connection from before, still open across both attempts.
+    let mut before = H3Client::connect(old.addr(), HOST, &env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap();
+
+    // 1. Refused after the sockets were offered: another listen address.
+    let dir = tempfile::tempdir().unwrap();
+    let config = new_config(&env, &old, &control, dir.path(), port + 1);
+    let mut other = Server::spawn(
+        dir.path(),
+        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    let status = other
+        .wait_exit(Duration::from_secs(30))
+        .expect("the new process ends");
+    assert!(!status.success());
+    assert!(
+        other.log().contains("the address cannot change"),
+        "{}",
+        other.log()
+    );
+
+    // 2. A configuration that fails to build: a key that does not exist.
+    let broken = std::fs::read_to_string(&config)
+        .unwrap()
+        .replace(&format!(":{}\"", port + 1), &format!(":{port}\""))
+        .replace(env.key.to_str().unwrap(), "/nonexistent/key.pem");
+    std::fs::write(&config, broken).unwrap();
+    let mut bad = Server::spawn(
+        dir.path(),
+        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    let status = bad
+        .wait_exit(Duration::from_secs(30))
+        .expect("the new process ends");
+    assert!(!status.success(), "{}", bad.log());
+
+    // The old process still serves everything: h1, a new h3 connection, the old one.
+    let got = env.get(Proto::H1, &old, "/which.txt", &[]).await;
+    assert_eq!(got.body, b"old");
+    let fresh = fetch_h3(old.addr(), HOST, env.client(b"h3"), "GET", "/which.txt", &[]).await;
+    assert_eq!(fresh.body, b"old");
+    let again = before.fetch("GET", "/which.txt", &[]).await;
+    assert_eq!(again.body, b"old");
+    before.close().await;
+    assert!(
+        old.log().contains("takeover failed; this process keeps serving"),
+        "{}",
+        old.log()
+    );
+    assert!(old.wait_exit(Duration::from_millis(100)).is_none());
+    old.terminate();
+    assert!(old.wait_exit(Duration::from_secs(30)).is_some());
+}
+
+/// `counters.<name>.total` from `webship stats --json` for the pins at `pins`.
+fn total(pins: &str, name: &str) -> u64 {
+    let stats = stats_json(pins);
+    stats["counters"][name]["total"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no counter {name} in {stats}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sockmap_passthrough_counters_and_links_carry_on_across_a_takeover() {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("a");
+    std::fs::create_dir(&origin_root).unwrap();
+    fixture().place(&origin_root, "fixture.bin").unwrap();
+    let (cert, key) = env.leaf("a", &["a.pass"]);
+    let origin = webship_tests::nginx::Nginx::start_tls(&origin_root, &cert, &key);
+    let control = env.dir.path().join("control.sock");
+    let config = passthrough_config(
+        "passthrough_engine = \"sockmap\"\n",
+        false,
+        &[("a.pass", origin.addr)],
+    )
+    .replace(
+        "workers = 2\n",
+        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
+    );
+    let mut old = Server::start(env.dir.path(), &config);
+    let port = old.port;
+    let pins = format!("/sys/fs/bpf/webship-e2e-{port}");
+    assert!(
+        old.log().contains("passthrough engine engine=sockmap"),
+        "{}",
+        old.log()
+    );
+
+    // One whole download before, one in flight across the takeover (linked in the
+    // old process's sockmap), one after through the new process.
+    let (started, mut heads) = tokio::sync::mpsc::channel(1);
+    let first = webship_tests::client::fetch(
+        Proto::H1,
+        old.addr(),
+        "a.pass",
+        env.client(b"http/1.1"),
+        "GET",
+        "/fixture.bin",
+        &[],
+    )
+    .await;
+    assert_eq!((first.len, first.sha256), (FIXTURE_LEN, fixture().sha256));
+    let paced = tokio::spawn(paced_tcp_to(
+        env.client(b"http/1.1"),
+        port,
+        "a.pass",
+        Proto::H1,
+        started,
+    ));
+    tokio::time::timeout(Duration::from_secs(60), heads.recv())
+        .await
+        .expect("download under way");
+    let before = total(&pins, "bytes_down");
+    let steered_before = total(&pins, "connections_steered");
+    assert!(before >= FIXTURE_LEN, "{before}");
+
+    let new_dir = tempfile::tempdir().unwrap();
+    let new_config = new_dir.path().join("webship.toml");
+    std::fs::write(&new_config, config.replace("{port}", &port.to_string())).unwrap();
+    let mut new = Server::spawn(
+        new_dir.path(),
+        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new.wait_listening();
+    // No reset to zero while the old process drains.
+    let during = total(&pins, "bytes_down");
+    assert!(
+        during >= before,
+        "bytes_down went from {before} to {during} at the takeover"
+    );
+
+    let (len, exact) = paced.await.unwrap();
+    assert!(
+        len == FIXTURE_LEN && exact,
+        "the linked download across the takeover: {len} bytes, exact {exact}"
+    );
+    let exit = old.wait_exit(Duration::from_secs(30));
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "old process: {exit:?}\n{}",
+        old.log()
+    );
+    let last = webship_tests::client::fetch(
+        Proto::H1,
+        new.addr(),
+        "a.pass",
+        env.client(b"http/1.1"),
+        "GET",
+        "/fixture.bin",
+        &[],
+    )
+    .await;
+    assert_eq!((last.len, last.sha256), (FIXTURE_LEN, fixture().sha256));
+
+    // Three connections steered in all, counted once each; three fixtures went down.
+    let mut steered = 0;
+    let mut down = 0;
+    for _ in 0..40 {
+        steered = total(&pins, "connections_steered");
+        down = total(&pins, "bytes_down");
+        if steered == 3 && down > 3 * FIXTURE_LEN {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    eprintln!("sockmap upgrade: bytes_down {before} before, {during} at the takeover, {down} after; connections_steered {steered_before} before, {steered} after");
+    assert_eq!(steered, 3, "connections counted across the takeover");
+    assert!(
+        down > 3 * FIXTURE_LEN && down < 3 * FIXTURE_LEN + 1_000_000,
+        "{down}"
+    );
+    assert!(
+        new.log().contains("passthrough engine engine=sockmap"),
+        "{}",
+        new.log()
+    );
+    new.terminate();
+    assert!(new.wait_exit(Duration::from_secs(30)).is_some());
+    assert!(
+        !std::path::Path::new(&pins).exists(),
+        "pins left behind after the new process stopped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webtransport_session_keeps_echoing_across_a_takeover() {
+    let env = Env::new();
+    let control = env.dir.path().join("control.sock");
+    let config = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\ncontrol_socket = \"{}\"\n[kernel]\nebpf = \"off\"\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n[sites.webtransport]\npath = \"/wt\"\nallowed_origins = [\"https://app.test\"]\n",
+        control.display(),
+        env.root.display(),
+        env.cert.display(),
+        env.key.display()
+    );
+    let mut old = Server::start(env.dir.path(), &config);
+    let port = old.port;
+    let ca = env.ca_file();
+    let session = std::thread::spawn(move || {
+        std::process::Command::new("timeout")
+            .args(["60", "python3"])
+            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/clients/wt_client.py"))
+            .args(["127.0.0.1", &port.to_string(), HOST, "/wt", ca.to_str().unwrap()])
+            .args(["https://app.test", "echo-loop", "6"])
+            .output()
+            .unwrap()
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let new_dir = tempfile::tempdir().unwrap();
+    let new_config = new_dir.path().join("webship.toml");
+    std::fs::write(&new_config, config.replace("{port}", &port.to_string())).unwrap();
+    let mut new = Server::spawn(
+        new_dir.path(),
+        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new.wait_listening();
+    let out = session.join().unwrap();
+    assert!(
+        out.status.success(),
+        "aioquic: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    eprintln!("webtransport across the takeover: {report}");
+    let n = |k: &str| report[k].as_u64().unwrap_or_else(|| panic!("{k} in {report}"));
+    assert_eq!(report["status"], 200, "{report}");
+    assert!(n("echoes_before_drain") > 0, "{report}");
+    // After the new process took the UDP socket over and the old one began to
+    // drain (as at SIGTERM: DRAIN_WEBTRANSPORT_SESSION, no new streams, closed after
+    // the drain time), the old session still echoed datagrams: they were forwarded.
+    assert!(
+        n("datagrams_echoed_while_draining") > 0,
+        "{report}\nold log:\n{}",
+        old.log()
+    );
+    assert_eq!(report["drained"], true, "{report}");
+    assert_eq!(n("echoes_failed"), 0, "{report}");
+    assert!(old
+        .wait_exit(Duration::from_secs(30))
+        .is_some_and(|s| s.success()));
+    new.terminate();
+    assert!(new.wait_exit(Duration::from_secs(30)).is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h3_passthrough_connection_moves_to_the_new_relay() {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("origin");
+    std::fs::create_dir(&origin_root).unwrap();
+    std::fs::write(origin_root.join("who.txt"), b"origin").unwrap();
+    let origin = crate::support::origin_server(&env, "quic-origin", "a.pass", &origin_root, "", "");
+    let control = env.dir.path().join("control.sock");
+    let udp = format!(
+        "udp_upstream = \"{}\"\nudp_engine = \"userspace\"\n",
+        origin.addr()
+    );
+    let config = passthrough_config(&udp, true, &[("a.pass", origin.addr())]).replace(
+        "workers = 2\n",
+        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
+    );
+    let mut old = Server::start(env.dir.path(), &config);
+    let port = old.port;
+    let tls = env.client(b"h3");
+    let mut client = H3Client::connect(old.addr(), "a.pass", &tls, &H3Options::default())
+        .await
+        .unwrap();
+    assert_eq!(client.fetch("GET", "/who.txt", &[]).await.body, b"origin");
+
+    let new_dir = tempfile::tempdir().unwrap();
+    let new_config = new_dir.path().join("webship.toml");
+    std::fs::write(&new_config, config.replace("{port}", &port.to_string())).unwrap();
+    let mut new = Server::spawn(
+        new_dir.path(),
+        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new.wait_listening();
+    // The same QUIC connection, now relayed by the new process from another port:
+    // the origin sees a NAT rebinding.
+    let again = tokio::time::timeout(Duration::from_secs(20), client.fetch("GET", "/who.txt", &[]))
+        .await
+        .unwrap_or_else(|_| panic!("the old connection stalled; new log:\n{}", new.log()));
+    assert_eq!(again.body, b"origin");
+    client.close().await;
+    let fresh = fetch_h3(old.addr(), "a.pass", env.client(b"h3"), "GET", "/who.txt", &[]).await;
+    assert_eq!(fresh.body, b"origin");
+    assert!(
+        old.wait_exit(Duration::from_secs(30))
+            .is_some_and(|s| s.success()),
+        "{}",
+        old.log()
+    );
+    new.terminate();
+    assert!(new.wait_exit(Duration::from_secs(30)).is_some());
+}

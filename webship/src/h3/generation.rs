@@ -1,0 +1,561 @@
+//! QUIC across a binary upgrade: whose datagram is this?
+//!
+//! During a takeover two processes share one UDP socket (the successor received a
+//! duplicate of the descriptor), and a datagram reaches whichever reads it first. A
+//! quinn endpoint answers a datagram for a connection it does not know with a
+//! stateless reset, so each process must see only its own connections' datagrams.
+//!
+//! The mechanism, chosen because it needs nothing from the kernel (it works the same
+//! with `[kernel] ebpf = "off"`, and an SK_REUSEPORT program could not see a shared
+//! socket's readers apart anyway):
+//!
+//! * **Tagged connection IDs.** Every process generation has a random
+//!   [`GenerationKey`]. The connection IDs it issues ([`CidGenerator`]) are
+//!   [`CID_LEN`] bytes: 8 bytes that look random (SipHash of a counter under a secret
+//!   key) and a 4-byte tag, SipHash-2-4 of those 8 bytes under the generation's other
+//!   secret key. Whoever holds the key recognises its IDs; an observer cannot link two
+//!   IDs of one connection. A client-chosen Initial DCID carries a valid tag with
+//!   probability 2⁻³² (and must also be exactly 12 bytes long). SipHash-2-4 is a
+//!   fixed algorithm, so old and new binaries, whatever compiler built them, agree.
+//! * **One reader at a time.** Before the running process hands its socket over, its
+//!   endpoint stops reading the UDP socket ([`QuicSocket::forwarded`]): from then on
+//!   its datagrams arrive on one end of a `SOCK_SEQPACKET` pair, and it still sends
+//!   through its own copy of the UDP socket (same address, so clients notice
+//!   nothing). The successor reads the UDP socket ([`QuicSocket::demux`]) and, while
+//!   the predecessor lives, sends it through the pair every datagram whose DCID
+//!   carries the predecessor's tag (short and long headers: Handshake packets of a
+//!   handshake the old process answered carry its ID), plus the long-header packets
+//!   whose DCID is the client-chosen ID of a handshake the old process had started
+//!   (their list travels in the takeover; Initial retransmissions and 0-RTT use it
+//!   until the client hears the server). Nothing else is forwarded.
+//! * **Bounded.** The pair's socket buffers bound what is queued; a datagram that
+//!   does not fit is dropped (counted, QUIC retransmits). When the predecessor
+//!   exits, the pair breaks and forwarding stops for good: its connections are gone,
+//!   and the successor's endpoint ignores their datagrams (its `validate` rejects IDs
+//!   it did not issue, so it does not even reset them).
+//! * **Undo.** If the successor fails before it serves, the predecessor goes back to
+//!   reading the UDP socket itself ([`QuicSocket::direct`]); datagrams that queued in
+//!   the socket meanwhile are read then.
+
+use std::collections::HashSet;
+use std::io::{self, IoSliceMut, Read};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
+use std::os::fd::{AsFd, OwnedFd};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
+use std::time::Duration;
+
+use quinn::udp::{EcnCodepoint, RecvMeta, Transmit};
+use quinn::{AsyncUdpSocket, ConnectionId, ConnectionIdGenerator, UdpPoller};
+use tokio::io::unix::AsyncFd;
+
+use crate::sys::fdpass;
+
+/// Length of the connection IDs every generation issues (8 bytes of nonce, 4 of tag).
+pub(crate) const CID_LEN: usize = 12;
+const NONCE_LEN: usize = 8;
+/// Handshakes in progress whose client-chosen IDs travel in a takeover, at most.
+pub(crate) const MAX_HANDSHAKES: usize = 4096;
+/// Bytes before each forwarded datagram: source family, ECN, port, source address,
+/// destination family, destination address.
+const HEADER_LEN: usize = 1 + 1 + 2 + 16 + 1 + 16;
+
+/// A generation's secret: two SipHash keys (nonce, tag).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GenerationKey {
+    nonce: (u64, u64),
+    tag: (u64, u64),
+}
+
+impl std::fmt::Debug for GenerationKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("GenerationKey(..)")
+    }
+}
+
+impl GenerationKey {
+    /// A fresh key from the kernel's random source.
+    pub(crate) fn random() -> io::Result<Self> {
+        let mut bytes = [0u8; 32];
+        std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+        Ok(Self::from_bytes(bytes))
+    }
+
+    fn from_bytes(b: [u8; 32]) -> Self {
+        let word = |i: usize| u64::from_le_bytes(b[i * 8..i * 8 + 8].try_into().unwrap_or([0; 8]));
+        Self {
+            nonce: (word(0), word(1)),
+            tag: (word(2), word(3)),
+        }
+    }
+
+    /// The key as 64 hex digits (it travels in the takeover's JSON).
+    pub(crate) fn to_hex(self) -> String {
+        [self.nonce.0, self.nonce.1, self.tag.0, self.tag.1]
+            .iter()
+            .map(|w| format!("{:016x}", w.swap_bytes()))
+            .collect()
+    }
+
+    pub(crate) fn from_hex(s: &str) -> Option<Self> {
+        let bytes = hex(s)?;
+        Some(Self::from_bytes(bytes.try_into().ok()?))
+    }
+
+    fn tag_of(&self, nonce: &[u8]) -> [u8; 4] {
+        let t = siphash(self.tag, nonce).to_le_bytes();
+        [t[0], t[1], t[2], t[3]]
+    }
+
+    /// Whether this generation issued `cid`.
+    pub(crate) fn issued(&self, cid: &[u8]) -> bool {
+        cid.len() == CID_LEN && self.tag_of(&cid[..NONCE_LEN]) == cid[NONCE_LEN..]
+    }
+}
+
+#[allow(deprecated)] // std's SipHasher is SipHash-2-4, a fixed algorithm: what we need.
+fn siphash(key: (u64, u64), data: &[u8]) -> u64 {
+    use std::hash::Hasher;
+    let mut h = std::hash::SipHasher::new_with_keys(key.0, key.1);
+    h.write(data);
+    h.finish()
+}
+
+pub(crate) fn hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) || s.len() > 512 {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+pub(crate) fn to_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Issues this generation's connection IDs (one per endpoint, made by quinn's factory).
+pub(crate) struct CidGenerator {
+    key: GenerationKey,
+    counter: u64,
+}
+
+impl CidGenerator {
+    pub(crate) fn new(key: GenerationKey) -> Self {
+        Self { key, counter: 0 }
+    }
+}
+
+impl ConnectionIdGenerator for CidGenerator {
+    fn generate_cid(&mut self) -> ConnectionId {
+        self.counter = self.counter.wrapping_add(1);
+        let nonce = siphash(self.key.nonce, &self.counter.to_le_bytes()).to_le_bytes();
+        let mut cid = [0u8; CID_LEN];
+        cid[..NONCE_LEN].copy_from_slice(&nonce);
+        cid[NONCE_LEN..].copy_from_slice(&self.key.tag_of(&nonce));
+        ConnectionId::new(&cid)
+    }
+
+    fn validate(&self, cid: &ConnectionId) -> Result<(), quinn_proto::InvalidCid> {
+        if self.key.issued(cid) {
+            Ok(())
+        } else {
+            Err(quinn_proto::InvalidCid)
+        }
+    }
+
+    fn cid_len(&self) -> usize {
+        CID_LEN
+    }
+
+    fn cid_lifetime(&self) -> Option<Duration> {
+        None
+    }
+}
+
+/// The client-chosen IDs of handshakes this endpoint started and has not finished.
+#[derive(Debug, Default)]
+pub(crate) struct Handshakes(Mutex<HashSet<Vec<u8>>>);
+
+impl Handshakes {
+    pub(crate) fn started(&self, cid: &[u8]) {
+        let mut set = lock(&self.0);
+        if set.len() < MAX_HANDSHAKES {
+            set.insert(cid.to_vec());
+        }
+    }
+
+    pub(crate) fn ended(&self, cid: &[u8]) {
+        lock(&self.0).remove(cid);
+    }
+
+    pub(crate) fn snapshot(&self) -> Vec<Vec<u8>> {
+        lock(&self.0).iter().cloned().collect()
+    }
+}
+
+/// What a successor needs to send a draining predecessor its datagrams.
+#[derive(Debug)]
+pub(crate) struct Predecessor {
+    pub(crate) key: GenerationKey,
+    pub(crate) handshakes: HashSet<Vec<u8>>,
+    pub(crate) pair: OwnedFd,
+}
+
+impl Predecessor {
+    /// Whether the datagram `d` belongs to the predecessor's connections.
+    fn owns(&self, d: &[u8]) -> bool {
+        let Some(&first) = d.first() else { return false };
+        if first & 0x80 == 0 {
+            return d.get(1..1 + CID_LEN).is_some_and(|cid| self.key.issued(cid));
+        }
+        // Long header: flags, version (4), DCID length, DCID.
+        let Some(&len) = d.get(5) else { return false };
+        let Some(cid) = d.get(6..6 + usize::from(len)) else {
+            return false;
+        };
+        self.key.issued(cid) || self.handshakes.contains(cid)
+    }
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct ForwardStats {
+    pub(crate) forwarded: u64,
+    pub(crate) dropped: u64,
+}
+
+#[derive(Debug)]
+enum Mode {
+    /// Reads the UDP socket: the normal state.
+    Direct,
+    /// A successor reads the UDP socket; this endpoint's datagrams come through the pair.
+    Forwarded(AsyncFd<OwnedFd>),
+    /// A predecessor is draining: its datagrams go to it.
+    Demux(Predecessor),
+}
+
+/// The UDP socket under a quinn endpoint, able to switch between the three modes
+/// above while the endpoint runs.
+#[derive(Debug)]
+pub(crate) struct QuicSocket {
+    udp: Arc<dyn AsyncUdpSocket>,
+    mode: Mutex<Mode>,
+    /// The endpoint driver's waker, so a mode switch makes it poll the new source.
+    waker: Mutex<Option<Waker>>,
+    stats: Mutex<ForwardStats>,
+}
+
+impl QuicSocket {
+    pub(crate) fn new(socket: std::net::UdpSocket) -> io::Result<Arc<Self>> {
+        use quinn::Runtime;
+        Ok(Arc::new(Self {
+            udp: quinn::TokioRuntime.wrap_udp_socket(socket)?,
+            mode: Mutex::new(Mode::Direct),
+            waker: Mutex::new(None),
+            stats: Mutex::new(ForwardStats::default()),
+        }))
+    }
+
+    /// Stops reading the UDP socket: datagrams arrive on `pair` from now on.
+    pub(crate) fn forwarded(&self, pair: OwnedFd) -> io::Result<()> {
+        let fd = fdpass::packet_reader(pair)?;
+        self.switch(Mode::Forwarded(fd));
+        Ok(())
+    }
+
+    /// Reads the UDP socket again (a successor failed, or the predecessor is gone).
+    pub(crate) fn direct(&self) {
+        self.switch(Mode::Direct);
+    }
+
+    /// Forwards the predecessor's datagrams to it until it is gone.
+    pub(crate) fn demux(&self, predecessor: Predecessor) {
+        self.switch(Mode::Demux(predecessor));
+    }
+
+    pub(crate) fn forward_stats(&self) -> ForwardStats {
+        *lock(&self.stats)
+    }
+
+    fn switch(&self, mode: Mode) {
+        *lock(&self.mode) = mode;
+        if let Some(w) = lock(&self.waker).as_ref() {
+            w.wake_by_ref();
+        }
+    }
+
+    fn remember(&self, waker: &Waker) {
+        let mut slot = lock(&self.waker);
+        if !slot.as_ref().is_some_and(|w| w.will_wake(waker)) {
+            *slot = Some(waker.clone());
+        }
+    }
+
+    /// Takes the predecessor's datagrams out of what `udp` returned.
+    fn filter(&self, bufs: &mut [IoSliceMut<'_>], meta: &mut [RecvMeta], msgs: usize) {
+        let mut mode = lock(&self.mode);
+        let Mode::Demux(pred) = &*mode else { return };
+        let mut stats = ForwardStats::default();
+        let mut gone = false;
+        for (m, buf) in meta.iter_mut().zip(bufs.iter_mut()).take(msgs) {
+            let stride = m.stride.max(1);
+            let (mut read, mut write) = (0, 0);
+            while read < m.len {
+                let end = (read + stride).min(m.len);
+                if !gone && pred.owns(&buf[read..end]) {
+                    match forward(pred, m, &buf[read..end]) {
+                        Ok(()) => stats.forwarded += 1,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => stats.dropped += 1,
+                        Err(_) => gone = true,
+                    }
+                } else {
+                    buf.copy_within(read..end, write);
+                    write += end - read;
+                }
+                read = end;
+            }
+            // Kept segments stay in order: all full-size but the batch's last.
+            m.len = write;
+        }
+        if gone {
+            tracing::info!("h3: the previous process is gone; its datagrams are no longer forwarded");
+            *mode = Mode::Direct;
+        }
+        drop(mode);
+        let mut total = lock(&self.stats);
+        total.forwarded += stats.forwarded;
+        total.dropped += stats.dropped;
+    }
+}
+
+fn forward(pred: &Predecessor, m: &RecvMeta, datagram: &[u8]) -> io::Result<()> {
+    let mut header = [0u8; HEADER_LEN];
+    let (family, ip) = ip_bytes(m.addr.ip());
+    header[0] = family;
+    header[1] = m.ecn.map_or(0, |e| e as u8);
+    header[2..4].copy_from_slice(&m.addr.port().to_be_bytes());
+    header[4..20].copy_from_slice(&ip);
+    if let Some(dst) = m.dst_ip {
+        let (family, ip) = ip_bytes(dst);
+        header[20] = family;
+        header[21..37].copy_from_slice(&ip);
+    }
+    let parts = [io::IoSlice::new(&header), io::IoSlice::new(datagram)];
+    fdpass::send_packet(pred.pair.as_fd(), &parts).map(|_| ())
+}
+
+fn ip_bytes(ip: IpAddr) -> (u8, [u8; 16]) {
+    match ip {
+        IpAddr::V4(v4) => {
+            let mut b = [0u8; 16];
+            b[..4].copy_from_slice(&v4.octets());
+            (4, b)
+        }
+        IpAddr::V6(v6) => (6, v6.octets()),
+    }
+}
+
+fn ip_from(family: u8, b: &[u8]) -> Option<IpAddr> {
+    match family {
+        4 => Some(IpAddr::from([b[0], b[1], b[2], b[3]])),
+        6 => Some(IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(b).ok()?))),
+        _ => None,
+    }
+}
+
+/// Turns a forwarded message in `buf` (`n` bytes) into a datagram at the buffer's
+/// start and its metadata.
+fn unwrap_forwarded(buf: &mut [u8], n: usize) -> Option<RecvMeta> {
+    if n <= HEADER_LEN {
+        return None;
+    }
+    let src = ip_from(buf[0], &buf[4..20])?;
+    let port = u16::from_be_bytes([buf[2], buf[3]]);
+    let ecn = EcnCodepoint::from_bits(buf[1]);
+    let dst_ip = ip_from(buf[20], &buf[21..37]);
+    buf.copy_within(HEADER_LEN..n, 0);
+    let len = n - HEADER_LEN;
+    Some(RecvMeta {
+        addr: SocketAddr::new(src, port),
+        len,
+        stride: len,
+        ecn,
+        dst_ip,
+    })
+}
+
+fn poll_pair(
+    pair: &AsyncFd<OwnedFd>,
+    cx: &mut Context<'_>,
+    bufs: &mut [IoSliceMut<'_>],
+    meta: &mut [RecvMeta],
+) -> Poll<io::Result<usize>> {
+    let mut filled = 0;
+    while filled < bufs.len().min(meta.len()) {
+        let mut guard = match pair.poll_read_ready(cx) {
+            Poll::Ready(Ok(guard)) => guard,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+            Poll::Pending if filled > 0 => break,
+            Poll::Pending => return Poll::Pending,
+        };
+        let buf = &mut bufs[filled];
+        match guard.try_io(|fd| fdpass::recv_packet(fd.get_ref().as_fd(), buf)) {
+            Ok(Ok(0)) => {
+                // The successor closed its end: nothing more will come.
+                guard.retain_ready();
+                return if filled > 0 {
+                    Poll::Ready(Ok(filled))
+                } else {
+                    Poll::Pending
+                };
+            }
+            Ok(Ok(n)) => {
+                if let Some(m) = unwrap_forwarded(buf, n) {
+                    meta[filled] = m;
+                    filled += 1;
+                }
+            }
+            Ok(Err(e)) if e.kind() == io::ErrorKind::InvalidData => {}
+            Ok(Err(e)) => return Poll::Ready(Err(e)),
+            Err(_would_block) => {
+                if filled > 0 {
+                    break;
+                }
+            }
+        }
+    }
+    Poll::Ready(Ok(filled))
+}
+
+impl AsyncUdpSocket for QuicSocket {
+    fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+        self.udp.clone().create_io_poller()
+    }
+
+    fn try_send(&self, transmit: &Transmit<'_>) -> io::Result<()> {
+        self.udp.try_send(transmit)
+    }
+
+    fn poll_recv(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<io::Result<usize>> {
+        self.remember(cx.waker());
+        let demux = {
+            let mode = lock(&self.mode);
+            match &*mode {
+                Mode::Forwarded(pair) => return poll_pair(pair, cx, bufs, meta),
+                Mode::Direct => false,
+                Mode::Demux(_) => true,
+            }
+        };
+        let msgs = match self.udp.poll_recv(cx, bufs, meta) {
+            Poll::Ready(Ok(n)) => n,
+            other => return other,
+        };
+        if demux {
+            self.filter(bufs, meta, msgs);
+        }
+        Poll::Ready(Ok(msgs))
+    }
+
+    fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.udp.local_addr()
+    }
+
+    fn max_transmit_segments(&self) -> usize {
+        self.udp.max_transmit_segments()
+    }
+
+    fn max_receive_segments(&self) -> usize {
+        self.udp.max_receive_segments()
+    }
+
+    fn may_fragment(&self) -> bool {
+        self.udp.may_fragment()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_generation_recognises_its_ids_and_no_other() {
+        let a = GenerationKey::random().unwrap();
+        let b = GenerationKey::random().unwrap();
+        assert_eq!(GenerationKey::from_hex(&a.to_hex()), Some(a));
+        let mut gen = CidGenerator::new(a);
+        let ids: Vec<ConnectionId> = (0..1000).map(|_| gen.generate_cid()).collect();
+        assert!(ids.iter().all(|c| a.issued(c) && !b.issued(c)));
+        let distinct: HashSet<&[u8]> = ids.iter().map(|c| &c[..]).collect();
+        assert_eq!(distinct.len(), ids.len());
+        // Random client-chosen IDs (any length) are not taken for ours.
+        let mut raw = [0u8; 32];
+        std::fs::File::open("/dev/urandom")
+            .unwrap()
+            .read_exact(&mut raw)
+            .unwrap();
+        for len in [8, 12, 20] {
+            assert!(!a.issued(&raw[..len]));
+        }
+    }
+
+    #[test]
+    fn the_predecessor_owns_its_short_and_long_header_packets() {
+        let old = GenerationKey::random().unwrap();
+        let new = GenerationKey::random().unwrap();
+        let (pair, _other) = fdpass::seqpacket_pair().unwrap();
+        let client_initial = vec![9u8; 8];
+        let pred = Predecessor {
+            key: old,
+            handshakes: [client_initial.clone()].into_iter().collect(),
+            pair,
+        };
+        let old_cid = CidGenerator::new(old).generate_cid();
+        let new_cid = CidGenerator::new(new).generate_cid();
+        let short = |cid: &[u8]| [&[0x40][..], cid, &[1, 2, 3]].concat();
+        let long = |cid: &[u8]| [&[0xc0, 0, 0, 0, 1, cid.len() as u8][..], cid, &[0, 1]].concat();
+        assert!(pred.owns(&short(&old_cid)));
+        assert!(!pred.owns(&short(&new_cid)));
+        assert!(pred.owns(&long(&old_cid)));
+        assert!(pred.owns(&long(&client_initial)));
+        assert!(!pred.owns(&long(&[7u8; 8])));
+        assert!(!pred.owns(&[0xc0, 0, 0]));
+        assert!(!pred.owns(&[]));
+    }
+
+    #[test]
+    fn a_forwarded_datagram_keeps_its_addresses() {
+        let (a, b) = fdpass::seqpacket_pair().unwrap();
+        let pred = Predecessor {
+            key: GenerationKey::random().unwrap(),
+            handshakes: HashSet::new(),
+            pair: a,
+        };
+        let m = RecvMeta {
+            addr: "[2001:db8::1]:4433".parse().unwrap(),
+            len: 5,
+            stride: 5,
+            ecn: Some(EcnCodepoint::Ect0),
+            dst_ip: Some("127.0.0.1".parse().unwrap()),
+        };
+        forward(&pred, &m, b"hello").unwrap();
+        let mut buf = [0u8; 128];
+        let n = fdpass::recv_packet(b.as_fd(), &mut buf).unwrap();
+        let got = unwrap_forwarded(&mut buf, n).unwrap();
+        assert_eq!(
+            (got.addr, got.len, got.ecn, got.dst_ip),
+            (m.addr, 5, m.ecn, m.dst_ip)
+        );
+        assert_eq!(&buf[..5], b"hello");
+    }
+}
