@@ -134,8 +134,31 @@ struct Pins {
     dir: PathBuf,
 }
 
+/// systemd mounts the BPF filesystem at boot; a bare host (a container, a fresh VM)
+/// may not have, and the daemon mounts it only for its own pin folder. The folders
+/// here are made before any daemon runs, so the test mounts it as systemd would.
+fn mount_bpffs() {
+    static MOUNTED: std::sync::Once = std::sync::Once::new();
+    MOUNTED.call_once(|| {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap_or_default();
+        if mounts.lines().any(|l| l.split(' ').nth(1) == Some("/sys/fs/bpf")) {
+            return;
+        }
+        let out = Command::new("mount")
+            .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
+            .output()
+            .expect("mount");
+        assert!(
+            out.status.success(),
+            "cannot mount the BPF filesystem on /sys/fs/bpf: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    });
+}
+
 impl Pins {
     fn new(name: &str) -> Self {
+        mount_bpffs();
         let parent = PathBuf::from(format!("/sys/fs/bpf/webship-e2e-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&parent);
         std::fs::create_dir(&parent).unwrap();
@@ -569,11 +592,21 @@ async fn every_system_call_socket_family_and_write_is_inside_the_unit() {
         outside.is_empty(),
         "socket families outside RestrictAddressFamilies=: {outside:?}"
     );
-    // ProtectSystem=strict and ProtectKernelTunables=: only the pin folder is
-    // written (no sysctl, nothing under /etc, /var or /usr).
-    let pins = world.pins.dir.to_str().unwrap();
-    let outside: Vec<&String> = trace.written.iter().filter(|p| !p.starts_with(pins)).collect();
-    assert!(outside.is_empty(), "written outside the pin folder: {outside:?}");
+    // ProtectSystem=strict and ProtectKernelTunables=: only the pin folder and the
+    // unit's RuntimeDirectory= (the control socket) are written (no sysctl, nothing
+    // under /etc, /var or /usr).
+    let mut writable = vec![world.pins.dir.to_str().unwrap().to_owned()];
+    writable.extend(
+        values(&unit(), "RuntimeDirectory")
+            .iter()
+            .map(|d| format!("/run/{d}")),
+    );
+    let outside: Vec<&String> = trace
+        .written
+        .iter()
+        .filter(|p| !writable.iter().any(|w| p.starts_with(w.as_str())))
+        .collect();
+    assert!(outside.is_empty(), "written outside {writable:?}: {outside:?}");
     eprintln!(
         "traced: {} system calls, families {:?}, {} paths written",
         trace.syscalls.len(),
@@ -946,4 +979,96 @@ async fn journal_lines_carry_their_priority_and_no_timestamp() {
     assert!(!status.success());
     let text = std::fs::read_to_string(&err).unwrap();
     assert!(text.starts_with("<3>webship: /nonexistent.toml"), "{text}");
+}
+
+/// A reload is bracketed by `RELOADING=1` (with the monotonic time systemd's
+/// notify-reload protocol wants) and `READY=1`; a binary upgrade hands the service to
+/// the new process: the old one names it with `MAINPID=` once it serves and never
+/// says `STOPPING=1` (systemd would stop the service the new process carries), and
+/// the new one says `READY=1` itself.
+#[test]
+fn reload_and_takeover_speak_to_the_service_manager() {
+    let env = Env::new();
+    let path = env.dir.path().join("notify.sock");
+    let manager = Manager::listen(UnixDatagram::bind(&path).unwrap());
+    let control = env.dir.path().join("control.sock");
+    let extra = format!(
+        "control_socket = \"{}\"\n\n[limits]\nshutdown_grace_secs = 5\n",
+        control.display()
+    );
+    let config = env.config(&extra);
+    let dir = env.dir.path();
+    let file = dir.join("notify.toml");
+    let vars = [("NOTIFY_SOCKET", path.to_str().unwrap().to_owned())];
+    let spawn = |args: &[&str], log: &str| {
+        let mut command = Command::new(binary());
+        command
+            .args(args)
+            .current_dir(dir)
+            .env("WEBSHIP_LOG", "info,webship=debug")
+            .env_remove("WATCHDOG_PID")
+            .env_remove("WATCHDOG_USEC")
+            .envs(vars.iter().map(|(k, v)| (k, v)));
+        Process::spawn("webship", &mut command, Logs::one(dir.join(log)))
+    };
+    let (mut old, port) = start_on_free_port(Some("listening on"), START, |port| {
+        manager.port.store(port, Ordering::Relaxed);
+        std::fs::write(&file, config.replace("{port}", &port.to_string()))?;
+        spawn(&["serve", "--config", file.to_str().unwrap()], "old.log")
+    })
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    let first_ready = manager.wait_for("READY=1", START);
+
+    // Reload: RELOADING=1 with MONOTONIC_USEC, then READY=1 again.
+    let reload = Command::new(binary())
+        .args(["reload", "--config", file.to_str().unwrap()])
+        .env_remove("NOTIFY_SOCKET")
+        .output()
+        .unwrap();
+    assert!(
+        reload.status.success(),
+        "{}",
+        String::from_utf8_lossy(&reload.stderr)
+    );
+    let reloading = manager.wait_for("RELOADING=1", Duration::from_secs(10));
+    let (message, _) = &manager.messages()[reloading];
+    assert!(
+        message.lines().any(|l| l.starts_with("MONOTONIC_USEC=")),
+        "{message:?}"
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || manager.count("READY=1") == 2),
+        "{:?}",
+        manager.messages()
+    );
+    assert!(first_ready < reloading);
+
+    // Takeover: the new process gets the same notify socket, as the operator's
+    // procedure gives it (docs/operations.md).
+    let mut new = spawn(
+        &["serve", "--config", file.to_str().unwrap(), "--takeover"],
+        "new.log",
+    )
+    .unwrap();
+    let mainpid = format!("MAINPID={}", new.pid());
+    manager.wait_for(&mainpid, START);
+    let exit = old.wait_exit(START).expect("the old process drains and exits");
+    assert!(exit.success(), "{exit}: {}", old.log());
+    assert!(
+        eventually(Duration::from_secs(10), || manager.count("READY=1") == 3),
+        "the new process's READY=1: {:?}\n{}",
+        manager.messages(),
+        new.log()
+    );
+    assert_eq!(
+        manager.count("STOPPING=1"),
+        0,
+        "the old process stopped the service: {:?}",
+        manager.messages()
+    );
+    // The new process serves on the port, and is the one that stops the service.
+    assert!(TcpStream::connect(("127.0.0.1", port)).is_ok());
+    new.terminate().unwrap();
+    manager.wait_for("STOPPING=1", Duration::from_secs(10));
+    assert!(new.wait_exit(START).is_some_and(|s| s.success()), "{}", new.log());
 }

@@ -247,7 +247,8 @@ fn reload(path: Option<&Path>) -> anyhow::Result<ExitCode> {
     if reply.ok {
         println!("{}", reply.message);
     } else {
-        eprintln!("webship: {}", reply.message);
+        // As `webship check` prints the same words (one line, the log's format).
+        logging::fatal(&reply.message);
     }
     for note in &reply.notes {
         println!("note: {note}");
