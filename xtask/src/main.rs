@@ -177,35 +177,73 @@ pub(crate) fn install_apt(packages: &[(&str, &str)]) -> anyhow::Result<()> {
 }
 
 fn test(extra: &[String]) -> anyhow::Result<()> {
-    install_deps()?;
+    let mut steps = Steps::default();
+    steps.time("dependencies", install_deps)?;
     raise_open_files();
-    run(cargo().args(["fmt", "--all", "--", "--check"]))?;
-    // The crates outside the workspace (their own toolchains build them).
-    for manifest in ["webship-ebpf/Cargo.toml", "fuzz/Cargo.toml"] {
-        run(cargo().args(["fmt", "--manifest-path", manifest, "--", "--check"]))?;
-    }
+    steps.time("fmt", || {
+        run(cargo().args(["fmt", "--all", "--", "--check"]))?;
+        // The crates outside the workspace (their own toolchains build them).
+        for manifest in ["webship-ebpf/Cargo.toml", "fuzz/Cargo.toml"] {
+            run(cargo().args(["fmt", "--manifest-path", manifest, "--", "--check"]))?;
+        }
+        Ok(())
+    })?;
     // First, so that every build below embeds the programs.
-    ebpf::build_ebpf()?;
-    run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
-    // The daemon without eBPF (userspace engines only) must stay clean too.
-    run(cargo().args([
-        "clippy",
-        "-p",
-        "webship",
-        "--no-default-features",
-        "--",
-        "-D",
-        "warnings",
-    ]))?;
+    steps.time("eBPF build", || ebpf::build_ebpf().map(drop))?;
+    steps.time("clippy", || {
+        run(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))?;
+        // The daemon without eBPF (userspace engines only) must stay clean too.
+        run(cargo().args([
+            "clippy",
+            "-p",
+            "webship",
+            "--no-default-features",
+            "--",
+            "-D",
+            "warnings",
+        ]))
+    })?;
     // The end-to-end suite drives the real binary; build it first.
-    run(cargo().args(["build", "-p", "webship", "--bin", "webship"]))?;
-    run(cargo().args(["test", "--workspace"]).args(extra))?;
+    steps.time("build", || {
+        run(cargo().args(["build", "-p", "webship", "--bin", "webship"]))
+    })?;
+    steps.time("cargo test", || {
+        run(cargo().args(["test", "--workspace"]).args(extra))
+    })?;
     // The kTLS promotion path, in a kernel that has kTLS.
-    vm::vm_test(false)?;
+    steps.time("kTLS VM", || vm::vm_test(false))?;
     // The benchmark harness, one sample per webship cell, so it cannot rot.
-    bench(&["download".into(), "--smoke".into()])?;
-    bench(&["webtransport", "--samples", "1", "--datagrams", "2000"].map(String::from))?;
-    bench(&["concurrency", "--levels", "1,16", "--mib", "1"].map(String::from))
+    steps.time("bench smokes", || {
+        bench(&["download".into(), "--smoke".into()])?;
+        bench(&["webtransport", "--samples", "1", "--datagrams", "2000"].map(String::from))?;
+        bench(&["concurrency", "--levels", "1,16", "--mib", "1"].map(String::from))
+    })
+}
+
+/// The time each step of `cargo xtask test` took, printed when the suite ends (passed
+/// or not), so the CI budget (30 minutes on 2 cores) is watched step by step.
+#[derive(Default)]
+struct Steps {
+    done: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl Steps {
+    fn time<T>(&mut self, name: &'static str, step: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<T> {
+        let started = std::time::Instant::now();
+        let result = step();
+        self.done.push((name, started.elapsed()));
+        result
+    }
+}
+
+impl Drop for Steps {
+    fn drop(&mut self) {
+        let total: std::time::Duration = self.done.iter().map(|(_, t)| *t).sum();
+        eprintln!("xtask: time per step ({:.0} s in all)", total.as_secs_f64());
+        for (name, took) in &self.done {
+            eprintln!("  {:>7.1} s  {name}", took.as_secs_f64());
+        }
+    }
 }
 
 /// Open files the suite's daemons may need: a flood test configures 1,000
