@@ -252,11 +252,12 @@ impl H3Endpoint {
         self.endpoint.set_server_config(None);
         let endpoint = self.endpoint.clone();
         drop(self);
-        let _ = permits
-            .acquire_many(u32::try_from(max_connections).unwrap_or(u32::MAX))
-            .await;
+        // Once the last QUIC connection has gone (its close sent and drained), the
+        // endpoint closes. Not by waiting for every permit: a waiter holds the
+        // permits it has collected so far, and the server's drain would count them
+        // as open connections. The server aborts this task when its drain ends.
+        endpoint.wait_idle().await;
         endpoint.close(quinn::VarInt::from_u32(0), b"shutdown");
-        let _ = tokio::time::timeout(Duration::from_secs(2), endpoint.wait_idle()).await;
     }
 }
 
