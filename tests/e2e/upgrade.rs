@@ -613,3 +613,63 @@ async fn an_h3_passthrough_connection_moves_to_the_new_relay() {
     new.terminate();
     assert!(new.wait_exit(Duration::from_secs(30)).is_some());
 }
+
+/// The old process waits a minute for the new one to serve, then serves again on its
+/// own. A new process that says it serves only after that (here: strace holds the
+/// first `recvmsg` of each of its threads, the offer's, for 65 s) stops:
+/// it must not serve beside the old one on the same sockets, where the kernel would
+/// split the listener's connections and the QUIC datagrams between the two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_process_the_old_one_gave_up_on_does_not_serve_beside_it() {
+    let strace = std::process::Command::new("strace").arg("-V").output();
+    assert!(
+        strace.is_ok_and(|o| o.status.success()),
+        "strace is missing (Debian package strace; `cargo xtask deps` installs it)"
+    );
+    let env = Env::new();
+    let (mut old, control) = old_daemon(&env);
+    let port = old.port;
+    let dir = tempfile::tempdir().unwrap();
+    let config = new_config(&env, &old, &control, dir.path(), port);
+    let mut command = std::process::Command::new("strace");
+    command
+        .args(["-f", "-qq", "-o", "/dev/null", "-e", "trace=recvmsg"])
+        .args(["-e", "inject=recvmsg:delay_enter=65000000:when=1"])
+        .arg(webship_tests::server::binary())
+        .args(["serve", "--config", config.to_str().unwrap(), "--takeover"])
+        .current_dir(dir.path())
+        .env("WEBSHIP_LOG", "info,webship=debug");
+    let logs = webship_testkit::process::Logs::one(dir.path().join("late.log"));
+    let mut late = webship_testkit::process::Process::spawn("strace webship", &mut command, logs).unwrap();
+
+    // The old process gives up after its minute and serves on, HTTP/3 included.
+    let gave_up = Instant::now();
+    assert!(
+        webship_tests::server::eventually(Duration::from_secs(90), || old
+            .log()
+            .contains("takeover failed; this process keeps serving")),
+        "old:\n{}\nnew:\n{}",
+        old.log(),
+        late.log()
+    );
+    eprintln!("the old process gave up after {:?}", gave_up.elapsed());
+    let got = env.get(Proto::H1, &old, "/which.txt", &[]).await;
+    assert_eq!(got.body, b"old");
+
+    // The late one finds the old one gone from the exchange, and stops.
+    let status = late
+        .wait_exit(Duration::from_secs(30))
+        .unwrap_or_else(|| panic!("the late process serves on:\n{}", late.log()));
+    assert!(!status.success(), "{}", late.log());
+    assert!(late.log().contains("takeover"), "{}", late.log());
+    // The old process serves everything, on its own.
+    for _ in 0..5 {
+        let got = env.get(Proto::H1, &old, "/which.txt", &[]).await;
+        assert_eq!(got.body, b"old");
+    }
+    let h3 = fetch_h3(old.addr(), HOST, env.client(b"h3"), "GET", "/which.txt", &[]).await;
+    assert_eq!(h3.body, b"old");
+    assert!(old.wait_exit(Duration::from_millis(100)).is_none());
+    old.terminate();
+    assert!(old.wait_exit(Duration::from_secs(30)).is_some());
+}

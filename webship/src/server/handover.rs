@@ -31,7 +31,7 @@ use std::time::Duration;
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 use tokio::net::UnixStream;
 
-use crate::control::{Call, Incoming, Reply, Request};
+use crate::control::{Call, Incoming, Request};
 use crate::ebpf::Programs;
 use crate::h3::generation::{self, GenerationKey, Predecessor};
 use crate::h3::Handover;
@@ -41,6 +41,9 @@ use crate::sys::fdpass;
 const SERVING_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the new process waits for the offer.
 const OFFER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the new process waits for the old one to acknowledge that it serves
+/// (the old one's first counter report, sent as soon as it hears).
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest line of the exchange.
 const MAX_LINE: usize = 1024 * 1024;
 /// How often a draining process reports its counters.
@@ -56,6 +59,11 @@ pub enum HandoverError {
     NoControlSocket,
     #[error("the takeover exchange failed: {0}")]
     Exchange(String),
+    #[error(
+        "the running webship did not acknowledge that this process serves (it gave up waiting and serves again); \
+         this process stops rather than serve beside it (fix: try again; see its log)"
+    )]
+    NotHeard,
     #[error(
         "the running webship listens on {running}, this configuration on {ours}; a takeover \
          keeps the listening sockets, so the address cannot change (fix: the same `listen`, \
@@ -205,7 +213,7 @@ pub(super) async fn give(incoming: Incoming, sockets: Sockets<'_>) -> Option<Suc
                 h3.socket.direct();
             }
             tracing::warn!(%reason, "takeover failed; this process keeps serving");
-            incoming.reply(&Reply::refused(reason)).await;
+            refuse(incoming, &reason).await;
             None
         }
     }
@@ -299,7 +307,8 @@ async fn report_counters(
     }
 }
 
-/// Refuses a takeover this process cannot give (its own predecessor still drains).
+/// Refuses a takeover: this process cannot give one (its own predecessor still
+/// drains), or the new process did not serve in time.
 pub(super) async fn refuse(incoming: Incoming, reason: &str) {
     let wire = Wire::new(incoming.stream());
     let _ = wire
@@ -398,13 +407,18 @@ pub(super) async fn take(control: &Path, listen: SocketAddr) -> Result<Inherited
 }
 
 impl Inherited {
-    /// Tells the old process this one serves, then follows its counter reports
-    /// until it exits; `gone` runs then.
+    /// Tells the old process this one serves and waits for its first counter
+    /// report, the sign it heard and drains; then follows its reports until it
+    /// exits (`gone` runs then). An error means the old process did not take the
+    /// news (it gave up waiting, see [`SERVING_TIMEOUT`], and serves again): this
+    /// process must not serve beside it on the same sockets.
     pub(super) async fn serving(self, gone: impl FnOnce() + Send + 'static) -> Result<(), HandoverError> {
         let call = self.call;
         let old = self.pid;
-        {
-            let wire = Wire::new(call.stream());
+        let leftover = self.leftover;
+        let first = {
+            let mut wire = Wire::new(call.stream());
+            wire.pending = leftover;
             wire.send(
                 &Message::Serving {
                     pid: std::process::id(),
@@ -413,13 +427,24 @@ impl Inherited {
             )
             .await
             .map_err(HandoverError::Exchange)?;
-        }
-        announce_main_pid();
-        let leftover = self.leftover;
+            let heard = tokio::time::timeout(ACK_TIMEOUT, wire.recv::<Message>()).await;
+            let first = match heard {
+                Ok(Ok(Some(Message::Counters { values, last }))) => (values, last),
+                Ok(Ok(Some(Message::Refused { message }))) => return Err(HandoverError::Refused(message)),
+                Ok(Ok(Some(other))) => return Err(HandoverError::Exchange(format!("unexpected: {other:?}"))),
+                Ok(Ok(None)) | Err(_) => return Err(HandoverError::NotHeard),
+                Ok(Err(e)) => return Err(HandoverError::Exchange(e)),
+            };
+            (first, std::mem::take(&mut wire.pending))
+        };
+        let ((values, last), leftover) = first;
+        super::plan::inherit_counters(&values);
+        // The old process names this one to the service manager (`MAINPID=`, see
+        // `systemd::Reporter::hand_over`): with `NotifyAccess=main` only it may.
         tokio::spawn(async move {
             let mut wire = Wire::new(call.stream());
             wire.pending = leftover;
-            loop {
+            while !last {
                 match wire.recv::<Message>().await {
                     Ok(Some(Message::Counters { values, last })) => {
                         super::plan::inherit_counters(&values);
@@ -438,14 +463,4 @@ impl Inherited {
         });
         Ok(())
     }
-}
-
-/// Tells the service manager that this process is the daemon now. SYSTEMD merge
-/// point: call `crate::sys::notify::mainpid()` here (sd_notify `MAINPID=<our pid>`),
-/// so systemd follows the new process instead of ending the service with the old.
-fn announce_main_pid() {
-    tracing::debug!(
-        pid = std::process::id(),
-        "takeover: this process is the main process now"
-    );
 }

@@ -167,9 +167,9 @@ pub async fn run(
         };
         // The listener already queues connections for this process; the old one
         // stops accepting once it reads this.
-        if let Err(e) = inherited.serving(gone).await {
-            tracing::warn!(error = %e, "takeover: the previous process did not hear that this one serves");
-        }
+        // Serving beside a predecessor that did not hear would split the sockets'
+        // traffic between two processes: stop instead (it serves as before).
+        inherited.serving(gone).await?;
         plan.adopt_pins();
     }
 
