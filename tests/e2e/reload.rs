@@ -3,8 +3,9 @@
 //! they started with; a broken file is refused with `webship check`'s words and the
 //! running configuration keeps serving; restart-only changes are named.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -588,4 +589,42 @@ async fn a_passthrough_route_added_by_a_reload_carries_new_connections() {
         (200, &b"hello\n"[..]),
         "the files site still terminates"
     );
+}
+
+/// The control socket answers root and the daemon's own account only: even with its
+/// file opened to everyone (as a permissive umask could leave it for a moment), a
+/// connection from another account is closed unanswered, and root's is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_socket_answers_no_other_account() {
+    let w = World::start();
+    // The test's folder (in /tmp) opened for `nobody` to reach the socket.
+    std::fs::set_permissions(w.env.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&w.control, std::fs::Permissions::from_mode(0o666)).unwrap();
+    // As `nobody` (perl is essential on Debian): connect, ask for the status, print
+    // what comes back.
+    let ask = r#"use IO::Socket::UNIX; $SIG{PIPE} = "IGNORE"; my $s = IO::Socket::UNIX->new(Peer => $ARGV[0]) or die "connect: $!";
+        print $s "\"status\"\n"; local $/; my $got = <$s>; print "[", (defined $got ? $got : ""), "]";"#;
+    let out = std::os::unix::process::CommandExt::uid(
+        std::os::unix::process::CommandExt::gid(Command::new("perl").args(["-e", ask]), 65534),
+        65534,
+    )
+    .arg(&w.control)
+    .output()
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.trim(), "[]", "another account got an answer");
+    // Root's request is answered.
+    let status = webship::control::call(
+        &w.control,
+        &webship::control::Request::Status,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert!(status.ok, "{status:?}");
 }

@@ -1072,3 +1072,87 @@ fn reload_and_takeover_speak_to_the_service_manager() {
     manager.wait_for("STOPPING=1", Duration::from_secs(10));
     assert!(new.wait_exit(START).is_some_and(|s| s.success()), "{}", new.log());
 }
+
+/// The unified cgroup hierarchy's mount point, if there is one.
+fn cgroup2_root() -> Option<PathBuf> {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+    mounts.lines().find_map(|l| {
+        let fields: Vec<&str> = l.split(' ').collect();
+        (fields.get(2) == Some(&"cgroup2")).then(|| PathBuf::from(fields[1]))
+    })
+}
+
+/// Under a service manager, a new process outside the daemon's control group is
+/// refused the sockets: systemd would not follow it (`MAINPID=` names only the
+/// service's own processes when an unprivileged process sends it) and would stop
+/// the service when the old process exits. The old one keeps serving and says why.
+#[test]
+fn a_takeover_from_outside_the_service_control_group_is_refused() {
+    let Some(cgroups) = cgroup2_root() else {
+        eprintln!("skipped: no cgroup2 hierarchy mounted (systemd needs one)");
+        return;
+    };
+    let env = Env::new();
+    let path = env.dir.path().join("notify.sock");
+    let manager = Manager::listen(UnixDatagram::bind(&path).unwrap());
+    let control = env.dir.path().join("control.sock");
+    let extra = format!(
+        "control_socket = \"{}\"\n\n[limits]\nshutdown_grace_secs = 5\n",
+        control.display()
+    );
+    let config = env.config(&extra);
+    let dir = env.dir.path();
+    let file = dir.join("outside.toml");
+    let (mut old, port) = start_on_free_port(Some("listening on"), START, |port| {
+        manager.port.store(port, Ordering::Relaxed);
+        std::fs::write(&file, config.replace("{port}", &port.to_string()))?;
+        let mut command = Command::new(binary());
+        command
+            .args(["serve", "--config", file.to_str().unwrap()])
+            .current_dir(dir)
+            .env("WEBSHIP_LOG", "info,webship=debug")
+            .env("NOTIFY_SOCKET", &path)
+            .env_remove("WATCHDOG_USEC");
+        Process::spawn("webship", &mut command, Logs::one(dir.join("old.log")))
+    })
+    .unwrap_or_else(|e| panic!("{e:#}"));
+    manager.wait_for("READY=1", START);
+
+    // The new process moves itself into a group of its own, then asks.
+    let group = cgroups.join(format!("webship-e2e-outside-{}", std::process::id()));
+    std::fs::create_dir(&group).unwrap_or_else(|e| panic!("{}: {e}", group.display()));
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && exec {} serve --config {} --takeover",
+        group.display(),
+        binary().display(),
+        file.display()
+    );
+    let mut command = Command::new("sh");
+    command
+        .args(["-c", &script])
+        .current_dir(dir)
+        .env("WEBSHIP_LOG", "info,webship=debug");
+    let mut new = Process::spawn("webship", &mut command, Logs::one(dir.join("new.log"))).unwrap();
+    let status = new.wait_exit(START).expect("the new process ends");
+    let _ = std::fs::remove_dir(&group);
+    assert!(!status.success(), "{}", new.log());
+    assert!(new.log().contains("outside it"), "{}", new.log());
+    assert!(
+        old.log().contains("takeover failed; this process keeps serving"),
+        "{}",
+        old.log()
+    );
+    assert!(
+        !manager.messages().iter().any(|(m, _)| m.contains("MAINPID=")),
+        "{:?}",
+        manager.messages()
+    );
+    assert!(TcpStream::connect(("127.0.0.1", port)).is_ok());
+    assert!(
+        old.wait_exit(Duration::from_millis(100)).is_none(),
+        "{}",
+        old.log()
+    );
+    old.terminate().unwrap();
+    assert!(old.wait_exit(START).is_some_and(|s| s.success()), "{}", old.log());
+}

@@ -4,7 +4,8 @@
 //! a new process starting with `--takeover` asks it for its listening sockets (the
 //! descriptors travel on the same connection, see `sys::fdpass`). It is a Unix
 //! stream socket, bound while the daemon is still root and made `0600`, so only
-//! root (or the daemon's own account) can use it.
+//! root can connect; and whoever connects is checked (`SO_PEERCRED`): root, or
+//! the daemon's own account, else refused.
 //!
 //! One exchange per connection: the client writes one [`Request`] as a JSON line,
 //! the daemon answers with one [`Reply`] as a JSON line (a takeover sends its
@@ -181,6 +182,14 @@ impl ControlListener {
                     },
                     () = tx.closed() => return,
                 };
+                let peer = stream.peer_cred().ok();
+                let allowed =
+                    peer.is_some_and(|p| p.uid() == 0 || p.uid() == rustix::process::geteuid().as_raw());
+                if !allowed {
+                    tracing::debug!(uid = ?peer.map(|p| p.uid()), "control socket: a connection from another account, closed");
+                    continue;
+                }
+                let peer_pid = peer.and_then(|p| p.pid()).and_then(|pid| u32::try_from(pid).ok());
                 let tx = tx.clone();
                 tokio::spawn(async move {
                     let _permit = permit;
@@ -189,6 +198,7 @@ impl ControlListener {
                         Ok(request) => {
                             let incoming = Incoming {
                                 request,
+                                peer_pid,
                                 stream: stream.into_inner(),
                             };
                             let _ = tx.send(incoming).await;
@@ -210,10 +220,17 @@ impl ControlListener {
 #[derive(Debug)]
 pub struct Incoming {
     pub request: Request,
+    /// The process that connected, as the kernel saw it at connect time.
+    peer_pid: Option<u32>,
     stream: UnixStream,
 }
 
 impl Incoming {
+    /// The process that sent the request (`SO_PEERCRED`).
+    pub fn peer_pid(&self) -> Option<u32> {
+        self.peer_pid
+    }
+
     /// The connection, for what travels before the reply (descriptors).
     pub fn stream(&self) -> &UnixStream {
         &self.stream

@@ -72,9 +72,11 @@ pub enum HandoverError {
     ListenDiffers { running: SocketAddr, ours: SocketAddr },
 }
 
-/// What travels on the takeover connection after the request.
+/// What travels on the takeover connection after the request. An upgrade speaks it
+/// between two versions, so it only grows: unknown fields are ignored, a field
+/// added later carries `#[serde(default)]`, none is removed or changes meaning.
 #[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+#[serde(tag = "kind", rename_all = "snake_case")]
 enum Message {
     Offer(Offer),
     Refused { message: String },
@@ -85,7 +87,6 @@ enum Message {
 /// The old process's sockets and what the new one must know about them. The
 /// descriptors come in the order of the fields that name an index.
 #[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct Offer {
     pid: u32,
     version: String,
@@ -101,7 +102,6 @@ struct Offer {
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 struct QuicOffer {
     pair: usize,
     /// The key the old connection IDs are tagged with (hex).
@@ -220,6 +220,9 @@ pub(super) async fn give(incoming: Incoming, sockets: Sockets<'_>) -> Option<Suc
 }
 
 async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<u32, String> {
+    if let Some(reason) = incoming.peer_pid().and_then(super::systemd::outside_the_service) {
+        return Err(reason);
+    }
     let wire = Wire::new(incoming.stream());
     let mut fds = vec![sockets.tcp];
     let udp = sockets.h3.map(|h3| h3.udp.as_fd()).or(sockets.relay);
@@ -444,17 +447,16 @@ impl Inherited {
         tokio::spawn(async move {
             let mut wire = Wire::new(call.stream());
             wire.pending = leftover;
-            while !last {
-                match wire.recv::<Message>().await {
+            let mut done = last;
+            while !done {
+                done = match wire.recv::<Message>().await {
                     Ok(Some(Message::Counters { values, last })) => {
                         super::plan::inherit_counters(&values);
-                        if last {
-                            break;
-                        }
+                        last
                     }
-                    Ok(Some(_)) => {}
-                    Ok(None) | Err(_) => break,
-                }
+                    Ok(Some(_)) => false,
+                    Ok(None) | Err(_) => true,
+                };
             }
             // Until the connection closes the old process may still be sending.
             let _ = wire.recv::<Message>().await;

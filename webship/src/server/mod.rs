@@ -75,16 +75,6 @@ pub enum ServerError {
     },
 }
 
-/// Builds everything a configuration needs before anything binds (certificates,
-/// keys, upstream TLS, the service account), as `webship check` does: a
-/// configuration that passes here fails later only for the host's reasons (ports,
-/// privileges, kernel).
-pub fn check(config: &Config) -> Result<(), ServerError> {
-    Stack::build(config)?;
-    process::resolve(config)?;
-    Ok(())
-}
-
 /// `webship check FILE`: loads and builds the file as [`run`] and a reload do; the
 /// error is the text both print.
 pub fn check_file(path: &std::path::Path) -> Result<Config, CheckError> {

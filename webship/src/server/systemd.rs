@@ -125,3 +125,36 @@ fn summary(config: &Config) -> String {
     out.push_str(&format!(" on {}", config.listen));
     out
 }
+
+/// Under systemd, why a process taking this one's sockets over (`pid`) could not
+/// carry the service: it runs outside the service's control group, so systemd
+/// would refuse to follow it (`MAINPID=` from an unprivileged process must name one
+/// of the service's own) and would stop the service when this process exits,
+/// leaving the new one unsupervised. `None` when not under a service manager, when
+/// `pid` is inside, or when the group cannot be read (then nothing is refused).
+pub(super) fn outside_the_service(pid: u32) -> Option<String> {
+    if !notify::enabled() {
+        return None;
+    }
+    let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    // The unified hierarchy's line; systemd tracks services there.
+    let group = own
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))?
+        .trim_end_matches('/');
+    // Mounted on /sys/fs/cgroup (unified) or /sys/fs/cgroup/unified (hybrid).
+    let procs = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .iter()
+        .find_map(|root| std::fs::read_to_string(format!("{root}{group}/cgroup.procs")).ok())?;
+    let wanted = pid.to_string();
+    if procs.lines().any(|l| l.trim() == wanted) {
+        return None;
+    }
+    let shown = if group.is_empty() { "/" } else { group };
+    Some(format!(
+        "this daemon runs under a service manager in the control group {shown}, and the new process \
+         (pid {pid}) outside it: systemd would not follow it and would stop the service when this \
+         process exits. Start the new process inside the group (docs/operations.md, \
+         \"Zero-downtime binary upgrade\"), or restart the service"
+    ))
+}
