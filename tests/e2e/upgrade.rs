@@ -673,3 +673,78 @@ async fn a_new_process_the_old_one_gave_up_on_does_not_serve_beside_it() {
     old.terminate();
     assert!(old.wait_exit(Duration::from_secs(30)).is_some());
 }
+
+/// A predecessor that stops reporting while it drains (here: SIGSTOP) is taken for
+/// gone after ten silent seconds: the new process reads its UDP socket directly
+/// again and accepts the next takeover, instead of waiting for it for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_predecessor_that_goes_silent_is_taken_for_gone() {
+    let env = Env::new();
+    let (mut old, control) = old_daemon(&env);
+    let port = old.port;
+    // A download that stalls keeps the old process draining (grace 60 s).
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let tls = connect(addr, HOST, env.client(b"http/1.1")).await.unwrap();
+    let mut stalled = Conn::handshake(tls, Proto::H1, &format!("{HOST}:{port}"), Tuning::default())
+        .await
+        .unwrap();
+    let response = stalled
+        .send("GET", "/fixture.bin", &[], Bytes::new())
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+
+    let dir = tempfile::tempdir().unwrap();
+    let config = new_config(&env, &old, &control, dir.path(), port);
+    let args = ["serve", "--config", config.to_str().unwrap(), "--takeover"];
+    let mut new = Server::spawn(dir.path(), &args, port);
+    new.wait_listening();
+    assert!(
+        webship_tests::server::eventually(Duration::from_secs(10), || old
+            .log()
+            .contains("the new process serves; draining")),
+        "{}",
+        old.log()
+    );
+    let stop = |signal: &str| {
+        let status = std::process::Command::new("kill")
+            .args([signal, &old.pid().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    stop("-STOP");
+    let stopped = Instant::now();
+    assert!(
+        webship_tests::server::eventually(Duration::from_secs(30), || new
+            .log()
+            .contains("the previous process stopped reporting; taken for gone")),
+        "{}",
+        new.log()
+    );
+    eprintln!(
+        "a silent predecessor taken for gone after {:?}",
+        stopped.elapsed()
+    );
+    // The next takeover is not refused as "still draining".
+    let third_dir = tempfile::tempdir().unwrap();
+    let third_config = new_config(&env, &new, &control, third_dir.path(), port);
+    let third_args = ["serve", "--config", third_config.to_str().unwrap(), "--takeover"];
+    let mut third = Server::spawn(third_dir.path(), &third_args, port);
+    third.wait_listening();
+    assert!(
+        webship_tests::server::eventually(Duration::from_secs(10), || new
+            .log()
+            .contains("the new process serves; draining")),
+        "{}",
+        new.log()
+    );
+    let got = env.get(Proto::H1, &third, "/which.txt", &[]).await;
+    assert_eq!(got.body, b"new");
+    stop("-KILL");
+    drop(stalled);
+    let _ = old.wait_exit(Duration::from_secs(10));
+    assert!(new.wait_exit(Duration::from_secs(60)).is_some(), "{}", new.log());
+    third.terminate();
+    assert!(third.wait_exit(Duration::from_secs(30)).is_some());
+}

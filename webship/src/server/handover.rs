@@ -48,6 +48,10 @@ const ACK_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_LINE: usize = 1024 * 1024;
 /// How often a draining process reports its counters.
 const REPORT_EVERY: Duration = Duration::from_millis(500);
+/// How long the new process hears nothing from a draining predecessor before it
+/// takes it for gone (stopped, wedged): twenty missed reports. It then reads the
+/// UDP socket directly and accepts the next takeover.
+const SILENCE_LIMIT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, thiserror::Error)]
 pub enum HandoverError {
@@ -448,19 +452,32 @@ impl Inherited {
             let mut wire = Wire::new(call.stream());
             wire.pending = leftover;
             let mut done = last;
+            let mut silent = false;
             while !done {
-                done = match wire.recv::<Message>().await {
-                    Ok(Some(Message::Counters { values, last })) => {
+                done = match tokio::time::timeout(SILENCE_LIMIT, wire.recv::<Message>()).await {
+                    Ok(Ok(Some(Message::Counters { values, last }))) => {
                         super::plan::inherit_counters(&values);
                         last
                     }
-                    Ok(Some(_)) => false,
-                    Ok(None) | Err(_) => true,
+                    Ok(Ok(Some(_))) => false,
+                    Ok(Ok(None) | Err(_)) => true,
+                    Err(_) => {
+                        silent = true;
+                        true
+                    }
                 };
             }
-            // Until the connection closes the old process may still be sending.
-            let _ = wire.recv::<Message>().await;
-            tracing::info!(predecessor = old, "takeover: the previous process has exited");
+            if silent {
+                tracing::warn!(
+                    predecessor = old,
+                    silent_secs = SILENCE_LIMIT.as_secs(),
+                    "takeover: the previous process stopped reporting; taken for gone (its QUIC connections are no longer forwarded)"
+                );
+            } else {
+                // Until the connection closes the old process may still be sending.
+                let _ = tokio::time::timeout(SILENCE_LIMIT, wire.recv::<Message>()).await;
+                tracing::info!(predecessor = old, "takeover: the previous process has exited");
+            }
             gone();
         });
         Ok(())
