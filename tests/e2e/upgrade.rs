@@ -748,3 +748,66 @@ async fn a_predecessor_that_goes_silent_is_taken_for_gone() {
     third.terminate();
     assert!(third.wait_exit(Duration::from_secs(30)).is_some());
 }
+
+/// SIGTERM reaching the old process while it hands its sockets over does not cut
+/// the handover short (which would leave the new process with sockets it may not
+/// serve on, and the old one draining: nobody serving): the handover finishes
+/// first (strace holds the new process's reading of the offer for 3 s, and the
+/// SIGTERM comes in between), then the new process serves and the old one drains
+/// and exits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_takeover_lets_the_takeover_finish() {
+    let env = Env::new();
+    let (mut old, control) = old_daemon(&env);
+    let port = old.port;
+    let dir = tempfile::tempdir().unwrap();
+    let config = new_config(&env, &old, &control, dir.path(), port);
+    let mut command = std::process::Command::new("strace");
+    command
+        .args(["-f", "-qq", "-o", "/dev/null", "-e", "trace=recvmsg"])
+        .args(["-e", "inject=recvmsg:delay_enter=3000000:when=1"])
+        .arg(webship_tests::server::binary())
+        .args(["serve", "--config", config.to_str().unwrap(), "--takeover"])
+        .current_dir(dir.path())
+        .env("WEBSHIP_LOG", "info,webship=debug");
+    let logs = webship_testkit::process::Logs::one(dir.path().join("new.log"));
+    let mut new = webship_testkit::process::Process::spawn("strace webship", &mut command, logs).unwrap();
+    // The old process has offered its sockets (the new one's log says it asked).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    old.terminate();
+
+    assert!(
+        webship_tests::server::eventually(Duration::from_secs(20), || new.log().contains("listening on")),
+        "new:\n{}\nold:\n{}",
+        new.log(),
+        old.log()
+    );
+    let exit = old.wait_exit(Duration::from_secs(30));
+    assert!(exit.is_some_and(|s| s.success()), "{exit:?}\n{}", old.log());
+    assert!(
+        old.log().contains("takeover: the new process serves; draining"),
+        "{}",
+        old.log()
+    );
+    // The new process serves alone, h1 and h3.
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let got = webship_tests::client::fetch(
+        Proto::H1,
+        addr,
+        HOST,
+        env.client(b"http/1.1"),
+        "GET",
+        "/which.txt",
+        &[],
+    )
+    .await;
+    assert_eq!(got.body, b"new", "{}", new.log());
+    let h3 = fetch_h3(addr, HOST, env.client(b"h3"), "GET", "/which.txt", &[]).await;
+    assert_eq!(h3.body, b"new");
+    assert!(
+        new.wait_exit(Duration::from_millis(100)).is_none(),
+        "{}",
+        new.log()
+    );
+    // (strace does not pass SIGTERM on: the process is killed when dropped.)
+}

@@ -186,16 +186,11 @@ pub async fn run(
         relay: bound.relay_fd.as_ref().map(AsFd::as_fd),
         programs: plan.programs(),
     };
-    // The control socket and SIGHUP are answered inside the accept loop's signal: a
-    // takeover ends accepting the way SIGTERM does.
-    let control = reload::supervise(reloader, control, hangup, sockets, &predecessor);
+    // The control socket, SIGHUP and `signal` are answered by one supervisor, the
+    // accept loop's stop: SIGTERM or a takeover ends accepting.
+    let supervisor = reload::supervise(reloader, control, hangup, sockets, &predecessor, signal);
     let successor = front
-        .accept_until(bound.listener, &permits, async {
-            tokio::select! {
-                () = signal => None,
-                successor = control => Some(successor),
-            }
-        })
+        .accept_until(bound.listener, &permits, supervisor)
         .await
         .flatten();
     // The copies kept for a successor go too: once the accept loop has dropped its

@@ -373,30 +373,35 @@ fn udp(v: &Option<UdpPassthrough>) -> String {
 }
 
 /// The supervisor's side of the control socket and of `SIGHUP`: one request or
-/// signal at a time, so reloads never overlap. Returns once a new process has taken
-/// the sockets over (`webship serve --takeover`); until then it answers requests.
-/// `predecessor` is set while the process this one took over from still drains: a
-/// second takeover then waits.
+/// signal at a time, so reloads never overlap. Returns `None` once `stop` (SIGTERM)
+/// completes, or the successor once a new process has taken the sockets over
+/// (`webship serve --takeover`). A request under way is finished before `stop` is
+/// looked at: a handover cut short would leave the new process holding sockets it
+/// may not serve on while this one drains (each request is bounded by its own
+/// timeouts). `predecessor` is set while the process this one took over from still
+/// drains: a second takeover then waits.
 pub(super) async fn supervise(
     mut reloader: Reloader,
     control: Option<ControlListener>,
     mut hangup: Hangup,
     sockets: handover::Sockets<'_>,
     predecessor: &AtomicBool,
-) -> handover::Successor {
+    stop: impl std::future::Future<Output = ()>,
+) -> Option<handover::Successor> {
     let mut requests = control.map(ControlListener::serve);
+    tokio::pin!(stop);
     loop {
         tokio::select! {
+            () = &mut stop => return None,
             Some(incoming) = next(&mut requests) => {
                 if let Some(successor) = answer(incoming, &mut reloader, &sockets, predecessor).await {
-                    return successor;
+                    return Some(successor);
                 }
             }
             Some(()) = next_hangup(&mut hangup) => {
                 tracing::info!("SIGHUP: reloading");
                 reloader.reload(None).await;
             }
-            else => return std::future::pending().await,
         }
     }
 }
