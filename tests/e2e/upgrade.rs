@@ -811,3 +811,80 @@ async fn sigterm_during_a_takeover_lets_the_takeover_finish() {
     );
     // (strace does not pass SIGTERM on: the process is killed when dropped.)
 }
+
+/// A takeover may move the pin folder (`bpf_pin_dir` is restart-only for a reload,
+/// not for an upgrade): the new process pins its maps in its own folder, and the
+/// old one, whose pins nobody adopted, removes them when it exits. A new process
+/// without eBPF adopts nothing either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_may_move_the_pin_folder_and_leaves_no_pins_behind() {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("a");
+    std::fs::create_dir(&origin_root).unwrap();
+    std::fs::write(origin_root.join("who.txt"), b"the origin").unwrap();
+    let (cert, key) = env.leaf("a", &["a.pass"]);
+    let origin = webship_tests::nginx::Nginx::start_tls(&origin_root, &cert, &key);
+    let control = env.dir.path().join("control.sock");
+    let config = passthrough_config(
+        "passthrough_engine = \"sockmap\"\n",
+        false,
+        &[("a.pass", origin.addr)],
+    )
+    .replace(
+        "workers = 2\n",
+        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
+    );
+    let mut old = Server::start(env.dir.path(), &config);
+    let port = old.port;
+    let first = format!("/sys/fs/bpf/webship-e2e-{port}");
+    let second = format!("/sys/fs/bpf/webship-e2e-{port}-moved");
+    assert!(
+        Path::new(&first).join("counters").exists() || std::fs::read_dir(&first).is_ok_and(|d| d.count() > 0)
+    );
+
+    let moved = config
+        .replace("{port}", &port.to_string())
+        .replace(&format!("\"{first}\""), &format!("\"{second}\""));
+    let new_dir = tempfile::tempdir().unwrap();
+    let new_config = new_dir.path().join("webship.toml");
+    std::fs::write(&new_config, moved).unwrap();
+    let mut new = Server::spawn(
+        new_dir.path(),
+        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new.wait_listening();
+    assert!(
+        new.log().contains("takeover: the pin folder changes"),
+        "{}",
+        new.log()
+    );
+    let exit = old.wait_exit(Duration::from_secs(30));
+    assert!(exit.is_some_and(|s| s.success()), "{}", old.log());
+    // The old folder is empty (or gone); the new one has the maps `stats` reads.
+    let left: Vec<_> = std::fs::read_dir(&first)
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left in {first}: {left:?}\n{}", old.log());
+    let stats = stats_json(&second);
+    assert!(stats.get("counters").is_some(), "{stats}");
+    let got = webship_tests::client::fetch(
+        Proto::H1,
+        new.addr(),
+        "a.pass",
+        env.client(b"http/1.1"),
+        "GET",
+        "/who.txt",
+        &[],
+    )
+    .await;
+    assert_eq!(got.body, b"the origin");
+    new.terminate();
+    assert!(new
+        .wait_exit(Duration::from_secs(30))
+        .is_some_and(|s| s.success()));
+    assert!(
+        std::fs::read_dir(&second).map_or(true, |d| d.count() == 0),
+        "the new process's pins stay after it stopped"
+    );
+}

@@ -29,6 +29,10 @@ impl Programs {
         match *self {}
     }
 
+    pub(crate) fn pin_dir(&self) -> &Path {
+        match *self {}
+    }
+
     pub(crate) fn hand_over(&self) {
         match *self {}
     }

@@ -151,6 +151,11 @@ impl Programs {
         self.folder.as_fd()
     }
 
+    /// Where the maps are pinned.
+    pub(crate) fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
     /// A successor has taken the pins over: this process's programs and maps still
     /// serve its own linked sockets until it exits, but its pins are not removed.
     pub(crate) fn hand_over(&self) {

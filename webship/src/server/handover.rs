@@ -83,9 +83,20 @@ pub enum HandoverError {
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum Message {
     Offer(Offer),
-    Refused { message: String },
-    Serving { pid: u32 },
-    Counters { values: Vec<u64>, last: bool },
+    Refused {
+        message: String,
+    },
+    /// `adopted_pins`: the new process took the pin folder over (same folder, eBPF
+    /// loaded); if not, the old one removes its pins when it exits.
+    Serving {
+        pid: u32,
+        #[serde(default)]
+        adopted_pins: bool,
+    },
+    Counters {
+        values: Vec<u64>,
+        last: bool,
+    },
 }
 
 /// The old process's sockets and what the new one must know about them. The
@@ -100,6 +111,10 @@ struct Offer {
     udp: Option<usize>,
     quic: Option<QuicOffer>,
     pin_lock: Option<usize>,
+    /// The folder the lock is for: a successor configured with another one does not
+    /// inherit it.
+    #[serde(default)]
+    pin_dir: Option<std::path::PathBuf>,
     /// Passthrough counters so far (kernel and userspace summed), so the new process
     /// publishes continuous totals from its first publication on.
     counters: Vec<u64>,
@@ -185,6 +200,7 @@ pub(super) struct Sockets<'a> {
 /// A successor that serves: this process drains, reporting its counters to it.
 pub(super) struct Successor {
     pid: u32,
+    adopted_pins: bool,
     report: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -192,6 +208,12 @@ pub(super) struct Successor {
 impl Successor {
     pub(super) fn pid(&self) -> u32 {
         self.pid
+    }
+
+    /// Whether it took the pinned maps over (else they are still this process's to
+    /// remove).
+    pub(super) fn adopted_pins(&self) -> bool {
+        self.adopted_pins
     }
 
     /// The last report, once drained.
@@ -205,12 +227,21 @@ impl Successor {
 /// to serve. `None` means it did not, and this process carries on as before.
 pub(super) async fn give(incoming: Incoming, sockets: Sockets<'_>) -> Option<Successor> {
     match offer(&incoming, &sockets).await {
-        Ok(pid) => {
-            tracing::info!(successor = pid, "takeover: the new process serves; draining");
+        Ok((pid, adopted_pins)) => {
+            tracing::info!(
+                successor = pid,
+                adopted_pins,
+                "takeover: the new process serves; draining"
+            );
             let programs = sockets.programs.clone();
             let (report, stop) = tokio::sync::oneshot::channel();
             let task = tokio::spawn(report_counters(incoming, programs, stop));
-            Some(Successor { pid, report, task })
+            Some(Successor {
+                pid,
+                adopted_pins,
+                report,
+                task,
+            })
         }
         Err(reason) => {
             if let Some(h3) = sockets.h3 {
@@ -223,7 +254,7 @@ pub(super) async fn give(incoming: Incoming, sockets: Sockets<'_>) -> Option<Suc
     }
 }
 
-async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<u32, String> {
+async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<(u32, bool), String> {
     if let Some(reason) = incoming.peer_pid().and_then(super::systemd::outside_the_service) {
         return Err(reason);
     }
@@ -278,13 +309,14 @@ async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<u32, String
         udp: udp_index,
         quic,
         pin_lock,
+        pin_dir: sockets.programs.as_deref().map(|p| p.pin_dir().to_owned()),
         counters: super::plan::Plan::totals(sockets.programs.as_deref()).to_vec(),
     });
     wire.send(&offer, &fds).await?;
     drop(pair);
     let mut wire = wire;
     match tokio::time::timeout(SERVING_TIMEOUT, wire.recv::<Message>()).await {
-        Ok(Ok(Some(Message::Serving { pid }))) => Ok(pid),
+        Ok(Ok(Some(Message::Serving { pid, adopted_pins }))) => Ok((pid, adopted_pins)),
         Ok(Ok(Some(other))) => Err(format!("unexpected answer: {other:?}")),
         Ok(Ok(None)) => Err("the new process ended before serving (see its output)".into()),
         Ok(Err(e)) => Err(e),
@@ -341,7 +373,11 @@ pub(super) struct Inherited {
 }
 
 /// Asks the daemon on `control` for its sockets. Refuses when it listens elsewhere.
-pub(super) async fn take(control: &Path, listen: SocketAddr) -> Result<Inherited, HandoverError> {
+pub(super) async fn take(
+    control: &Path,
+    listen: SocketAddr,
+    pin_dir: &Path,
+) -> Result<Inherited, HandoverError> {
     let call = Call::start(control, &Request::Takeover).await?;
     let mut wire = Wire::new(call.stream());
     let exchange = HandoverError::Exchange;
@@ -394,6 +430,20 @@ pub(super) async fn take(control: &Path, listen: SocketAddr) -> Result<Inherited
         Some(i) => Some(wire.take(i).map_err(exchange)?),
         None => None,
     };
+    // Another pin folder: this process pins in its own, and the old one removes its
+    // pins when it exits.
+    let pin_lock = match (pin_lock, &offer.pin_dir) {
+        (Some(lock), Some(theirs)) if theirs != pin_dir => {
+            tracing::info!(
+                from = %theirs.display(),
+                to = %pin_dir.display(),
+                "takeover: the pin folder changes; the previous process removes its pins when it exits"
+            );
+            drop(lock);
+            None
+        }
+        (lock, _) => lock,
+    };
     tracing::info!(
         predecessor = offer.pid,
         version = %offer.version,
@@ -419,7 +469,11 @@ impl Inherited {
     /// exits (`gone` runs then). An error means the old process did not take the
     /// news (it gave up waiting, see [`SERVING_TIMEOUT`], and serves again): this
     /// process must not serve beside it on the same sockets.
-    pub(super) async fn serving(self, gone: impl FnOnce() + Send + 'static) -> Result<(), HandoverError> {
+    pub(super) async fn serving(
+        self,
+        adopted_pins: bool,
+        gone: impl FnOnce() + Send + 'static,
+    ) -> Result<(), HandoverError> {
         let call = self.call;
         let old = self.pid;
         let leftover = self.leftover;
@@ -429,6 +483,7 @@ impl Inherited {
             wire.send(
                 &Message::Serving {
                     pid: std::process::id(),
+                    adopted_pins,
                 },
                 &[],
             )

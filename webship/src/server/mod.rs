@@ -102,15 +102,16 @@ pub async fn run(
     let guard = privilege.guard();
     let stack = Stack::build(&config)?;
     let mut inherited = match (takeover, &config.control_socket) {
-        (true, Some(path)) => Some(handover::take(path, config.listen).await?),
+        (true, Some(path)) => Some(handover::take(path, config.listen, &config.kernel.bpf_pin_dir).await?),
         (true, None) => return Err(HandoverError::NoControlSocket.into()),
         (false, _) => None,
     };
-    let plan = Plan::load(
-        &config,
-        &report,
-        inherited.as_mut().and_then(|i| i.pin_lock.take()),
-    )?;
+    let pin_lock = inherited.as_mut().and_then(|i| i.pin_lock.take());
+    let inheriting_pins = pin_lock.is_some();
+    let plan = Plan::load(&config, &report, pin_lock)?;
+    // The predecessor's pins become this process's only when it loads eBPF into the
+    // same folder; otherwise the predecessor removes them when it exits.
+    let adopts_pins = inheriting_pins && plan.ebpf_loaded();
     let (trigger, shutdown) = crate::shutdown::channel();
     let fixed = Fixed {
         shutdown: shutdown.clone(),
@@ -159,7 +160,7 @@ pub async fn run(
         // stops accepting once it reads this.
         // Serving beside a predecessor that did not hear would split the sockets'
         // traffic between two processes: stop instead (it serves as before).
-        inherited.serving(gone).await?;
+        inherited.serving(adopts_pins, gone).await?;
         plan.adopt_pins();
     }
 
@@ -207,7 +208,7 @@ pub async fn run(
     if let Some(file) = control_file.filter(|_| successor.is_none()) {
         file.remove();
     }
-    if successor.is_some() {
+    if successor.as_ref().is_some_and(handover::Successor::adopted_pins) {
         plan.hand_over();
     }
     trigger.request();
