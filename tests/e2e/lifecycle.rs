@@ -348,3 +348,37 @@ async fn idle_connections_are_closed_after_the_idle_timeout() {
     assert!(ended.is_ok(), "an idle h2 connection was never closed");
     assert!(eventually(Duration::from_secs(5), || server.established() == 0));
 }
+
+/// A connection accepted just before the drain began (its handshake done, its first
+/// request not sent yet) still gets that request answered, with `connection:
+/// close`, instead of being closed unanswered: in a binary upgrade it is the
+/// connection the old process accepted in its last moment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_accepted_before_the_drain_gets_its_first_request_answered() {
+    let (env, mut server) = fixture_server("[limits]\nshutdown_grace_secs = 10\n");
+    let mut tls = connect(server.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    // A download in flight keeps the drain going meanwhile.
+    let mut busy = h1_get(&env, &server, "/fixture.bin").await;
+    let mut buf = [0u8; 1024];
+    let _ = busy.read(&mut buf).await.unwrap();
+    server.terminate();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tls.write_all(get_request("/small.txt").as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), tls.read_to_end(&mut answer))
+        .await
+        .expect("the answer")
+        .ok();
+    let text = String::from_utf8_lossy(&answer).to_lowercase();
+    assert!(text.starts_with("http/1.1 200"), "{text:?}\n{}", server.log());
+    assert!(
+        text.contains("connection: close") && text.ends_with("small"),
+        "{text:?}"
+    );
+    drop(busy);
+    assert!(server
+        .wait_exit(Duration::from_secs(20))
+        .is_some_and(|s| s.success()));
+}

@@ -30,6 +30,9 @@ use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
 use crate::message::Response;
 use crate::sys;
 
+/// How long a connection that has sent no request yet may take to send its first
+/// once the drain has begun.
+const FIRST_REQUEST_GRACE: Duration = Duration::from_secs(2);
 /// Most headers one request may carry.
 const MAX_HEADERS: usize = 100;
 /// A request body up to this size (on GET/HEAD) is read and dropped to keep the
@@ -155,14 +158,25 @@ enum RequestBody {
 impl Conn {
     async fn run(&mut self, stream: &mut Stream) -> Result<(), H1Error> {
         let mut shutdown = self.ctx.shutdown.clone();
+        let mut first = true;
         loop {
             // Shutdown interrupts only an idle connection; a request already arriving
             // (pipelined bytes buffered) is still answered, with `connection: close`.
+            // A connection that has not sent its first request yet was accepted just
+            // before the drain (in an upgrade, the old process's last accept): its
+            // client is sending that request now, so it gets a moment for it.
             let idle = self.read.is_empty();
+            let wait_first = first;
             let next = tokio::select! {
                 next = self.read_request(stream) => next?,
-                () = shutdown.requested(), if idle => Next::Close,
+                () = async {
+                    shutdown.requested().await;
+                    if wait_first {
+                        tokio::time::sleep(FIRST_REQUEST_GRACE).await;
+                    }
+                }, if idle => Next::Close,
             };
+            first = false;
             let req = match next {
                 Next::Request(req) => req,
                 Next::Close => return Ok(()),

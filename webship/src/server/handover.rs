@@ -65,7 +65,8 @@ pub enum HandoverError {
     Exchange(String),
     #[error(
         "the running webship did not acknowledge that this process serves (it gave up waiting and serves again); \
-         this process stops rather than serve beside it (fix: try again; see its log)"
+         this process stops rather than serve beside it. Its control socket file was this process's and is gone \
+         with it: the running webship still reloads on SIGHUP, and a restart gives it a control socket again"
     )]
     NotHeard,
     #[error(
@@ -316,7 +317,17 @@ async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<(u32, bool)
     drop(pair);
     let mut wire = wire;
     match tokio::time::timeout(SERVING_TIMEOUT, wire.recv::<Message>()).await {
-        Ok(Ok(Some(Message::Serving { pid, adopted_pins }))) => Ok((pid, adopted_pins)),
+        Ok(Ok(Some(Message::Serving { pid, adopted_pins }))) => {
+            // The acknowledgement the new process waits for, sent before this one
+            // stops accepting: if it can no longer be sent (the new process gave up
+            // and went), this one serves on instead of draining with nobody left.
+            let values = super::plan::Plan::totals(sockets.programs.as_deref()).to_vec();
+            let ack = Message::Counters { values, last: false };
+            wire.send(&ack, &[])
+                .await
+                .map_err(|e| format!("the new process went away before it heard this one drains: {e}"))?;
+            Ok((pid, adopted_pins))
+        }
         Ok(Ok(Some(other))) => Err(format!("unexpected answer: {other:?}")),
         Ok(Ok(None)) => Err("the new process ended before serving (see its output)".into()),
         Ok(Err(e)) => Err(e),
@@ -358,6 +369,16 @@ pub(super) async fn refuse(incoming: Incoming, reason: &str) {
             &[],
         )
         .await;
+}
+
+/// Whether the locked folder a predecessor handed over is `path` (the same device
+/// and inode, however either is spelled).
+fn same_folder(lock: &OwnedFd, path: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(held) = rustix::fs::fstat(lock) else {
+        return false;
+    };
+    std::fs::metadata(path).is_ok_and(|m| m.dev() == held.st_dev && m.ino() == held.st_ino)
 }
 
 /// What the new process received.
@@ -433,7 +454,7 @@ pub(super) async fn take(
     // Another pin folder: this process pins in its own, and the old one removes its
     // pins when it exits.
     let pin_lock = match (pin_lock, &offer.pin_dir) {
-        (Some(lock), Some(theirs)) if theirs != pin_dir => {
+        (Some(lock), Some(theirs)) if !same_folder(&lock, pin_dir) => {
             tracing::info!(
                 from = %theirs.display(),
                 to = %pin_dir.display(),
