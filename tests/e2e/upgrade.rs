@@ -614,6 +614,36 @@ async fn an_h3_passthrough_connection_moves_to_the_new_relay() {
     assert!(new.wait_exit(Duration::from_secs(30)).is_some());
 }
 
+/// `webship serve --config CONFIG --takeover` under strace, which holds the first
+/// `recvmsg` of each of its threads (the offer's) for `hold`; its log is `NAME.log`
+/// in `dir`. strace does not pass SIGTERM on: the process is killed when dropped.
+fn takeover_held(config: &Path, dir: &Path, hold: Duration, name: &str) -> webship_testkit::process::Process {
+    let strace = std::process::Command::new("strace").arg("-V").output();
+    assert!(
+        strace.is_ok_and(|o| o.status.success()),
+        "strace is missing (Debian package strace; `cargo xtask deps` installs it)"
+    );
+    let inject = format!("inject=recvmsg:delay_enter={}:when=1", hold.as_micros());
+    let mut command = std::process::Command::new("strace");
+    command
+        .args([
+            "-f",
+            "-qq",
+            "-o",
+            "/dev/null",
+            "-e",
+            "trace=recvmsg",
+            "-e",
+            &inject,
+        ])
+        .arg(webship_tests::server::binary())
+        .args(["serve", "--config", config.to_str().unwrap(), "--takeover"])
+        .current_dir(dir)
+        .env("WEBSHIP_LOG", "info,webship=debug");
+    let logs = webship_testkit::process::Logs::one(dir.join(format!("{name}.log")));
+    webship_testkit::process::Process::spawn("strace webship", &mut command, logs).unwrap()
+}
+
 /// The old process waits a minute for the new one to serve, then serves again on its
 /// own. A new process that says it serves only after that (here: strace holds the
 /// first `recvmsg` of each of its threads, the offer's, for 65 s) stops:
@@ -621,26 +651,12 @@ async fn an_h3_passthrough_connection_moves_to_the_new_relay() {
 /// split the listener's connections and the QUIC datagrams between the two.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_process_the_old_one_gave_up_on_does_not_serve_beside_it() {
-    let strace = std::process::Command::new("strace").arg("-V").output();
-    assert!(
-        strace.is_ok_and(|o| o.status.success()),
-        "strace is missing (Debian package strace; `cargo xtask deps` installs it)"
-    );
     let env = Env::new();
     let (mut old, control) = old_daemon(&env);
     let port = old.port;
     let dir = tempfile::tempdir().unwrap();
     let config = new_config(&env, &old, &control, dir.path(), port);
-    let mut command = std::process::Command::new("strace");
-    command
-        .args(["-f", "-qq", "-o", "/dev/null", "-e", "trace=recvmsg"])
-        .args(["-e", "inject=recvmsg:delay_enter=65000000:when=1"])
-        .arg(webship_tests::server::binary())
-        .args(["serve", "--config", config.to_str().unwrap(), "--takeover"])
-        .current_dir(dir.path())
-        .env("WEBSHIP_LOG", "info,webship=debug");
-    let logs = webship_testkit::process::Logs::one(dir.path().join("late.log"));
-    let mut late = webship_testkit::process::Process::spawn("strace webship", &mut command, logs).unwrap();
+    let mut late = takeover_held(&config, dir.path(), Duration::from_secs(65), "late");
 
     // The old process gives up after its minute and serves on, HTTP/3 included.
     let gave_up = Instant::now();
@@ -762,16 +778,7 @@ async fn sigterm_during_a_takeover_lets_the_takeover_finish() {
     let port = old.port;
     let dir = tempfile::tempdir().unwrap();
     let config = new_config(&env, &old, &control, dir.path(), port);
-    let mut command = std::process::Command::new("strace");
-    command
-        .args(["-f", "-qq", "-o", "/dev/null", "-e", "trace=recvmsg"])
-        .args(["-e", "inject=recvmsg:delay_enter=3000000:when=1"])
-        .arg(webship_tests::server::binary())
-        .args(["serve", "--config", config.to_str().unwrap(), "--takeover"])
-        .current_dir(dir.path())
-        .env("WEBSHIP_LOG", "info,webship=debug");
-    let logs = webship_testkit::process::Logs::one(dir.path().join("new.log"));
-    let mut new = webship_testkit::process::Process::spawn("strace webship", &mut command, logs).unwrap();
+    let mut new = takeover_held(&config, dir.path(), Duration::from_secs(3), "new");
     // The old process has offered its sockets (the new one's log says it asked).
     tokio::time::sleep(Duration::from_millis(1500)).await;
     old.terminate();
