@@ -319,6 +319,84 @@ async fn access_log_is_off_by_default_and_on_by_switch() {
     }
 }
 
+/// The access log's fields of the line for `uri` (the record's report), as
+/// key → value with quotes stripped; every line that names it.
+fn access_lines(log: &str, uri: &str) -> Vec<std::collections::HashMap<String, String>> {
+    log.lines()
+        .filter(|l| l.contains(" access: ") && l.contains(&format!("uri={uri} ")))
+        .map(|l| {
+            let fields = &l[l.find(" access: ").unwrap() + 9..];
+            let mut map = std::collections::HashMap::new();
+            let mut rest = fields;
+            while let Some(eq) = rest.find('=') {
+                let key = rest[..eq].trim().to_owned();
+                let after = &rest[eq + 1..];
+                let (value, tail) = match after.strip_prefix('"') {
+                    Some(quoted) => {
+                        let end = quoted.find('"').unwrap_or(quoted.len());
+                        (&quoted[..end], quoted.get(end + 1..).unwrap_or(""))
+                    }
+                    None => after.split_at(after.find(' ').unwrap_or(after.len())),
+                };
+                map.insert(key, value.to_owned());
+                rest = tail;
+            }
+            map
+        })
+        .collect()
+}
+
+/// Every exchange is reported once, when its response ends, with what was actually
+/// handed to the connection: whole responses over h1, h2 and h3 as complete with
+/// their length, a refusal with its status, and a download the client abandons as
+/// not complete with fewer bytes than the file has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_exchange_is_recorded_once_with_what_was_sent() {
+    let (env, server) = fixture_server("[log]\naccess = true\n");
+    for proto in [Proto::H1, Proto::H2] {
+        let got = env.get(proto, &server, "/small.txt", &[]).await;
+        assert_eq!(got.status, 200);
+    }
+    let (h3, line) =
+        crate::support::aioquic_fetch(server.addr().port(), HOST, "/small.txt", &env.ca_file(), &[]);
+    assert_eq!(h3["status"], 200, "{line}");
+    let got = env.get(Proto::H1, &server, "/missing.txt", &[]).await;
+    assert_eq!(got.status, 404);
+    // Abandoned after the first 64 KiB of the fixture.
+    let mut tls = h1_get(&env, &server, "/fixture.bin").await;
+    let mut buf = vec![0u8; 64 * 1024];
+    tls.read_exact(&mut buf).await.unwrap();
+    drop(tls);
+
+    let settled = eventually(Duration::from_secs(10), || {
+        access_lines(&server.log(), "/fixture.bin").len() == 1
+            && access_lines(&server.log(), "/small.txt").len() == 3
+    });
+    let log = server.log();
+    assert!(settled, "one line per exchange:\n{log}");
+    let small = access_lines(&log, "/small.txt");
+    let mut protos: Vec<&str> = small.iter().map(|l| l["proto"].as_str()).collect();
+    protos.sort_unstable();
+    assert_eq!(protos, ["h1", "h2", "h3"], "{log}");
+    for line in &small {
+        assert_eq!(line["status"], "200", "{line:?}");
+        assert_eq!(line["bytes"], "5", "{line:?}");
+        assert_eq!(line["outcome"], "complete", "{line:?}");
+        assert_eq!(line["mode"], "files", "{line:?}");
+        assert_eq!(line["site"], HOST, "{line:?}");
+        assert_eq!(line["tls"], "TLSv1_3", "{line:?}");
+    }
+    let missing = &access_lines(&log, "/missing.txt")[0];
+    assert_eq!(
+        (missing["status"].as_str(), missing["outcome"].as_str()),
+        ("404", "complete")
+    );
+    let abandoned = &access_lines(&log, "/fixture.bin")[0];
+    assert_ne!(abandoned["outcome"], "complete", "{abandoned:?}");
+    let bytes: u64 = abandoned["bytes"].parse().unwrap();
+    assert!(bytes >= 64 * 1024 && bytes < FIXTURE_LEN, "{abandoned:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_are_closed_after_the_idle_timeout() {
     let env = Env::new();

@@ -35,6 +35,16 @@ pub(crate) struct Client {
     pub(crate) peer: SocketAddr,
     /// The site whose certificate the connection presented (chosen by SNI).
     pub(crate) tls_site: usize,
+    /// What the connection's TLS negotiated, where the driver can tell.
+    pub(crate) tls: Option<TlsInfo>,
+}
+
+/// A connection's TLS version and cipher suite, as logs name them (`TLSv1_3`,
+/// `TLS13_AES_128_GCM_SHA256`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TlsInfo {
+    pub(crate) version: &'static str,
+    pub(crate) cipher: Option<&'static str>,
 }
 
 /// The request head a driver hands to the service.
@@ -131,17 +141,6 @@ impl std::fmt::Debug for Body {
             Body::Bytes(b) => write!(f, "Bytes({})", b.len()),
             Body::File(file) => write!(f, "{file:?}"),
             Body::Stream(_) => f.write_str("Stream"),
-        }
-    }
-}
-
-impl Body {
-    /// Bytes known up front (0 for a stream, whose length the upstream decides).
-    pub(crate) fn len(&self) -> u64 {
-        match self {
-            Body::Empty | Body::Stream(_) => 0,
-            Body::Bytes(b) => b.len() as u64,
-            Body::File(f) => f.len,
         }
     }
 }

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 
+use super::record::{Outcome, Record};
 use crate::files::cursor::{FileCursor, FileRange};
 use crate::message::{Body, BoxError, StreamBody};
 
@@ -36,6 +37,12 @@ pub(crate) struct ResponseBody {
     /// Ramped bodies only: the size of the chunk handed out last (still held by the
     /// driver until it pulls again), and the connection's clock if it watches.
     pull: Option<Pull>,
+    /// The exchange this body answers, reported when the body is dropped.
+    record: Option<Record>,
+    /// The body's end was handed out (its last frame, or `None`).
+    ended: bool,
+    /// How the response ended, when the driver said so (the send loop does).
+    verdict: Option<Outcome>,
 }
 
 #[derive(Debug)]
@@ -174,6 +181,38 @@ impl ResponseBody {
             kind,
             produced: 0,
             pull: None,
+            record: None,
+            ended: false,
+            verdict: None,
+        }
+    }
+
+    /// This body answers `record`'s exchange: reported (bytes, timing, how it ended)
+    /// when the body is dropped.
+    pub(crate) fn recorded(mut self, record: Record) -> Self {
+        self.record = Some(record);
+        self
+    }
+
+    /// How the response ended, as the driver saw it (see [`Outcome`]); without a
+    /// verdict a body is complete only if its end was handed out.
+    pub(crate) fn settle(&mut self, outcome: Outcome) {
+        self.verdict = Some(outcome);
+    }
+
+    /// The response's bytes go through kernel TLS.
+    pub(crate) fn set_ktls(&mut self) {
+        if let Some(record) = &mut self.record {
+            record.set_ktls();
+        }
+    }
+
+    /// How the response ended, by the driver's verdict or by what was handed out.
+    fn outcome(&self) -> Outcome {
+        match self.verdict {
+            Some(outcome) => outcome,
+            None if self.ended || http_body::Body::is_end_stream(self) => Outcome::Complete,
+            None => Outcome::Unfinished,
         }
     }
 
@@ -227,7 +266,18 @@ impl ResponseBody {
         };
         let range = cursor.take_file_range()?;
         self.produced += range.len;
+        if let Some(record) = &mut self.record {
+            record.pulled();
+        }
         Some(range)
+    }
+}
+
+impl Drop for ResponseBody {
+    fn drop(&mut self) {
+        if let Some(record) = self.record.take() {
+            record.finish(self.produced, self.outcome());
+        }
     }
 }
 
@@ -240,6 +290,9 @@ impl http_body::Body for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let this = &mut *self;
+        if let Some(record) = &mut this.record {
+            record.pulled();
+        }
         if let Some(pull) = &mut this.pull {
             // Pulled again: everything but the chunk the driver held until now has
             // been taken by the client (within its window), so the next read may be
@@ -259,13 +312,20 @@ impl http_body::Body for ResponseBody {
                 .map(|next| next.map(|chunk| chunk.map(Frame::data).map_err(BoxError::from))),
             Kind::Relay(relay) => Pin::new(relay).poll_frame(cx),
         };
-        if let Poll::Ready(Some(Ok(frame))) = &polled {
-            let len = frame.data_ref().map_or(0, |d| d.len() as u64);
-            this.produced += len;
-            if let Some(pull) = &mut this.pull {
-                pull.last = len;
-                pull.set_waiting(len > 0);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                let len = frame.data_ref().map_or(0, |d| d.len() as u64);
+                this.produced += len;
+                // Trailers are the last frame.
+                this.ended |= frame.is_trailers();
+                if let Some(pull) = &mut this.pull {
+                    pull.last = len;
+                    pull.set_waiting(len > 0);
+                }
             }
+            Poll::Ready(None) => this.ended = true,
+            Poll::Ready(Some(Err(_))) => this.verdict = Some(Outcome::BodyError),
+            Poll::Pending => {}
         }
         polled
     }
@@ -321,6 +381,58 @@ mod tests {
         // Each read is at most what was handed out before the chunk still held.
         assert_eq!(sizes[..7], [16, 16, 16, 32, 48, 80, 128], "{sizes:?}");
         assert_eq!(sizes.iter().sum::<usize>(), 1024);
+    }
+
+    /// A relayed body that yields one chunk, then fails.
+    struct Failing(u8);
+
+    impl http_body::Body for Failing {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(
+            mut self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            self.0 += 1;
+            Poll::Ready(Some(match self.0 {
+                1 => Ok(Frame::data(Bytes::from_static(b"abc"))),
+                _ => Err("upstream reset".into()),
+            }))
+        }
+    }
+
+    fn failing_relay() -> Body {
+        Body::Stream(Failing(0).boxed_unsync())
+    }
+
+    #[tokio::test]
+    async fn a_body_is_complete_only_when_its_end_was_handed_out() {
+        let (_dir, file) = file_body(1 << 20);
+        let mut body = ResponseBody::ramped(file, 128 * 1024);
+        assert_eq!(body.outcome(), Outcome::Unfinished, "nothing handed out yet");
+        let _first = body.frame().await.unwrap().unwrap();
+        assert_eq!(body.outcome(), Outcome::Unfinished, "dropped halfway");
+        while body.frame().await.is_some() {}
+        assert_eq!(body.outcome(), Outcome::Complete);
+        assert_eq!(body.produced(), 1 << 20);
+
+        // An empty body (HEAD, 304) has nothing to hand out: complete as it is.
+        assert_eq!(ResponseBody::empty().outcome(), Outcome::Complete);
+    }
+
+    #[tokio::test]
+    async fn a_failed_body_or_the_drivers_verdict_decides_the_outcome() {
+        let mut body = ResponseBody::new(failing_relay(), 128 * 1024);
+        assert_eq!(body.frame().await.unwrap().unwrap().into_data().unwrap(), "abc");
+        assert!(body.frame().await.unwrap().is_err());
+        assert_eq!(body.outcome(), Outcome::BodyError);
+
+        // The send loop's verdict wins over what was handed out.
+        let mut body = ResponseBody::new(Body::Bytes(Bytes::from_static(b"x")), 1024);
+        while body.frame().await.is_some() {}
+        body.settle(Outcome::ClientGone);
+        assert_eq!(body.outcome(), Outcome::ClientGone);
     }
 
     #[tokio::test]

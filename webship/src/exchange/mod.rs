@@ -9,6 +9,7 @@
 //! upstream reset) ends the response so the peer can tell it is incomplete.
 
 mod body;
+mod record;
 mod send;
 
 use std::net::SocketAddr;
@@ -17,12 +18,13 @@ use std::sync::Arc;
 use http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, Version};
 
 use crate::config::{Config, H2Settings, H3Settings, Limits, Policy, ProxyH2Settings};
-use crate::message::{Client, RequestHead, Response, StreamBody, SERVER};
+use crate::message::{Client, RequestHead, Response, StreamBody, TlsInfo, SERVER};
 use crate::service::Service;
 use crate::shutdown::Shutdown;
 use crate::webtransport::{Admission, Refusal};
 
 pub(crate) use body::{PullClock, ResponseBody};
+pub(crate) use record::{Outcome, Record};
 pub(crate) use send::{send_body, BodyWriter, Progress, SendError};
 
 /// The protocol a request arrived over, as logs name it.
@@ -104,10 +106,15 @@ impl Drivers {
 
     /// The context of a new connection from `peer` (the client's address, carried by
     /// a PROXY header where one came) that was shown `tls_site`'s certificate.
-    pub(crate) fn connection(self: &Arc<Self>, peer: SocketAddr, tls_site: usize) -> ConnContext {
+    pub(crate) fn connection(
+        self: &Arc<Self>,
+        peer: SocketAddr,
+        tls_site: usize,
+        tls: Option<TlsInfo>,
+    ) -> ConnContext {
         ConnContext {
             drivers: self.clone(),
-            client: Client { peer, tls_site },
+            client: Client { peer, tls_site, tls },
         }
     }
 }
@@ -143,20 +150,24 @@ impl ConnContext {
         RequestHead::new(self.client, method, uri, version, headers)
     }
 
-    /// Serves one request: the service's response, logged, stamped (`Server`, `Date`).
-    pub(crate) async fn handle(&self, head: &RequestHead<'_>, body: StreamBody) -> Response {
-        let mut resp = self.service.handle(head, body).await;
-        if self.access_log {
-            tracing::info!(target: "access", peer = %self.client.peer, proto = Proto::of(head.version).as_str(),
-                method = %head.method, uri = %head.uri, status = resp.status.as_u16(),
-                bytes = resp.body.len());
-        }
+    /// Serves one request: the service's response, stamped (`Server`, `Date`), and
+    /// the exchange's record, which the driver puts in the response body it sends
+    /// ([`ResponseBody::recorded`]) so it is reported when that body ends.
+    pub(crate) async fn handle(&self, head: &RequestHead<'_>, body: StreamBody) -> (Response, Record) {
+        let (mut resp, route) = self.service.handle(head, body).await;
+        let record = Record::new(self, head, route, resp.status.as_u16());
         stamp(&mut resp);
-        resp
+        (resp, record)
     }
 
-    /// A response the driver makes by itself (a request it could not parse).
-    pub(crate) fn refuse(&self, status: StatusCode) -> Response {
+    /// A response the driver makes by itself (a request it could not parse), and its
+    /// record.
+    pub(crate) fn reject(&self, proto: Proto, status: StatusCode) -> (Response, Record) {
+        (self.refuse(status), Record::refused(self, proto, status.as_u16()))
+    }
+
+    /// A bare response with our stamp.
+    fn refuse(&self, status: StatusCode) -> Response {
         let mut resp = Response::status(status);
         stamp(&mut resp);
         resp
@@ -173,10 +184,13 @@ impl ConnContext {
             }),
         };
         let status = admitted.as_ref().map_or_else(|r| r.status, |_| StatusCode::OK);
-        if self.access_log {
-            tracing::info!(target: "access", peer = %self.client.peer, proto, method = "CONNECT",
-                protocol = "webtransport", uri = %head.uri, status = status.as_u16());
-        }
+        // The session is its own business (its streams and datagrams have their own
+        // counters); the exchange is the CONNECT and its answer.
+        let route = crate::service::Route {
+            site: self.service.site_of_request(head),
+            mode: crate::service::Mode::WebTransport,
+        };
+        Record::new(self, head, route, status.as_u16()).finish(0, Outcome::Complete);
         if let Err(refusal) = &admitted {
             tracing::debug!(peer = %self.client.peer, proto, reason = refusal.reason, "WebTransport session refused");
         }

@@ -17,6 +17,7 @@ use bytes::Bytes;
 use http::HeaderMap;
 use http_body_util::BodyExt;
 
+use super::record::Outcome;
 use super::ResponseBody;
 use crate::files::cursor::FileRange;
 use crate::message::BoxError;
@@ -38,6 +39,15 @@ pub(crate) enum SendError {
 impl SendError {
     pub(crate) fn peer(e: impl Into<BoxError>) -> Self {
         SendError::Peer(e.into())
+    }
+
+    /// How a response that failed this way ended, for its record.
+    pub(crate) fn outcome(&self) -> Outcome {
+        match self {
+            SendError::Body(_) => Outcome::BodyError,
+            SendError::Peer(_) => Outcome::ClientGone,
+            SendError::Timeout => Outcome::Timeout,
+        }
     }
 }
 
@@ -87,14 +97,18 @@ pub(crate) trait BodyWriter {
 /// `stall`) aborts the response instead: only a response that was finished may look
 /// finished.
 pub(crate) async fn send_body<W: BodyWriter>(
-    body: ResponseBody,
+    mut body: ResponseBody,
     writer: &mut W,
     stall: Duration,
 ) -> Result<(), SendError> {
-    let sent = send_all(body, writer, stall).await;
+    let sent = send_all(&mut body, writer, stall).await;
     if sent.is_err() {
         writer.abort();
     }
+    body.settle(
+        sent.as_ref()
+            .map_or_else(SendError::outcome, |()| Outcome::Complete),
+    );
     sent
 }
 
@@ -109,13 +123,14 @@ async fn timed<F: Future<Output = Result<(), SendError>>>(
 }
 
 async fn send_all<W: BodyWriter>(
-    mut body: ResponseBody,
+    body: &mut ResponseBody,
     writer: &mut W,
     stall: Duration,
 ) -> Result<(), SendError> {
     loop {
         if writer.sends_files() {
             if let Some(range) = body.take_file_range() {
+                body.set_ktls();
                 // A range by sendfile times its own writes (each must make progress).
                 writer.file(range).await?;
                 continue;

@@ -28,7 +28,9 @@ use quinn::crypto::rustls::QuicServerConfig;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{H3Settings, Limits};
-use crate::exchange::{send_body, BodyWriter, ConnContext, Drivers, Progress, ResponseBody, SendError};
+use crate::exchange::{
+    send_body, BodyWriter, ConnContext, Drivers, Progress, Record, ResponseBody, SendError,
+};
 use crate::files::cursor::STREAM_CHUNK;
 use crate::message::{BoxError, Response};
 use crate::webtransport::h3::WtConn;
@@ -335,7 +337,13 @@ async fn connection(
         .handshake_data()
         .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
         .and_then(|d| d.server_name);
-    let ctx = drivers.connection(peer, drivers.service.sites().site_for(sni.as_deref()));
+    // QUIC is TLS 1.3; quinn does not say which suite it picked.
+    let tls = crate::message::TlsInfo {
+        version: "TLSv1_3",
+        cipher: None,
+    };
+    let site = drivers.service.sites().site_for(sni.as_deref());
+    let ctx = drivers.connection(peer, site, Some(tls));
     let quic = conn.clone();
     let mut builder = h3::server::builder();
     builder.max_field_section_size(ctx.limits.max_header_bytes as u64);
@@ -599,8 +607,8 @@ async fn request(mut resolver: Resolver, ctx: &ConnContext, signal: &BulkSignal,
         data_done: false,
         done: false,
     });
-    let resp = ctx.handle(&head, body).await;
-    let result = respond(&mut stream, resp, ctx, signal).await;
+    let (resp, record) = ctx.handle(&head, body).await;
+    let result = respond(&mut stream, resp, record, ctx, signal).await;
     // The response is complete. A request whose end has not arrived yet (its FIN can
     // trail a fast response) gets a moment to finish before the receive half goes:
     // closing it early would send STOP_SENDING, which clients report as an error.
@@ -650,24 +658,25 @@ async fn webtransport_connect(
 async fn respond(
     stream: &mut SendHalf,
     resp: Response,
+    record: Record,
     ctx: &ConnContext,
     signal: &BulkSignal,
 ) -> Result<(), SendError> {
     let (head, body) = resp.into_http();
+    let mut body = ResponseBody::ramped(body, STREAM_CHUNK).recorded(record);
     // The head waits for the client's stream credit like any data.
-    match tokio::time::timeout(ctx.limits.send_timeout, stream.send_response(head)).await {
-        Ok(sent) => sent.map_err(SendError::peer)?,
+    let sent = match tokio::time::timeout(ctx.limits.send_timeout, stream.send_response(head)).await {
+        Ok(sent) => sent.map_err(SendError::peer),
         Err(_) => {
             stream.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
-            return Err(SendError::Timeout);
+            Err(SendError::Timeout)
         }
+    };
+    if let Err(e) = sent {
+        body.settle(e.outcome());
+        return Err(e);
     }
-    send_body(
-        ResponseBody::ramped(body, STREAM_CHUNK),
-        &mut Writer { stream, ctx, signal },
-        ctx.limits.send_timeout,
-    )
-    .await
+    send_body(body, &mut Writer { stream, ctx, signal }, ctx.limits.send_timeout).await
 }
 
 /// One response stream, as the shared send loop writes it.

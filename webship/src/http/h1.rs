@@ -24,7 +24,7 @@ use http::{Method, StatusCode, Uri, Version};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::exchange::{send_body, BodyWriter, ConnContext, Progress, ResponseBody, SendError};
+use crate::exchange::{send_body, BodyWriter, ConnContext, Progress, Proto, Record, ResponseBody, SendError};
 use crate::files::cursor::{FileRange, H1_CHUNK};
 use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
 use crate::message::Response;
@@ -181,8 +181,8 @@ impl Conn {
                 Next::Request(req) => req,
                 Next::Close => return Ok(()),
                 Next::Reject(status) => {
-                    let resp = self.ctx.refuse(status);
-                    self.respond(stream, &Method::GET, resp, false).await?;
+                    let (resp, record) = self.ctx.reject(Proto::H1, status);
+                    self.respond(stream, &Method::GET, resp, record, false).await?;
                     return Ok(());
                 }
             };
@@ -199,9 +199,10 @@ impl Conn {
             let mut head = self.ctx.head(&req.method, &req.uri, req.version, &req.headers);
             // This driver drains request bodies; proxy sites get hyper's (`http::hyper`).
             head.body_forwardable = false;
-            let resp = self.ctx.handle(&head, crate::message::empty_body()).await;
+            let (resp, record) = self.ctx.handle(&head, crate::message::empty_body()).await;
             keep_alive &= !self.ctx.shutdown.is_requested();
-            self.respond(stream, &req.method, resp, keep_alive).await?;
+            self.respond(stream, &req.method, resp, record, keep_alive)
+                .await?;
             if !keep_alive {
                 return Ok(());
             }
@@ -291,6 +292,7 @@ impl Conn {
         stream: &mut Stream,
         method: &Method,
         resp: Response,
+        record: Record,
         keep_alive: bool,
     ) -> Result<(), H1Error> {
         let Response {
@@ -302,11 +304,12 @@ impl Conn {
             || status.is_informational()
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED;
-        let body = if bodiless {
+        let mut body = if bodiless {
             ResponseBody::empty()
         } else {
             ResponseBody::new(body, H1_CHUNK)
-        };
+        }
+        .recorded(record);
         let chunked = body.is_relay() && !headers.contains_key(header::CONTENT_LENGTH);
         if chunked {
             headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
@@ -339,7 +342,10 @@ impl Conn {
         };
         let sent = match sent {
             Ok(()) => send_body(body, &mut writer, self.ctx.limits.send_timeout).await,
-            Err(e) => Err(e),
+            Err(e) => {
+                body.settle(e.outcome());
+                Err(e)
+            }
         };
         if corked {
             if let Some(tcp) = writer.stream.tcp() {

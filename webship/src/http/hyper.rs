@@ -41,7 +41,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::h2_guard::{guard_limits, H2Guard, HeadClock};
 use super::WriteBatch;
-use crate::exchange::{ConnContext, PullClock, ResponseBody};
+use crate::exchange::{ConnContext, PullClock, Record, ResponseBody};
 use crate::files::cursor::STREAM_CHUNK;
 use crate::ktls::RustlsStream;
 use crate::message::{BoxError, Response};
@@ -329,8 +329,8 @@ async fn handle(
     let (parts, body) = req.into_parts();
     let head = ctx.head(&parts.method, &parts.uri, parts.version, &parts.headers);
     let body = body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
-    let resp = ctx.handle(&head, body).await;
-    into_hyper(resp, guard, Some(clock))
+    let (resp, record) = ctx.handle(&head, body).await;
+    into_hyper(resp, Some(record), guard, Some(clock))
 }
 
 /// A WebTransport extended CONNECT: admitted, the session runs on the stream's bytes
@@ -358,17 +358,27 @@ fn webtransport_connect(
             drop(session_guard);
         });
     }
-    into_hyper(resp, guard, None)
+    into_hyper(resp, None, guard, None)
 }
 
 /// The seam's response for hyper; its body watched by the connection's `clock`
 /// (not a WebTransport answer: the session keeps its own time).
-fn into_hyper(resp: Response, guard: InFlight, clock: Option<Arc<PullClock>>) -> http::Response<HyperBody> {
+/// The record of its exchange, if it has one (a WebTransport answer's was reported at
+/// admission), is reported when hyper drops the body.
+fn into_hyper(
+    resp: Response,
+    record: Option<Record>,
+    guard: InFlight,
+    clock: Option<Arc<PullClock>>,
+) -> http::Response<HyperBody> {
     let (head, body) = resp.into_http();
-    let body = match clock {
+    let mut body = match clock {
         Some(clock) => ResponseBody::pulled(body, STREAM_CHUNK, clock),
         None => ResponseBody::new(body, STREAM_CHUNK),
     };
+    if let Some(record) = record {
+        body = body.recorded(record);
+    }
     head.map(|()| HyperBody { body, _guard: guard })
 }
 

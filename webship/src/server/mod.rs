@@ -485,7 +485,8 @@ async fn connection(
             return;
         }
     };
-    let ctx = drivers.connection(peer, accepted.site);
+    let tls = accepted.tls_info();
+    let ctx = drivers.connection(peer, accepted.site, tls);
     if let Err(e) = crate::http::serve(accepted, ctx).await {
         tracing::debug!(%peer, error = %e, "connection ended with an error");
     }

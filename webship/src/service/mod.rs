@@ -31,6 +31,47 @@ pub(crate) struct Service {
     /// Whether some site offers WebTransport over HTTP/2 (extended CONNECT is then
     /// announced in HTTP/2 SETTINGS).
     webtransport_h2: bool,
+    /// Each site's configured domain, as logs and metrics name it.
+    names: Vec<Arc<str>>,
+}
+
+/// What served a request, as the exchange's record names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// The site's document root.
+    Files,
+    /// The site's upstreams (or the proxy refusing the request itself).
+    Proxy,
+    /// A WebTransport endpoint's own path.
+    WebTransport,
+    /// No site: the router refused the request (bad or foreign `Host`).
+    Refused,
+}
+
+impl Mode {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Mode::Files => "files",
+            Mode::Proxy => "proxy",
+            Mode::WebTransport => "webtransport",
+            Mode::Refused => "refused",
+        }
+    }
+}
+
+/// Where the router sent a request: the site (an index into this service's sites)
+/// and what answered it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Route {
+    pub(crate) site: Option<usize>,
+    pub(crate) mode: Mode,
+}
+
+impl Route {
+    pub(crate) const REFUSED: Route = Route {
+        site: None,
+        mode: Mode::Refused,
+    };
 }
 
 impl Service {
@@ -75,7 +116,17 @@ impl Service {
                 .sites
                 .iter()
                 .any(|s| s.webtransport.is_some() && s.protocols.h2),
+            names: config
+                .sites
+                .iter()
+                .map(|s| Arc::from(s.domain.to_string()))
+                .collect(),
         })
+    }
+
+    /// A site's configured domain (`*.example.com`, `_` for the catch-all).
+    pub(crate) fn site_name(&self, site: usize) -> Option<&Arc<str>> {
+        self.names.get(site)
     }
 
     /// The sites by name (the TLS layer's table).
@@ -99,6 +150,11 @@ impl Service {
         }
     }
 
+    /// The site a request is for, if any (for records of requests answered elsewhere).
+    pub(crate) fn site_of_request(&self, req: &RequestHead<'_>) -> Option<usize> {
+        self.site_of(req).ok()
+    }
+
     pub(crate) fn webtransport_h2(&self) -> bool {
         self.webtransport_h2
     }
@@ -110,14 +166,15 @@ impl Service {
         self.webtransport[site].clone().filter(|w| w.matches(req.uri))
     }
 
-    pub(crate) async fn handle(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
+    /// Serves a request; says which site and what answered it beside the response.
+    pub(crate) async fn handle(&self, req: &RequestHead<'_>, body: StreamBody) -> (Response, Route) {
         let site = match self.site_of(req) {
             Ok(site) => site,
-            Err(status) => return Response::status(status),
+            Err(status) => return (Response::status(status), Route::REFUSED),
         };
         if let Some(wt) = self.webtransport[site].as_ref().filter(|w| w.matches(req.uri)) {
             // The endpoint's own path: its counters, or a hint for a plain CONNECT.
-            return match *req.method {
+            let resp = match *req.method {
                 Method::GET | Method::HEAD => wt.stats_response(),
                 _ => {
                     let mut resp = Response::status(StatusCode::METHOD_NOT_ALLOWED);
@@ -126,22 +183,32 @@ impl Service {
                     resp
                 }
             };
+            let route = Route {
+                site: Some(site),
+                mode: Mode::WebTransport,
+            };
+            return (resp, route);
         }
-        let mut resp = match &self.serve[site] {
-            Handler::Files(docroot) => {
-                crate::files::serve(docroot, req.method, req.uri.path(), req.headers).await
-            }
+        let (mut resp, mode) = match &self.serve[site] {
+            Handler::Files(docroot) => (
+                crate::files::serve(docroot, req.method, req.uri.path(), req.headers).await,
+                Mode::Files,
+            ),
             Handler::Proxy(_) if req.has_body() && !req.body_forwardable => {
-                Response::status(StatusCode::MISDIRECTED_REQUEST)
+                (Response::status(StatusCode::MISDIRECTED_REQUEST), Mode::Proxy)
             }
-            Handler::Proxy(proxy) => proxy.forward(req, body).await,
+            Handler::Proxy(proxy) => (proxy.forward(req, body).await, Mode::Proxy),
         };
         if req.version != Version::HTTP_3 {
             if let Some(alt) = &self.alt_svc[site] {
                 resp.headers.insert(header::ALT_SVC, alt.clone());
             }
         }
-        resp
+        let route = Route {
+            site: Some(site),
+            mode,
+        };
+        (resp, route)
     }
 }
 

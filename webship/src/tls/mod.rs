@@ -113,6 +113,17 @@ pub(crate) struct Accepted {
     pub site: usize,
 }
 
+impl Accepted {
+    /// The version and suite the handshake settled on.
+    pub(crate) fn tls_info(&self) -> Option<crate::message::TlsInfo> {
+        let conn = self.stream.get_ref().1;
+        Some(crate::message::TlsInfo {
+            version: conn.protocol_version()?.as_str()?,
+            cipher: conn.negotiated_cipher_suite().and_then(|s| s.suite().as_str()),
+        })
+    }
+}
+
 impl Acceptor {
     /// Loads every site's certificate and key (or generates the self-signed one) and
     /// checks that each key matches its certificate.

@@ -1,0 +1,216 @@
+//! The record of one exchange: made when the service has answered a request, carried
+//! inside the response body to wherever that body ends, and reported exactly once —
+//! when the response is complete, or when it ends short (the client went, a write
+//! stalled, the body failed, the connection closed under it). The access log and the
+//! metrics are both written from this report and from nowhere else, so every driver
+//! (h1, hyper's h1/h2, h3) and every mode (files, proxy, WebTransport) is counted the
+//! same way.
+//!
+//! Cost on the hot path: two clock reads when the record is made, one at the first
+//! pull of the body and one at its end; nothing is allocated unless the access log is
+//! on (then the request line's fields are kept for the line).
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant, SystemTime};
+
+use http::{HeaderValue, Method, Uri};
+
+use super::{ConnContext, Proto};
+use crate::message::{RequestHead, TlsInfo};
+use crate::service::Route;
+
+/// How a response ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Every byte was handed to the connection and the response was ended cleanly.
+    Complete,
+    /// Writing to the client failed: it went away or reset the stream.
+    ClientGone,
+    /// The client stopped reading for longer than `send_timeout`.
+    Timeout,
+    /// The body could not be produced (upstream reset, disk error, shrunk file).
+    BodyError,
+    /// The body was dropped before its end without a verdict: the connection closed
+    /// under it (the client went, or the server shut it down).
+    Unfinished,
+}
+
+impl Outcome {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Complete => "complete",
+            Outcome::ClientGone => "client_gone",
+            Outcome::Timeout => "timeout",
+            Outcome::BodyError => "body_error",
+            Outcome::Unfinished => "unfinished",
+        }
+    }
+}
+
+/// The request fields only the access log needs, copied when it is on.
+#[derive(Debug)]
+pub(crate) struct RequestLine {
+    pub(crate) method: Method,
+    /// Absolute for h2 and h3 (`:scheme`, `:authority`), origin-form for h1.
+    pub(crate) uri: Uri,
+    /// The `Host` field (h1; h2 and h3 carry the authority in `uri`).
+    pub(crate) host: Option<HeaderValue>,
+    pub(crate) referer: Option<HeaderValue>,
+    pub(crate) user_agent: Option<HeaderValue>,
+}
+
+/// One exchange in flight (see the module's note). Dropped without being reported
+/// only when its body was never built, which the drivers do not do.
+#[derive(Debug)]
+pub(crate) struct Record {
+    ctx: ConnContext,
+    proto: Proto,
+    route: Route,
+    status: u16,
+    /// When the request head was complete (the service was called).
+    began: Instant,
+    /// The same moment by the wall clock, for the log line.
+    time: SystemTime,
+    /// When the driver first pulled the body: its head is out or goes with these
+    /// bytes (time to first byte).
+    first_pull: Option<Instant>,
+    /// Whether the response went out through kernel TLS (h1 after promotion).
+    ktls: bool,
+    line: Option<Box<RequestLine>>,
+}
+
+/// A finished exchange: what the access log and the metrics read.
+#[derive(Debug)]
+pub(crate) struct Finished<'a> {
+    pub(crate) ctx: &'a ConnContext,
+    pub(crate) proto: Proto,
+    pub(crate) route: Route,
+    /// The site's configured domain, if the request reached a site.
+    pub(crate) site: Option<&'a str>,
+    pub(crate) status: u16,
+    /// Response body bytes handed to the connection.
+    pub(crate) bytes: u64,
+    /// When the request head was complete.
+    pub(crate) time: SystemTime,
+    /// From the request head to the first pull of the body.
+    pub(crate) ttfb: Duration,
+    /// From the request head to the end of the response.
+    pub(crate) duration: Duration,
+    pub(crate) outcome: Outcome,
+    pub(crate) ktls: bool,
+    pub(crate) tls: Option<TlsInfo>,
+    pub(crate) peer: SocketAddr,
+    /// The request line and headers the log prints; `None` when the access log is off.
+    pub(crate) line: Option<&'a RequestLine>,
+}
+
+impl Record {
+    /// The record of `head`'s exchange, answered with `status` by `route`.
+    pub(crate) fn new(ctx: &ConnContext, head: &RequestHead<'_>, route: Route, status: u16) -> Self {
+        let line = ctx.access_log.then(|| {
+            let header = |name| head.headers.get(name).cloned();
+            Box::new(RequestLine {
+                method: head.method.clone(),
+                uri: head.uri.clone(),
+                host: header(http::header::HOST),
+                referer: header(http::header::REFERER),
+                user_agent: header(http::header::USER_AGENT),
+            })
+        });
+        Self {
+            ctx: ctx.clone(),
+            proto: Proto::of(head.version),
+            route,
+            status,
+            began: Instant::now(),
+            time: SystemTime::now(),
+            first_pull: None,
+            ktls: false,
+            line,
+        }
+    }
+
+    /// The record of a request the driver refused before it had a head (unparsable,
+    /// too large, too slow).
+    pub(crate) fn refused(ctx: &ConnContext, proto: Proto, status: u16) -> Self {
+        Self {
+            ctx: ctx.clone(),
+            proto,
+            route: Route::REFUSED,
+            status,
+            began: Instant::now(),
+            time: SystemTime::now(),
+            first_pull: None,
+            ktls: false,
+            line: None,
+        }
+    }
+
+    /// The body was pulled (the first time counts).
+    pub(crate) fn pulled(&mut self) {
+        if self.first_pull.is_none() {
+            self.first_pull = Some(Instant::now());
+        }
+    }
+
+    /// The response's bytes went through kernel TLS.
+    pub(crate) fn set_ktls(&mut self) {
+        self.ktls = true;
+    }
+
+    /// Reports the exchange: `bytes` of body handed out, ended as `outcome`.
+    pub(crate) fn finish(self, bytes: u64, outcome: Outcome) {
+        let end = Instant::now();
+        let finished = Finished {
+            ctx: &self.ctx,
+            proto: self.proto,
+            route: self.route,
+            site: self
+                .route
+                .site
+                .and_then(|s| self.ctx.service.site_name(s))
+                .map(|name| &**name),
+            status: self.status,
+            bytes,
+            time: self.time,
+            ttfb: self.first_pull.unwrap_or(end) - self.began,
+            duration: end - self.began,
+            outcome,
+            ktls: self.ktls,
+            tls: self.ctx.client.tls,
+            peer: self.ctx.client.peer,
+            line: self.line.as_deref(),
+        };
+        report(&finished);
+    }
+}
+
+/// Where a finished exchange goes: the access log and the metrics.
+fn report(finished: &Finished<'_>) {
+    if finished.ctx.access_log {
+        let line = finished.line;
+        let header = |h: fn(&RequestLine) -> &Option<HeaderValue>| {
+            line.and_then(|l| h(l).as_ref())
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("-")
+        };
+        let since_epoch = finished
+            .time
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        tracing::info!(target: "access", peer = %finished.peer, proto = finished.proto.as_str(),
+            site = finished.site.unwrap_or("-"), mode = finished.route.mode.as_str(),
+            method = %line.map_or("-", |l| l.method.as_str()),
+            uri = %line.and_then(|l| l.uri.path_and_query()).map_or("-", |p| p.as_str()),
+            host = line.and_then(|l| l.uri.authority()).map_or_else(|| header(|l| &l.host), |a| a.as_str()),
+            referer = header(|l| &l.referer),
+            user_agent = header(|l| &l.user_agent),
+            status = finished.status, bytes = finished.bytes,
+            time = since_epoch.as_secs_f64(),
+            ttfb_ms = finished.ttfb.as_secs_f64() * 1e3,
+            duration_ms = finished.duration.as_secs_f64() * 1e3,
+            outcome = finished.outcome.as_str(), ktls = finished.ktls,
+            tls = finished.tls.map_or("-", |t| t.version),
+            cipher = finished.tls.and_then(|t| t.cipher).unwrap_or("-"));
+    }
+}
