@@ -415,7 +415,16 @@ fn print_tcp(tcp: &webship::ebpf::TcpSnapshot) {
     println!("TCP health per site (kernel; RTT and delivery rate at close, quantiles are bucket bounds)");
     println!(
         "{:<28} {:>8} {:>7} {:>8} {:>6} {:>10} {:>10} {:>14} {:>14} {:>16}",
-        "site", "closed", "reset", "retrans", "rto", "rtt_p50_us", "rtt_p99_us", "rate_p50_B/s", "rate_p99_B/s", "bytes_acked"
+        "site",
+        "closed",
+        "reset",
+        "retrans",
+        "rto",
+        "rtt_p50_us",
+        "rtt_p99_us",
+        "rate_p50_B/s",
+        "rate_p99_B/s",
+        "bytes_acked"
     );
     for s in &tcp.sites {
         println!(

@@ -12,9 +12,9 @@ use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
 use aya::programs::{SchedClassifier, SkSkb, TcAttachType};
 use aya::{Ebpf, EbpfLoader};
 use webship_ebpf_common::{
-    Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_DOWN, DIRECTION_UP, KERNEL_COUNTERS_MAP, LINKS_MAP,
-    SOCKS_MAP, TCP_PORTS_MAP, TCP_SITES_MAP, TCP_SITE_NAMES_MAP, TCP_TAGS_MAP, UDP_CONFIG_MAP, UDP_PROGRAM,
-    USER_COUNTERS_MAP, VERDICT_PROGRAM,
+    Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_DOWN, DIRECTION_UP, KERNEL_COUNTERS_MAP,
+    LINKS_MAP, SOCKS_MAP, TCP_PORTS_MAP, TCP_SITES_MAP, TCP_SITE_NAMES_MAP, TCP_TAGS_MAP, UDP_CONFIG_MAP,
+    UDP_PROGRAM, USER_COUNTERS_MAP, VERDICT_PROGRAM,
 };
 
 use super::tcp::TcpSnapshot;
@@ -136,7 +136,12 @@ impl Programs {
             kernel_counters: typed(kernel_map)?,
             user_counters: Mutex::new(typed(user_map)?),
             udp_config: Mutex::new(udp_config),
-            tcp: super::tcp_health::TcpMaps::new(tcp_tags, tcp_ports, typed(tcp_sites_map)?, typed(tcp_names_map)?),
+            tcp: super::tcp_health::TcpMaps::new(
+                tcp_tags,
+                tcp_ports,
+                typed(tcp_sites_map)?,
+                typed(tcp_names_map)?,
+            ),
             pin_dir: pin_dir.to_owned(),
             ebpf: Mutex::new(ebpf),
             folder: lock,
@@ -403,7 +408,9 @@ pub(super) fn load_object(log_level: u8, tags: usize) -> Result<Ebpf, EbpfError>
     if tags > 0 {
         // Every open connection may hold a tag; some slack for closed ones whose
         // tag came too late (the LRU evicts those).
-        let entries = u32::try_from(tags.saturating_mul(2)).unwrap_or(u32::MAX).clamp(1024, 1 << 22);
+        let entries = u32::try_from(tags.saturating_mul(2))
+            .unwrap_or(u32::MAX)
+            .clamp(1024, 1 << 22);
         loader.map_max_entries(TCP_TAGS_MAP, entries);
     }
     loader.load(object).map_err(|e| EbpfError::Load(chain(&e)))

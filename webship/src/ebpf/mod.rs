@@ -112,15 +112,15 @@ mod loaded;
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
 mod tcp_health;
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
-pub use loaded::{read_pinned, read_tcp_pinned};
-#[cfg(all(target_os = "linux", feature = "ebpf"))]
 pub(crate) use loaded::{probe, Programs, SocketLink};
+#[cfg(all(target_os = "linux", feature = "ebpf"))]
+pub use loaded::{read_pinned, read_tcp_pinned};
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
 pub(crate) use tcp_health::probe_tcp;
 
 #[cfg(not(all(target_os = "linux", feature = "ebpf")))]
 mod absent;
 #[cfg(not(all(target_os = "linux", feature = "ebpf")))]
-pub use absent::{read_pinned, read_tcp_pinned};
-#[cfg(not(all(target_os = "linux", feature = "ebpf")))]
 pub(crate) use absent::{probe, probe_tcp, Programs, SocketLink};
+#[cfg(not(all(target_os = "linux", feature = "ebpf")))]
+pub use absent::{read_pinned, read_tcp_pinned};

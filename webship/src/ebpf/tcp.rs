@@ -176,10 +176,7 @@ impl Slots {
 /// under the first cgroup2 mount in `/proc/self/mountinfo` (on a hybrid hierarchy,
 /// /sys/fs/cgroup/unified). `None` when there is no cgroup v2.
 pub(crate) fn cgroup2_dir(proc_cgroup: &str, mountinfo: &str) -> Option<PathBuf> {
-    let path = proc_cgroup
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))?
-        .trim();
+    let path = proc_cgroup.lines().find_map(|l| l.strip_prefix("0::"))?.trim();
     let mount = mountinfo.lines().find_map(|line| {
         // `ID PARENT MAJ:MIN ROOT MOUNTPOINT OPTS [OPTIONAL...] - FSTYPE SOURCE SUPER`
         let (left, right) = line.split_once(" - ")?;
@@ -257,7 +254,11 @@ mod tests {
         assert_eq!(h.quantile(0.9), Some(16));
         assert_eq!(h.quantile(0.95), Some(64));
         assert_eq!(h.quantile(0.99), Some(64));
-        assert_eq!(h.quantile(1.0), Some(128), "the last bucket reports its lower bound");
+        assert_eq!(
+            h.quantile(1.0),
+            Some(128),
+            "the last bucket reports its lower bound"
+        );
         assert_eq!(Histogram::default().quantile(0.5), None);
     }
 
@@ -301,10 +302,16 @@ mod tests {
         let hybrid = "30 25 0:27 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n\
                       35 25 0:32 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n";
         let proc = "4:memory:/x\n0::/\n";
-        assert_eq!(cgroup2_dir(proc, hybrid), Some(PathBuf::from("/sys/fs/cgroup/unified")));
+        assert_eq!(
+            cgroup2_dir(proc, hybrid),
+            Some(PathBuf::from("/sys/fs/cgroup/unified"))
+        );
         assert_eq!(cgroup2_dir("1:name=systemd:/\n", hybrid), None, "no v2 line");
         assert_eq!(cgroup2_dir("0::/\n", "30 25 0:27 / /x rw - tmpfs t rw\n"), None);
         let spaced = "35 25 0:32 / /mnt/cg\\040two rw - cgroup2 cgroup2 rw\n";
-        assert_eq!(cgroup2_dir("0::/a\n", spaced), Some(PathBuf::from("/mnt/cg two/a")));
+        assert_eq!(
+            cgroup2_dir("0::/a\n", spaced),
+            Some(PathBuf::from("/mnt/cg two/a"))
+        );
     }
 }

@@ -160,9 +160,13 @@ fn attach_sock_ops(ebpf: &mut aya::Ebpf) -> Result<PathBuf, EbpfError> {
     // and which takes no flags (ALLOW_MULTI there is EINVAL). (Before 5.7 a plain
     // `Single` attach would refuse to share the cgroup; such kernels fail here.)
     let mode = CgroupAttachMode::Single;
-    program
-        .attach(folder.as_fd(), mode)
-        .map_err(|e| EbpfError::Load(format!("attaching to the cgroup {}: {}", cgroup.display(), chain(&e))))?;
+    program.attach(folder.as_fd(), mode).map_err(|e| {
+        EbpfError::Load(format!(
+            "attaching to the cgroup {}: {}",
+            cgroup.display(),
+            chain(&e)
+        ))
+    })?;
     Ok(cgroup)
 }
 

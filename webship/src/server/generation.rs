@@ -52,7 +52,11 @@ impl TcpSlots {
         Self {
             programs: programs.clone(),
             sites: config.sites.iter().map(|s| slot(s.domain.to_string())).collect(),
-            routes: config.passthrough.iter().map(|r| slot(r.domain.to_string())).collect(),
+            routes: config
+                .passthrough
+                .iter()
+                .map(|r| slot(r.domain.to_string()))
+                .collect(),
         }
     }
 

@@ -284,7 +284,11 @@ fn load_programs(
     if (config.passthrough.is_empty() && !tcp_health) || !report.use_ebpf() {
         return Ok(None);
     }
-    match Programs::load(&config.kernel.bpf_pin_dir, inherited_lock, config.limits.max_connections) {
+    match Programs::load(
+        &config.kernel.bpf_pin_dir,
+        inherited_lock,
+        config.limits.max_connections,
+    ) {
         Ok(programs) => {
             tracing::info!(pins = %config.kernel.bpf_pin_dir.display(), "eBPF programs loaded; counters pinned for `webship stats`");
             Ok(Some(programs))
