@@ -295,3 +295,50 @@ async fn lossy_path_shows_retransmits_for_its_site_only() {
     assert!(slow < fast, "20 Mbit/s against loopback: {lossy} / {clean}");
     drop(server);
 }
+
+/// A reload keeps counting by site name: the site both configurations serve goes on
+/// in the same counters, the site the reload adds starts its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_counting_by_site_name() {
+    let env = Env::new();
+    env.write("one.bin", &[1u8; 256 * 1024]);
+    let extra = "[kernel]\ntcp_health = \"required\"\nbpf_pin_dir = \"/sys/fs/bpf/webship-e2e-{port}\"\n";
+    let server = env.start(extra);
+    let pins = format!("/sys/fs/bpf/webship-e2e-{}", server.port);
+    let ca = env.ca_file();
+    let get = |host: &str| {
+        let url = format!("https://{host}:{}/one.bin", server.port);
+        let out = env.dir.path().join(format!("{host}.out"));
+        let code = curl_download(host, server.port, &ca, "--http2", &url, &out, "%{http_code}");
+        assert_eq!(code, "200", "{host}");
+    };
+    get(HOST);
+    closed_site(&pins, HOST, 1);
+
+    let (cert, key) = env.leaf("added", &["added.test"]);
+    let added = format!(
+        "\n[[sites]]\ndomain = \"added.test\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+        env.root.display(),
+        cert.display(),
+        key.display()
+    );
+    let file = env.dir.path().join("webship.toml");
+    let text = env.config(extra).replace("{port}", &server.port.to_string()) + &added;
+    std::fs::write(&file, text).unwrap();
+    let hup = Command::new("kill")
+        .args(["-HUP", &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    let reloaded = eventually(Duration::from_secs(20), || {
+        server.log().contains("configuration reloaded")
+    });
+    assert!(reloaded, "no reload:\n{}", server.log());
+
+    get(HOST);
+    get("added.test");
+    let kept = closed_site(&pins, HOST, 2);
+    assert_eq!(num(&kept, "closed"), 2, "both generations counted in one place: {kept}");
+    let new = closed_site(&pins, "added.test", 1);
+    assert_eq!(num(&new, "closed"), 1, "{new}");
+}
