@@ -342,3 +342,27 @@ async fn a_reload_keeps_counting_by_site_name() {
     let new = closed_site(&pins, "added.test", 1);
     assert_eq!(num(&new, "closed"), 1, "{new}");
 }
+
+/// TLS passthrough: the client's socket is counted under the route's name (the
+/// daemon never sees the HTTP inside); here with the default engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_clients_are_counted_under_their_route() {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("origin");
+    std::fs::create_dir(&origin_root).unwrap();
+    std::fs::write(origin_root.join("two.bin"), vec![2u8; 2 * MIB as usize]).unwrap();
+    let (cert, key) = env.leaf("a", &["a.pass"]);
+    let nginx = webship_tests::nginx::Nginx::start_tls(&origin_root, &cert, &key);
+    let config = crate::support::passthrough_config("", false, &[("a.pass", nginx.addr)])
+        .replace("[kernel]\n", "[kernel]\ntcp_health = \"required\"\n");
+    let server = Server::start(env.dir.path(), &config);
+    let pins = format!("/sys/fs/bpf/webship-e2e-{}", server.port);
+    let url = format!("https://a.pass:{}/two.bin", server.port);
+    let out = env.dir.path().join("two.out");
+    let code = curl_download("a.pass", server.port, &env.ca_file(), "--http1.1", &url, &out, "%{http_code}");
+    assert_eq!(code, "200");
+    assert_eq!(std::fs::metadata(&out).unwrap().len(), 2 * MIB);
+    let s = closed_site(&pins, "a.pass", 1);
+    assert!(num(&s, "bytes_acked") >= 2 * MIB, "the origin's reply reached the client: {s}");
+    assert_eq!(s["rtt_us"]["count"], 1, "{s}");
+}
