@@ -338,7 +338,11 @@ async fn a_reload_keeps_counting_by_site_name() {
     get(HOST);
     get("added.test");
     let kept = closed_site(&pins, HOST, 2);
-    assert_eq!(num(&kept, "closed"), 2, "both generations counted in one place: {kept}");
+    assert_eq!(
+        num(&kept, "closed"),
+        2,
+        "both generations counted in one place: {kept}"
+    );
     let new = closed_site(&pins, "added.test", 1);
     assert_eq!(num(&new, "closed"), 1, "{new}");
 }
@@ -359,10 +363,21 @@ async fn passthrough_clients_are_counted_under_their_route() {
     let pins = format!("/sys/fs/bpf/webship-e2e-{}", server.port);
     let url = format!("https://a.pass:{}/two.bin", server.port);
     let out = env.dir.path().join("two.out");
-    let code = curl_download("a.pass", server.port, &env.ca_file(), "--http1.1", &url, &out, "%{http_code}");
+    let code = curl_download(
+        "a.pass",
+        server.port,
+        &env.ca_file(),
+        "--http1.1",
+        &url,
+        &out,
+        "%{http_code}",
+    );
     assert_eq!(code, "200");
     assert_eq!(std::fs::metadata(&out).unwrap().len(), 2 * MIB);
     let s = closed_site(&pins, "a.pass", 1);
-    assert!(num(&s, "bytes_acked") >= 2 * MIB, "the origin's reply reached the client: {s}");
+    assert!(
+        num(&s, "bytes_acked") >= 2 * MIB,
+        "the origin's reply reached the client: {s}"
+    );
     assert_eq!(s["rtt_us"]["count"], 1, "{s}");
 }
