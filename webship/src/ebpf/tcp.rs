@@ -10,6 +10,10 @@
 //! from zero (the successor loads its own maps), which a Prometheus `rate()` reads as
 //! a counter reset.
 
+// The loader (Linux, feature `ebpf`) is what fills these; a build without it keeps
+// the types for the exporter and `webship stats` (which then report nothing).
+#![cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
