@@ -19,11 +19,12 @@ impl Validator<'_> {
                 .bpf_pin_dir
                 .unwrap_or_else(|| PathBuf::from(crate::config::DEFAULT_PIN_DIR)),
         };
-        if kernel.tcp_health != Policy::Off && kernel.ebpf == Policy::Off {
+        // `auto` without eBPF is reported by preflight and runs without it.
+        if kernel.tcp_health == Policy::Required && kernel.ebpf == Policy::Off {
             self.problem(
                 "kernel.tcp_health",
-                format!("`{}` needs eBPF, but `ebpf` is \"off\"", kernel.tcp_health),
-                "set `ebpf = \"auto\"` (or \"required\"), or `tcp_health = \"off\"`",
+                "\"required\" needs eBPF, but `ebpf` is \"off\"",
+                "set `ebpf = \"auto\"` (or \"required\"), or `tcp_health = \"auto\"` or \"off\"",
             );
         }
         if !kernel.bpf_pin_dir.is_absolute() {
