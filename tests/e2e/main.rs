@@ -27,6 +27,7 @@ mod sites;
 mod stalls;
 mod support;
 mod systemd;
+mod tcp_health;
 mod tls;
 mod upgrade;
 mod webtransport;

@@ -166,3 +166,152 @@ impl Counter {
 
 /// Number of counter slots.
 pub const COUNTERS: u32 = Counter::ALL.len() as u32;
+
+// TCP health: a `sock_ops` program on the daemon's cgroup (v2) counts, per site,
+// what the kernel knows about the daemon's client connections (retransmissions,
+// RTO timeouts, resets, the smoothed RTT and the last delivery rate at close).
+// The daemon tags each client socket with its site's slot once the site is known;
+// untagged sockets are never counted.
+
+/// The `sock_ops` program.
+pub const TCP_PROGRAM: &str = "webship_tcp";
+/// LRU_HASH: socket cookie → site slot (`u32`), written by the daemon once per
+/// connection and deleted by the program when the socket closes (LRU: a tag written
+/// after its socket already closed is evicted in time, never kept for good).
+pub const TCP_TAGS_MAP: &str = "TCP_TAGS";
+/// HASH: the daemon's listening ports (host byte order) → unused `u32`. Only
+/// sockets accepted on one of them get the state and retransmit callbacks, so other
+/// processes sharing the cgroup pay nothing beyond the program's base callbacks.
+pub const TCP_PORTS_MAP: &str = "TCP_PORTS";
+/// PERCPU_ARRAY: site slot → [`TcpSite`].
+pub const TCP_SITES_MAP: &str = "TCP_SITES";
+/// ARRAY: site slot → [`SiteName`], written by the daemon (for `webship stats`).
+pub const TCP_SITE_NAMES_MAP: &str = "TCP_SITE_NAMES";
+/// Site slots: distinct site names one daemon counts over its life.
+pub const MAX_TCP_SITES: u32 = 256;
+/// Listening ports the program watches.
+pub const MAX_TCP_PORTS: u32 = 16;
+/// `TCP_TAGS` entries in the object; the daemon sizes it to its connection limit.
+pub const TCP_TAGS_DEFAULT: u32 = 4096;
+/// RTT histogram buckets: bucket `i` counts connections whose smoothed RTT, in
+/// microseconds, has `log2` equal to `i` (bucket 0 also takes 0 µs; the last one
+/// everything above).
+pub const RTT_BUCKETS: usize = 32;
+/// Delivery-rate histogram buckets, in bytes per second, bucketed like the RTT.
+pub const RATE_BUCKETS: usize = 48;
+/// Longest site name kept (a DNS name is at most 253 bytes).
+pub const SITE_NAME_BYTES: usize = 256;
+
+/// One site's TCP health, per CPU (summed by the reader).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpSite {
+    /// Segments retransmitted (`BPF_SOCK_OPS_RETRANS_CB`, successful ones).
+    pub retransmits: u64,
+    /// Retransmission timeouts that fired (`BPF_SOCK_OPS_RTO_CB`).
+    pub rto: u64,
+    /// Connections closed (their last state change, to `TCP_CLOSE`).
+    pub closed: u64,
+    /// Of those, closed straight from ESTABLISHED or CLOSE_WAIT: a reset sent or
+    /// received, or a timeout, rather than the FIN handshake.
+    pub reset: u64,
+    /// Bytes the clients acknowledged (`bytes_acked` at close).
+    pub bytes_acked: u64,
+    /// Bytes received from the clients (`bytes_received` at close).
+    pub bytes_received: u64,
+    /// Sum of the smoothed RTTs at close, microseconds.
+    pub rtt_sum_us: u64,
+    /// Sum of the last delivery rates at close, bytes per second.
+    pub rate_sum: u64,
+    /// Connections with a delivery-rate sample (the rate histogram's count).
+    pub rate_samples: u64,
+    pub rtt: [u64; RTT_BUCKETS],
+    pub rate: [u64; RATE_BUCKETS],
+}
+
+impl TcpSite {
+    pub const ZERO: TcpSite = TcpSite {
+        retransmits: 0,
+        rto: 0,
+        closed: 0,
+        reset: 0,
+        bytes_acked: 0,
+        bytes_received: 0,
+        rtt_sum_us: 0,
+        rate_sum: 0,
+        rate_samples: 0,
+        rtt: [0; RTT_BUCKETS],
+        rate: [0; RATE_BUCKETS],
+    };
+}
+
+/// A site's name in `TCP_SITE_NAMES` (`len` bytes of UTF-8; 0: slot unused).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SiteName {
+    pub len: u32,
+    pub _pad: u32,
+    pub bytes: [u8; SITE_NAME_BYTES],
+}
+
+impl SiteName {
+    pub const EMPTY: SiteName = SiteName {
+        len: 0,
+        _pad: 0,
+        bytes: [0; SITE_NAME_BYTES],
+    };
+}
+
+/// `floor(log2(v))`, 0 for 0, without a loop or a count-leading-zeros the BPF
+/// target lacks.
+#[inline(always)]
+pub const fn log2(mut v: u64) -> u32 {
+    let mut r = 0;
+    if v >= 1 << 32 {
+        v >>= 32;
+        r += 32;
+    }
+    if v >= 1 << 16 {
+        v >>= 16;
+        r += 16;
+    }
+    if v >= 1 << 8 {
+        v >>= 8;
+        r += 8;
+    }
+    if v >= 1 << 4 {
+        v >>= 4;
+        r += 4;
+    }
+    if v >= 1 << 2 {
+        v >>= 2;
+        r += 2;
+    }
+    if v >= 1 << 1 {
+        r += 1;
+    }
+    r
+}
+
+/// The histogram bucket of `v` among `buckets` log2 buckets.
+#[inline(always)]
+pub const fn bucket(v: u64, buckets: usize) -> usize {
+    let b = log2(v) as usize;
+    if b >= buckets {
+        buckets - 1
+    } else {
+        b
+    }
+}
+
+// SAFETY: `repr(C)`, only `u64` fields and arrays of them (no padding), every bit
+// pattern valid.
+#[cfg(feature = "user")]
+#[allow(unsafe_code)]
+unsafe impl aya::Pod for TcpSite {}
+
+// SAFETY: `repr(C)`, `u32` + `u32` + bytes fill it without padding (264 bytes,
+// 8-aligned), every bit pattern valid.
+#[cfg(feature = "user")]
+#[allow(unsafe_code)]
+unsafe impl aya::Pod for SiteName {}

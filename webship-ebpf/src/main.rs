@@ -11,19 +11,33 @@
 //! kept, its flow remembered), and the origin's replies to a remembered client are
 //! rewritten to come from the listen address. Checksums are patched
 //! incrementally; anything else passes untouched.
+//!
+//! `webship_tcp`, a `sock_ops` program on the daemon's cgroup (v2): sockets accepted
+//! on the daemon's listening ports get the state, retransmit and RTO callbacks; for
+//! those the daemon tagged with a site (`TCP_TAGS`, by socket cookie) it counts
+//! retransmitted segments and timeouts as they happen and, when the socket closes,
+//! the close itself, its bytes, its smoothed RTT and its last delivery rate, per
+//! site in a per-CPU array. Nothing runs per segment on a healthy connection: a
+//! state change (a few per connection) costs one hash lookup, an untagged one
+//! nothing more.
 
 #![no_std]
 #![no_main]
 
 use aya_ebpf::bindings::sk_action::SK_PASS;
-use aya_ebpf::bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, TC_ACT_UNSPEC};
+use aya_ebpf::bindings::{
+    BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RETRANS_CB,
+    BPF_SOCK_OPS_RETRANS_CB_FLAG, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB,
+    BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE, BPF_TCP_CLOSE_WAIT, BPF_TCP_ESTABLISHED, TC_ACT_UNSPEC,
+};
 use aya_ebpf::helpers::bpf_get_socket_cookie;
-use aya_ebpf::macros::{classifier, map, stream_verdict};
+use aya_ebpf::macros::{classifier, map, sock_ops, stream_verdict};
 use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, SockHash};
-use aya_ebpf::programs::{SkBuffContext, TcContext};
+use aya_ebpf::programs::{SkBuffContext, SockOpsContext, TcContext};
 use aya_log_ebpf::debug;
 use webship_ebpf_common::{
-    flow_key, Counter, Link, UdpRedirect, COUNTERS, DIRECTION_UP, MAX_SPLICED_SOCKETS, MAX_UDP_FLOWS,
+    bucket, flow_key, Counter, Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_UP, MAX_SPLICED_SOCKETS,
+    MAX_TCP_PORTS, MAX_TCP_SITES, MAX_UDP_FLOWS, RATE_BUCKETS, RTT_BUCKETS, TCP_TAGS_DEFAULT,
 };
 
 #[map]
@@ -193,6 +207,116 @@ fn rewrite(
     ctx.l4_csum_replace(UDP_CHECK, u64::from(old_port), u64::from(new_port), mangled | 2)?;
     ctx.store(port_at, &new_port, 0)?;
     Ok(())
+}
+
+#[map]
+static TCP_TAGS: LruHashMap<u64, u32> = LruHashMap::with_max_entries(TCP_TAGS_DEFAULT, 0);
+
+#[map]
+static TCP_PORTS: HashMap<u32, u32> = HashMap::with_max_entries(MAX_TCP_PORTS, 0);
+
+#[map]
+static TCP_SITES: PerCpuArray<TcpSite> = PerCpuArray::with_max_entries(MAX_TCP_SITES, 0);
+
+/// Written only by the daemon; declared here so that it is created and pinned
+/// beside the site counters.
+#[map]
+static TCP_SITE_NAMES: Array<SiteName> = Array::with_max_entries(MAX_TCP_SITES, 0);
+
+/// Always 1: a `sock_ops` verdict only matters for the ops that ask for a reply,
+/// and this program answers none of them.
+#[sock_ops]
+pub fn webship_tcp(ctx: SockOpsContext) -> u32 {
+    let _ = watch_tcp(&ctx);
+    1
+}
+
+fn watch_tcp(ctx: &SockOpsContext) -> Option<()> {
+    match ctx.op() {
+        BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB => {
+            // SAFETY: the value is only checked for presence.
+            unsafe { TCP_PORTS.get(&ctx.local_port()) }?;
+            // Other programs on the cgroup may have asked for callbacks too: add ours.
+            let flags = BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RETRANS_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
+            let _ = ctx.set_cb_flags((ctx.cb_flags() | flags) as i32);
+        }
+        BPF_SOCK_OPS_RETRANS_CB => {
+            // args: the first segment's sequence number, segments, error (0: sent).
+            if ctx.arg(2) == 0 {
+                let site = tagged_site(ctx, false)?;
+                // SAFETY: a per-CPU slot, written only on this CPU with preemption off.
+                unsafe { (*site).retransmits += u64::from(ctx.arg(1)) };
+            }
+        }
+        BPF_SOCK_OPS_RTO_CB => {
+            let site = tagged_site(ctx, false)?;
+            // SAFETY: as above.
+            unsafe { (*site).rto += 1 };
+        }
+        BPF_SOCK_OPS_STATE_CB if ctx.arg(1) == BPF_TCP_CLOSE => {
+            let site = tagged_site(ctx, true)?;
+            closed(ctx, site);
+        }
+        _ => {}
+    }
+    Some(())
+}
+
+/// The counters of the site the socket was tagged with; `untag`: the socket is
+/// closing, its tag goes.
+#[inline(always)]
+fn tagged_site(ctx: &SockOpsContext, untag: bool) -> Option<*mut TcpSite> {
+    // SAFETY: the helper only reads the socket the context belongs to.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.ops.cast()) };
+    // SAFETY: the value is copied out at once.
+    let slot = *unsafe { TCP_TAGS.get(&cookie) }?;
+    if untag {
+        let _ = TCP_TAGS.remove(&cookie);
+    }
+    TCP_SITES.get_ptr_mut(slot)
+}
+
+/// A tagged socket's last state change: what it moved and how the path looked.
+#[inline(always)]
+fn closed(ctx: &SockOpsContext, site: *mut TcpSite) {
+    // SAFETY: `ops` is the kernel's context for this run; these fields read the full
+    // socket a state callback always has.
+    let (srtt8, mss, delivered, interval, acked, received) = unsafe {
+        let o = &*ctx.ops;
+        (
+            o.srtt_us,
+            o.mss_cache,
+            o.rate_delivered,
+            o.rate_interval_us,
+            o.bytes_acked,
+            o.bytes_received,
+        )
+    };
+    let old = ctx.arg(0);
+    // SAFETY: a per-CPU slot, written only on this CPU with preemption off.
+    let s = unsafe { &mut *site };
+    s.closed += 1;
+    if old == BPF_TCP_ESTABLISHED || old == BPF_TCP_CLOSE_WAIT {
+        s.reset += 1;
+    }
+    s.bytes_acked += acked;
+    s.bytes_received += received;
+    // The kernel keeps the smoothed RTT in eighths of a microsecond.
+    let rtt = u64::from(srtt8 >> 3);
+    s.rtt_sum_us += rtt;
+    if let Some(b) = s.rtt.get_mut(bucket(rtt, RTT_BUCKETS)) {
+        *b += 1;
+    }
+    // The last rate sample: segments delivered over its interval (what `ss` shows
+    // as delivery_rate), in bytes per second.
+    if interval > 0 && delivered > 0 {
+        let rate = u64::from(delivered) * u64::from(mss) * 1_000_000 / u64::from(interval);
+        s.rate_sum += rate;
+        s.rate_samples += 1;
+        if let Some(b) = s.rate.get_mut(bucket(rate, RATE_BUCKETS)) {
+            *b += 1;
+        }
+    }
 }
 
 #[cfg(not(test))]

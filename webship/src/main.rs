@@ -130,7 +130,7 @@ fn serve(path: Option<&Path>, takeover: bool) -> anyhow::Result<ExitCode> {
         }
         anyhow::bail!("required kernel features are missing; nothing was bound (see `webship preflight`)");
     }
-    for finding in [&report.ktls, &report.bbr, &report.ebpf] {
+    for finding in [&report.ktls, &report.bbr, &report.ebpf, &report.tcp_health] {
         tracing::info!("preflight: {finding}");
     }
     server::raise_fd_limit(&mut config).with_context(|| config.source.clone())?;
@@ -342,6 +342,8 @@ fn stats(config: Option<&Path>, pin_dir: Option<PathBuf>, json: bool) -> anyhow:
         (None, None) => PathBuf::from(ebpf::DEFAULT_PIN_DIR),
     };
     let snapshot = ebpf::read_pinned(&dir)?;
+    // Pinned beside the counters by any daemon with eBPF; empty without TCP health.
+    let tcp = ebpf::read_tcp_pinned(&dir).ok();
     if json {
         let counters: serde_json::Map<String, serde_json::Value> = Counter::ALL
             .iter()
@@ -359,6 +361,7 @@ fn stats(config: Option<&Path>, pin_dir: Option<PathBuf>, json: bool) -> anyhow:
             "pin_dir": dir.display().to_string(),
             "linked_sockets": snapshot.linked_sockets,
             "counters": counters,
+            "tcp_health": tcp.as_ref().map(tcp_json).transpose()?,
         });
         println!("{report}");
     } else {
@@ -381,6 +384,61 @@ fn stats(config: Option<&Path>, pin_dir: Option<PathBuf>, json: bool) -> anyhow:
                 snapshot.total(c)
             );
         }
+        if let Some(tcp) = tcp.filter(|t| !t.sites.is_empty()) {
+            print_tcp(&tcp);
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+const QUANTILES: [(&str, f64); 3] = [("p50", 0.5), ("p90", 0.9), ("p99", 0.99)];
+
+/// The TCP health snapshot, each histogram with its quantile bounds beside it.
+fn tcp_json(tcp: &webship::ebpf::TcpSnapshot) -> anyhow::Result<serde_json::Value> {
+    let mut sites = Vec::with_capacity(tcp.sites.len());
+    for site in &tcp.sites {
+        let mut value = serde_json::to_value(site)?;
+        for (field, histogram) in [("rtt_us", &site.rtt_us), ("delivery_rate", &site.delivery_rate)] {
+            for (name, q) in QUANTILES {
+                value[format!("{field}_{name}")] = serde_json::json!(histogram.quantile(q));
+            }
+        }
+        sites.push(value);
+    }
+    Ok(serde_json::json!({ "sites": sites }))
+}
+
+/// One line per site: closes, resets, retransmissions, RTT and delivery rate.
+fn print_tcp(tcp: &webship::ebpf::TcpSnapshot) {
+    let q = |h: &webship::ebpf::Histogram, q: f64| h.quantile(q).map_or("-".to_owned(), |v| v.to_string());
+    println!();
+    println!("TCP health per site (kernel; RTT and delivery rate at close, quantiles are bucket bounds)");
+    println!(
+        "{:<28} {:>8} {:>7} {:>8} {:>6} {:>10} {:>10} {:>14} {:>14} {:>16}",
+        "site",
+        "closed",
+        "reset",
+        "retrans",
+        "rto",
+        "rtt_p50_us",
+        "rtt_p99_us",
+        "rate_p50_B/s",
+        "rate_p99_B/s",
+        "bytes_acked"
+    );
+    for s in &tcp.sites {
+        println!(
+            "{:<28} {:>8} {:>7} {:>8} {:>6} {:>10} {:>10} {:>14} {:>14} {:>16}",
+            s.site,
+            s.closed,
+            s.reset,
+            s.retransmits,
+            s.rto,
+            q(&s.rtt_us, 0.5),
+            q(&s.rtt_us, 0.99),
+            q(&s.delivery_rate, 0.5),
+            q(&s.delivery_rate, 0.99),
+            s.bytes_acked
+        );
+    }
 }

@@ -49,6 +49,9 @@ const APT: &[(&str, &str)] = &[
     ("strip", "binutils"),
     ("lintian", "lintian"),
     ("systemd-sysusers", "systemd"),
+    // TCP health's lossy path: a network namespace, a veth pair, a TBF qdisc.
+    ("ip", "iproute2"),
+    ("tc", "iproute2"),
 ];
 
 fn main() -> ExitCode {

@@ -78,6 +78,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
             ktls: Policy::Auto,
             bbr: Policy::Auto,
             ebpf: Policy::Auto,
+            tcp_health: Policy::Off,
             bpf_pin_dir: PathBuf::from(super::DEFAULT_PIN_DIR),
         },
         limits: Limits::default(),

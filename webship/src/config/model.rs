@@ -448,6 +448,9 @@ pub struct Kernel {
     pub bbr: Policy,
     /// eBPF programs (the `sockmap` passthrough engine, kernel counters).
     pub ebpf: Policy,
+    /// Kernel-side TCP health per site (a sock_ops program on the daemon's cgroup);
+    /// needs `ebpf`. Off unless asked for.
+    pub tcp_health: Policy,
     /// Where the counter maps are pinned for `webship stats`.
     pub bpf_pin_dir: PathBuf,
 }

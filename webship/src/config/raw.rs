@@ -136,6 +136,7 @@ pub(super) struct RawKernel {
     pub ktls: Option<super::Policy>,
     pub bbr: Option<super::Policy>,
     pub ebpf: Option<super::Policy>,
+    pub tcp_health: Option<super::Policy>,
     pub bpf_pin_dir: Option<PathBuf>,
 }
 

@@ -491,6 +491,28 @@ fn passthrough_engine_ebpf_and_udp_keys() {
         )),
         ["kernel.bpf_pin_dir"]
     );
+    // TCP health is off unless asked for; requiring it requires eBPF (`auto`
+    // without eBPF is preflight's to report).
+    assert_eq!(f.parse(&pass("", false)).unwrap().kernel.tcp_health, Policy::Off);
+    assert_eq!(
+        keys(format!(
+            "{}[kernel]\nebpf = \"off\"\ntcp_health = \"required\"\n",
+            pass("", false)
+        )),
+        ["kernel.tcp_health"]
+    );
+    f.parse(&format!(
+        "{}[kernel]\nebpf = \"off\"\ntcp_health = \"auto\"\n",
+        pass("", false)
+    ))
+    .unwrap();
+    let config = f
+        .parse(&format!(
+            "{}[kernel]\ntcp_health = \"required\"\n",
+            pass("", false)
+        ))
+        .unwrap();
+    assert_eq!(config.kernel.tcp_health, Policy::Required);
     // The eBPF UDP redirect needs loopback on both ends; naming it requires eBPF.
     let config = f
         .parse(&pass(

@@ -6,13 +6,21 @@ use std::os::fd::BorrowedFd;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::{EbpfError, Snapshot, Values};
+use super::{EbpfError, Snapshot, TcpSnapshot, Values};
 
 pub(crate) fn probe() -> Result<String, EbpfError> {
     Err(EbpfError::NotBuilt)
 }
 
+pub(crate) fn probe_tcp() -> Result<String, EbpfError> {
+    Err(EbpfError::NotBuilt)
+}
+
 pub fn read_pinned(dir: &Path) -> Result<Snapshot, EbpfError> {
+    Err(EbpfError::NotRunning(dir.to_owned()))
+}
+
+pub fn read_tcp_pinned(dir: &Path) -> Result<TcpSnapshot, EbpfError> {
     Err(EbpfError::NotRunning(dir.to_owned()))
 }
 
@@ -21,8 +29,28 @@ pub fn read_pinned(dir: &Path) -> Result<Snapshot, EbpfError> {
 pub(crate) enum Programs {}
 
 impl Programs {
-    pub(crate) fn load(_: &Path, _: Option<std::os::fd::OwnedFd>) -> Result<Arc<Self>, EbpfError> {
+    pub(crate) fn load(_: &Path, _: Option<std::os::fd::OwnedFd>, _: usize) -> Result<Arc<Self>, EbpfError> {
         Err(EbpfError::NotBuilt)
+    }
+
+    pub(crate) fn watch_tcp(&self) -> Result<std::path::PathBuf, EbpfError> {
+        match *self {}
+    }
+
+    pub(crate) fn watch_port(&self, _: u16) {
+        match *self {}
+    }
+
+    pub(crate) fn tcp_slot(&self, _: &str) -> Option<u32> {
+        match *self {}
+    }
+
+    pub(crate) fn tag_tcp(&self, _: BorrowedFd<'_>, _: u32) {
+        match *self {}
+    }
+
+    pub(crate) fn tcp_snapshot(&self) -> TcpSnapshot {
+        match *self {}
     }
 
     pub(crate) fn pin_lock(&self) -> BorrowedFd<'_> {

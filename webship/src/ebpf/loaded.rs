@@ -12,10 +12,12 @@ use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
 use aya::programs::{SchedClassifier, SkSkb, TcAttachType};
 use aya::{Ebpf, EbpfLoader};
 use webship_ebpf_common::{
-    Link, UdpRedirect, COUNTERS, DIRECTION_DOWN, DIRECTION_UP, KERNEL_COUNTERS_MAP, LINKS_MAP, SOCKS_MAP,
-    UDP_CONFIG_MAP, UDP_PROGRAM, USER_COUNTERS_MAP, VERDICT_PROGRAM,
+    Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_DOWN, DIRECTION_UP, KERNEL_COUNTERS_MAP,
+    LINKS_MAP, SOCKS_MAP, TCP_PORTS_MAP, TCP_SITES_MAP, TCP_SITE_NAMES_MAP, TCP_TAGS_MAP, UDP_CONFIG_MAP,
+    UDP_PROGRAM, USER_COUNTERS_MAP, VERDICT_PROGRAM,
 };
 
+use super::tcp::TcpSnapshot;
 use super::{pin_paths, EbpfError, Snapshot, Values};
 
 #[cfg(webship_bpf_object)]
@@ -34,9 +36,11 @@ pub(crate) struct Programs {
     kernel_counters: PerCpuArray<MapData, u64>,
     user_counters: Mutex<Array<MapData, u64>>,
     udp_config: Mutex<Array<MapData, UdpRedirect>>,
+    /// TCP health (`tcp_health.rs`): tags, watched ports, per-site counters, names.
+    pub(super) tcp: super::tcp_health::TcpMaps,
     pin_dir: PathBuf,
     // Keeps the programs and their attachments alive.
-    ebpf: Mutex<Ebpf>,
+    pub(super) ebpf: Mutex<Ebpf>,
     /// The pin folder, open and exclusively locked (`flock`) for this daemon's
     /// life: a second daemon with the same folder is refused, not given our pins.
     /// The maps are unpinned (and, taking over, renamed) through it. A binary
@@ -66,14 +70,20 @@ impl Programs {
     /// `inherited_lock` is the locked pin folder a predecessor handed over in a binary
     /// upgrade: the lock is already held (shared with the predecessor until it
     /// exits), and the pins found there are taken over, not stale.
-    pub(crate) fn load(pin_dir: &Path, inherited_lock: Option<OwnedFd>) -> Result<Arc<Self>, EbpfError> {
+    ///
+    /// `max_connections` sizes the TCP health tags (one per open client connection).
+    pub(crate) fn load(
+        pin_dir: &Path,
+        inherited_lock: Option<OwnedFd>,
+        max_connections: usize,
+    ) -> Result<Arc<Self>, EbpfError> {
         let debug = tracing::enabled!(target: "webship::ebpf", tracing::Level::DEBUG);
         let level = if debug {
             aya_log::Level::Debug
         } else {
             aya_log::Level::Info
         } as u8;
-        let mut ebpf = load_object(level)?;
+        let mut ebpf = load_object(level, max_connections)?;
         match aya_log::EbpfLogger::init_with_logger(&mut ebpf, TracingLog) {
             Ok(logger) => spawn_logger(logger),
             Err(e) => tracing::debug!(error = %e, "eBPF log records are not forwarded"),
@@ -83,6 +93,10 @@ impl Programs {
         let kernel_map = take(&mut ebpf, KERNEL_COUNTERS_MAP)?;
         let user_map = take(&mut ebpf, USER_COUNTERS_MAP)?;
         let udp_config = typed(take(&mut ebpf, UDP_CONFIG_MAP)?)?;
+        let tcp_sites_map = take(&mut ebpf, TCP_SITES_MAP)?;
+        let tcp_names_map = take(&mut ebpf, TCP_SITE_NAMES_MAP)?;
+        let tcp_tags = typed(take(&mut ebpf, TCP_TAGS_MAP)?)?;
+        let tcp_ports = typed(take(&mut ebpf, TCP_PORTS_MAP)?)?;
         attach_verdict(&mut ebpf, &socks)?;
 
         let taking_over = inherited_lock.is_some();
@@ -93,7 +107,7 @@ impl Programs {
         // Taking over, the maps go in under other names first and replace the
         // predecessor's pins only once this process serves (`adopt_pins`): should it
         // fail before, the predecessor's pins stay as they were.
-        let [kernel_pin, user_pin, links_pin] = match taking_over {
+        let [kernel_pin, user_pin, links_pin, sites_pin, names_pin] = match taking_over {
             true => pin_paths(pin_dir).map(|p| pending(&p)),
             false => pin_paths(pin_dir),
         };
@@ -101,6 +115,8 @@ impl Programs {
             (&kernel_map, &kernel_pin),
             (&user_map, &user_pin),
             (&links_map, &links_pin),
+            (&tcp_sites_map, &sites_pin),
+            (&tcp_names_map, &names_pin),
         ] {
             if path.exists() {
                 if !taking_over {
@@ -120,6 +136,12 @@ impl Programs {
             kernel_counters: typed(kernel_map)?,
             user_counters: Mutex::new(typed(user_map)?),
             udp_config: Mutex::new(udp_config),
+            tcp: super::tcp_health::TcpMaps::new(
+                tcp_tags,
+                tcp_ports,
+                typed(tcp_sites_map)?,
+                typed(tcp_names_map)?,
+            ),
             pin_dir: pin_dir.to_owned(),
             ebpf: Mutex::new(ebpf),
             folder: lock,
@@ -328,7 +350,7 @@ impl Drop for SocketLink {
 /// a connected loopback socket: what the `sockmap` engine needs, checked without
 /// pinning anything. Returns what was verified.
 pub(crate) fn probe() -> Result<String, EbpfError> {
-    let mut ebpf = load_object(aya_log::Level::Info as u8)?;
+    let mut ebpf = load_object(aya_log::Level::Info as u8, 0)?;
     let mut socks: SockHash<MapData, u64> = typed(take(&mut ebpf, SOCKS_MAP)?)?;
     attach_verdict(&mut ebpf, &socks)?;
     let (a, _b) = crate::sys::loopback_pair().map_err(|e| EbpfError::Load(format!("loopback pair: {e}")))?;
@@ -341,17 +363,10 @@ pub(crate) fn probe() -> Result<String, EbpfError> {
 
 /// Reads the pinned counters of a running daemon.
 pub fn read_pinned(dir: &Path) -> Result<Snapshot, EbpfError> {
-    let [kernel_pin, user_pin, links_pin] = pin_paths(dir);
+    let [kernel_pin, user_pin, links_pin, ..] = pin_paths(dir);
     if !kernel_pin.exists() || !user_pin.exists() || !links_pin.exists() {
         return Err(EbpfError::NotRunning(dir.to_owned()));
     }
-    let open = |path: &Path| {
-        MapData::from_pin(path).map_err(|e| EbpfError::Pin {
-            what: "cannot open the pinned map",
-            path: path.to_owned(),
-            source: io::Error::other(chain(&e)),
-        })
-    };
     let kernel: PerCpuArray<MapData, u64> = typed(Map::PerCpuArray(open(&kernel_pin)?))?;
     let user: Array<MapData, u64> = typed(Map::Array(open(&user_pin)?))?;
     let links: HashMap<MapData, u64, Link> = typed(Map::HashMap(open(&links_pin)?))?;
@@ -366,12 +381,39 @@ pub fn read_pinned(dir: &Path) -> Result<Snapshot, EbpfError> {
     Ok(snapshot)
 }
 
-fn load_object(log_level: u8) -> Result<Ebpf, EbpfError> {
+/// Reads the pinned TCP health of a running daemon (empty when it counts no site).
+pub fn read_tcp_pinned(dir: &Path) -> Result<TcpSnapshot, EbpfError> {
+    let [.., sites_pin, names_pin] = pin_paths(dir);
+    if !sites_pin.exists() || !names_pin.exists() {
+        return Err(EbpfError::NotRunning(dir.to_owned()));
+    }
+    let sites: PerCpuArray<MapData, TcpSite> = typed(Map::PerCpuArray(open(&sites_pin)?))?;
+    let names: Array<MapData, SiteName> = typed(Map::Array(open(&names_pin)?))?;
+    Ok(super::tcp_health::snapshot(&names, &sites))
+}
+
+pub(super) fn open(path: &Path) -> Result<MapData, EbpfError> {
+    MapData::from_pin(path).map_err(|e| EbpfError::Pin {
+        what: "cannot open the pinned map",
+        path: path.to_owned(),
+        source: io::Error::other(chain(&e)),
+    })
+}
+
+/// `tags`: entries of the TCP health tag map (0: as in the object).
+pub(super) fn load_object(log_level: u8, tags: usize) -> Result<Ebpf, EbpfError> {
     let object = OBJECT.ok_or(EbpfError::NotBuilt)?;
-    EbpfLoader::new()
-        .override_global(aya_log::LEVEL, &log_level, false)
-        .load(object)
-        .map_err(|e| EbpfError::Load(chain(&e)))
+    let mut loader = EbpfLoader::new();
+    loader.override_global(aya_log::LEVEL, &log_level, false);
+    if tags > 0 {
+        // Every open connection may hold a tag; some slack for closed ones whose
+        // tag came too late (the LRU evicts those).
+        let entries = u32::try_from(tags.saturating_mul(2))
+            .unwrap_or(u32::MAX)
+            .clamp(1024, 1 << 22);
+        loader.map_max_entries(TCP_TAGS_MAP, entries);
+    }
+    loader.load(object).map_err(|e| EbpfError::Load(chain(&e)))
 }
 
 fn attach_verdict(ebpf: &mut Ebpf, socks: &SockHash<MapData, u64>) -> Result<(), EbpfError> {
@@ -387,12 +429,12 @@ fn attach_verdict(ebpf: &mut Ebpf, socks: &SockHash<MapData, u64>) -> Result<(),
     Ok(())
 }
 
-fn take(ebpf: &mut Ebpf, name: &str) -> Result<Map, EbpfError> {
+pub(super) fn take(ebpf: &mut Ebpf, name: &str) -> Result<Map, EbpfError> {
     ebpf.take_map(name)
         .ok_or_else(|| EbpfError::Load(format!("the object has no map `{name}`")))
 }
 
-fn typed<T>(map: Map) -> Result<T, EbpfError>
+pub(super) fn typed<T>(map: Map) -> Result<T, EbpfError>
 where
     T: TryFrom<Map, Error = aya::maps::MapError>,
 {
@@ -466,12 +508,12 @@ fn fs_magic(path: &Path) -> Option<i64> {
     rustix::fs::statfs(path).ok().map(|s| i64::from(s.f_type))
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A map handle has no invariant a panicking holder could break.
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn chain(e: &dyn std::error::Error) -> String {
+pub(super) fn chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

@@ -6,10 +6,11 @@
 //! the `ebpf` feature is on (see `build.rs`); a binary without it reports
 //! [`EbpfError::NotBuilt`] and passthrough uses a userspace engine.
 //!
-//! Counters live in two pinned maps under the pin folder (default
-//! [`DEFAULT_PIN_DIR`]): `kernel_counters` (per-CPU, written by the programs) and
-//! `user_counters` (written by the daemon once a second and at shutdown). Both pins
-//! are removed when the daemon stops.
+//! Counters live in pinned maps under the pin folder (default
+//! [`DEFAULT_PIN_DIR`]): `kernel_counters` (per-CPU, written by the programs),
+//! `user_counters` (written by the daemon once a second and at shutdown), and TCP
+//! health per site (`tcp_sites`, per-CPU, with their names in `tcp_site_names`; see
+//! `tcp.rs`). The pins are removed when the daemon stops.
 
 use std::path::{Path, PathBuf};
 
@@ -23,6 +24,10 @@ const KERNEL_PIN: &str = "kernel_counters";
 const USER_PIN: &str = "user_counters";
 #[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
 const LINKS_PIN: &str = "links";
+#[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
+const TCP_SITES_PIN: &str = "tcp_sites";
+#[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
+const TCP_SITE_NAMES_PIN: &str = "tcp_site_names";
 
 #[derive(Debug, thiserror::Error)]
 pub enum EbpfError {
@@ -86,22 +91,36 @@ impl Snapshot {
     }
 }
 
-/// The pinned maps: kernel counters, userspace counters, links.
+/// The pinned maps: kernel counters, userspace counters, links, TCP health per site
+/// and the sites' names.
 #[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
-fn pin_paths(dir: &Path) -> [PathBuf; 3] {
-    [dir.join(KERNEL_PIN), dir.join(USER_PIN), dir.join(LINKS_PIN)]
+fn pin_paths(dir: &Path) -> [PathBuf; 5] {
+    [
+        dir.join(KERNEL_PIN),
+        dir.join(USER_PIN),
+        dir.join(LINKS_PIN),
+        dir.join(TCP_SITES_PIN),
+        dir.join(TCP_SITE_NAMES_PIN),
+    ]
 }
+
+pub mod tcp;
+pub use tcp::{Histogram, SiteTcp, TcpSnapshot};
 
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
 mod loaded;
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
-pub use loaded::read_pinned;
+mod tcp_health;
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
 pub(crate) use loaded::{probe, Programs, SocketLink};
+#[cfg(all(target_os = "linux", feature = "ebpf"))]
+pub use loaded::{read_pinned, read_tcp_pinned};
+#[cfg(all(target_os = "linux", feature = "ebpf"))]
+pub(crate) use tcp_health::probe_tcp;
 
 #[cfg(not(all(target_os = "linux", feature = "ebpf")))]
 mod absent;
 #[cfg(not(all(target_os = "linux", feature = "ebpf")))]
-pub use absent::read_pinned;
+pub(crate) use absent::{probe, probe_tcp, Programs, SocketLink};
 #[cfg(not(all(target_os = "linux", feature = "ebpf")))]
-pub(crate) use absent::{probe, Programs, SocketLink};
+pub use absent::{read_pinned, read_tcp_pinned};

@@ -3,8 +3,9 @@
 //! Each feature the configuration asks for is probed on a real loopback socket, not
 //! guessed from version numbers: kTLS by attaching the `tls` ULP and installing TLS 1.3
 //! AES-GCM transmit keys, BBR by reading what the kernel offers and allows and then
-//! setting `TCP_CONGESTION` on a socket. A `required` feature that is missing stops
-//! startup with what is missing and how to fix it.
+//! setting `TCP_CONGESTION` on a socket, TCP health by attaching its sock_ops program
+//! to this process's cgroup and detaching it again. A `required` feature that is
+//! missing stops startup with what is missing and how to fix it.
 
 use std::fmt;
 
@@ -17,6 +18,8 @@ pub struct Report {
     pub ktls: Finding,
     pub bbr: Finding,
     pub ebpf: Finding,
+    /// Per-site TCP health (a sock_ops program); only probed when eBPF is usable.
+    pub tcp_health: Finding,
     /// Suites whose TX and RX keys the kernel accepted; empty unless kTLS is usable.
     pub(crate) ktls_suites: Vec<(KtlsVersion, KtlsCipher)>,
 }
@@ -37,9 +40,14 @@ impl Report {
         self.ebpf.policy != Policy::Off && self.ebpf.available()
     }
 
+    /// Whether the TCP health program should be attached.
+    pub(crate) fn use_tcp_health(&self) -> bool {
+        self.use_ebpf() && self.tcp_health.policy != Policy::Off && self.tcp_health.available()
+    }
+
     /// The features that are required but missing.
     pub fn missing_required(&self) -> Vec<&Finding> {
-        [&self.ktls, &self.bbr, &self.ebpf]
+        [&self.ktls, &self.bbr, &self.ebpf, &self.tcp_health]
             .into_iter()
             .filter(|f| f.policy == Policy::Required && !f.available())
             .collect()
@@ -48,10 +56,11 @@ impl Report {
     /// One line for the start-up log.
     pub(crate) fn summary(&self) -> String {
         format!(
-            "ktls={} bbr={} ebpf={}",
+            "ktls={} bbr={} ebpf={} tcp_health={}",
             self.ktls.short(),
             self.bbr.short(),
-            self.ebpf.short()
+            self.ebpf.short(),
+            self.tcp_health.short()
         )
     }
 }
@@ -60,7 +69,8 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{}", self.ktls)?;
         writeln!(f, "{}", self.bbr)?;
-        write!(f, "{}", self.ebpf)
+        writeln!(f, "{}", self.ebpf)?;
+        write!(f, "{}", self.tcp_health)
     }
 }
 
@@ -110,8 +120,26 @@ impl fmt::Display for Finding {
 /// Probes what `kernel` asks for. Never binds a public port: probes use an ephemeral
 /// loopback pair that is closed before this returns. eBPF is probed when it is
 /// required, or when it is `auto` and something would use it (`wants_ebpf`:
-/// passthrough routes).
+/// passthrough routes; or TCP health, when not off).
 pub fn run(kernel: &Kernel, wants_ebpf: bool) -> Report {
+    let wants_ebpf = wants_ebpf || kernel.tcp_health != Policy::Off;
+    let ebpf = match kernel.ebpf {
+        Policy::Required => probe_ebpf(),
+        Policy::Auto if wants_ebpf => probe_ebpf(),
+        _ => Outcome::NotProbed,
+    };
+    let tcp_health = match (kernel.tcp_health, &ebpf) {
+        (Policy::Off, _) => Outcome::NotProbed,
+        (_, Outcome::Available { .. }) => probe_tcp_health(),
+        (_, Outcome::Missing { reason, fix }) => Outcome::Missing {
+            reason: format!("eBPF is not usable: {reason}"),
+            fix: fix.clone(),
+        },
+        (_, Outcome::NotProbed) => Outcome::Missing {
+            reason: "eBPF is off".into(),
+            fix: "set `[kernel] ebpf = \"auto\"`".into(),
+        },
+    };
     let (ktls, ktls_suites) = if kernel.ktls == Policy::Off {
         (Outcome::NotProbed, Vec::new())
     } else {
@@ -136,11 +164,26 @@ pub fn run(kernel: &Kernel, wants_ebpf: bool) -> Report {
         ebpf: Finding {
             feature: "ebpf",
             policy: kernel.ebpf,
-            outcome: match kernel.ebpf {
-                Policy::Required => probe_ebpf(),
-                Policy::Auto if wants_ebpf => probe_ebpf(),
-                _ => Outcome::NotProbed,
-            },
+            outcome: ebpf,
+        },
+        tcp_health: Finding {
+            feature: "tcp_health",
+            policy: kernel.tcp_health,
+            outcome: tcp_health,
+        },
+    }
+}
+
+/// Attaches the TCP health sock_ops program to this process's cgroup v2 and
+/// detaches it again.
+fn probe_tcp_health() -> Outcome {
+    match crate::ebpf::probe_tcp() {
+        Ok(detail) => Outcome::Available { detail },
+        Err(e) => Outcome::Missing {
+            reason: e.to_string(),
+            fix: "run as root (CAP_BPF and CAP_NET_ADMIN) on a kernel with cgroup v2 mounted and \
+                  BPF sock_ops (CONFIG_CGROUP_BPF), or set `[kernel] tcp_health = \"off\"`"
+                .into(),
         },
     }
 }

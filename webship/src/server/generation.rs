@@ -12,6 +12,7 @@
 //! QUIC) take the read side once per connection, uncontended: two atomic operations
 //! and an `Arc` clone per connection, nothing per request or per chunk.
 
+use std::os::fd::BorrowedFd;
 use std::sync::{Arc, RwLock};
 
 use quinn::crypto::rustls::QuicServerConfig;
@@ -31,6 +32,47 @@ pub(super) struct Fixed {
     /// The passthrough engine resolved at start (and the eBPF programs it uses).
     pub(super) engine: Engine,
     pub(super) programs: Option<Arc<Programs>>,
+    /// The programs counting TCP health, when it is on and attached.
+    pub(super) tcp_health: Option<Arc<Programs>>,
+}
+
+/// TCP health's counter slots for this generation's sites and passthrough routes,
+/// by index (`None`: not counted, every slot taken). Looked up by name once per
+/// generation, so a reload keeps a site's counters and a connection pays no lookup.
+#[derive(Debug)]
+pub(super) struct TcpSlots {
+    programs: Arc<Programs>,
+    sites: Vec<Option<u32>>,
+    routes: Vec<Option<u32>>,
+}
+
+impl TcpSlots {
+    fn new(programs: &Arc<Programs>, config: &Config) -> Self {
+        let slot = |name: String| programs.tcp_slot(&name);
+        Self {
+            programs: programs.clone(),
+            sites: config.sites.iter().map(|s| slot(s.domain.to_string())).collect(),
+            routes: config
+                .passthrough
+                .iter()
+                .map(|r| slot(r.domain.to_string()))
+                .collect(),
+        }
+    }
+
+    /// Counts a terminated connection under site `site`.
+    pub(super) fn tag_site(&self, socket: BorrowedFd<'_>, site: usize) {
+        if let Some(&Some(slot)) = self.sites.get(site) {
+            self.programs.tag_tcp(socket, slot);
+        }
+    }
+
+    /// Counts a passthrough client connection under its route's name.
+    pub(super) fn tag_route(&self, socket: BorrowedFd<'_>, route: usize) {
+        if let Some(&Some(slot)) = self.routes.get(route) {
+            self.programs.tag_tcp(socket, slot);
+        }
+    }
 }
 
 /// One generation of the configuration, as new connections see it.
@@ -45,6 +87,8 @@ pub(super) struct Generation {
     pub(super) passthrough: Option<Arc<Passthrough>>,
     /// The QUIC form of `stack.acceptor.quic_config()`; `None` when no site serves h3.
     pub(super) quic: Option<Arc<QuicServerConfig>>,
+    /// TCP health's slots, when it is counted.
+    pub(super) tcp: Option<TcpSlots>,
 }
 
 impl Generation {
@@ -62,6 +106,7 @@ impl Generation {
             .quic_config()
             .map(crate::h3::quic_crypto)
             .transpose()?;
+        let tcp = fixed.tcp_health.as_ref().map(|p| TcpSlots::new(p, &config));
         Ok(Self {
             number,
             config,
@@ -69,6 +114,7 @@ impl Generation {
             drivers,
             passthrough,
             quic,
+            tcp,
         })
     }
 }

@@ -121,9 +121,13 @@ pub async fn run(
             .filter(|support| !support.is_empty()),
         engine: plan.engine(),
         programs: plan.programs(),
+        tcp_health: plan.watch_tcp()?,
     };
     let first = Generation::new(1, config.clone(), stack, &fixed)?;
     let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
+    if let Some(programs) = &fixed.tcp_health {
+        programs.watch_port(bound.local.port());
+    }
     let control = bind_control(&config, takeover)?;
     let hangup = reload::hangup_signal();
     drop_privileges(&config, &report, &plan, &privilege)?;
@@ -468,7 +472,12 @@ async fn connection(
     let peer = ends.client;
     if let Some(pt) = &generation.passthrough {
         match pt.decide(&tcp, handshake_timeout).await {
-            Decision::Forward(route) => return pt.forward(route, tcp, ends).await,
+            Decision::Forward(route) => {
+                if let Some(slots) = &generation.tcp {
+                    slots.tag_route(tcp.as_fd(), route);
+                }
+                return pt.forward(route, tcp, ends).await;
+            }
             Decision::Close(reason) => {
                 return tracing::debug!(%peer, reason, "passthrough: closed");
             }
@@ -485,6 +494,9 @@ async fn connection(
             return;
         }
     };
+    if let Some(slots) = &generation.tcp {
+        slots.tag_site(accepted.stream.get_ref().0.get_ref().as_fd(), accepted.site);
+    }
     let tls = accepted.tls_info();
     let ctx = drivers.connection(peer, accepted.site, tls);
     if let Err(e) = crate::http::serve(accepted, ctx).await {

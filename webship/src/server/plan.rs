@@ -1,8 +1,9 @@
 //! The passthrough plan: which engines carry TLS and HTTP/3 passthrough, the eBPF
-//! programs they need, the UDP relay, and the counters they leave behind.
+//! programs they (and TCP health) need, the UDP relay, and the counters they leave
+//! behind.
 //!
 //! A `required` eBPF that fails to load stops startup; `auto` logs why and carries
-//! on with a userspace engine.
+//! on with a userspace engine (and without TCP health).
 
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
@@ -21,8 +22,12 @@ use crate::preflight::Report;
 pub(super) struct Plan {
     /// The TCP passthrough routes, if any.
     pub(super) passthrough: Option<Arc<Passthrough>>,
-    /// Loaded when passthrough would use them and preflight found eBPF usable.
+    /// Loaded when passthrough or TCP health would use them and preflight found
+    /// eBPF usable.
     programs: Option<Arc<Programs>>,
+    /// Whether TCP health should be watched (preflight found it usable).
+    tcp_health: bool,
+    tcp_health_policy: Policy,
     /// Mirrors the daemon's counters into the pinned map for `webship stats`.
     publisher: Option<JoinHandle<()>>,
     /// The engine TCP passthrough runs, resolved once for every generation.
@@ -83,7 +88,29 @@ impl Plan {
             udp: config.passthrough_udp,
             ebpf_policy: config.kernel.ebpf,
             ktls_counters: report.use_ktls(),
+            tcp_health: report.use_tcp_health(),
+            tcp_health_policy: config.kernel.tcp_health,
         })
+    }
+
+    /// Attaches TCP health and returns the programs that count it (`None`: off, or
+    /// `auto` and it failed, which is logged). Connections are watched once their
+    /// listening port is known (`Programs::watch_port`).
+    pub(super) fn watch_tcp(&self) -> Result<Option<Arc<Programs>>, ServerError> {
+        let Some(programs) = self.programs.as_ref().filter(|_| self.tcp_health) else {
+            return Ok(None);
+        };
+        match programs.watch_tcp() {
+            Ok(cgroup) => {
+                tracing::info!(cgroup = %cgroup.display(), "TCP health: counting per site (`webship stats`)");
+                Ok(Some(programs.clone()))
+            }
+            Err(e) if self.tcp_health_policy == Policy::Required => Err(e.into()),
+            Err(e) => {
+                tracing::warn!(error = %e, "TCP health not counted: its sock_ops program did not attach");
+                Ok(None)
+            }
+        }
     }
 
     /// The TCP passthrough engine and the programs it uses: what every generation's
@@ -220,6 +247,20 @@ impl Plan {
                 .collect();
             tracing::info!("passthrough counters: {}", line.join(" "));
         }
+        if let Some(p) = self.programs.as_ref().filter(|_| self.tcp_health) {
+            for s in p.tcp_snapshot().sites {
+                tracing::info!(
+                    site = %s.site,
+                    closed = s.closed,
+                    reset = s.reset,
+                    retransmits = s.retransmits,
+                    rto = s.rto,
+                    rtt_p50_us = s.rtt_us.quantile(0.5),
+                    rtt_p99_us = s.rtt_us.quantile(0.99),
+                    "TCP health"
+                );
+            }
+        }
         drop(self.passthrough);
         drop(self.programs);
         if self.ktls_counters {
@@ -239,10 +280,15 @@ fn load_programs(
     report: &Report,
     inherited_lock: Option<OwnedFd>,
 ) -> Result<Option<Arc<Programs>>, ServerError> {
-    if config.passthrough.is_empty() || !report.use_ebpf() {
+    let tcp_health = config.kernel.tcp_health != Policy::Off;
+    if (config.passthrough.is_empty() && !tcp_health) || !report.use_ebpf() {
         return Ok(None);
     }
-    match Programs::load(&config.kernel.bpf_pin_dir, inherited_lock) {
+    match Programs::load(
+        &config.kernel.bpf_pin_dir,
+        inherited_lock,
+        config.limits.max_connections,
+    ) {
         Ok(programs) => {
             tracing::info!(pins = %config.kernel.bpf_pin_dir.display(), "eBPF programs loaded; counters pinned for `webship stats`");
             Ok(Some(programs))

@@ -291,6 +291,14 @@ fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<Strin
     });
     kept(
         n,
+        "[kernel] tcp_health",
+        "using",
+        &mut kernel.tcp_health,
+        &was.tcp_health,
+        |v| shown(v),
+    );
+    kept(
+        n,
         "[kernel] bpf_pin_dir",
         "pinning under",
         &mut kernel.bpf_pin_dir,
