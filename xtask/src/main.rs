@@ -49,6 +49,8 @@ const APT: &[(&str, &str)] = &[
     ("strip", "binutils"),
     ("lintian", "lintian"),
     ("systemd-sysusers", "systemd"),
+    // A real log analyser reads the combined access log.
+    ("goaccess", "goaccess"),
 ];
 
 fn main() -> ExitCode {

@@ -19,6 +19,7 @@ use quinn::crypto::rustls::QuicServerConfig;
 use super::{ServerError, Stack};
 use crate::config::{Config, Engine};
 use crate::ebpf::Programs;
+use crate::exchange::access::Sink;
 use crate::exchange::Drivers;
 use crate::passthrough::Passthrough;
 use crate::shutdown::Shutdown;
@@ -31,6 +32,9 @@ pub(super) struct Fixed {
     /// The passthrough engine resolved at start (and the eBPF programs it uses).
     pub(super) engine: Engine,
     pub(super) programs: Option<Arc<Programs>>,
+    /// Where access log lines go (the file is opened once, at start; SIGUSR1 reopens
+    /// it); each generation brings its own format and sampling.
+    pub(super) access: Arc<Sink>,
 }
 
 /// One generation of the configuration, as new connections see it.
@@ -55,6 +59,7 @@ impl Generation {
             stack.service.clone(),
             fixed.shutdown.clone(),
             fixed.ktls.clone(),
+            &fixed.access,
         ));
         let passthrough = Passthrough::new(&config, fixed.engine, fixed.programs.clone()).map(Arc::new);
         let quic = stack
