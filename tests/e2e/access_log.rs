@@ -334,3 +334,56 @@ async fn a_reload_changes_the_format_and_the_sampling() {
         );
     }
 }
+
+/// A log folder only root may enter: the file is opened as root before the switch
+/// and the service account's threads write to it (it becomes the account's); a
+/// reload still validates; a SIGUSR1 the account cannot act on (it cannot enter the
+/// folder) warns and keeps writing to the open file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_only_log_folder_works_for_the_service_account() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let env = Env::new();
+    // The service account must reach the document root, not the logs.
+    for dir in [env.dir.path(), env.root.as_path()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    env.write("small.txt", b"small");
+    let logs = env.dir.path().join("logs");
+    std::fs::create_dir(&logs).unwrap();
+    std::fs::set_permissions(&logs, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let log = logs.join("access.log");
+    let server = env.start(&format!(
+        "user = \"nobody\"\ngroup = \"nogroup\"\n[kernel]\nbbr = \"off\"\n\
+         [log]\naccess = true\naccess_format = \"json\"\naccess_path = \"{}\"\n",
+        log.display()
+    ));
+    assert!(
+        server.log().contains("switched to the service account"),
+        "{}",
+        server.log()
+    );
+    assert_eq!(env.get(Proto::H1, &server, "/small.txt", &[]).await.status, 200);
+    assert!(eventually(WAIT, || lines(&log).len() == 1), "{}", server.log());
+    assert_eq!(
+        std::fs::metadata(&log).unwrap().uid(),
+        65534,
+        "handed to the account"
+    );
+    signal("HUP", &server);
+    assert!(
+        eventually(WAIT, || server.log().contains("configuration reloaded")),
+        "a reload as the account must accept the folder it cannot enter: {}",
+        server.log()
+    );
+    signal("USR1", &server);
+    assert!(
+        eventually(WAIT, || server
+            .log()
+            .contains("access log not reopened, still writing to the previous file")),
+        "{}",
+        server.log()
+    );
+    assert_eq!(env.get(Proto::H2, &server, "/small.txt", &[]).await.status, 200);
+    assert!(eventually(WAIT, || lines(&log).len() == 2), "{:?}", lines(&log));
+    assert_eq!(check_access_log(&log).unwrap().len(), 2);
+}

@@ -63,12 +63,18 @@ impl Validator<'_> {
     fn log_path(&mut self, path: &std::path::Path) -> Option<PathBuf> {
         let full = self.path(path);
         let folder = full.parent().filter(|p| !p.as_os_str().is_empty());
+        // A reload validates as the service account, which may not enter a log folder
+        // only root may (the file was opened by root at start): only what is known
+        // to be wrong is refused, not what cannot be looked at.
+        let missing = |p: &std::path::Path| matches!(std::fs::metadata(p), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
         let problem = if path.as_os_str().is_empty() || full.file_name().is_none() {
-            Some("is not a file name".to_owned())
-        } else if full.is_dir() {
-            Some("is a folder".to_owned())
-        } else if folder.is_some_and(|f| !f.is_dir()) {
-            Some("is in a folder that does not exist".to_owned())
+            Some("is not a file name")
+        } else if std::fs::metadata(&full).is_ok_and(|m| m.is_dir()) {
+            Some("is a folder")
+        } else if folder.is_some_and(missing) {
+            Some("is in a folder that does not exist")
+        } else if folder.is_some_and(|f| std::fs::metadata(f).is_ok_and(|m| !m.is_dir())) {
+            Some("is in something that is not a folder")
         } else {
             None
         };
