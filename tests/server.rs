@@ -1,6 +1,12 @@
 //! The real `webship` binary, started on a free loopback port with a config written
 //! to a temporary directory; stopped (SIGTERM, then SIGKILL) when dropped, by the
 //! test kit's process guard.
+//!
+//! Every daemon [`Server::start`] starts writes a JSON access log into the test's
+//! directory (unless its configuration has a `[log]` table of its own), and when the
+//! server is dropped every line of it must parse and carry a status, a protocol and
+//! a byte count ([`check_access_log`]): the access log of each request of the suite
+//! is checked, and only a bad line fails a test that passed.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -41,6 +47,16 @@ pub fn webship(args: &[&str], cwd: &Path) -> Output {
 pub struct Server {
     process: Process,
     pub port: u16,
+    /// The JSON access log the harness turned on, checked on drop.
+    access_log: Option<PathBuf>,
+}
+
+/// The `[log]` table the harness adds: a JSON access log per port in `dir`.
+fn harness_log(dir: &Path) -> String {
+    format!(
+        "\n[log]\naccess = true\naccess_format = \"json\"\naccess_path = \"{}/access-{{port}}.json\"\n",
+        dir.display()
+    )
 }
 
 impl Server {
@@ -49,12 +65,22 @@ impl Server {
     /// and has logged its start-up line (once its UDP side is ready too).
     pub fn start(dir: &Path, config: &str) -> Server {
         let path = dir.join("webship.toml");
+        let logged = !config.contains("[log]");
+        let config = match logged {
+            true => format!("{config}{}", harness_log(dir)),
+            false => config.to_owned(),
+        };
         let (process, port) = start_on_free_port(Some("listening on"), START_TIMEOUT, |port| {
             std::fs::write(&path, config.replace("{port}", &port.to_string()))?;
             Self::launch(dir, &["serve", "--config", path.to_str().unwrap()], port)
         })
         .unwrap_or_else(|e| panic!("webship did not start: {e:#}"));
-        Server { process, port }
+        let access_log = logged.then(|| dir.join(format!("access-{port}.json")));
+        Server {
+            process,
+            port,
+            access_log,
+        }
     }
 
     fn launch(dir: &Path, args: &[&str], port: u16) -> anyhow::Result<Process> {
@@ -73,7 +99,11 @@ impl Server {
     /// Starts `webship` with `args`, without waiting.
     pub fn spawn(dir: &Path, args: &[&str], port: u16) -> Server {
         let process = Self::launch(dir, args, port).unwrap_or_else(|e| panic!("{e:#}"));
-        Server { process, port }
+        Server {
+            process,
+            port,
+            access_log: None,
+        }
     }
 
     pub fn wait_listening(&mut self) {
@@ -116,7 +146,99 @@ impl Server {
         established(self.port, End::Local)
     }
 
+    /// The JSON access log the harness turned on (`None` when the test's own
+    /// configuration has a `[log]` table, or the server was spawned by hand).
+    pub fn access_log_path(&self) -> Option<&Path> {
+        self.access_log.as_deref()
+    }
+
     pub fn addr(&self) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let Some(path) = self.access_log.take() else {
+            return;
+        };
+        // Stopped first, so the daemon has written out what it queued.
+        if let Err(e) = self.process.stop() {
+            eprintln!("stopping webship on {}: {e:#}", self.port);
+        }
+        if std::thread::panicking() {
+            return;
+        }
+        if let Err(e) = check_access_log(&path) {
+            panic!("{e}");
+        }
+    }
+}
+
+/// Checks a JSON access log: every complete line is one object with a `status` in
+/// 100..=599, a `protocol` of h1, h2 or h3 and a numeric `bytes`; returns the lines.
+/// A missing file is no lines (a daemon that never started logging). A last line
+/// without its newline (a daemon killed mid-write) is left out.
+pub fn check_access_log(path: &Path) -> Result<Vec<serde_json::Value>, String> {
+    let text = match std::fs::read(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(format!("access log {}: {e}", path.display())),
+    };
+    let complete = match text.iter().rposition(|&b| b == b'\n') {
+        Some(end) => &text[..=end],
+        None => &[][..],
+    };
+    let mut lines = Vec::new();
+    for (i, line) in complete.split(|&b| b == b'\n').enumerate() {
+        if line.is_empty() {
+            continue;
+        }
+        let bad = |why: &str| {
+            format!(
+                "access log {} line {}: {why}: {}",
+                path.display(),
+                i + 1,
+                String::from_utf8_lossy(line)
+            )
+        };
+        let value: serde_json::Value = serde_json::from_slice(line).map_err(|e| bad(&e.to_string()))?;
+        let status = value["status"].as_u64().ok_or_else(|| bad("no numeric status"))?;
+        if !(100..=599).contains(&status) {
+            return Err(bad("status out of 100..=599"));
+        }
+        if !matches!(value["protocol"].as_str(), Some("h1" | "h2" | "h3")) {
+            return Err(bad("protocol is not h1, h2 or h3"));
+        }
+        if value["bytes"].as_u64().is_none() {
+            return Err(bad("bytes is not a number"));
+        }
+        lines.push(value);
+    }
+    Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_access_log;
+
+    #[test]
+    fn a_bad_line_fails_the_check_and_a_cut_last_line_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("access.json");
+        let good = r#"{"status":200,"protocol":"h2","bytes":5}"#;
+        std::fs::write(&path, format!("{good}\n{good}\n{{\"status\":2")).unwrap();
+        assert_eq!(check_access_log(&path).unwrap().len(), 2);
+        for bad in [
+            r#"{"status":99,"protocol":"h1","bytes":0}"#,
+            r#"{"status":200,"protocol":"h4","bytes":0}"#,
+            r#"{"status":200,"protocol":"h1","bytes":"5"}"#,
+            "127.0.0.1 - - [04/Dec/2026:15:18:30 +0000] \"GET / HTTP/1.1\" 200 5 \"-\" \"-\"",
+        ] {
+            std::fs::write(&path, format!("{good}\n{bad}\n")).unwrap();
+            let e = check_access_log(&path).unwrap_err();
+            assert!(e.contains("line 2"), "{e}");
+        }
+        assert!(check_access_log(&dir.path().join("none")).unwrap().is_empty());
     }
 }

@@ -301,9 +301,11 @@ async fn no_config_serves_the_current_directory_on_8443() {
     assert!(stdout.contains("https://127.0.0.1:8443/"), "{stdout}");
 }
 
+/// Off unless `[log] access` says so; on, it goes to standard error in the
+/// `combined` format by default.
 #[tokio::test]
 async fn access_log_is_off_by_default_and_on_by_switch() {
-    for (extra, expect) in [("", false), ("[log]\naccess = true\n", true)] {
+    for (extra, expect) in [("[log]\n", false), ("[log]\naccess = true\n", true)] {
         let env = Env::new();
         env.write("small.txt", b"small");
         let server = env.start(extra);
@@ -313,36 +315,20 @@ async fn access_log_is_off_by_default_and_on_by_switch() {
         }
         let ok = eventually(Duration::from_secs(2), || {
             let log = server.log();
-            log.contains(" access: ") && log.contains("uri=/small.txt") && log.contains("status=200")
+            log.contains("\"GET /small.txt HTTP/1.1\" 200 5 \"-\"")
+                && log.contains("\"GET /small.txt HTTP/2.0\" 200 5 \"-\"")
         });
         assert_eq!(ok, expect, "access log with {extra:?}:\n{}", server.log());
     }
 }
 
-/// The access log's fields of the line for `uri` (the record's report), as
-/// key → value with quotes stripped; every line that names it.
-fn access_lines(log: &str, uri: &str) -> Vec<std::collections::HashMap<String, String>> {
-    log.lines()
-        .filter(|l| l.contains(" access: ") && l.contains(&format!("uri={uri} ")))
-        .map(|l| {
-            let fields = &l[l.find(" access: ").unwrap() + 9..];
-            let mut map = std::collections::HashMap::new();
-            let mut rest = fields;
-            while let Some(eq) = rest.find('=') {
-                let key = rest[..eq].trim().to_owned();
-                let after = &rest[eq + 1..];
-                let (value, tail) = match after.strip_prefix('"') {
-                    Some(quoted) => {
-                        let end = quoted.find('"').unwrap_or(quoted.len());
-                        (&quoted[..end], quoted.get(end + 1..).unwrap_or(""))
-                    }
-                    None => after.split_at(after.find(' ').unwrap_or(after.len())),
-                };
-                map.insert(key, value.to_owned());
-                rest = tail;
-            }
-            map
-        })
+/// The JSON access log lines (the harness's) whose path is `path`.
+fn access_lines(server: &Server, path: &str) -> Vec<serde_json::Value> {
+    let file = server.access_log_path().expect("the harness's access log");
+    webship_tests::server::check_access_log(file)
+        .unwrap()
+        .into_iter()
+        .filter(|l| l["path"] == path)
         .collect()
 }
 
@@ -352,7 +338,7 @@ fn access_lines(log: &str, uri: &str) -> Vec<std::collections::HashMap<String, S
 /// not complete with fewer bytes than the file has.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_exchange_is_recorded_once_with_what_was_sent() {
-    let (env, server) = fixture_server("[log]\naccess = true\n");
+    let (env, server) = fixture_server("");
     for proto in [Proto::H1, Proto::H2] {
         let got = env.get(proto, &server, "/small.txt", &[]).await;
         assert_eq!(got.status, 200);
@@ -369,32 +355,30 @@ async fn every_exchange_is_recorded_once_with_what_was_sent() {
     drop(tls);
 
     let settled = eventually(Duration::from_secs(10), || {
-        access_lines(&server.log(), "/fixture.bin").len() == 1
-            && access_lines(&server.log(), "/small.txt").len() == 3
+        access_lines(&server, "/fixture.bin").len() == 1 && access_lines(&server, "/small.txt").len() == 3
     });
-    let log = server.log();
-    assert!(settled, "one line per exchange:\n{log}");
-    let small = access_lines(&log, "/small.txt");
-    let mut protos: Vec<&str> = small.iter().map(|l| l["proto"].as_str()).collect();
+    assert!(settled, "one line per exchange:\n{}", server.log());
+    let small = access_lines(&server, "/small.txt");
+    let mut protos: Vec<&str> = small.iter().map(|l| l["protocol"].as_str().unwrap()).collect();
     protos.sort_unstable();
-    assert_eq!(protos, ["h1", "h2", "h3"], "{log}");
+    assert_eq!(protos, ["h1", "h2", "h3"], "{small:?}");
     for line in &small {
-        assert_eq!(line["status"], "200", "{line:?}");
-        assert_eq!(line["bytes"], "5", "{line:?}");
-        assert_eq!(line["outcome"], "complete", "{line:?}");
-        assert_eq!(line["mode"], "files", "{line:?}");
-        assert_eq!(line["site"], HOST, "{line:?}");
-        assert_eq!(line["tls"], "TLSv1_3", "{line:?}");
+        assert_eq!(line["status"], 200, "{line}");
+        assert_eq!(line["bytes"], 5, "{line}");
+        assert_eq!(line["outcome"], "complete", "{line}");
+        assert_eq!(line["mode"], "files", "{line}");
+        assert_eq!(line["site"], HOST, "{line}");
+        assert_eq!(line["tls_version"], "TLSv1_3", "{line}");
     }
-    let missing = &access_lines(&log, "/missing.txt")[0];
+    let missing = &access_lines(&server, "/missing.txt")[0];
     assert_eq!(
-        (missing["status"].as_str(), missing["outcome"].as_str()),
-        ("404", "complete")
+        (missing["status"].as_u64(), missing["outcome"].as_str()),
+        (Some(404), Some("complete"))
     );
-    let abandoned = &access_lines(&log, "/fixture.bin")[0];
-    assert_ne!(abandoned["outcome"], "complete", "{abandoned:?}");
-    let bytes: u64 = abandoned["bytes"].parse().unwrap();
-    assert!(bytes >= 64 * 1024 && bytes < FIXTURE_LEN, "{abandoned:?}");
+    let abandoned = &access_lines(&server, "/fixture.bin")[0];
+    assert_ne!(abandoned["outcome"], "complete", "{abandoned}");
+    let bytes = abandoned["bytes"].as_u64().unwrap();
+    assert!(bytes >= 64 * 1024 && bytes < FIXTURE_LEN, "{abandoned}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -2,6 +2,7 @@
 //! (rustls + hyper, curl), asserting bytes, statuses and kernel-visible state.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod access_log;
 mod config_errors;
 mod download;
 mod faults;

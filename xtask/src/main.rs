@@ -52,6 +52,8 @@ const APT: &[(&str, &str)] = &[
     // TCP health's lossy path: a network namespace, a veth pair, a TBF qdisc.
     ("ip", "iproute2"),
     ("tc", "iproute2"),
+    // A real log analyser reads the combined access log.
+    ("goaccess", "goaccess"),
 ];
 
 fn main() -> ExitCode {

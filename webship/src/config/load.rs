@@ -73,6 +73,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
             },
             webtransport: None,
             dotfiles: Dotfiles::Deny,
+            access_sample: None,
         }],
         kernel: Kernel {
             ktls: Policy::Auto,
@@ -89,7 +90,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         passthrough_engine: Engine::Auto,
         passthrough_idle_timeout: super::model::DEFAULT_PASSTHROUGH_IDLE,
         passthrough_udp: None,
-        access_log: false,
+        access_log: super::AccessLog::default(),
         control_socket: None,
         accept_proxy_protocol: Vec::new(),
         user: None,

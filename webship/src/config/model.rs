@@ -35,7 +35,8 @@ pub struct Config {
     pub passthrough_idle_timeout: Duration,
     /// HTTP/3 passthrough: every QUIC datagram on the listen port goes to this origin.
     pub passthrough_udp: Option<UdpPassthrough>,
-    pub access_log: bool,
+    /// `[log]`: the access log.
+    pub access_log: AccessLog,
     /// Sources (load balancers) whose connections start with a PROXY protocol
     /// header carrying the client's address; empty: none may send one.
     pub accept_proxy_protocol: Vec<IpNet>,
@@ -46,6 +47,51 @@ pub struct Config {
     /// The control socket (`webship reload`, `--takeover`); `None` for the built-in
     /// configuration, which has no file to reload.
     pub control_socket: Option<PathBuf>,
+}
+
+/// `[log]`: whether exchanges are logged, how, where, and how many of them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AccessLog {
+    /// `access`: the switch (off by default).
+    pub enabled: bool,
+    /// `access_format`.
+    pub format: AccessFormat,
+    /// `access_path`: the file (absolute once validated); `None` writes to standard
+    /// error.
+    pub path: Option<PathBuf>,
+    /// `access_sample`: the share of exchanges logged (0 to 1) on sites that set no
+    /// rate of their own.
+    pub sample: f64,
+}
+
+impl Default for AccessLog {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            format: AccessFormat::Combined,
+            path: None,
+            sample: 1.0,
+        }
+    }
+}
+
+/// `access_format`: one line per exchange, in nginx's `combined` format (what log
+/// analysers read without configuration) or as a JSON object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AccessFormat {
+    #[default]
+    Combined,
+    Json,
+}
+
+impl fmt::Display for AccessFormat {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Combined => "combined",
+            Self::Json => "json",
+        })
+    }
 }
 
 /// The folder of the default control sockets (systemd's `RuntimeDirectory=webship`).
@@ -156,6 +202,9 @@ pub struct Site {
     /// Whether a file site serves paths with a segment that starts with `.`. Read
     /// only for `Serve::Files`: a proxy site forwards such paths like any other.
     pub dotfiles: Dotfiles,
+    /// `[sites.log]`: the share of this site's exchanges the access log keeps (0 to
+    /// 1; `access = false` is 0); `None` takes `[log] access_sample`.
+    pub access_sample: Option<f64>,
 }
 
 /// `dotfiles`: what a file site does with `/.git/config`, `/.env`, `/a/.htpasswd`.

@@ -97,6 +97,15 @@ pub(super) struct RawSite {
     pub protocols: Option<RawProtocols>,
     pub tls: Option<RawTls>,
     pub webtransport: Option<RawWebTransport>,
+    pub log: Option<RawSiteLog>,
+}
+
+/// `[sites.log]`: the site's share of the access log.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSiteLog {
+    pub access: Option<bool>,
+    pub access_sample: Option<f64>,
 }
 
 /// `[sites.webtransport]`: the bounded diagnostic endpoint; absent means off.
@@ -156,6 +165,9 @@ pub(super) struct RawLimits {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLog {
     pub access: Option<bool>,
+    pub access_format: Option<super::AccessFormat>,
+    pub access_path: Option<PathBuf>,
+    pub access_sample: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -764,3 +764,55 @@ fn proxy_protocol_keys() {
     assert_eq!(problems[0].key, "reverse_proxy.routes[0].proxy_protocol");
     assert!(problems[0].fix.contains("tls_termination = false"));
 }
+
+#[test]
+fn access_log_keys_and_per_site_sampling() {
+    let f = Files::new();
+    let site = |log: &str| {
+        format!("[[sites]]\ndomain = \"a.example\"\nroot = \"media\"\n{log}[sites.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n")
+    };
+    let off = f.parse(&site("")).unwrap();
+    assert_eq!(off.access_log, AccessLog::default());
+    assert_eq!(off.access_log.format, AccessFormat::Combined);
+    assert_eq!(off.sites[0].access_sample, None);
+
+    let on = f
+        .parse(&format!(
+            "[log]\naccess = true\naccess_format = \"json\"\naccess_path = \"access.log\"\naccess_sample = 0.5\n{}",
+            site("[sites.log]\naccess_sample = 0.1\n")
+        ))
+        .unwrap();
+    assert!(on.access_log.enabled);
+    assert_eq!(on.access_log.format, AccessFormat::Json);
+    assert_eq!(on.access_log.path, Some(f.dir.path().join("access.log")));
+    assert_eq!(on.access_log.sample, 0.5);
+    assert_eq!(on.sites[0].access_sample, Some(0.1));
+    let quiet = f
+        .parse(&format!(
+            "[log]\naccess = true\n{}",
+            site("[sites.log]\naccess = false\n")
+        ))
+        .unwrap();
+    assert_eq!(quiet.sites[0].access_sample, Some(0.0));
+
+    let unknown = f.parse(&format!("[log]\naccess_format = \"clf\"\n{}", site("")));
+    assert!(matches!(unknown, Err(ConfigError::Parse { .. })), "{unknown:?}");
+    let problems = f.problems(&format!(
+        "[log]\naccess_path = \"nowhere/access.log\"\naccess_sample = 1.5\n{}",
+        site("[sites.log]\naccess = false\naccess_sample = 0.2\n")
+    ));
+    let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
+    assert_eq!(
+        keys,
+        [
+            "log.access_sample",
+            "log.access_path",
+            "sites[0].log.access_sample"
+        ],
+        "{problems:?}"
+    );
+    assert!(
+        problems[1].problem.contains("folder that does not exist"),
+        "{problems:?}"
+    );
+}

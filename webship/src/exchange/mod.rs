@@ -8,6 +8,7 @@
 //! fault handling ([`send_body`]): a body that fails (disk error, shrunk file,
 //! upstream reset) ends the response so the peer can tell it is incomplete.
 
+pub(crate) mod access;
 mod body;
 mod record;
 mod send;
@@ -64,7 +65,8 @@ pub(crate) struct Drivers {
     pub(crate) h3: H3Settings,
     /// Whether h3 responses may switch their connection to BBR (`[kernel] bbr`).
     pub(crate) bbr: bool,
-    pub(crate) access_log: bool,
+    /// The access log's format and sampling; `None` when it is off.
+    pub(crate) access: Option<access::AccessLog>,
     /// Sources whose connections start with a PROXY header (`accept_proxy_protocol`).
     pub(crate) accept_proxy_protocol: Vec<crate::config::IpNet>,
     pub(crate) shutdown: Shutdown,
@@ -82,6 +84,7 @@ impl Drivers {
         service: Arc<Service>,
         shutdown: Shutdown,
         ktls: Option<Arc<crate::ktls::Support>>,
+        access_sink: &Arc<access::Sink>,
     ) -> Self {
         Self {
             service,
@@ -90,7 +93,7 @@ impl Drivers {
             proxy_h2: config.proxy_h2,
             h3: config.h3,
             bbr: config.kernel.bbr != Policy::Off,
-            access_log: config.access_log,
+            access: access::AccessLog::new(config, access_sink),
             accept_proxy_protocol: config.accept_proxy_protocol.clone(),
             shutdown,
             ktls,
@@ -189,6 +192,7 @@ impl ConnContext {
         let route = crate::service::Route {
             site: self.service.site_of_request(head),
             mode: crate::service::Mode::WebTransport,
+            upstream: None,
         };
         Record::new(self, head, route, status.as_u16()).finish(0, Outcome::Complete);
         if let Err(refusal) = &admitted {

@@ -107,7 +107,7 @@ pub(crate) struct Finished<'a> {
 impl Record {
     /// The record of `head`'s exchange, answered with `status` by `route`.
     pub(crate) fn new(ctx: &ConnContext, head: &RequestHead<'_>, route: Route, status: u16) -> Self {
-        let line = ctx.access_log.then(|| {
+        let line = ctx.access.is_some().then(|| {
             let header = |name| head.headers.get(name).cloned();
             Box::new(RequestLine {
                 method: head.method.clone(),
@@ -187,30 +187,5 @@ impl Record {
 
 /// Where a finished exchange goes: the access log and the metrics.
 fn report(finished: &Finished<'_>) {
-    if finished.ctx.access_log {
-        let line = finished.line;
-        let header = |h: fn(&RequestLine) -> &Option<HeaderValue>| {
-            line.and_then(|l| h(l).as_ref())
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("-")
-        };
-        let since_epoch = finished
-            .time
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .unwrap_or_default();
-        tracing::info!(target: "access", peer = %finished.peer, proto = finished.proto.as_str(),
-            site = finished.site.unwrap_or("-"), mode = finished.route.mode.as_str(),
-            method = %line.map_or("-", |l| l.method.as_str()),
-            uri = %line.and_then(|l| l.uri.path_and_query()).map_or("-", |p| p.as_str()),
-            host = line.and_then(|l| l.uri.authority()).map_or_else(|| header(|l| &l.host), |a| a.as_str()),
-            referer = header(|l| &l.referer),
-            user_agent = header(|l| &l.user_agent),
-            status = finished.status, bytes = finished.bytes,
-            time = since_epoch.as_secs_f64(),
-            ttfb_ms = finished.ttfb.as_secs_f64() * 1e3,
-            duration_ms = finished.duration.as_secs_f64() * 1e3,
-            outcome = finished.outcome.as_str(), ktls = finished.ktls,
-            tls = finished.tls.map_or("-", |t| t.version),
-            cipher = finished.tls.and_then(|t| t.cipher).unwrap_or("-"));
-    }
+    super::access::write(finished);
 }

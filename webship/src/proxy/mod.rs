@@ -46,6 +46,15 @@ use upstream::{Fault, Upstream};
 /// How long a failing upstream is skipped.
 pub(crate) const EJECT_FOR: Duration = Duration::from_secs(10);
 
+/// Which upstream a forwarded request went to last (after any retries), and how
+/// long it took from sending the request to the upstream's response head (`None`
+/// when no head came): what the access log prints as `upstream` and `upstream_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct UpstreamReport {
+    pub(crate) addr: SocketAddr,
+    pub(crate) head: Option<Duration>,
+}
+
 /// The proxy of one site (one domain): its routes and their upstream state.
 #[derive(Debug)]
 pub(crate) struct Proxy {
@@ -71,14 +80,22 @@ impl Proxy {
         })
     }
 
-    pub(crate) async fn forward(&self, req: &RequestHead<'_>, body: StreamBody) -> Response {
+    /// The response, and the upstream that gave it (or failed to) when one was tried.
+    pub(crate) async fn forward(
+        &self,
+        req: &RequestHead<'_>,
+        body: StreamBody,
+    ) -> (Response, Option<UpstreamReport>) {
         // One spelling of the path for the origin, or 400.
         let path = match path::normalize(req.uri.path()) {
             Ok(p) => p,
             Err(e) => {
                 tracing::info!(target: "proxy", domain = %self.domain, peer = %req.peer, method = %req.method,
                     path = req.uri.path(), status = 400, reason = %e, "request refused");
-                return text(StatusCode::BAD_REQUEST, &format!("webship: the path has {e}\n"));
+                return (
+                    text(StatusCode::BAD_REQUEST, &format!("webship: the path has {e}\n")),
+                    None,
+                );
             }
         };
         let path = path.as_str();
@@ -90,7 +107,10 @@ impl Proxy {
             .iter()
             .find(|r| matched.starts_with(&r.route.path_prefix))
         else {
-            return text(StatusCode::NOT_FOUND, "webship: no route for this path\n");
+            return (
+                text(StatusCode::NOT_FOUND, "webship: no route for this path\n"),
+                None,
+            );
         };
         if let Err(refusal) = inspect::check(&state.route, req, &matched) {
             tracing::info!(target: "proxy", domain = %self.domain, peer = %req.peer, method = %req.method,
@@ -101,7 +121,7 @@ impl Proxy {
                     resp.headers.insert(http::header::ALLOW, v);
                 }
             }
-            return resp;
+            return (resp, None);
         }
         // A request that announces no body sends none: some fronts (h3) cannot tell an
         // empty body from one still coming, and a GET must not go out chunked.
@@ -158,9 +178,16 @@ impl RouteState {
         healthy
     }
 
-    async fn send(&self, req: &RequestHead<'_>, path: &str, body: StreamBody, domain: &str) -> Response {
+    async fn send(
+        &self,
+        req: &RequestHead<'_>,
+        path: &str,
+        body: StreamBody,
+        domain: &str,
+    ) -> (Response, Option<UpstreamReport>) {
         let retryable = is_idempotent(req.method) && !req.has_body();
         let mut body = Some(body);
+        let mut tried = None;
         for i in self.candidates() {
             let upstream = self.route.upstreams[i];
             let Some(this_body) = body.take().or_else(|| retryable.then(empty_body)) else {
@@ -173,25 +200,43 @@ impl RouteState {
                 Ok(r) => r,
                 Err(e) => {
                     tracing::info!(target: "proxy", %domain, %upstream, error = %e, "request cannot be forwarded");
-                    return text(
+                    let resp = text(
                         StatusCode::BAD_REQUEST,
                         "webship: the request cannot be forwarded\n",
                     );
+                    return (resp, tried);
                 }
             };
+            let sent = Instant::now();
             let failed = match self.exchange(request, &upload, bodiless).await {
-                Ok(resp) => return relay(resp, req.method, self.route.body_idle_timeout),
+                Ok(resp) => {
+                    let report = UpstreamReport {
+                        addr: upstream,
+                        head: Some(sent.elapsed()),
+                    };
+                    return (
+                        relay(resp, req.method, self.route.body_idle_timeout),
+                        Some(report),
+                    );
+                }
                 Err(failed) => failed,
             };
+            tried = Some(UpstreamReport {
+                addr: upstream,
+                head: None,
+            });
             // An unreachable upstream is the only failure another upstream may fix.
             if let Some(resp) = self.answer(failed, i, domain) {
-                return resp;
+                return (resp, tried);
             }
             if !retryable {
                 break;
             }
         }
-        text(StatusCode::BAD_GATEWAY, "webship: no upstream answered\n")
+        (
+            text(StatusCode::BAD_GATEWAY, "webship: no upstream answered\n"),
+            tried,
+        )
     }
 
     /// What the client gets for a failed exchange with upstream `i`, ejecting it

@@ -20,6 +20,7 @@ use quinn::crypto::rustls::QuicServerConfig;
 use super::{ServerError, Stack};
 use crate::config::{Config, Engine};
 use crate::ebpf::Programs;
+use crate::exchange::access::Sink;
 use crate::exchange::Drivers;
 use crate::passthrough::Passthrough;
 use crate::shutdown::Shutdown;
@@ -34,6 +35,9 @@ pub(super) struct Fixed {
     pub(super) programs: Option<Arc<Programs>>,
     /// The programs counting TCP health, when it is on and attached.
     pub(super) tcp_health: Option<Arc<Programs>>,
+    /// Where access log lines go (the file is opened once, at start; SIGUSR1 reopens
+    /// it); each generation brings its own format and sampling.
+    pub(super) access: Arc<Sink>,
 }
 
 /// TCP health's counter slots for this generation's sites and passthrough routes,
@@ -99,6 +103,7 @@ impl Generation {
             stack.service.clone(),
             fixed.shutdown.clone(),
             fixed.ktls.clone(),
+            &fixed.access,
         ));
         let passthrough = Passthrough::new(&config, fixed.engine, fixed.programs.clone()).map(Arc::new);
         let quic = stack

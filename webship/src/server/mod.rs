@@ -28,6 +28,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::config::{Config, TlsSource};
 use crate::control::ControlListener;
+use crate::exchange::access::{Sink, QUEUE_LINES};
 use crate::h3::H3Endpoint;
 use crate::passthrough::Decision;
 use crate::preflight::Report;
@@ -43,6 +44,7 @@ pub use process::{raise_fd_limit, Privilege, ProcessError};
 pub use reload::CheckError;
 
 // The errors a server can fail with, nameable by the binary.
+pub use crate::exchange::access::AccessLogError;
 pub use crate::h3::H3Error;
 pub use crate::proxy::ProxyError;
 pub use crate::tls::TlsError;
@@ -61,6 +63,8 @@ pub enum ServerError {
     Ebpf(#[from] crate::ebpf::EbpfError),
     #[error(transparent)]
     Handover(#[from] HandoverError),
+    #[error(transparent)]
+    AccessLog(#[from] AccessLogError),
     #[error(transparent)]
     Control(#[from] crate::control::ControlError),
     #[error("the inherited listening socket cannot be used: {0}")]
@@ -113,7 +117,10 @@ pub async fn run(
     // same folder; otherwise the predecessor removes them when it exits.
     let adopts_pins = inheriting_pins && plan.ebpf_loaded();
     let (trigger, shutdown) = crate::shutdown::channel();
+    // Opened as root, so a log folder only root may write to works.
+    let (access, access_writer) = Sink::open(config.access_log.path.as_deref(), QUEUE_LINES)?;
     let fixed = Fixed {
+        access: access.clone(),
         shutdown: shutdown.clone(),
         ktls: report
             .use_ktls()
@@ -129,9 +136,16 @@ pub async fn run(
         programs.watch_port(bound.local.port());
     }
     let control = bind_control(&config, takeover)?;
-    let hangup = reload::hangup_signal();
+    let signals = reload::Signals::watch();
+    if let Some((uid, gid)) = privilege.ids() {
+        if let Err(e) = access_writer.give_to(uid, gid) {
+            tracing::warn!(error = %e, "cannot hand the access log file to the service account: a SIGUSR1 that reopens it without a rotation will fail");
+        }
+    }
     drop_privileges(&config, &report, &plan, &privilege)?;
     drop(guard);
+    // Started by a switched thread: the writer runs as the service account.
+    access_writer.start()?;
     announce(&config, &report, &bound);
 
     let current = Arc::new(Current::new(first));
@@ -193,7 +207,7 @@ pub async fn run(
     };
     // The control socket, SIGHUP and `signal` are answered by one supervisor, the
     // accept loop's stop: SIGTERM or a takeover ends accepting.
-    let supervisor = reload::supervise(reloader, control, hangup, sockets, &predecessor, signal);
+    let supervisor = reload::supervise(reloader, control, signals, sockets, &predecessor, signal);
     let successor = front
         .accept_until(bound.listener, &permits, supervisor)
         .await
@@ -228,8 +242,18 @@ pub async fn run(
         successor.farewell().await;
     }
     plan.finish();
+    access.flush(ACCESS_FLUSH);
+    if access.dropped() > 0 {
+        tracing::warn!(
+            dropped = access.dropped(),
+            "access log lines dropped since start: the queue was full"
+        );
+    }
     Ok(())
 }
+
+/// How long the last access log lines may take to be written at exit.
+const ACCESS_FLUSH: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The control socket (`webship reload`, `webship serve --takeover`), in place of
 /// the running daemon's when taking over. One the file names must be bound (a live

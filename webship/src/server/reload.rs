@@ -19,6 +19,7 @@ use super::generation::{Current, Fixed, Generation};
 use super::{handover, process, ServerError, Stack};
 use crate::config::{self, Config, UdpPassthrough};
 use crate::control::{ControlListener, Incoming, Reply, Request};
+use crate::exchange::access::Sink;
 use crate::h3::H3Switch;
 
 /// A configuration refused, in the words `webship check` prints (after `webship: `).
@@ -305,6 +306,19 @@ fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<Strin
         &was.bpf_pin_dir,
         |v| v.display().to_string(),
     );
+    // The file is opened once, as root, at start (SIGUSR1 reopens the same path).
+    let log_path = |v: &Option<PathBuf>| {
+        v.as_ref()
+            .map_or_else(|| "standard error".into(), |p| p.display().to_string())
+    };
+    kept(
+        n,
+        "[log] access_path",
+        "writing the access log to",
+        &mut new.access_log.path,
+        &running.access_log.path,
+        log_path,
+    );
     let engine = (&mut new.passthrough_engine, &running.passthrough_engine);
     kept(
         n,
@@ -391,7 +405,7 @@ fn udp(v: &Option<UdpPassthrough>) -> String {
 pub(super) async fn supervise(
     mut reloader: Reloader,
     control: Option<ControlListener>,
-    mut hangup: Hangup,
+    mut signals: Signals,
     sockets: handover::Sockets<'_>,
     predecessor: &AtomicBool,
     stop: impl std::future::Future<Output = ()>,
@@ -406,9 +420,12 @@ pub(super) async fn supervise(
                     return Some(successor);
                 }
             }
-            Some(()) = next_hangup(&mut hangup) => {
+            Some(()) = next_signal(&mut signals.hangup) => {
                 tracing::info!("SIGHUP: reloading");
                 reloader.reload(None).await;
+            }
+            Some(()) = next_signal(&mut signals.reopen) => {
+                reopen_access_log(reloader.fixed.access.clone()).await;
             }
         }
     }
@@ -443,36 +460,71 @@ async fn next(requests: &mut Option<tokio::sync::mpsc::Receiver<Incoming>>) -> O
 }
 
 #[cfg(unix)]
-pub(super) type Hangup = Option<tokio::signal::unix::Signal>;
+type Watched = Option<tokio::signal::unix::Signal>;
 #[cfg(not(unix))]
-pub(super) type Hangup = Option<()>;
+type Watched = Option<()>;
 
-/// SIGHUP, registered before the daemon announces itself (from then on the signal no
-/// longer ends the process).
+/// The signals the supervisor answers besides SIGTERM: SIGHUP reloads, SIGUSR1
+/// reopens the access log. Registered before the daemon announces itself (from
+/// then on neither ends the process).
+pub(super) struct Signals {
+    hangup: Watched,
+    reopen: Watched,
+}
+
+impl Signals {
+    pub(super) fn watch() -> Self {
+        Self {
+            hangup: watch_signal(
+                #[cfg(unix)]
+                tokio::signal::unix::SignalKind::hangup(),
+                "cannot watch SIGHUP: reload through `webship reload` only",
+            ),
+            reopen: watch_signal(
+                #[cfg(unix)]
+                tokio::signal::unix::SignalKind::user_defined1(),
+                "cannot watch SIGUSR1: the access log cannot be reopened (rotate with copytruncate)",
+            ),
+        }
+    }
+}
+
 #[cfg(unix)]
-pub(super) fn hangup_signal() -> Hangup {
-    use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::hangup()) {
+fn watch_signal(kind: tokio::signal::unix::SignalKind, failed: &'static str) -> Watched {
+    match tokio::signal::unix::signal(kind) {
         Ok(s) => Some(s),
         Err(e) => {
-            tracing::warn!(error = %e, "cannot watch SIGHUP: reload through `webship reload` only");
+            tracing::warn!(error = %e, "{failed}");
             None
         }
     }
 }
 
 #[cfg(not(unix))]
-pub(super) fn hangup_signal() -> Hangup {
+fn watch_signal(failed: &'static str) -> Watched {
+    let _ = failed;
     None
 }
 
-async fn next_hangup(hangup: &mut Hangup) -> Option<()> {
+async fn next_signal(watched: &mut Watched) -> Option<()> {
     #[cfg(unix)]
-    if let Some(s) = hangup {
+    if let Some(s) = watched {
         return s.recv().await;
     }
-    let _ = hangup;
+    let _ = watched;
     std::future::pending().await
+}
+
+/// SIGUSR1: opens the access log's path again (logrotate moved the file and
+/// signalled); a failure keeps the old file.
+async fn reopen_access_log(sink: Arc<Sink>) {
+    let reopened = tokio::task::spawn_blocking(move || sink.reopen().map(|p| p.map(Path::to_owned))).await;
+    match reopened {
+        Ok(Ok(Some(path))) => tracing::info!(path = %path.display(), "SIGUSR1: access log reopened"),
+        Ok(Ok(None)) => tracing::info!("SIGUSR1: the access log goes to standard error, nothing to reopen"),
+        Ok(Err(e)) => tracing::warn!("access log not reopened, still writing to the previous file: {e}"),
+        Err(e) => tracing::warn!("access log not reopened, still writing to the previous file: {e}"),
+    }
 }
 
 #[cfg(test)]
@@ -492,7 +544,7 @@ mod tests {
         let mut new = running.clone();
         new.listen.set_port(9443);
         new.workers = running.workers + 1;
-        new.access_log = !running.access_log;
+        new.access_log.enabled = !running.access_log.enabled;
         let notes = keep_running(&mut new, &running, true);
         assert_eq!(notes.len(), 2, "{notes:?}");
         assert_eq!(
@@ -501,7 +553,10 @@ mod tests {
         );
         assert_eq!(new.listen, running.listen);
         assert_eq!(new.workers, running.workers);
-        assert_ne!(new.access_log, running.access_log, "what reloads is left alone");
+        assert_ne!(
+            new.access_log.enabled, running.access_log.enabled,
+            "what reloads is left alone"
+        );
     }
 
     #[test]

@@ -65,12 +65,15 @@ impl Mode {
 pub(crate) struct Route {
     pub(crate) site: Option<usize>,
     pub(crate) mode: Mode,
+    /// The upstream a proxied request went to last, and how long its head took.
+    pub(crate) upstream: Option<crate::proxy::UpstreamReport>,
 }
 
 impl Route {
     pub(crate) const REFUSED: Route = Route {
         site: None,
         mode: Mode::Refused,
+        upstream: None,
     };
 }
 
@@ -186,18 +189,25 @@ impl Service {
             let route = Route {
                 site: Some(site),
                 mode: Mode::WebTransport,
+                upstream: None,
             };
             return (resp, route);
         }
-        let (mut resp, mode) = match &self.serve[site] {
+        let (mut resp, mode, upstream) = match &self.serve[site] {
             Handler::Files(docroot) => (
                 crate::files::serve(docroot, req.method, req.uri.path(), req.headers).await,
                 Mode::Files,
+                None,
             ),
-            Handler::Proxy(_) if req.has_body() && !req.body_forwardable => {
-                (Response::status(StatusCode::MISDIRECTED_REQUEST), Mode::Proxy)
+            Handler::Proxy(_) if req.has_body() && !req.body_forwardable => (
+                Response::status(StatusCode::MISDIRECTED_REQUEST),
+                Mode::Proxy,
+                None,
+            ),
+            Handler::Proxy(proxy) => {
+                let (resp, upstream) = proxy.forward(req, body).await;
+                (resp, Mode::Proxy, upstream)
             }
-            Handler::Proxy(proxy) => (proxy.forward(req, body).await, Mode::Proxy),
         };
         if req.version != Version::HTTP_3 {
             if let Some(alt) = &self.alt_svc[site] {
@@ -207,6 +217,7 @@ impl Service {
         let route = Route {
             site: Some(site),
             mode,
+            upstream,
         };
         (resp, route)
     }

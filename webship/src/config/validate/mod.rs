@@ -8,6 +8,7 @@
 
 mod kernel;
 mod limits;
+mod log;
 mod passthrough;
 mod proxy;
 mod runtime;
@@ -88,6 +89,7 @@ impl Validator<'_> {
         );
         // Domains taken so far: site index, or `usize::MAX` for proxy and passthrough.
         let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+        let access_log = self.access_log(raw.log.as_ref());
         let mut sites = self.sites(&raw.sites, &top, &mut seen);
         let (passthrough, passthrough_udp) = match &raw.reverse_proxy {
             Some(proxy) => self.reverse_proxy(proxy, &mut sites, &mut seen),
@@ -116,7 +118,7 @@ impl Validator<'_> {
             passthrough_engine,
             passthrough_idle_timeout,
             passthrough_udp,
-            access_log: raw.log.and_then(|l| l.access).unwrap_or(false),
+            access_log,
             accept_proxy_protocol,
             user: raw.user,
             group: raw.group,

@@ -90,6 +90,8 @@ impl Validator<'_> {
                 // Unused: `dotfiles` is a file-site rule. A proxy forwards `/.env` like
                 // any path; the origin decides, or a route's `deny_paths`.
                 dotfiles: crate::config::Dotfiles::Deny,
+                // Proxied domains have no table of their own: `[log]`'s rate.
+                access_sample: None,
             });
         }
         (Vec::new(), None)

@@ -95,6 +95,10 @@ impl Validator<'_> {
             .webtransport
             .as_ref()
             .and_then(|w| self.webtransport(&format!("{key}.webtransport"), w, protocols));
+        let access_sample = site
+            .log
+            .as_ref()
+            .and_then(|l| self.site_log(&format!("{key}.log"), l));
         let (Some(root), Some(tls)) = (root, tls) else {
             return None;
         };
@@ -105,6 +109,7 @@ impl Validator<'_> {
             tls,
             webtransport,
             dotfiles: site.dotfiles.unwrap_or(top.dotfiles),
+            access_sample,
         })
     }
 
@@ -147,6 +152,7 @@ impl Validator<'_> {
             tls,
             webtransport,
             dotfiles: top.dotfiles,
+            access_sample: None,
         });
     }
 }
