@@ -160,7 +160,7 @@ impl LossyPath {
         let tbf = [
             "qdisc", "add", "dev", &host, "root", "tbf", "rate", "20mbit", "burst", "8kb", "limit", "8kb",
         ];
-        ok(Command::new("tc").args(tbf).output(), "tc", &tbf);
+        ok(Command::new("tc").args(tbf).output(), "tc", tbf);
         path
     }
 
