@@ -31,6 +31,8 @@ pub(super) struct Fixed {
     /// The passthrough engine resolved at start (and the eBPF programs it uses).
     pub(super) engine: Engine,
     pub(super) programs: Option<Arc<Programs>>,
+    /// The process's metrics: every generation's sites keep their slots in it.
+    pub(super) metrics: Arc<crate::metrics::Registry>,
 }
 
 /// One generation of the configuration, as new connections see it.
@@ -55,6 +57,7 @@ impl Generation {
             stack.service.clone(),
             fixed.shutdown.clone(),
             fixed.ktls.clone(),
+            &fixed.metrics,
         ));
         let passthrough = Passthrough::new(&config, fixed.engine, fixed.programs.clone()).map(Arc::new);
         let quic = stack

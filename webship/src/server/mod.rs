@@ -9,6 +9,7 @@
 //! server stops accepting (the kernel backlog absorbs the burst) instead of failing
 //! new clients. Draining is waiting for every permit to come back.
 
+mod collect;
 mod generation;
 mod handover;
 mod plan;
@@ -29,6 +30,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::config::{Config, TlsSource};
 use crate::control::ControlListener;
 use crate::h3::H3Endpoint;
+use crate::metrics::{Close, Protocol, Tracked, Transport};
 use crate::passthrough::Decision;
 use crate::preflight::Report;
 use crate::service::Service;
@@ -121,8 +123,12 @@ pub async fn run(
             .filter(|support| !support.is_empty()),
         engine: plan.engine(),
         programs: plan.programs(),
+        metrics: crate::metrics::Registry::new(),
     };
+    let metrics = fixed.metrics.clone();
+    metrics.register(Box::new(collect::Passthrough::new(plan.programs())));
     let first = Generation::new(1, config.clone(), stack, &fixed)?;
+    metrics.set_generation(1);
     let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
     let control = bind_control(&config, takeover)?;
     let hangup = reload::hangup_signal();
@@ -168,6 +174,7 @@ pub async fn run(
         current: current.clone(),
         bbr: report.use_bbr(),
     };
+    metrics.set_ready(true);
     // READY=1 (systemd): bound, preflight passed, privileges dropped, serving.
     let mut reporter = systemd::Reporter::serving(current.clone(), permits.clone(), limit);
     let control_file = control.as_ref().map(|c| reload::SocketFile::of(c.path()));
@@ -194,6 +201,7 @@ pub async fn run(
         .accept_until(bound.listener, &permits, supervisor)
         .await
         .flatten();
+    metrics.set_ready(false);
     // The copies kept for a successor go too: once the accept loop has dropped its
     // listener, nothing may hold the port open (the kernel would keep completing
     // handshakes nobody accepts).
@@ -458,39 +466,59 @@ async fn connection(
     _permit: OwnedSemaphorePermit,
 ) {
     let (acceptor, drivers) = (&generation.stack.acceptor, &generation.drivers);
+    let mut tracked = Tracked::accepted(drivers.metrics.connections(), Transport::Tcp);
     let handshake_timeout = drivers.limits.handshake_timeout;
     // Before anything else reads: a load balancer's PROXY header names the client.
     let listed = &drivers.accept_proxy_protocol;
     let Some(ends) = crate::proxy_protocol::accept::accept(&tcp, peer, listed, handshake_timeout).await
     else {
-        return;
+        return tracked.close(Protocol::None, Close::ProxyHeader);
     };
     let peer = ends.client;
     if let Some(pt) = &generation.passthrough {
         match pt.decide(&tcp, handshake_timeout).await {
-            Decision::Forward(route) => return pt.forward(route, tcp, ends).await,
+            Decision::Forward(route) => {
+                // Its ends are counted by reason in the passthrough counters.
+                tracked.close(Protocol::Passthrough, Close::Closed);
+                return pt.forward(route, tcp, ends).await;
+            }
             Decision::Close(reason) => {
+                tracked.close(Protocol::None, Close::NoRoute);
                 return tracing::debug!(%peer, reason, "passthrough: closed");
             }
             Decision::Terminate => {}
         }
     }
     if acceptor.is_empty() {
-        return;
+        return tracked.close(Protocol::None, Close::NoRoute);
     }
     let accepted = match acceptor.accept(tcp, handshake_timeout).await {
         Ok(a) => a,
         Err(e) => {
+            let reason = match e {
+                crate::tls::AcceptError::Timeout => Close::HandshakeTimeout,
+                crate::tls::AcceptError::Io(_) => Close::HandshakeFailed,
+            };
+            tracked.close(Protocol::None, reason);
             tracing::debug!(%peer, error = %e, "handshake failed");
             return;
         }
     };
+    let protocol = match accepted.alpn {
+        crate::tls::Alpn::H1 => Protocol::H1,
+        crate::tls::Alpn::H2 => Protocol::H2,
+    };
+    // Counted as closed in order unless the driver says otherwise (a task dropped at
+    // the end of the drain too).
+    tracked.close(protocol, Close::Closed);
     let tls = accepted.tls_info();
     let ctx = drivers.connection(peer, accepted.site, tls);
     if let Err(e) = crate::http::serve(accepted, ctx).await {
+        tracked.close(protocol, e.close());
         tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
 }
+
 
 fn announce(config: &Config, report: &Report, bound: &Bound) {
     let udp = match (&bound.h3, &bound.relay) {

@@ -49,6 +49,11 @@ pub(crate) enum Mode {
 }
 
 impl Mode {
+    /// Its index in the metrics' `mode` label table (`metrics::MODES`).
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Mode::Files => "files",
@@ -127,6 +132,11 @@ impl Service {
     /// A site's configured domain (`*.example.com`, `_` for the catch-all).
     pub(crate) fn site_name(&self, site: usize) -> Option<&Arc<str>> {
         self.names.get(site)
+    }
+
+    /// Every site's name, by index.
+    pub(crate) fn site_names(&self) -> &[Arc<str>] {
+        &self.names
     }
 
     /// The sites by name (the TLS layer's table).
