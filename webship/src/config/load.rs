@@ -90,6 +90,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         passthrough_udp: None,
         access_log: false,
         control_socket: None,
+        admin: None,
         accept_proxy_protocol: Vec::new(),
         user: None,
         group: None,

@@ -108,7 +108,9 @@ impl Record {
     /// The record of `head`'s exchange, answered with `status` by `route`.
     pub(crate) fn new(ctx: &ConnContext, head: &RequestHead<'_>, route: Route, status: u16) -> Self {
         let proto = Proto::of(head.version);
-        ctx.metrics.site(route.site).begin(proto as usize, route.mode.index());
+        ctx.metrics
+            .site(route.site)
+            .begin(proto as usize, route.mode.index());
         let line = ctx.access_log.then(|| {
             let header = |name| head.headers.get(name).cloned();
             Box::new(RequestLine {
@@ -136,7 +138,9 @@ impl Record {
     /// too large, too slow).
     pub(crate) fn refused(ctx: &ConnContext, proto: Proto, status: u16) -> Self {
         let route = Route::REFUSED;
-        ctx.metrics.site(route.site).begin(proto as usize, route.mode.index());
+        ctx.metrics
+            .site(route.site)
+            .begin(proto as usize, route.mode.index());
         Self {
             ctx: ctx.clone(),
             proto,

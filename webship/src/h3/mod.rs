@@ -453,7 +453,10 @@ async fn connection(
             }
             Ok(None) => break,
             Err(e) => {
-                tracked.close(Protocol::H3, quic.close_reason().map_or(Close::Error, |r| close_reason(&r)));
+                tracked.close(
+                    Protocol::H3,
+                    quic.close_reason().map_or(Close::Error, |r| close_reason(&r)),
+                );
                 tracing::debug!(%peer, error = %e, "h3: connection ended");
                 break;
             }

@@ -33,9 +33,10 @@ impl ConnError {
         use std::io::ErrorKind;
         let io = |e: &std::io::Error| match e.kind() {
             ErrorKind::TimedOut => Close::HeaderTimeout,
-            ErrorKind::ConnectionReset | ErrorKind::BrokenPipe | ErrorKind::UnexpectedEof | ErrorKind::ConnectionAborted => {
-                Close::Reset
-            }
+            ErrorKind::ConnectionReset
+            | ErrorKind::BrokenPipe
+            | ErrorKind::UnexpectedEof
+            | ErrorKind::ConnectionAborted => Close::Reset,
             ErrorKind::InvalidData => Close::ProtocolError,
             _ => Close::Error,
         };
@@ -49,7 +50,9 @@ impl ConnError {
             ConnError::Hyper(hyper::HyperError::NoPreface) => Close::HandshakeTimeout,
             ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_timeout() => Close::HeaderTimeout,
             ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_parse() => Close::ProtocolError,
-            ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_incomplete_message() || e.is_closed() => Close::Reset,
+            ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_incomplete_message() || e.is_closed() => {
+                Close::Reset
+            }
             ConnError::Hyper(hyper::HyperError::Hyper(e)) => {
                 match std::error::Error::source(e).and_then(|s| s.downcast_ref::<std::io::Error>()) {
                     Some(e) => io(e),

@@ -253,7 +253,9 @@ mod tests {
     fn accept_picks_the_format() {
         assert_eq!(Format::negotiate(None), Format::Prometheus);
         assert_eq!(
-            Format::negotiate(Some("application/openmetrics-text;version=1.0.0,text/plain;q=0.5")),
+            Format::negotiate(Some(
+                "application/openmetrics-text;version=1.0.0,text/plain;q=0.5"
+            )),
             Format::OpenMetrics
         );
         assert_eq!(Format::negotiate(Some("text/plain")), Format::Prometheus);

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 /// Upper bounds in seconds, ascending; `+Inf` is implied.
 pub(crate) const BOUNDS: [f64; 20] = [
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
-    300.0, 600.0, 1200.0, 1800.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+    600.0, 1200.0, 1800.0,
 ];
 
 /// The same bounds in microseconds, what observations are compared with.

@@ -323,7 +323,11 @@ impl Registry {
                 if let Some(slot) = known.iter().find(|s| s.name == *name) {
                     return slot.clone();
                 }
-                let name = if known.len() < MAX_SITES { name.clone() } else { OTHER_SITES.into() };
+                let name = if known.len() < MAX_SITES {
+                    name.clone()
+                } else {
+                    OTHER_SITES.into()
+                };
                 if let Some(other) = known.iter().find(|s| s.name == name) {
                     return other.clone();
                 }
@@ -390,14 +394,26 @@ impl Registry {
             .start_time
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default();
-        out.family("process_start_time_seconds", Kind::Gauge, "When the process started, in seconds since the epoch.")
-            .sample(&[], start.as_secs_f64());
-        out.family("webship_uptime_seconds", Kind::Gauge, "Seconds since the process started.")
-            .sample(&[], self.started.elapsed().as_secs_f64());
+        out.family(
+            "process_start_time_seconds",
+            Kind::Gauge,
+            "When the process started, in seconds since the epoch.",
+        )
+        .sample(&[], start.as_secs_f64());
+        out.family(
+            "webship_uptime_seconds",
+            Kind::Gauge,
+            "Seconds since the process started.",
+        )
+        .sample(&[], self.started.elapsed().as_secs_f64());
         let p = process::Process::read();
         if let Some(v) = p.rss_bytes {
-            out.family("process_resident_memory_bytes", Kind::Gauge, "Resident memory (VmRSS).")
-                .sample(&[], v);
+            out.family(
+                "process_resident_memory_bytes",
+                Kind::Gauge,
+                "Resident memory (VmRSS).",
+            )
+            .sample(&[], v);
         }
         if let Some(v) = p.open_fds {
             out.family("process_open_fds", Kind::Gauge, "Open file descriptors.")
@@ -411,27 +427,51 @@ impl Registry {
             out.family("process_cpu_seconds", Kind::Counter, "User and system CPU time.")
                 .sample(&[], v.as_secs_f64());
         }
-        out.family("webship_config_generation", Kind::Gauge, "The configuration generation serving new connections (1 at start, one more per applied reload).")
-            .sample(&[], self.generation.load(Ordering::Relaxed));
-        out.family("webship_config_reloads", Kind::Counter, "Reloads tried, by result.");
+        out.family(
+            "webship_config_generation",
+            Kind::Gauge,
+            "The configuration generation serving new connections (1 at start, one more per applied reload).",
+        )
+        .sample(&[], self.generation.load(Ordering::Relaxed));
+        out.family(
+            "webship_config_reloads",
+            Kind::Counter,
+            "Reloads tried, by result.",
+        );
         for (result, count) in ["applied", "refused"].iter().zip(&self.reloads) {
             out.sample(&[("result", result)], load(count));
         }
-        out.family("webship_ready", Kind::Gauge, "1 while serving and not draining (what /readyz answers).")
-            .sample(&[], u64::from(self.is_ready()));
+        out.family(
+            "webship_ready",
+            Kind::Gauge,
+            "1 while serving and not draining (what /readyz answers).",
+        )
+        .sample(&[], u64::from(self.is_ready()));
     }
 
     fn render_connections(&self, out: &mut Encoder) {
         let c = &self.connections;
-        out.family("webship_connections_accepted", Kind::Counter, "Connections accepted, by transport.");
+        out.family(
+            "webship_connections_accepted",
+            Kind::Counter,
+            "Connections accepted, by transport.",
+        );
         for (t, name) in TRANSPORTS.iter().enumerate() {
             out.sample(&[("transport", name)], load(&c.accepted[t]));
         }
-        out.family("webship_connections_refused", Kind::Counter, "Connections refused at accept (QUIC over max_connections), by transport.");
+        out.family(
+            "webship_connections_refused",
+            Kind::Counter,
+            "Connections refused at accept (QUIC over max_connections), by transport.",
+        );
         for (t, name) in TRANSPORTS.iter().enumerate() {
             out.sample(&[("transport", name)], load(&c.refused[t]));
         }
-        out.family("webship_connections_open", Kind::Gauge, "Connections open now, by transport.");
+        out.family(
+            "webship_connections_open",
+            Kind::Gauge,
+            "Connections open now, by transport.",
+        );
         let mut closed_by_transport = [0u64; TRANSPORTS.len()];
         // Closes first, then accepts (both only grow): never negative.
         for (t, closed) in closed_by_transport.iter_mut().enumerate() {
@@ -448,7 +488,11 @@ impl Registry {
                     let n = load(&c.closed[t][p][reason as usize]);
                     if n > 0 {
                         out.sample(
-                            &[("transport", transport), ("protocol", protocol), ("reason", reason.as_str())],
+                            &[
+                                ("transport", transport),
+                                ("protocol", protocol),
+                                ("reason", reason.as_str()),
+                            ],
                             n,
                         );
                     }
@@ -461,7 +505,11 @@ impl Registry {
 /// The exchange families, every site's series under each (series appear once
 /// non-zero, so a site without h3 traffic has no h3 series).
 fn render_sites(out: &mut Encoder, sites: &[&SiteMetrics]) {
-    out.family("webship_http_requests", Kind::Counter, "Requests answered (the exchange began), by site, protocol and mode.");
+    out.family(
+        "webship_http_requests",
+        Kind::Counter,
+        "Requests answered (the exchange began), by site, protocol and mode.",
+    );
     for s in sites {
         for (p, proto) in PROTOS.iter().enumerate() {
             for (m, mode) in MODES.iter().enumerate() {
@@ -472,20 +520,36 @@ fn render_sites(out: &mut Encoder, sites: &[&SiteMetrics]) {
             }
         }
     }
-    out.family("webship_http_responses", Kind::Counter, "Responses ended, by site, protocol, mode and status class.");
+    out.family(
+        "webship_http_responses",
+        Kind::Counter,
+        "Responses ended, by site, protocol, mode and status class.",
+    );
     for s in sites {
         for (p, proto) in PROTOS.iter().enumerate() {
             for (m, mode) in MODES.iter().enumerate() {
                 for (c, code) in CLASSES.iter().enumerate() {
                     let n = load(&s.responses[p][m][c]);
                     if n > 0 {
-                        out.sample(&[("site", &s.name), ("proto", proto), ("mode", mode), ("code", code)], n);
+                        out.sample(
+                            &[
+                                ("site", &s.name),
+                                ("proto", proto),
+                                ("mode", mode),
+                                ("code", code),
+                            ],
+                            n,
+                        );
                     }
                 }
             }
         }
     }
-    out.family("webship_http_response_outcomes", Kind::Counter, "Responses ended, by site, protocol and how they ended.");
+    out.family(
+        "webship_http_response_outcomes",
+        Kind::Counter,
+        "Responses ended, by site, protocol and how they ended.",
+    );
     for s in sites {
         for (p, proto) in PROTOS.iter().enumerate() {
             for (o, outcome) in OUTCOMES.iter().enumerate() {
@@ -496,7 +560,11 @@ fn render_sites(out: &mut Encoder, sites: &[&SiteMetrics]) {
             }
         }
     }
-    out.family("webship_http_response_body_bytes", Kind::Counter, "Response body bytes handed to the connection, counted when the response ends.");
+    out.family(
+        "webship_http_response_body_bytes",
+        Kind::Counter,
+        "Response body bytes handed to the connection, counted when the response ends.",
+    );
     for s in sites {
         for (p, proto) in PROTOS.iter().enumerate() {
             for (m, mode) in MODES.iter().enumerate() {
@@ -507,7 +575,11 @@ fn render_sites(out: &mut Encoder, sites: &[&SiteMetrics]) {
             }
         }
     }
-    out.family("webship_http_requests_in_flight", Kind::Gauge, "Exchanges begun and not ended, by site and protocol.");
+    out.family(
+        "webship_http_requests_in_flight",
+        Kind::Gauge,
+        "Exchanges begun and not ended, by site and protocol.",
+    );
     for s in sites {
         for (p, proto) in PROTOS.iter().enumerate() {
             if s.started[p].iter().any(|a| load(a) > 0) {
@@ -516,8 +588,16 @@ fn render_sites(out: &mut Encoder, sites: &[&SiteMetrics]) {
         }
     }
     let histograms = [
-        ("webship_http_time_to_first_byte_seconds", "From the complete request head to the first pull of the response body, by site and protocol.", 0),
-        ("webship_http_time_to_last_byte_seconds", "From the complete request head to the end of the response, by site and protocol.", 1),
+        (
+            "webship_http_time_to_first_byte_seconds",
+            "From the complete request head to the first pull of the response body, by site and protocol.",
+            0,
+        ),
+        (
+            "webship_http_time_to_last_byte_seconds",
+            "From the complete request head to the end of the response, by site and protocol.",
+            1,
+        ),
     ];
     for (name, help, which) in histograms {
         out.family(name, Kind::Histogram, help);
@@ -526,7 +606,12 @@ fn render_sites(out: &mut Encoder, sites: &[&SiteMetrics]) {
                 let h = if which == 0 { &s.ttfb[p] } else { &s.ttlb[p] };
                 let snap = h.snapshot();
                 if snap.count > 0 {
-                    out.histogram(&[("site", &s.name), ("proto", proto)], snap.buckets(), snap.sum, snap.count);
+                    out.histogram(
+                        &[("site", &s.name), ("proto", proto)],
+                        snap.buckets(),
+                        snap.sum,
+                        snap.count,
+                    );
                 }
             }
         }
@@ -572,11 +657,15 @@ mod tests {
         second.site(None).begin(0, 3);
         let text = registry.render(Format::Prometheus);
         assert!(
-            text.contains("webship_http_response_body_bytes_total{site=\"b.test\",proto=\"h2\",mode=\"files\"} 1500\n"),
+            text.contains(
+                "webship_http_response_body_bytes_total{site=\"b.test\",proto=\"h2\",mode=\"files\"} 1500\n"
+            ),
             "{text}"
         );
         assert!(
-            text.contains("webship_http_responses_total{site=\"b.test\",proto=\"h2\",mode=\"files\",code=\"2xx\"} 2\n"),
+            text.contains(
+                "webship_http_responses_total{site=\"b.test\",proto=\"h2\",mode=\"files\",code=\"2xx\"} 2\n"
+            ),
             "{text}"
         );
         assert!(
@@ -584,10 +673,15 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains("webship_http_time_to_last_byte_seconds_bucket{site=\"b.test\",proto=\"h2\",le=\"0.05\"} 2\n"),
+            text.contains(
+                "webship_http_time_to_last_byte_seconds_bucket{site=\"b.test\",proto=\"h2\",le=\"0.05\"} 2\n"
+            ),
             "{text}"
         );
-        assert!(!text.contains("a.test\",proto"), "a.test never served: no series\n{text}");
+        assert!(
+            !text.contains("a.test\",proto"),
+            "a.test never served: no series\n{text}"
+        );
     }
 
     #[test]
@@ -609,8 +703,14 @@ mod tests {
         drop(closed);
         let _quic = Tracked::accepted(c, Transport::Quic);
         let text = registry.render(Format::OpenMetrics);
-        assert!(text.contains("webship_connections_open{transport=\"tcp\"} 1\n"), "{text}");
-        assert!(text.contains("webship_connections_open{transport=\"quic\"} 1\n"), "{text}");
+        assert!(
+            text.contains("webship_connections_open{transport=\"tcp\"} 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("webship_connections_open{transport=\"quic\"} 1\n"),
+            "{text}"
+        );
         assert!(
             text.contains("webship_connections_closed_total{transport=\"tcp\",protocol=\"h1\",reason=\"send_timeout\"} 1\n"),
             "{text}"
@@ -629,7 +729,10 @@ mod tests {
         let names = family_names(&registry.render(Format::Prometheus));
         assert!(names.len() > 20, "{names:?}");
         for name in names {
-            assert!(docs.contains(&format!("`{name}`")), "{name} is not in docs/metrics.md");
+            assert!(
+                docs.contains(&format!("`{name}`")),
+                "{name} is not in docs/metrics.md"
+            );
         }
     }
 }

@@ -33,7 +33,9 @@ impl Process {
             rss_bytes: field("VmRSS:").map(|kib| kib * 1024),
             threads: field("Threads:"),
             open_fds: open_fds(),
-            cpu: std::fs::read_to_string("/proc/self/stat").ok().and_then(|s| cpu(&s)),
+            cpu: std::fs::read_to_string("/proc/self/stat")
+                .ok()
+                .and_then(|s| cpu(&s)),
         }
     }
 }

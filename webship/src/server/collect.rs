@@ -22,19 +22,35 @@ impl Collector for Passthrough {
     fn collect(&self, out: &mut Encoder) {
         let values = super::plan::Plan::totals(self.programs.as_deref());
         let v = |c: Counter| values[c as usize];
-        out.family("webship_passthrough_connections", Kind::Counter, "TLS passthrough connections handed to an upstream.")
-            .sample(&[], v(Counter::Steered));
-        out.family("webship_passthrough_bytes", Kind::Counter, "TLS passthrough payload bytes, by direction (up: client to origin).")
-            .sample(&[("direction", "up")], v(Counter::BytesUp))
-            .sample(&[("direction", "down")], v(Counter::BytesDown));
-        out.family("webship_passthrough_refused", Kind::Counter, "TLS passthrough connections closed before an upstream carried them, by reason.")
-            .sample(&[("reason", "sni_miss")], v(Counter::SniMisses))
-            .sample(&[("reason", "bad_hello")], v(Counter::BadHellos))
-            .sample(&[("reason", "upstream_failure")], v(Counter::UpstreamFailures));
-        out.family("webship_passthrough_closed", Kind::Counter, "TLS passthrough connections ended, by reason.")
-            .sample(&[("reason", "clean")], v(Counter::ClosedClean))
-            .sample(&[("reason", "reset")], v(Counter::ClosedReset))
-            .sample(&[("reason", "idle")], v(Counter::ClosedIdle))
-            .sample(&[("reason", "stalled")], v(Counter::ClosedStalled));
+        out.family(
+            "webship_passthrough_connections",
+            Kind::Counter,
+            "TLS passthrough connections handed to an upstream.",
+        )
+        .sample(&[], v(Counter::Steered));
+        out.family(
+            "webship_passthrough_bytes",
+            Kind::Counter,
+            "TLS passthrough payload bytes, by direction (up: client to origin).",
+        )
+        .sample(&[("direction", "up")], v(Counter::BytesUp))
+        .sample(&[("direction", "down")], v(Counter::BytesDown));
+        out.family(
+            "webship_passthrough_refused",
+            Kind::Counter,
+            "TLS passthrough connections closed before an upstream carried them, by reason.",
+        )
+        .sample(&[("reason", "sni_miss")], v(Counter::SniMisses))
+        .sample(&[("reason", "bad_hello")], v(Counter::BadHellos))
+        .sample(&[("reason", "upstream_failure")], v(Counter::UpstreamFailures));
+        out.family(
+            "webship_passthrough_closed",
+            Kind::Counter,
+            "TLS passthrough connections ended, by reason.",
+        )
+        .sample(&[("reason", "clean")], v(Counter::ClosedClean))
+        .sample(&[("reason", "reset")], v(Counter::ClosedReset))
+        .sample(&[("reason", "idle")], v(Counter::ClosedIdle))
+        .sample(&[("reason", "stalled")], v(Counter::ClosedStalled));
     }
 }

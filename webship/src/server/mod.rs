@@ -9,6 +9,7 @@
 //! server stops accepting (the kernel backlog absorbs the burst) instead of failing
 //! new clients. Draining is waiting for every permit to come back.
 
+mod admin;
 mod collect;
 mod generation;
 mod handover;
@@ -38,6 +39,7 @@ use crate::service::Service;
 /// watchdog (see the module).
 pub use crate::sys::notify;
 use crate::tls::{Acceptor, SiteNames};
+pub use admin::AdminError;
 use generation::{Current, Fixed, Generation};
 pub use handover::HandoverError;
 use plan::Plan;
@@ -65,6 +67,8 @@ pub enum ServerError {
     Handover(#[from] HandoverError),
     #[error(transparent)]
     Control(#[from] crate::control::ControlError),
+    #[error(transparent)]
+    Admin(#[from] AdminError),
     #[error("the inherited listening socket cannot be used: {0}")]
     Inherited(std::io::Error),
     #[error(
@@ -131,10 +135,21 @@ pub async fn run(
     metrics.set_generation(1);
     let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
     let control = bind_control(&config, takeover)?;
+    let admin = config
+        .admin
+        .as_ref()
+        .map(admin::AdminListener::bind)
+        .transpose()?;
     let hangup = reload::hangup_signal();
     drop_privileges(&config, &report, &plan, &privilege)?;
     drop(guard);
     announce(&config, &report, &bound);
+    let admin_task = admin.map(|admin| {
+        if let Some(addr) = admin.local_addr() {
+            tracing::info!(%addr, "admin listener: /metrics, /healthz, /readyz");
+        }
+        tokio::spawn(admin.serve(metrics.clone()))
+    });
 
     let current = Arc::new(Current::new(first));
     let limit = config.limits.max_connections;
@@ -202,6 +217,12 @@ pub async fn run(
         .await
         .flatten();
     metrics.set_ready(false);
+    if successor.is_some() {
+        // The successor answers health checks and scrapes from now on.
+        if let Some(task) = &admin_task {
+            task.abort();
+        }
+    }
     // The copies kept for a successor go too: once the accept loop has dropped its
     // listener, nothing may hold the port open (the kernel would keep completing
     // handshakes nobody accepts).
@@ -223,7 +244,7 @@ pub async fn run(
     let last = current.load();
     drain(&permits, limit, last.config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
-    for task in [h3_task, relay_task].into_iter().flatten() {
+    for task in [h3_task, relay_task, admin_task].into_iter().flatten() {
         task.abort();
     }
     drop(reporter);
@@ -518,7 +539,6 @@ async fn connection(
         tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
 }
-
 
 fn announce(config: &Config, report: &Report, bound: &Bound) {
     let udp = match (&bound.h3, &bound.relay) {

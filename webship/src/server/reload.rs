@@ -282,6 +282,25 @@ fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<Strin
         &running.control_socket,
         path,
     );
+    kept(
+        n,
+        "[admin]",
+        "serving",
+        &mut new.admin,
+        &running.admin,
+        |v| match v {
+            Some(a) => format!(
+                "{}{}",
+                a.listen,
+                if a.token_file.is_some() {
+                    " with a token"
+                } else {
+                    ""
+                }
+            ),
+            None => "(none)".into(),
+        },
+    );
     let (kernel, was) = (&mut new.kernel, &running.kernel);
     kept(n, "[kernel] ktls", "using", &mut kernel.ktls, &was.ktls, |v| {
         shown(v)
