@@ -17,6 +17,7 @@
 pub(crate) mod congestion;
 mod fields;
 pub(crate) mod generation;
+pub(crate) mod stats;
 pub(crate) mod uni;
 
 use std::net::SocketAddr;
@@ -344,6 +345,8 @@ async fn connection(
         }
     };
     tracked.close(Protocol::H3, Close::Closed);
+    // Declared before everything that holds the connection: read last, once closed.
+    let _stats = stats::OnEnd(conn.clone());
     let sni = conn
         .handshake_data()
         .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())

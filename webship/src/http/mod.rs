@@ -15,7 +15,7 @@ use crate::exchange::ConnContext;
 use crate::metrics::Close;
 use crate::tls::{Accepted, Alpn};
 
-pub(crate) use batch::WriteBatch;
+pub(crate) use batch::{Metrics as BatchMetrics, WriteBatch};
 
 /// Why a connection ended early.
 #[derive(Debug, thiserror::Error)]

@@ -37,6 +37,7 @@ use crate::sys::{self, KtlsCipher, KtlsDirection, KtlsKeys, KtlsVersion};
 static PROMOTIONS: AtomicU64 = AtomicU64::new(0);
 static SENDFILE_BYTES: AtomicU64 = AtomicU64::new(0);
 static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+static LOST: AtomicU64 = AtomicU64::new(0);
 
 /// Process-wide kTLS counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +45,8 @@ pub(crate) struct Counters {
     pub promotions: u64,
     pub sendfile_bytes: u64,
     pub fallbacks: u64,
+    /// Connections lost in a promotion (the kernel refused the keys).
+    pub lost: u64,
 }
 
 pub(crate) fn counters() -> Counters {
@@ -51,7 +54,38 @@ pub(crate) fn counters() -> Counters {
         promotions: PROMOTIONS.load(Ordering::Relaxed),
         sendfile_bytes: SENDFILE_BYTES.load(Ordering::Relaxed),
         fallbacks: FALLBACKS.load(Ordering::Relaxed),
+        lost: LOST.load(Ordering::Relaxed),
     }
+}
+
+/// The kTLS counters as metric families, read at scrape time.
+#[derive(Debug)]
+pub(crate) struct Metrics;
+
+impl crate::metrics::Collector for Metrics {
+    fn collect(&self, out: &mut crate::metrics::Encoder) {
+        let c = counters();
+        out.family(
+            "webship_ktls_promotions",
+            crate::metrics::Kind::Counter,
+            "HTTP/1.1 promotions to kernel TLS tried, by result (kernel: promoted; stayed: left in rustls; lost: the connection was lost).",
+        )
+        .sample(&[("result", "kernel")], c.promotions)
+        .sample(&[("result", "stayed")], c.fallbacks)
+        .sample(&[("result", "lost")], c.lost);
+        out.family(
+            "webship_ktls_sendfile_bytes",
+            crate::metrics::Kind::Counter,
+            "Response bytes sent with sendfile over kernel TLS.",
+        )
+        .sample(&[], c.sendfile_bytes);
+    }
+}
+
+/// A promotion that lost its connection: counted where it is returned.
+fn lost(e: PromoteError) -> Promotion {
+    LOST.fetch_add(1, Ordering::Relaxed);
+    Promotion::Lost(e)
 }
 
 /// The suites preflight found the kernel able to take over (TX and RX).
@@ -242,7 +276,7 @@ pub(crate) fn promote(tls: RustlsStream, support: &Support) -> Promotion {
     }
     let secrets = match conn.dangerous_extract_secrets() {
         Ok(s) => s,
-        Err(e) => return Promotion::Lost(sys::KtlsError::Refused("rustls", io::Error::other(e)).into()),
+        Err(e) => return lost(sys::KtlsError::Refused("rustls", io::Error::other(e)).into()),
     };
     let tcp = io.inner;
     for (direction, (seq, secrets)) in [(KtlsDirection::Tx, secrets.tx), (KtlsDirection::Rx, secrets.rx)] {
@@ -250,7 +284,7 @@ pub(crate) fn promote(tls: RustlsStream, support: &Support) -> Promotion {
             ConnectionTrafficSecrets::Aes128Gcm { key, iv }
             | ConnectionTrafficSecrets::Aes256Gcm { key, iv }
             | ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (key.as_ref(), iv.as_ref()),
-            _ => return Promotion::Lost(PromoteError::Suite),
+            _ => return lost(PromoteError::Suite),
         };
         let keys = KtlsKeys {
             version: suite.0,
@@ -260,7 +294,7 @@ pub(crate) fn promote(tls: RustlsStream, support: &Support) -> Promotion {
             seq,
         };
         if let Err(e) = sys::set_ktls_keys(&tcp, direction, &keys) {
-            return Promotion::Lost(e.into());
+            return lost(e.into());
         }
     }
     PROMOTIONS.fetch_add(1, Ordering::Relaxed);

@@ -21,13 +21,15 @@
 pub(crate) mod encode;
 mod histogram;
 mod process;
+mod values;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 pub(crate) use encode::{Encoder, Format, Kind};
-use histogram::Histogram;
+pub(crate) use histogram::Histogram;
+pub(crate) use values::Values;
 
 /// The `proto` label, by the exchange's protocol index.
 pub(crate) const PROTOS: [&str; 3] = ["h1", "h2", "h3"];

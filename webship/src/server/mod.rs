@@ -131,6 +131,8 @@ pub async fn run(
     };
     let metrics = fixed.metrics.clone();
     metrics.register(Box::new(collect::Passthrough::new(plan.programs())));
+    let engine = plan.passthrough.is_some().then(|| plan.engine());
+    collect::register_subsystems(&metrics, plan.programs(), engine);
     let first = Generation::new(1, config.clone(), stack, &fixed)?;
     metrics.set_generation(1);
     let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
@@ -570,3 +572,4 @@ fn announce(config: &Config, report: &Report, bound: &Bound) {
         );
     }
 }
+

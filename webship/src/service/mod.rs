@@ -114,7 +114,7 @@ impl Service {
                 .map(|s| {
                     s.webtransport
                         .clone()
-                        .map(|w| Arc::new(crate::webtransport::Endpoint::new(w)))
+                        .map(|w| Arc::new(crate::webtransport::Endpoint::for_site(w, &s.domain.to_string())))
                 })
                 .collect(),
             webtransport_h2: config
