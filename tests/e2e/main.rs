@@ -25,6 +25,7 @@ mod proxy_protocol;
 mod reload;
 mod sites;
 mod stalls;
+mod subsystem_metrics;
 mod support;
 mod systemd;
 mod tls;

@@ -43,7 +43,9 @@ static CWND: Values = Values::new(
 /// The path MTU reached (DPLPMTUD), in bytes: QUIC's 1200-byte floor, common
 /// tunnel and Ethernet sizes, jumbo frames, loopback.
 static MTU: Values = Values::new(
-    &[1200, 1280, 1350, 1400, 1452, 1472, 1500, 4000, 9000, 16_384, 65_527],
+    &[
+        1200, 1280, 1350, 1400, 1452, 1472, 1500, 4000, 9000, 16_384, 65_527,
+    ],
     1.0,
 );
 /// UDP datagrams per send call over the connection's life (GSO batching).

@@ -169,7 +169,10 @@ impl Collector for Metrics {
         for u in &known {
             // Closes first (both only grow): never negative.
             let closed = load(&u.closed);
-            out.sample(&[("upstream", &u.label)], load(&u.connects).saturating_sub(closed));
+            out.sample(
+                &[("upstream", &u.label)],
+                load(&u.connects).saturating_sub(closed),
+            );
         }
         out.family(
             "webship_proxy_upstream_errors",

@@ -42,8 +42,8 @@ use crate::config::{Route, UpstreamProtocol};
 use crate::message::{empty_body, Body, BoxError, RequestHead, Response, StreamBody};
 
 use body::{LimitedBody, RelayBody, Upload, Waiting};
-use metrics::{ErrorKind, UpstreamMetrics};
 pub(crate) use metrics::Metrics;
+use metrics::{ErrorKind, UpstreamMetrics};
 use upstream::{Fault, Upstream};
 
 /// How long a failing upstream is skipped.

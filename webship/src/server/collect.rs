@@ -12,7 +12,11 @@ use crate::metrics::{Collector, Encoder, Kind, Registry};
 
 /// The subsystems' families, read at scrape time from the counters they keep.
 /// `engine`: the TCP passthrough engine, when there are passthrough routes.
-pub(super) fn register_subsystems(metrics: &Registry, programs: Option<Arc<Programs>>, engine: Option<Engine>) {
+pub(super) fn register_subsystems(
+    metrics: &Registry,
+    programs: Option<Arc<Programs>>,
+    engine: Option<Engine>,
+) {
     metrics.register(Box::new(PassthroughEngines::new(programs, engine)));
     metrics.register(Box::new(crate::ktls::Metrics));
     metrics.register(Box::new(crate::listener::Metrics));
@@ -90,7 +94,8 @@ impl Collector for PassthroughEngines {
     fn collect(&self, out: &mut Encoder) {
         let user = super::plan::published();
         let kernel = self.programs.as_deref().map(Programs::kernel_counters);
-        let engines: [(&str, Option<&crate::ebpf::Values>); 2] = [("kernel", kernel.as_ref()), ("userspace", Some(&user))];
+        let engines: [(&str, Option<&crate::ebpf::Values>); 2] =
+            [("kernel", kernel.as_ref()), ("userspace", Some(&user))];
         let by_engine = |out: &mut Encoder, c: Counter, extra: &[(&str, &str)]| {
             for (engine, values) in engines {
                 if let Some(v) = values {

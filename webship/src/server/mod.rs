@@ -572,4 +572,3 @@ fn announce(config: &Config, report: &Report, bound: &Bound) {
         );
     }
 }
-

@@ -1,0 +1,357 @@
+//! The subsystem families of `/metrics` (docs/metrics.md) move as real traffic
+//! drives them: one test per subsystem, each scraping the admin listener of a real
+//! daemon after real clients — the test kit's h2 client and aioquic (h3) for the
+//! transports, nginx and a refused port behind the proxy, aioquic's WebTransport
+//! client, and a second webship behind a passthrough front, whose figures must
+//! agree with `webship stats`.
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::Duration;
+
+use webship_tests::client::{fetch, Proto};
+use webship_tests::nginx::Nginx;
+use webship_tests::server::{eventually, free_port, refused_port};
+use webship_tests::Server;
+
+use crate::support::{aioquic_fetch, origin_server, passthrough_config, pattern, stats_json, Env, HOST, MIB};
+use crate::webtransport::wt;
+
+/// `[admin]` on a free loopback port: the TOML and the address.
+fn admin() -> (String, SocketAddr) {
+    let addr = SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
+    (format!("[admin]\nlisten = \"{addr}\"\n"), addr)
+}
+
+/// One scrape of `GET /metrics` (Prometheus text).
+struct Scrape(String);
+
+impl Scrape {
+    fn take(admin: SocketAddr) -> Scrape {
+        let out = Command::new("curl")
+            .args(["--silent", "--fail", "--max-time", "10"])
+            .arg(format!("http://{admin}/metrics"))
+            .output()
+            .expect("curl");
+        assert!(
+            out.status.success(),
+            "GET /metrics on {admin} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Scrape(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// The value of exactly `series` (`name{labels}` as the daemon writes it).
+    fn get(&self, series: &str) -> Option<f64> {
+        self.0
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .map(|v| {
+                v.trim()
+                    .parse()
+                    .unwrap_or_else(|e| panic!("{series}: {v:?}: {e}"))
+            })
+    }
+
+    /// Like [`Scrape::get`], and the series must be there.
+    fn value(&self, series: &str) -> f64 {
+        self.get(series)
+            .unwrap_or_else(|| panic!("no series {series} in the scrape:\n{}", self.0))
+    }
+}
+
+/// Scrapes until `ready` holds (at most 10 s: a connection's figures are added
+/// when the server has closed it, shortly after the client has gone).
+fn scrape_until(admin: SocketAddr, what: &str, ready: impl Fn(&Scrape) -> bool) -> Scrape {
+    let mut last = Scrape(String::new());
+    let done = eventually(Duration::from_secs(10), || {
+        last = Scrape::take(admin);
+        ready(&last)
+    });
+    assert!(done, "{what} never showed in /metrics:\n{}", last.0);
+    last
+}
+
+/// An h2 download goes out in write batches; an h3 download leaves its QUIC
+/// connection's packets, datagrams, RTT, window, MTU and GSO batch in the
+/// figures once the connection has ended, and its bulk response switched it to BBR.
+#[tokio::test]
+async fn transports_h2_batches_and_quic_connection_stats() {
+    let env = Env::new();
+    let len = 3 * MIB as usize + 11;
+    env.write("big.bin", &pattern(len));
+    let (toml, admin) = admin();
+    let server = env.start(&toml);
+
+    let h2 = env.get(Proto::H2, &server, "/big.bin", &[]).await;
+    assert_eq!((h2.status.as_u16(), h2.len), (200, len as u64));
+    let s = Scrape::take(admin);
+    let writes = s.value("webship_h2_write_batch_bytes_count");
+    let bytes = s.value("webship_h2_write_batch_bytes_sum");
+    assert!(
+        bytes >= len as f64,
+        "the batches carried {bytes} bytes, less than the {len}-byte body"
+    );
+    // 128 KiB batches: a 3 MiB body in far fewer writes than its 16 KiB frames.
+    assert!(
+        (1.0..=(len / 16_384) as f64).contains(&writes),
+        "{writes} writes for {len} bytes: the batch did not batch"
+    );
+    if std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
+        .is_ok_and(|a| a.split_whitespace().any(|c| c == "bbr"))
+    {
+        let set = s.value("webship_tcp_bbr_switches_total{result=\"set\"}");
+        assert!(set >= 1.0, "BBR is available, yet no TCP connection was switched");
+    }
+    assert_eq!(s.value("webship_quic_rtt_seconds_count"), 0.0, "no QUIC yet");
+
+    let (got, line) = aioquic_fetch(server.port, HOST, "/big.bin", &env.ca_file(), &[]);
+    assert_eq!(got["len"].as_u64(), Some(len as u64), "{line}");
+    let s = scrape_until(admin, "the h3 connection's statistics", |s| {
+        s.get("webship_quic_rtt_seconds_count") == Some(1.0)
+    });
+    let sent = s.value("webship_quic_udp_bytes_total{direction=\"sent\"}");
+    assert!(sent > len as f64, "{sent} UDP bytes sent for a {len}-byte body");
+    let packets = s.value("webship_quic_packets_sent_total");
+    let datagrams = s.value("webship_quic_udp_datagrams_total{direction=\"sent\"}");
+    let ios = s.value("webship_quic_udp_ios_total{direction=\"sent\"}");
+    assert!(
+        packets >= datagrams && datagrams >= ios && ios >= 1.0,
+        "packets {packets} ≥ datagrams {datagrams} ≥ send calls {ios} ≥ 1"
+    );
+    assert!(s.value("webship_quic_udp_datagrams_total{direction=\"received\"}") >= 1.0);
+    for histogram in [
+        "webship_quic_congestion_window_bytes",
+        "webship_quic_path_mtu_bytes",
+        "webship_quic_gso_batch_datagrams",
+    ] {
+        assert_eq!(
+            s.value(&format!("{histogram}_count")),
+            1.0,
+            "{histogram}: one connection ended"
+        );
+    }
+    // Loopback: the RTT is well under the 100 ms bucket; the MTU at least QUIC's floor.
+    assert_eq!(s.value("webship_quic_rtt_seconds_bucket{le=\"0.1\"}"), 1.0);
+    assert_eq!(s.value("webship_quic_path_mtu_bytes_bucket{le=\"1200.0\"}"), 0.0);
+    assert!(s.value("webship_quic_lost_bytes_total") >= 0.0);
+    assert!(
+        s.value("webship_quic_bbr_switches_total") >= 1.0,
+        "a {len}-byte response switches its connection to BBR"
+    );
+}
+
+/// A route whose only upstream refuses connections counts an `unreachable` error
+/// and an ejection for that upstream, and no connect; a live nginx upstream counts
+/// its connect, its pooled connection and its response time.
+#[tokio::test]
+async fn proxy_upstream_errors_by_kind_and_pool() {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("origin");
+    std::fs::create_dir(&origin_root).unwrap();
+    std::fs::write(origin_root.join("up.bin"), pattern(100_000)).unwrap();
+    let nginx = Nginx::start(&origin_root);
+    // Bound, never listening: a connect is refused.
+    let (_held, dead_port) = refused_port().unwrap();
+    let dead = SocketAddr::from(([127, 0, 0, 1], dead_port));
+    let (admin_toml, admin) = admin();
+    let proxy_host = "proxy.test";
+    let (cert, key) = env.leaf("proxy", &[proxy_host]);
+    let server = env.start(&format!(
+        "{admin_toml}\n[reverse_proxy]\nenabled = true\ntls_termination = true\n\
+         [reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+         [[reverse_proxy.routes]]\ndomain = \"{proxy_host}\"\npath_prefix = \"/dead/\"\nupstreams = [\"{dead}\"]\n\
+         [[reverse_proxy.routes]]\ndomain = \"{proxy_host}\"\npath_prefix = \"/\"\nupstreams = [\"{}\"]\n",
+        cert.display(),
+        key.display(),
+        nginx.addr
+    ));
+    let get = |path: &'static str| {
+        let client = env.client(Proto::H2.alpn());
+        fetch(Proto::H2, server.addr(), proxy_host, client, "GET", path, &[])
+    };
+    let failed = get("/dead/x").await;
+    assert_eq!(failed.status, 502, "a refused upstream is a 502");
+    let ok = get("/up.bin").await;
+    assert_eq!((ok.status.as_u16(), ok.len), (200, 100_000));
+
+    let s = Scrape::take(admin);
+    let of =
+        |name: &str, upstream: SocketAddr, extra: &str| format!("{name}{{upstream=\"{upstream}\"{extra}}}");
+    assert_eq!(
+        s.value(&of(
+            "webship_proxy_upstream_errors_total",
+            dead,
+            ",kind=\"unreachable\""
+        )),
+        1.0
+    );
+    assert_eq!(
+        s.value(&of("webship_proxy_upstream_ejections_total", dead, "")),
+        1.0
+    );
+    assert_eq!(
+        s.value(&of("webship_proxy_upstream_connects_total", dead, "")),
+        0.0
+    );
+    assert_eq!(s.value(&of("webship_proxy_upstream_connections", dead, "")), 0.0);
+    assert_eq!(
+        s.get(&of("webship_proxy_upstream_response_seconds_count", dead, "")),
+        None,
+        "nothing answered from the dead upstream"
+    );
+    let up = nginx.addr;
+    assert_eq!(s.value(&of("webship_proxy_upstream_connects_total", up, "")), 1.0);
+    assert_eq!(
+        s.value(&of("webship_proxy_upstream_connections", up, "")),
+        1.0,
+        "the connection waits idle in the pool"
+    );
+    assert_eq!(
+        s.value(&of("webship_proxy_upstream_response_seconds_count", up, "")),
+        1.0
+    );
+    for line in
+        s.0.lines()
+            .filter(|l| l.starts_with("webship_proxy_upstream_errors_total"))
+    {
+        assert!(line.contains(&dead.to_string()), "an error nobody caused: {line}");
+    }
+}
+
+/// A WebTransport echo session counts its session, streams, datagrams and its
+/// clean close; a session over the stream limit counts its limit close by code.
+#[tokio::test]
+async fn webtransport_sessions_streams_datagrams_and_closes() {
+    let env = Env::new();
+    let (admin_toml, admin) = admin();
+    let origin = "https://app.test";
+    let server = Server::start(
+        env.dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{admin_toml}\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n\
+             [sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n[sites.webtransport]\npath = \"/wt\"\nallowed_origins = [\"{origin}\"]\n\
+             max_streams_per_session = 3\n",
+            env.root.display(),
+            env.cert.display(),
+            env.key.display()
+        ),
+    );
+    let echo = wt(
+        &env,
+        server.addr(),
+        HOST,
+        "/wt?mode=echo",
+        origin,
+        &["echo", "65536", "20"],
+    );
+    assert_eq!(echo["status"], 200, "{echo}");
+    let over = wt(
+        &env,
+        server.addr(),
+        HOST,
+        "/wt?mode=echo",
+        origin,
+        &["streams", "5"],
+    );
+    assert_eq!(over["close_code"].as_u64(), Some(0x5701), "{over}");
+
+    let site = format!("site=\"{HOST}\"");
+    let s = scrape_until(admin, "both sessions' ends", |s| {
+        s.get(&format!("webship_webtransport_sessions_active{{{site}}}")) == Some(0.0)
+    });
+    assert_eq!(
+        s.value(&format!("webship_webtransport_sessions_total{{{site}}}")),
+        2.0
+    );
+    assert_eq!(
+        s.value(&format!(
+            "webship_webtransport_closed_total{{{site},code=\"done\"}}"
+        )),
+        1.0
+    );
+    assert_eq!(
+        s.value(&format!(
+            "webship_webtransport_closed_total{{{site},code=\"too_many_streams\"}}"
+        )),
+        1.0
+    );
+    let streams = s.value(&format!("webship_webtransport_streams_total{{{site}}}"));
+    assert!(streams >= 2.0, "echo opens a bidi and a uni stream: {streams}");
+    let bytes_out = s.value(&format!(
+        "webship_webtransport_stream_bytes_total{{{site},direction=\"out\"}}"
+    ));
+    assert!(bytes_out >= 2.0 * 65_536.0, "echoed stream bytes: {bytes_out}");
+    let datagrams_in = s.value(&format!(
+        "webship_webtransport_datagrams_total{{{site},direction=\"in\"}}"
+    ));
+    assert!(datagrams_in >= 1.0, "datagrams the client sent: {datagrams_in}");
+    assert_eq!(
+        s.value(&format!(
+            "webship_webtransport_refused_total{{{site},reason=\"origin\"}}"
+        )),
+        0.0
+    );
+}
+
+/// A download through a passthrough front: the per-engine figures say which engine
+/// ran and who moved the bytes, and agree with `webship stats` (the same counters).
+#[tokio::test]
+async fn passthrough_per_engine_matches_webship_stats() {
+    let env = Env::new();
+    let origin_root = env.dir.path().join("origin");
+    std::fs::create_dir(&origin_root).unwrap();
+    let len = 2 * MIB as usize + 3;
+    std::fs::write(origin_root.join("pass.bin"), pattern(len)).unwrap();
+    let origin = origin_server(&env, "a", "a.pass", &origin_root, "", "");
+    let (admin_toml, admin) = admin();
+    let config = passthrough_config(
+        "passthrough_engine = \"splice\"\n",
+        false,
+        &[("a.pass", origin.addr())],
+    );
+    let front = Server::start(env.dir.path(), &format!("{config}\n{admin_toml}"));
+
+    let client = env.client(Proto::H1.alpn());
+    let got = fetch(Proto::H1, front.addr(), "a.pass", client, "GET", "/pass.bin", &[]).await;
+    assert_eq!((got.status.as_u16(), got.len), (200, len as u64));
+
+    let s = scrape_until(admin, "the passthrough connection's end", |s| {
+        s.get("webship_passthrough_closed_total{reason=\"clean\"}")
+            .is_some_and(|n| n >= 1.0)
+            || s.get("webship_passthrough_closed_total{reason=\"reset\"}")
+                .is_some_and(|n| n >= 1.0)
+    });
+    assert_eq!(s.value("webship_passthrough_engine{engine=\"splice\"}"), 1.0);
+    let down = s.value("webship_passthrough_engine_bytes_total{engine=\"userspace\",direction=\"down\"}");
+    assert!(down >= len as f64, "{down} bytes down for a {len}-byte body");
+    let kernel = s.get("webship_passthrough_engine_bytes_total{engine=\"kernel\",direction=\"down\"}");
+    assert_eq!(kernel.unwrap_or(0.0), 0.0, "splice moves nothing through eBPF");
+    assert_eq!(
+        s.value("webship_passthrough_bytes_total{direction=\"down\"}"),
+        down + kernel.unwrap_or(0.0),
+        "the totals are the engines summed"
+    );
+    // With eBPF loaded, `webship stats` reads the pinned maps the daemon publishes
+    // into twice a second: the same userspace figures, and the linked sockets.
+    if let Some(linked) = s.get("webship_passthrough_linked_sockets") {
+        assert_eq!(linked, 0.0, "the connection is over");
+        let pins = format!("/sys/fs/bpf/webship-e2e-{}", front.port);
+        let mut stats = serde_json::Value::Null;
+        let agreed = eventually(Duration::from_secs(5), || {
+            stats = stats_json(&pins);
+            stats["counters"]["bytes_down"]["userspace"].as_f64() == Some(down)
+        });
+        assert!(agreed, "webship stats {stats} vs {down} bytes down in /metrics");
+        let up = s.value("webship_passthrough_engine_bytes_total{engine=\"userspace\",direction=\"up\"}");
+        assert_eq!(
+            stats["counters"]["bytes_up"]["userspace"].as_f64(),
+            Some(up),
+            "{stats}"
+        );
+        assert_eq!(stats["linked_sockets"].as_f64(), Some(linked), "{stats}");
+        println!("eBPF loaded: /metrics and webship stats agree: {stats}");
+    } else {
+        println!("eBPF not loaded: only the userspace figures were checked");
+    }
+}
