@@ -40,12 +40,15 @@ const POOL_IDLE_PER_UPSTREAM: usize = 64;
 #[error("no connection to the upstream became free in time (queue timeout)")]
 pub(super) struct QueueTimeout;
 
+/// Each upstream's connection cap and metrics slot.
+type Caps = HashMap<SocketAddr, (Arc<Semaphore>, Arc<UpstreamMetrics>)>;
+
 /// Makes TCP connections, each holding a permit of its upstream's semaphore and
 /// counted open in its upstream's metrics.
 #[derive(Debug, Clone)]
 pub(super) struct CappedConnector {
     http: HttpConnector,
-    caps: Arc<HashMap<SocketAddr, (Arc<Semaphore>, Arc<UpstreamMetrics>)>>,
+    caps: Arc<Caps>,
     queue_timeout: Duration,
 }
 

@@ -13,6 +13,9 @@ use super::{Code, Counters};
 
 const MAX_SITES: usize = 4096;
 
+/// A family of one series per site: name (after `webship_`), kind, help, field.
+type PerSite = (&'static str, Kind, &'static str, fn(&Counters) -> &AtomicU64);
+
 static SITES: Mutex<Vec<(String, Arc<Counters>)>> = Mutex::new(Vec::new());
 
 /// The counters of `site`'s endpoint, made on first sight (configuration time).
@@ -41,7 +44,7 @@ impl Collector for Metrics {
     fn collect(&self, out: &mut Encoder) {
         let known = SITES.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let plain: [(&str, Kind, &str, fn(&Counters) -> &AtomicU64); 3] = [
+        let plain: [PerSite; 3] = [
             (
                 "webtransport_sessions",
                 Kind::Counter,
