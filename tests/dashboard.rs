@@ -114,7 +114,10 @@ fn documented(docs: &str, name: &str) -> bool {
 fn the_dashboard_is_grafana_json_with_the_promised_variables() {
     let d = dashboard();
     assert!(d["title"].is_string() && d["uid"].is_string());
-    assert!(d["schemaVersion"].as_u64().is_some_and(|v| v >= 30), "schemaVersion");
+    assert!(
+        d["schemaVersion"].as_u64().is_some_and(|v| v >= 30),
+        "schemaVersion"
+    );
     let vars = d["templating"]["list"].as_array().expect("templating.list");
     let var = |name: &str| {
         vars.iter()
@@ -122,22 +125,37 @@ fn the_dashboard_is_grafana_json_with_the_promised_variables() {
             .unwrap_or_else(|| panic!("no `{name}` variable"))
     };
     let ds = var("datasource");
-    assert_eq!((&ds["type"], &ds["query"]), (&Value::from("datasource"), &Value::from("prometheus")));
+    assert_eq!(
+        (&ds["type"], &ds["query"]),
+        (&Value::from("datasource"), &Value::from("prometheus"))
+    );
     let site = var("site");
     assert_eq!(site["type"], "query");
     assert!(site["definition"].as_str().unwrap().contains("site)"), "{site}");
     let mut ids = BTreeSet::new();
     for p in panels(&d) {
         let title = p["title"].as_str().unwrap_or("?");
-        assert!(ids.insert(p["id"].as_u64().expect("panel id")), "duplicate id at {title:?}");
+        assert!(
+            ids.insert(p["id"].as_u64().expect("panel id")),
+            "duplicate id at {title:?}"
+        );
         let grid = &p["gridPos"];
         for key in ["h", "w", "x", "y"] {
             assert!(grid[key].is_u64(), "panel {title:?}: gridPos.{key}");
         }
-        assert!(grid["x"].as_u64().unwrap() + grid["w"].as_u64().unwrap() <= 24, "{title:?} is wider than the grid");
+        assert!(
+            grid["x"].as_u64().unwrap() + grid["w"].as_u64().unwrap() <= 24,
+            "{title:?} is wider than the grid"
+        );
         if p["type"] != "row" {
-            assert_eq!(p["datasource"]["uid"], "${datasource}", "panel {title:?} ignores the variable");
-            assert!(p["targets"].as_array().is_some_and(|t| !t.is_empty()), "panel {title:?} has no query");
+            assert_eq!(
+                p["datasource"]["uid"], "${datasource}",
+                "panel {title:?} ignores the variable"
+            );
+            assert!(
+                p["targets"].as_array().is_some_and(|t| !t.is_empty()),
+                "panel {title:?} has no query"
+            );
         }
     }
     let all: String = expressions(&d).into_iter().map(|(_, e)| e).collect();
@@ -152,7 +170,10 @@ fn the_dashboard_is_grafana_json_with_the_promised_variables() {
     ] {
         assert!(all.contains(needed), "no panel shows {needed}");
     }
-    assert!(all.contains("site=~\"$site\""), "no query filters by the site variable");
+    assert!(
+        all.contains("site=~\"$site\""),
+        "no query filters by the site variable"
+    );
 }
 
 #[test]
@@ -206,15 +227,25 @@ fn every_dashboard_query_is_valid_promql() {
             .replace("$__interval", "1m")
             .replace("$instance", ".*")
             .replace("$site", ".*");
-        assert!(!expr.contains('$'), "a Grafana variable the test does not replace: {expr}");
+        assert!(
+            !expr.contains('$'),
+            "a Grafana variable the test does not replace: {expr}"
+        );
         // A YAML double-quoted scalar: escape what JSON would.
         let quoted = serde_json::to_string(&expr).unwrap();
-        rules.push_str(&format!("      - record: dashboard:query_{i}\n        expr: {quoted}\n"));
+        rules.push_str(&format!(
+            "      - record: dashboard:query_{i}\n        expr: {quoted}\n"
+        ));
     }
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("dashboard.rules.yml");
     std::fs::write(&file, &rules).unwrap();
-    let out = Command::new(PROMTOOL).arg("check").arg("rules").arg(&file).output().unwrap();
+    let out = Command::new(PROMTOOL)
+        .arg("check")
+        .arg("rules")
+        .arg(&file)
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "promtool rejects a dashboard query:\n{}{}\nrules:\n{rules}",
