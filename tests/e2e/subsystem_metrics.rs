@@ -131,10 +131,23 @@ async fn transports_h2_batches_and_quic_connection_stats() {
             "{histogram}: one connection ended"
         );
     }
-    // Loopback: the RTT is well under the 100 ms bucket; the MTU at least QUIC's floor.
+    // Loopback: the RTT is well under the 100 ms bucket, and DPLPMTUD probed and
+    // raised the MTU above QUIC's 1200-byte start during a 3 MiB transfer.
     assert_eq!(s.value("webship_quic_rtt_seconds_bucket{le=\"0.1\"}"), 1.0);
-    assert_eq!(s.value("webship_quic_path_mtu_bytes_bucket{le=\"1200.0\"}"), 0.0);
-    assert!(s.value("webship_quic_lost_bytes_total") >= 0.0);
+    assert!(s.value("webship_quic_mtu_probes_total{result=\"sent\"}") >= 1.0);
+    assert_eq!(
+        s.value("webship_quic_path_mtu_bytes_bucket{le=\"1200.0\"}"),
+        0.0,
+        "the path MTU stayed at 1200"
+    );
+    let (lost, lost_bytes) = (
+        s.value("webship_quic_packets_lost_total"),
+        s.value("webship_quic_lost_bytes_total"),
+    );
+    assert!(
+        lost <= packets && (lost == 0.0) == (lost_bytes == 0.0),
+        "{lost} packets ({lost_bytes} bytes) lost of {packets}"
+    );
     assert!(
         s.value("webship_quic_bbr_switches_total") >= 1.0,
         "a {len}-byte response switches its connection to BBR"
