@@ -200,7 +200,12 @@ fn prepare_files(vm: &Path) -> anyhow::Result<()> {
     }
     // The kTLS server's admin listener: the guest reads the promotion metrics there.
     for (name, port, ktls, admin) in [
-        ("required", 8443, "required", "[admin]\nlisten = \"127.0.0.1:9901\"\n"),
+        (
+            "required",
+            8443,
+            "required",
+            "[admin]\nlisten = \"127.0.0.1:9901\"\n",
+        ),
         ("auto", 8444, "auto", ""),
         ("off", 8445, "off", ""),
     ] {

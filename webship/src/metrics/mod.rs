@@ -21,6 +21,7 @@
 pub(crate) mod encode;
 mod histogram;
 mod process;
+mod slots;
 mod values;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -29,6 +30,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 pub(crate) use encode::{Encoder, Format, Kind};
 pub(crate) use histogram::Histogram;
+pub(crate) use slots::Slots;
 pub(crate) use values::Values;
 
 /// The `proto` label, by the exchange's protocol index.

@@ -9,10 +9,10 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::metrics::{Collector, Encoder, Histogram, Kind};
+use crate::metrics::{Collector, Encoder, Histogram, Kind, Slots};
 
 const MAX_UPSTREAMS: usize = 1024;
 
@@ -72,9 +72,8 @@ impl ErrorKind {
 }
 
 /// One upstream's counters.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(super) struct UpstreamMetrics {
-    label: String,
     connects: AtomicU64,
     /// Connections closed: open = connects - closed (in use or idle in the pool).
     closed: AtomicU64,
@@ -85,17 +84,6 @@ pub(super) struct UpstreamMetrics {
 }
 
 impl UpstreamMetrics {
-    fn new(label: String) -> Self {
-        Self {
-            label,
-            connects: AtomicU64::new(0),
-            closed: AtomicU64::new(0),
-            errors: Default::default(),
-            ejections: AtomicU64::new(0),
-            response: Histogram::default(),
-        }
-    }
-
     pub(super) fn error(&self, kind: ErrorKind) {
         self.errors[kind as usize].fetch_add(1, Ordering::Relaxed);
     }
@@ -125,24 +113,11 @@ impl Drop for OpenConnection {
     }
 }
 
-static UPSTREAMS: Mutex<Vec<Arc<UpstreamMetrics>>> = Mutex::new(Vec::new());
+static UPSTREAMS: Slots<UpstreamMetrics> = Slots::new(MAX_UPSTREAMS);
 
 /// The slot of `addr`, made on first sight (configuration time, never per request).
 pub(super) fn slot(addr: SocketAddr) -> Arc<UpstreamMetrics> {
-    let mut known = UPSTREAMS.lock().unwrap_or_else(|e| e.into_inner());
-    let mut label = addr.to_string();
-    if let Some(s) = known.iter().find(|s| s.label == label) {
-        return s.clone();
-    }
-    if known.len() >= MAX_UPSTREAMS {
-        label = "_other".to_owned();
-        if let Some(s) = known.iter().find(|s| s.label == label) {
-            return s.clone();
-        }
-    }
-    let s = Arc::new(UpstreamMetrics::new(label));
-    known.push(s.clone());
-    s
+    UPSTREAMS.get(&addr.to_string())
 }
 
 /// The proxy's upstream families, read at scrape time.
@@ -151,39 +126,36 @@ pub(crate) struct Metrics;
 
 impl Collector for Metrics {
     fn collect(&self, out: &mut Encoder) {
-        let known: Vec<Arc<UpstreamMetrics>> = UPSTREAMS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let known = UPSTREAMS.all();
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         out.family(
             "webship_proxy_upstream_connects",
             Kind::Counter,
             "Connections made to an upstream (TCP connected), by upstream.",
         );
-        for u in &known {
-            out.sample(&[("upstream", &u.label)], load(&u.connects));
+        for (label, u) in &known {
+            out.sample(&[("upstream", label)], load(&u.connects));
         }
         out.family(
             "webship_proxy_upstream_connections",
             Kind::Gauge,
             "Connections open to an upstream now, in use or idle in the pool, by upstream.",
         );
-        for u in &known {
+        for (label, u) in &known {
             // Closes first (both only grow): never negative.
             let closed = load(&u.closed);
-            out.sample(
-                &[("upstream", &u.label)],
-                load(&u.connects).saturating_sub(closed),
-            );
+            out.sample(&[("upstream", label)], load(&u.connects).saturating_sub(closed));
         }
         out.family(
             "webship_proxy_upstream_errors",
             Kind::Counter,
             "Failed exchanges with an upstream, by upstream and kind (series appear once non-zero).",
         );
-        for u in &known {
+        for (label, u) in &known {
             for kind in ErrorKind::ALL {
                 let n = load(&u.errors[kind as usize]);
                 if n > 0 {
-                    out.sample(&[("upstream", &u.label), ("kind", kind.name())], n);
+                    out.sample(&[("upstream", label), ("kind", kind.name())], n);
                 }
             }
         }
@@ -192,18 +164,18 @@ impl Collector for Metrics {
             Kind::Counter,
             "Times an upstream was ejected (skipped for 10 s), by upstream.",
         );
-        for u in &known {
-            out.sample(&[("upstream", &u.label)], load(&u.ejections));
+        for (label, u) in &known {
+            out.sample(&[("upstream", label)], load(&u.ejections));
         }
         out.family(
             "webship_proxy_upstream_response_seconds",
             Kind::Histogram,
             "From sending a request to an upstream to its response head, by upstream.",
         );
-        for u in &known {
+        for (label, u) in &known {
             let snap = u.response.snapshot();
             if snap.count > 0 {
-                out.histogram(&[("upstream", &u.label)], snap.buckets(), snap.sum, snap.count);
+                out.histogram(&[("upstream", label)], snap.buckets(), snap.sum, snap.count);
             }
         }
     }

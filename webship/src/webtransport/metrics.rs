@@ -5,9 +5,9 @@
 //! set labelled `_other`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
-use crate::metrics::{Collector, Encoder, Kind};
+use crate::metrics::{Collector, Encoder, Kind, Slots};
 
 use super::{Code, Counters};
 
@@ -16,24 +16,11 @@ const MAX_SITES: usize = 4096;
 /// A family of one series per site: name (after `webship_`), kind, help, field.
 type PerSite = (&'static str, Kind, &'static str, fn(&Counters) -> &AtomicU64);
 
-static SITES: Mutex<Vec<(String, Arc<Counters>)>> = Mutex::new(Vec::new());
+static SITES: Slots<Counters> = Slots::new(MAX_SITES);
 
 /// The counters of `site`'s endpoint, made on first sight (configuration time).
 pub(super) fn counters(site: &str) -> Arc<Counters> {
-    let mut known = SITES.lock().unwrap_or_else(|e| e.into_inner());
-    let mut name = site;
-    if let Some((_, c)) = known.iter().find(|(n, _)| n == name) {
-        return c.clone();
-    }
-    if known.len() >= MAX_SITES {
-        name = "_other";
-        if let Some((_, c)) = known.iter().find(|(n, _)| n == name) {
-            return c.clone();
-        }
-    }
-    let c = Arc::new(Counters::default());
-    known.push((name.to_owned(), c.clone()));
-    c
+    SITES.get(site)
 }
 
 /// The WebTransport families, one series set per site with an endpoint.
@@ -42,7 +29,7 @@ pub(crate) struct Metrics;
 
 impl Collector for Metrics {
     fn collect(&self, out: &mut Encoder) {
-        let known = SITES.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let known = SITES.all();
         let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
         let plain: [PerSite; 3] = [
             (
