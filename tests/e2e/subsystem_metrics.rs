@@ -97,6 +97,10 @@ async fn transports_h2_batches_and_quic_connection_stats() {
         (1.0..=(len / 16_384) as f64).contains(&writes),
         "{writes} writes for {len} bytes: the batch did not batch"
     );
+    println!(
+        "h2: {len} body bytes in {writes} TLS writes of {:.0} bytes on average",
+        bytes / writes
+    );
     if std::fs::read_to_string("/proc/sys/net/ipv4/tcp_available_congestion_control")
         .is_ok_and(|a| a.split_whitespace().any(|c| c == "bbr"))
     {
@@ -147,6 +151,13 @@ async fn transports_h2_batches_and_quic_connection_stats() {
     assert!(
         lost <= packets && (lost == 0.0) == (lost_bytes == 0.0),
         "{lost} packets ({lost_bytes} bytes) lost of {packets}"
+    );
+    println!(
+        "h3: {packets} packets in {datagrams} datagrams over {ios} send calls, {lost} lost; \
+         RTT {:.3} ms, window {} bytes, MTU {} bytes",
+        s.value("webship_quic_rtt_seconds_sum") * 1e3,
+        s.value("webship_quic_congestion_window_bytes_sum"),
+        s.value("webship_quic_path_mtu_bytes_sum"),
     );
     assert!(
         s.value("webship_quic_bbr_switches_total") >= 1.0,
