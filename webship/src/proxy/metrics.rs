@@ -79,7 +79,8 @@ pub(super) struct UpstreamMetrics {
     closed: AtomicU64,
     errors: [AtomicU64; ErrorKind::ALL.len()],
     ejections: AtomicU64,
-    /// From the request's send to its response head.
+    /// From the start of the request towards the upstream (queue and connect
+    /// included when it needs a new connection) to its response head.
     response: Histogram,
 }
 
