@@ -318,31 +318,104 @@ async fn webtransport_sessions_streams_datagrams_and_closes() {
     );
 }
 
-/// A download through a passthrough front, once per engine that moves bytes
-/// differently (splice: the daemon; sockmap: the kernel's redirects): the figures
-/// say which engine ran and who moved the bytes, and agree with `webship stats`
-/// (the same counters).
+/// A download through a passthrough front over TCP and one over QUIC, once per
+/// pair of engines that move bytes differently (splice and the UDP relay: the
+/// daemon; sockmap and the tc classifier: the kernel): the figures say which engine
+/// ran and who moved the bytes, and agree with `webship stats` (the same counters).
 #[tokio::test]
 async fn passthrough_per_engine_matches_webship_stats() {
     let env = Env::new();
     let origin_root = env.dir.path().join("origin");
     std::fs::create_dir(&origin_root).unwrap();
-    let len = 2 * MIB as usize + 3;
+    let len = MIB as usize + 3;
     std::fs::write(origin_root.join("pass.bin"), pattern(len)).unwrap();
     let origin = origin_server(&env, "a", "a.pass", &origin_root, "", "");
-    for engine in ["splice", "sockmap"] {
+    // TCP and UDP engines in pairs: the daemon moves both, or the kernel does.
+    for (engine, udp_engine) in [("splice", "userspace"), ("sockmap", "ebpf")] {
         let (admin_toml, admin) = admin();
+        let origin_addr = origin.addr();
         let config = passthrough_config(
-            &format!("passthrough_engine = \"{engine}\"\n"),
-            false,
-            &[("a.pass", origin.addr())],
+            &format!(
+                "passthrough_engine = \"{engine}\"\nudp_upstream = \"{origin_addr}\"\nudp_engine = \"{udp_engine}\"\n"
+            ),
+            true,
+            &[("a.pass", origin_addr)],
         );
         let front = Server::start(env.dir.path(), &format!("{config}\n{admin_toml}"));
         let client = env.client(Proto::H1.alpn());
         let got = fetch(Proto::H1, front.addr(), "a.pass", client, "GET", "/pass.bin", &[]).await;
         assert_eq!((got.status.as_u16(), got.len), (200, len as u64), "{engine}");
         passthrough_figures(engine, &front, admin, len as f64);
+
+        let (got, line) = aioquic_fetch(front.port, "a.pass", "/pass.bin", &env.ca_file(), &[]);
+        assert_eq!(got["len"].as_u64(), Some(len as u64), "{udp_engine}: {line}");
+        let who = if udp_engine == "ebpf" {
+            "kernel"
+        } else {
+            "userspace"
+        };
+        udp_figures(who, &front, admin, len as f64);
     }
+}
+
+/// After an HTTP/3 download through the front: its datagrams and its flow are
+/// counted under the engine that relayed them (`who`), none under the other, and
+/// `webship stats` says the same.
+fn udp_figures(who: &str, front: &Server, admin: SocketAddr, len: f64) {
+    let series = |name: &str, engine: &str, direction: Option<&str>| match direction {
+        Some(d) => format!("webship_passthrough_udp_{name}_total{{engine=\"{engine}\",direction=\"{d}\"}}"),
+        None => format!("webship_passthrough_udp_{name}_total{{engine=\"{engine}\"}}"),
+    };
+    // At least one full datagram per 1,500 bytes of body.
+    let s = scrape_until(admin, "the QUIC datagrams", |s| {
+        s.get(&series("packets", who, Some("down")))
+            .is_some_and(|n| n >= len / 1500.0)
+    });
+    let other = if who == "kernel" { "userspace" } else { "kernel" };
+    assert!(s.value(&series("packets", who, Some("up"))) >= 1.0, "{who}");
+    assert!(
+        s.value(&series("flows", who, None)) >= 1.0,
+        "{who}: no flow counted"
+    );
+    for (name, direction) in [
+        ("flows", None),
+        ("packets", Some("up")),
+        ("packets", Some("down")),
+    ] {
+        assert_eq!(
+            s.get(&series(name, other, direction)).unwrap_or(0.0),
+            0.0,
+            "{who} relayed, yet {other} counted {name} {direction:?}"
+        );
+    }
+    if s.get("webship_passthrough_linked_sockets").is_none() {
+        return;
+    }
+    let pins = format!("/sys/fs/bpf/webship-e2e-{}", front.port);
+    let mut compared = Vec::new();
+    let agreed = eventually(Duration::from_secs(5), || {
+        let s = Scrape::take(admin);
+        let stats = stats_json(&pins);
+        let c = &stats["counters"];
+        let part = if who == "kernel" { "kernel" } else { "userspace" };
+        compared = vec![
+            (s.get(&series("flows", who, None)), c["udp_flows"][part].as_f64()),
+            (
+                s.get(&series("packets", who, Some("up"))),
+                c["udp_packets_up"][part].as_f64(),
+            ),
+            (
+                s.get(&series("packets", who, Some("down"))),
+                c["udp_packets_down"][part].as_f64(),
+            ),
+        ];
+        compared.iter().all(|(m, st)| m.is_some() && m == st)
+    });
+    assert!(
+        agreed,
+        "{who}: /metrics vs webship stats (UDP flows, packets up, down): {compared:?}"
+    );
+    println!("UDP {who}: /metrics and webship stats agree: {compared:?}");
 }
 
 fn passthrough_figures(engine: &str, front: &Server, admin: SocketAddr, len: f64) {
