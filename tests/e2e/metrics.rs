@@ -187,6 +187,19 @@ async fn prometheus_counts_what_the_clients_received() {
         "sum(webship_connections_closed_total{{protocol=\"passthrough\",instance=\"{admin_b}\"}})"
     ));
     assert_eq!(pass_closes, 1.0);
+    // Received: every h1/h2 connection sent at least its ClientHello and a request;
+    // every QUIC connection its Initial packets (at least 1200 bytes each).
+    for (transport, at_least) in [("tcp", 12.0 * 300.0), ("quic", 3.0 * 1200.0)] {
+        let query = format!(
+            "webship_connection_received_bytes_total{{transport=\"{transport}\",instance=\"{admin_a}\"}}"
+        );
+        let received = prometheus.value(&query);
+        report.push(format!("{query} = {received}"));
+        assert!(
+            received >= at_least,
+            "{query} = {received}, expected at least {at_least}"
+        );
+    }
     eprintln!("Prometheus query results:\n{}", report.join("\n"));
 
     // The text format: promtool's linter accepts it, and docs/metrics.md names every

@@ -1,6 +1,7 @@
-//! Scrape-time collectors of the counters the server's subsystems keep anyway:
-//! here the passthrough counters `webship stats` reads (this process's and its
-//! predecessors', kernel and userspace summed, so they continue across a takeover).
+//! Scrape-time collectors of the counters the server's subsystems keep anyway: the
+//! passthrough counters `webship stats` reads (this process's and its predecessors',
+//! kernel and userspace summed, so they continue across a takeover), and the bytes
+//! terminated connections received (`ktls`'s read counter for TCP, `h3`'s for QUIC).
 
 use std::sync::Arc;
 
@@ -52,5 +53,16 @@ impl Collector for Passthrough {
         .sample(&[("reason", "reset")], v(Counter::ClosedReset))
         .sample(&[("reason", "idle")], v(Counter::ClosedIdle))
         .sample(&[("reason", "stalled")], v(Counter::ClosedStalled));
+    }
+}
+
+/// Bytes received by terminated connections, by transport.
+pub(super) struct Received;
+
+impl Collector for Received {
+    fn collect(&self, out: &mut Encoder) {
+        out.family("webship_connection_received_bytes", Kind::Counter, "Bytes received by terminated connections (TCP: TLS records as read; QUIC: UDP payload, added when a connection closes).")
+            .sample(&[("transport", "tcp")], crate::ktls::received_bytes())
+            .sample(&[("transport", "quic")], crate::h3::received_bytes());
     }
 }

@@ -131,6 +131,7 @@ pub async fn run(
     };
     let metrics = fixed.metrics.clone();
     metrics.register(Box::new(collect::Passthrough::new(plan.programs())));
+    metrics.register(Box::new(collect::Received));
     let first = Generation::new(1, config.clone(), stack, &fixed)?;
     metrics.set_generation(1);
     let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
