@@ -187,6 +187,19 @@ async fn prometheus_counts_what_the_clients_received() {
         "sum(webship_connections_closed_total{{protocol=\"passthrough\",instance=\"{admin_b}\"}})"
     ));
     assert_eq!(pass_closes, 1.0);
+    // Received: every h1/h2 connection sent at least its ClientHello and a request;
+    // every QUIC connection its Initial packets (at least 1200 bytes each).
+    for (transport, at_least) in [("tcp", 12.0 * 300.0), ("quic", 3.0 * 1200.0)] {
+        let query = format!(
+            "webship_connection_received_bytes_total{{transport=\"{transport}\",instance=\"{admin_a}\"}}"
+        );
+        let received = prometheus.value(&query);
+        report.push(format!("{query} = {received}"));
+        assert!(
+            received >= at_least,
+            "{query} = {received}, expected at least {at_least}"
+        );
+    }
     eprintln!("Prometheus query results:\n{}", report.join("\n"));
 
     // The text format: promtool's linter accepts it, and docs/metrics.md names every
@@ -429,4 +442,73 @@ async fn a_remote_admin_listener_needs_allow_remote_and_a_token() {
         .output()
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&post.stdout), "405");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_takeover_the_new_process_answers_on_the_admin_address() {
+    let env = Env::new();
+    env.write("big.bin", &pattern(64 * MIB as usize));
+    let admin = loopback(free_port().unwrap());
+    let control = env.dir.path().join("control.sock");
+    let extra = format!(
+        "control_socket = \"{}\"\n[limits]\nshutdown_grace_secs = 20\n[admin]\nlisten = \"{admin}\"\n",
+        control.display()
+    );
+    let mut old = env.start(&extra);
+    // A download the client does not read keeps the old process draining.
+    let mut tls = webship_tests::client::connect(old.addr(), HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    tls.write_all(format!("GET /big.bin HTTP/1.1\r\nHost: {HOST}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut head = [0u8; 64];
+    let _ = tls.read(&mut head).await.unwrap();
+    let (_, before) = admin_get(admin, "/metrics", &[]);
+    assert!(
+        before.contains("webship_http_requests_total{site=\"files.test\",proto=\"h1\",mode=\"files\"} 1\n"),
+        "{before}"
+    );
+
+    let new_dir = tempfile::tempdir().unwrap();
+    let new_config = new_dir.path().join("webship.toml");
+    std::fs::write(
+        &new_config,
+        env.config(&extra).replace("{port}", &old.port.to_string()),
+    )
+    .unwrap();
+    let mut new = Server::spawn(
+        new_dir.path(),
+        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
+        old.port,
+    );
+    new.wait_listening();
+    // The old process, still draining, closed its admin listener at the handover: every
+    // answer now is the new one's (ready, and none of the old one's requests).
+    let handed = eventually(Duration::from_secs(10), || {
+        admin_get(admin, "/metrics", &[])
+            .1
+            .contains("webship_config_generation 1\n")
+            && !admin_get(admin, "/metrics", &[])
+                .1
+                .contains("webship_http_requests_total{")
+    });
+    assert!(
+        handed,
+        "the admin address still reaches the old process; new log:\n{}",
+        new.log()
+    );
+    for _ in 0..10 {
+        assert_eq!(admin_get(admin, "/readyz", &[]).0, 200, "old log:\n{}", old.log());
+    }
+    assert!(
+        old.wait_exit(Duration::from_millis(100)).is_none(),
+        "the old process drains still"
+    );
+    drop(tls);
+    assert!(old
+        .wait_exit(Duration::from_secs(30))
+        .is_some_and(|s| s.success()));
+    new.terminate();
+    assert!(new.wait_exit(Duration::from_secs(30)).is_some());
 }

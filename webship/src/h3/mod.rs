@@ -467,6 +467,16 @@ async fn connection(
     }
     // H3_NO_ERROR; also ends the WebTransport datagram reader, which holds a handle.
     quic.close(quinn::VarInt::from_u32(0x100), b"");
+    RECEIVED.fetch_add(quic.stats().udp_rx.bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// UDP payload bytes received by QUIC connections that served HTTP/3, added when
+/// each closes (for the metrics).
+static RECEIVED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Bytes received by closed HTTP/3 connections so far (see [`RECEIVED`]).
+pub(crate) fn received_bytes() -> u64 {
+    RECEIVED.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// The `reason` a QUIC connection's close is counted under.

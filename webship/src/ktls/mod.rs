@@ -38,6 +38,22 @@ static PROMOTIONS: AtomicU64 = AtomicU64::new(0);
 static SENDFILE_BYTES: AtomicU64 = AtomicU64::new(0);
 static FALLBACKS: AtomicU64 = AtomicU64::new(0);
 static LOST: AtomicU64 = AtomicU64::new(0);
+/// Bytes read off every terminated TCP connection (TLS records; after a promotion,
+/// what the kernel hands over): one relaxed addition per read, for the metrics.
+static RECEIVED: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes read off terminated TCP connections so far (see [`RECEIVED`]).
+pub(crate) fn received_bytes() -> u64 {
+    RECEIVED.load(Ordering::Relaxed)
+}
+
+/// Counts what a read added to `buf` since it held `before` bytes.
+fn count_read(buf: &ReadBuf<'_>, before: usize) {
+    let n = buf.filled().len().saturating_sub(before);
+    if n > 0 {
+        RECEIVED.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
 
 /// Process-wide kTLS counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,7 +170,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for RecordBounded<S> {
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
         if !this.bounded {
-            return Pin::new(&mut this.inner).poll_read(cx, buf);
+            let before = buf.filled().len();
+            let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+            count_read(buf, before);
+            return polled;
         }
         let reading_header = this.remaining == 0;
         let want = if reading_header {
@@ -170,6 +189,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for RecordBounded<S> {
         let mut sub = ReadBuf::new(dst);
         ready!(Pin::new(&mut this.inner).poll_read(cx, &mut sub))?;
         let n = sub.filled().len();
+        RECEIVED.fetch_add(n as u64, Ordering::Relaxed);
         if reading_header {
             this.header[this.header_len..this.header_len + n].copy_from_slice(sub.filled());
             this.header_len += n;
@@ -368,7 +388,10 @@ impl AsyncRead for KtlsStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.tcp).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.tcp).poll_read(cx, buf);
+        count_read(buf, before);
+        polled
     }
 }
 

@@ -1,8 +1,9 @@
-//! Scrape-time collectors of the counters the server's subsystems keep anyway:
-//! here the passthrough counters `webship stats` reads (this process's and its
-//! predecessors', kernel and userspace summed, so they continue across a takeover),
-//! and [`register_subsystems`], which adds every subsystem's own collector (kTLS,
-//! TCP BBR, HTTP/2 write batches, QUIC, proxy upstreams, WebTransport).
+//! Scrape-time collectors of the counters the server's subsystems keep anyway: the
+//! passthrough counters `webship stats` reads (this process's and its predecessors',
+//! kernel and userspace summed, so they continue across a takeover), also by engine;
+//! the bytes terminated connections received (`ktls`'s read counter for TCP, `h3`'s
+//! for QUIC); and [`register_subsystems`], which adds every subsystem's own collector
+//! (kTLS, TCP BBR, HTTP/2 write batches, QUIC, proxy upstreams, WebTransport).
 
 use std::sync::Arc;
 
@@ -155,6 +156,17 @@ impl Collector for PassthroughEngines {
             )
             .sample(&[], p.linked_sockets());
         }
+    }
+}
+
+/// Bytes received by terminated connections, by transport.
+pub(super) struct Received;
+
+impl Collector for Received {
+    fn collect(&self, out: &mut Encoder) {
+        out.family("webship_connection_received_bytes", Kind::Counter, "Bytes received by terminated connections (TCP: TLS records as read; QUIC: UDP payload, added when a connection closes).")
+            .sample(&[("transport", "tcp")], crate::ktls::received_bytes())
+            .sample(&[("transport", "quic")], crate::h3::received_bytes());
     }
 }
 

@@ -133,6 +133,7 @@ pub async fn run(
     metrics.register(Box::new(collect::Passthrough::new(plan.programs())));
     let engine = plan.passthrough.is_some().then(|| plan.engine());
     collect::register_subsystems(&metrics, plan.programs(), engine);
+    metrics.register(Box::new(collect::Received));
     let first = Generation::new(1, config.clone(), stack, &fixed)?;
     metrics.set_generation(1);
     let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
