@@ -95,6 +95,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
         binary: &args.webship,
         ktls: "auto",
         runtime: Vec::new(),
+        scraped: false,
     };
     let server = servers::start_webship(
         &spec,

@@ -126,6 +126,12 @@ pub struct DownloadArgs {
     /// Also write the results as JSON to this file (they always go to target/bench/report.json).
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// Also measure `webship scraped` beside `webship` in direct and proxy mode: the
+    /// same daemon with its admin listener, whose `/metrics` this runner fetches every
+    /// second for the whole run (the cost of metrics collection and scraping, as
+    /// server CPU-s/GB scraped over not scraped).
+    #[arg(long)]
+    pub scrape: bool,
     /// Webship's `h3_mtu_upper_bound_bytes` (the DPLPMTUD ceiling) for the h3 cells;
     /// Webship's default when absent.
     #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u16).range(1200..=65527))]

@@ -40,6 +40,8 @@ use crate::DownloadArgs;
 
 pub(crate) const WEBSHIP: &str = "webship";
 pub(crate) const WEBSHIP_NO_GSO: &str = "webship gso=off";
+/// `--scrape`: Webship with its admin listener, `/metrics` fetched every second.
+pub(crate) const WEBSHIP_SCRAPED: &str = "webship scraped";
 /// Passthrough with a named engine (plain `webship` runs `auto`).
 pub(crate) const WEBSHIP_SOCKMAP: &str = "webship sockmap";
 pub(crate) const WEBSHIP_SPLICE: &str = "webship splice";
@@ -276,6 +278,21 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
         };
         ensure_h3(&webship)?;
         let mut started = vec![webship];
+        // The same daemon scraped every second, beside it in the same rounds.
+        if args.scrape && matches!(mode, Mode::Direct | Mode::Proxy) {
+            let scraped_dir = dir(&format!("webship-scraped-{}", mode.label()))?;
+            let spec = webship_spec(args, WEBSHIP_SCRAPED, true);
+            let s = Settings {
+                dir: &scraped_dir,
+                ..base
+            };
+            let scraped = match origin_port {
+                Some(port) => servers::start_webship_proxy(&spec, &s, port)?,
+                None => servers::start_webship(&spec, &s)?,
+            };
+            ensure_h3(&scraped)?;
+            started.push(scraped);
+        }
         // Passthrough: each engine by name too, beside the default (`auto`).
         if let (Mode::Passthrough, Some(port)) = (mode, origin_port) {
             for (name, engine) in [
@@ -358,7 +375,7 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
         Ok(server)
     };
     let serves = |server: &str, mode: Mode, protocol: Protocol| match server {
-        WEBSHIP => true,
+        WEBSHIP | WEBSHIP_SCRAPED => true,
         WEBSHIP_SOCKMAP | WEBSHIP_SPLICE | WEBSHIP_COPY => protocol != Protocol::H3,
         WEBSHIP_UDP_RELAY => protocol == Protocol::H3,
         WEBSHIP_NO_GSO => protocol == Protocol::H3,
@@ -455,6 +472,16 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
         .flat_map(|set| &set.servers)
         .find(|server| server.name == WEBSHIP)
         .map_or_else(|| "unknown".to_owned(), |webship| kernel_summary(&webship.log()));
+    for server in sets.iter().flat_map(|set| &set.servers) {
+        if server.name == WEBSHIP_SCRAPED {
+            eprintln!(
+                "{} on port {}: {} scrapes of /metrics",
+                server.name,
+                server.port,
+                server.scrapes()
+            );
+        }
+    }
     drop(sets);
 
     // A cell with no accepted sample has no numbers: a peer's becomes n/a, a Webship one fails the run.
@@ -558,6 +585,7 @@ pub(crate) fn is_webship(server: &str) -> bool {
     [
         WEBSHIP,
         WEBSHIP_NO_GSO,
+        WEBSHIP_SCRAPED,
         WEBSHIP_SOCKMAP,
         WEBSHIP_SPLICE,
         WEBSHIP_COPY,
@@ -613,6 +641,7 @@ fn webship_spec<'a>(args: &'a DownloadArgs, name: &'static str, gso: bool) -> We
         binary: &args.webship,
         ktls: &args.ktls,
         runtime,
+        scraped: name == WEBSHIP_SCRAPED,
     }
 }
 

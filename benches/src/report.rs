@@ -9,7 +9,9 @@ use serde_json::{json, Value};
 use webship_testkit::fixture::FIXTURE_LEN;
 
 use crate::clients::{Protocol, Sample};
-use crate::measure::{is_limit, is_webship, Mode, LIMIT_PLAIN, LIMIT_TLS, WEBSHIP, WEBSHIP_NO_GSO};
+use crate::measure::{
+    is_limit, is_webship, Mode, LIMIT_PLAIN, LIMIT_TLS, WEBSHIP, WEBSHIP_NO_GSO, WEBSHIP_SCRAPED,
+};
 
 const MIB: f64 = 1_048_576.0;
 const GB: f64 = 1e9;
@@ -366,6 +368,24 @@ impl Report {
         ratios
     }
 
+    /// `--scrape`: Webship scraped every second over Webship not scraped, per mode
+    /// and protocol (the cost of metrics; 1.0 within noise is the goal).
+    fn scrape_ratios(&self) -> Vec<Ratio> {
+        let mut ratios = Vec::new();
+        for mode in self.modes() {
+            for protocol in Protocol::ALL {
+                if self.find(mode, WEBSHIP_SCRAPED, protocol).is_none() {
+                    continue;
+                }
+                ratios.push(Ratio {
+                    label: format!("{} {}: scraped / not scraped", mode.label(), protocol.label()),
+                    values: self.ratio((mode, WEBSHIP_SCRAPED, protocol), (mode, WEBSHIP, protocol)),
+                });
+            }
+        }
+        ratios
+    }
+
     /// Each server's proxy cell over its direct cell, for the cells measured in both modes.
     fn proxy_over_direct(&self) -> Vec<(&'static str, Ratio)> {
         self.series
@@ -556,6 +576,22 @@ impl Report {
                 None => writeln!(out, "| {} | n/a | n/a |", ratio.label),
             };
         }
+        let scrape = self.scrape_ratios();
+        if !scrape.is_empty() {
+            let _ = writeln!(
+                out,
+                "\n| metrics scraped every second | throughput | server CPU-s/GB |"
+            );
+            let _ = writeln!(out, "|---|---:|---:|");
+            for ratio in scrape {
+                let _ = match ratio.values {
+                    Some((throughput, cpu)) => {
+                        writeln!(out, "| {} | {throughput:.3} | {cpu:.3} |", ratio.label)
+                    }
+                    None => writeln!(out, "| {} | n/a | n/a |", ratio.label),
+                };
+            }
+        }
         let proxy_over_direct = self.proxy_over_direct();
         if !proxy_over_direct.is_empty() {
             let _ = writeln!(
@@ -647,6 +683,11 @@ impl Report {
             .iter()
             .map(|r| ratio_json(json!({"comparison": r.label}), r, "cell missing"))
             .collect();
+        let scrape: Vec<Value> = self
+            .scrape_ratios()
+            .iter()
+            .map(|r| ratio_json(json!({"comparison": r.label}), r, "cell missing"))
+            .collect();
         let proxy_over_direct: Vec<Value> = self
             .proxy_over_direct()
             .iter()
@@ -703,6 +744,7 @@ impl Report {
             "results": results,
             "ratios_webship_over_best_peer": best,
             "ratios_h3": h3,
+            "ratios_scrape": scrape,
             "ratios_proxy_over_direct": proxy_over_direct,
             "not_measured": gaps,
             "scenarios": sections,

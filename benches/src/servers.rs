@@ -10,6 +10,8 @@ use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -31,6 +33,8 @@ pub(crate) struct Server {
     /// Plain HTTP, no TLS: the baseline origin.
     pub plain: bool,
     process: Process,
+    /// Fetches the admin listener's `/metrics` every second (`webship scraped`).
+    scraper: Option<Scraper>,
 }
 
 impl Server {
@@ -67,7 +71,74 @@ fn spawn(
         host: "127.0.0.1",
         plain: false,
         process,
+        scraper: None,
     })
+}
+
+/// A scraper on its own thread: `GET /metrics` every second on one admin listener,
+/// as Prometheus with a 1 s interval would; stopped and joined when dropped. Its CPU
+/// is this runner's, never the server's.
+#[derive(Debug)]
+pub(crate) struct Scraper {
+    stop: Arc<AtomicBool>,
+    scrapes: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Scraper {
+    fn start(admin: u16) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let scrapes = Arc::new(AtomicU64::new(0));
+        let (halt, count) = (stop.clone(), scrapes.clone());
+        let thread = std::thread::spawn(move || {
+            while !halt.load(Ordering::Relaxed) {
+                if scrape_once(admin).is_ok_and(|ok| ok) {
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+                // Bounded by the stop flag: checked every 100 ms.
+                for _ in 0..10 {
+                    if halt.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        });
+        Self {
+            stop,
+            scrapes,
+            thread: Some(thread),
+        }
+    }
+}
+
+/// One `GET /metrics`: whether it answered 200 with a body.
+fn scrape_once(port: u16) -> std::io::Result<bool> {
+    use std::io::{Read, Write};
+    let mut tcp = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    tcp.set_read_timeout(Some(Duration::from_secs(2)))?;
+    tcp.write_all(b"GET /metrics HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n")?;
+    let mut response = Vec::new();
+    tcp.take(1 << 22).read_to_end(&mut response)?;
+    Ok(response.starts_with(b"HTTP/1.1 200") && response.len() > 1000)
+}
+
+impl Drop for Scraper {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Server {
+    /// Scrapes done so far (0 without a scraper).
+    pub(crate) fn scrapes(&self) -> u64 {
+        self.scraper
+            .as_ref()
+            .map_or(0, |s| s.scrapes.load(Ordering::Relaxed))
+    }
 }
 
 /// The certificate every server presents (for localhost and 127.0.0.1), issued by
@@ -144,6 +215,9 @@ pub(crate) struct WebshipSpec<'a> {
     pub ktls: &'a str,
     /// `[runtime.settings]` entries (name, value); Webship's defaults apply to the rest.
     pub runtime: Vec<(&'static str, String)>,
+    /// Start the admin listener on a free loopback port and scrape its `/metrics`
+    /// every second while the server runs.
+    pub scraped: bool,
 }
 
 pub(crate) fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {
@@ -220,7 +294,16 @@ pub(crate) fn start_webship_passthrough(
 
 fn launch_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>, serve: &str) -> Result<Server> {
     let config = s.dir.join("webship.toml");
-    spawn(
+    let admin = match spec.scraped {
+        true => Some(webship_testkit::ports::free_port()?),
+        false => None,
+    };
+    let serve = match admin {
+        Some(port) => format!("{serve}\n[admin]\nlisten = \"127.0.0.1:{port}\"\n"),
+        None => serve.to_owned(),
+    };
+    let serve = serve.as_str();
+    let mut server = spawn(
         spec.name,
         s.dir.join("webship.log"),
         Some("listening on"),
@@ -230,7 +313,9 @@ fn launch_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>, serve: &str) -> Resu
             command.arg("serve").arg("--config").arg(&config);
             Ok(command)
         },
-    )
+    )?;
+    server.scraper = admin.map(Scraper::start);
+    Ok(server)
 }
 
 /// `serve`: what the instance serves (a root with its `[tls]`, or a `[reverse_proxy]`).

@@ -69,6 +69,7 @@ pub(crate) fn measure(args: &WtBenchArgs) -> Result<Section> {
         binary: &args.webship,
         ktls: "auto",
         runtime: Vec::new(),
+        scraped: false,
     };
     let (origin_dir, user_dir, ebpf_dir) = (
         stage.dir("origin")?,

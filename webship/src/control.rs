@@ -40,6 +40,10 @@ pub enum Request {
     Takeover,
     /// Who is running: the reply's message names the pid, version and file.
     Status,
+    /// Every metric now: the reply's message is the Prometheus text exposition, as
+    /// the admin listener's `/metrics` serves it (for `webship stats` without an
+    /// admin listener).
+    Metrics,
 }
 
 /// The daemon's answer.

@@ -22,6 +22,7 @@ mod ktls;
 mod listener;
 pub mod logging;
 mod message;
+mod metrics;
 mod names;
 pub mod passthrough;
 pub mod preflight;

@@ -198,15 +198,21 @@ fn prepare_files(vm: &Path) -> anyhow::Result<()> {
             .arg(&cert)
             .stderr(std::process::Stdio::null()))?;
     }
-    for (name, port, ktls) in [
-        ("required", 8443, "required"),
-        ("auto", 8444, "auto"),
-        ("off", 8445, "off"),
+    // The kTLS server's admin listener: the guest reads the promotion metrics there.
+    for (name, port, ktls, admin) in [
+        (
+            "required",
+            8443,
+            "required",
+            "[admin]\nlisten = \"127.0.0.1:9901\"\n",
+        ),
+        ("auto", 8444, "auto", ""),
+        ("off", 8445, "off", ""),
     ] {
         std::fs::write(
             vm.join(format!("{name}.toml")),
             format!(
-                "listen = \"127.0.0.1:{port}\"\nworkers = 1\nroot = \"{}\"\n[tls]\ncert = \"{}\"\nkey = \"{}\"\n[protocols]\nh3 = false\n[kernel]\nktls = \"{ktls}\"\nbbr = \"off\"\n",
+                "listen = \"127.0.0.1:{port}\"\nworkers = 1\nroot = \"{}\"\n[tls]\ncert = \"{}\"\nkey = \"{}\"\n[protocols]\nh3 = false\n[kernel]\nktls = \"{ktls}\"\nbbr = \"off\"\n{admin}",
                 www.display(),
                 cert.display(),
                 key.display()

@@ -139,6 +139,21 @@ while [ $i -lt 50 ] && [ "$(established)" -gt 0 ]; do sleep 0.1; i=$((i + 1)); d
 check disconnect-mid-sendfile-releases [ "$(established)" -eq 0 ]
 check serves-after-disconnect [ "$($CURL https://localhost:8443/small.txt)" = "small and after promotion" ]
 
+# The same promotions in /metrics (docs/metrics.md) on the admin listener: one per
+# promotion logged, none lost, and each moved the rest of its body (all but the
+# first MiB or so) with sendfile.
+curl -s --max-time 10 http://127.0.0.1:9901/metrics > $T/metrics.txt
+series() { awk -v s="$1" '$1 == s {print $2}' $T/metrics.txt; }
+m_kernel=$(series 'webship_ktls_promotions_total{result="kernel"}')
+m_stayed=$(series 'webship_ktls_promotions_total{result="stayed"}')
+m_lost=$(series 'webship_ktls_promotions_total{result="lost"}')
+m_sent=$(series webship_ktls_sendfile_bytes_total)
+logged=$(grep -c "promoted to kernel TLS" $T/required.log)
+echo "VMTEST-INFO metrics: promotions kernel=$m_kernel stayed=$m_stayed lost=$m_lost sendfile_bytes=$m_sent logged=$logged"
+check metrics-promotions-as-logged [ "${m_kernel:-0}" -ge 12 -a "${m_kernel:-0}" -eq "$logged" ]
+check metrics-no-promotion-lost [ "${m_lost:-x}" = 0 ]
+check metrics-sendfile-bytes [ "${m_sent:-0}" -ge $((12 * (LEN - 2097152))) ]
+
 stop required
 check counters-logged grep -q "ktls counters promotions=" $T/required.log
 grep "ktls counters" $T/required.log | sed 's/^.*ktls counters/VMTEST-INFO ktls counters/'

@@ -92,6 +92,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         passthrough_udp: None,
         access_log: super::AccessLog::default(),
         control_socket: None,
+        admin: None,
         accept_proxy_protocol: Vec::new(),
         user: None,
         group: None,

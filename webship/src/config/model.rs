@@ -47,6 +47,17 @@ pub struct Config {
     /// The control socket (`webship reload`, `--takeover`); `None` for the built-in
     /// configuration, which has no file to reload.
     pub control_socket: Option<PathBuf>,
+    /// The admin listener (`/metrics`, `/healthz`, `/readyz`); `None`: none.
+    pub admin: Option<Admin>,
+}
+
+/// `[admin]`: plain HTTP/1.1 for metrics scrapers and health checks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Admin {
+    pub listen: SocketAddr,
+    /// The file of the bearer token requests must carry (`Authorization: Bearer`);
+    /// required for a non-loopback `listen`, read once at start.
+    pub token_file: Option<PathBuf>,
 }
 
 /// `[log]`: whether exchanges are logged, how, where, and how many of them.

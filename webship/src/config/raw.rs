@@ -32,6 +32,18 @@ pub(super) struct RawConfig {
     pub webtransport: Option<RawWebTransport>,
     /// Sources (CIDR blocks) that must start their connections with a PROXY header.
     pub accept_proxy_protocol: Option<Vec<String>>,
+    /// The admin listener (metrics, health).
+    pub admin: Option<RawAdmin>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAdmin {
+    pub listen: String,
+    /// A non-loopback address must be allowed explicitly (and needs a token).
+    pub allow_remote: Option<bool>,
+    /// A file holding the bearer token every request must carry.
+    pub token_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -816,3 +816,61 @@ fn access_log_keys_and_per_site_sampling() {
         "{problems:?}"
     );
 }
+
+#[test]
+fn the_admin_listener_stays_on_loopback_unless_allowed_with_a_token() {
+    let f = Files::new();
+    let base =
+        "listen = \"127.0.0.1:8443\"\nroot = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n";
+    let config = f
+        .parse(&format!("{base}[admin]\nlisten = \"127.0.0.1:9901\"\n"))
+        .unwrap();
+    assert_eq!(
+        config.admin,
+        Some(Admin {
+            listen: "127.0.0.1:9901".parse().unwrap(),
+            token_file: None,
+        })
+    );
+    assert_eq!(f.parse(base).unwrap().admin, None);
+
+    let remote = f.problems(&format!("{base}[admin]\nlisten = \"0.0.0.0:9901\"\n"));
+    assert_eq!(remote.len(), 1, "{remote:?}");
+    assert_eq!(remote[0].key, "admin.listen");
+    assert!(remote[0].problem.contains("not a loopback address"), "{remote:?}");
+
+    let no_token = f.problems(&format!(
+        "{base}[admin]\nlisten = \"0.0.0.0:9901\"\nallow_remote = true\n"
+    ));
+    assert_eq!(no_token.len(), 1, "{no_token:?}");
+    assert_eq!(no_token[0].key, "admin.allow_remote");
+
+    std::fs::write(f.dir.path().join("short"), "abc\n").unwrap();
+    std::fs::write(f.dir.path().join("token"), "0123456789abcdef0123\n").unwrap();
+    let short = f.problems(&format!(
+        "{base}[admin]\nlisten = \"0.0.0.0:9901\"\nallow_remote = true\ntoken_file = \"short\"\n"
+    ));
+    assert_eq!(short.len(), 1, "{short:?}");
+    assert_eq!(short[0].key, "admin.token_file");
+    let missing = f.problems(&format!(
+        "{base}[admin]\nlisten = \"127.0.0.1:9901\"\ntoken_file = \"nope\"\n"
+    ));
+    assert_eq!(missing[0].key, "admin.token_file");
+    let allowed = f
+        .parse(&format!(
+            "{base}[admin]\nlisten = \"0.0.0.0:9901\"\nallow_remote = true\ntoken_file = \"token\"\n"
+        ))
+        .unwrap();
+    let token_file = allowed.admin.unwrap().token_file.unwrap();
+    assert_eq!(read_admin_token(&token_file).unwrap(), "0123456789abcdef0123");
+
+    let same_port = f.problems(&format!("{base}[admin]\nlisten = \"127.0.0.1:8443\"\n"));
+    assert!(
+        same_port[0].problem.contains("the port `listen` serves on"),
+        "{same_port:?}"
+    );
+    let typo = f.parse(&format!(
+        "{base}[admin]\nlisten = \"127.0.0.1:9901\"\ntoken = \"x\"\n"
+    ));
+    assert!(typo.is_err(), "unknown keys are errors");
+}

@@ -88,6 +88,10 @@ impl Programs {
     pub(crate) fn kernel_counters(&self) -> Values {
         match *self {}
     }
+
+    pub(crate) fn linked_sockets(&self) -> u64 {
+        match *self {}
+    }
 }
 
 /// Never constructed in this build.

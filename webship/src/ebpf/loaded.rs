@@ -33,6 +33,9 @@ const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 pub(crate) struct Programs {
     socks: Mutex<SockHash<MapData, u64>>,
     links: Mutex<HashMap<MapData, u64, Link>>,
+    /// The same map through a handle of its own, for the metrics: counting the
+    /// links never holds the lock connections are linked under.
+    links_reader: Mutex<HashMap<MapData, u64, Link>>,
     kernel_counters: PerCpuArray<MapData, u64>,
     user_counters: Mutex<Array<MapData, u64>>,
     udp_config: Mutex<Array<MapData, UdpRedirect>>,
@@ -130,9 +133,15 @@ impl Programs {
                 source: io::Error::other(e),
             })?;
         }
+        let links_reader = MapData::from_pin(&links_pin).map_err(|e| EbpfError::Pin {
+            what: "cannot open the pinned map",
+            path: links_pin.clone(),
+            source: io::Error::other(chain(&e)),
+        })?;
         Ok(Arc::new(Self {
             socks: Mutex::new(socks),
             links: Mutex::new(typed(links_map)?),
+            links_reader: Mutex::new(typed(Map::HashMap(links_reader))?),
             kernel_counters: typed(kernel_map)?,
             user_counters: Mutex::new(typed(user_map)?),
             udp_config: Mutex::new(udp_config),
@@ -262,6 +271,11 @@ impl Programs {
     /// The programs' counters, summed over CPUs.
     pub(crate) fn kernel_counters(&self) -> Values {
         sum_per_cpu(&self.kernel_counters)
+    }
+
+    /// Sockets the `sockmap` engine has linked now (what `webship stats` shows).
+    pub(crate) fn linked_sockets(&self) -> u64 {
+        lock(&self.links_reader).keys().count() as u64
     }
 }
 

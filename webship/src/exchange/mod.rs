@@ -76,6 +76,8 @@ pub(crate) struct Drivers {
     /// Sessions one h3 connection may hold when some site has a WebTransport
     /// endpoint; 0 when none does (then nothing WebTransport is offered).
     pub(crate) webtransport_sessions: usize,
+    /// This generation's metric slots (by site index) in the process's registry.
+    pub(crate) metrics: crate::metrics::Sites,
 }
 
 impl Drivers {
@@ -85,8 +87,10 @@ impl Drivers {
         shutdown: Shutdown,
         ktls: Option<Arc<crate::ktls::Support>>,
         access_sink: &Arc<access::Sink>,
+        metrics: &Arc<crate::metrics::Registry>,
     ) -> Self {
         Self {
+            metrics: metrics.sites(service.site_names()),
             service,
             limits: config.limits,
             h2: config.h2,

@@ -107,6 +107,10 @@ pub(crate) struct Finished<'a> {
 impl Record {
     /// The record of `head`'s exchange, answered with `status` by `route`.
     pub(crate) fn new(ctx: &ConnContext, head: &RequestHead<'_>, route: Route, status: u16) -> Self {
+        let proto = Proto::of(head.version);
+        ctx.metrics
+            .site(route.site)
+            .begin(proto as usize, route.mode.index());
         let line = ctx.access.is_some().then(|| {
             let header = |name| head.headers.get(name).cloned();
             Box::new(RequestLine {
@@ -119,7 +123,7 @@ impl Record {
         });
         Self {
             ctx: ctx.clone(),
-            proto: Proto::of(head.version),
+            proto,
             route,
             status,
             began: Instant::now(),
@@ -133,10 +137,14 @@ impl Record {
     /// The record of a request the driver refused before it had a head (unparsable,
     /// too large, too slow).
     pub(crate) fn refused(ctx: &ConnContext, proto: Proto, status: u16) -> Self {
+        let route = Route::REFUSED;
+        ctx.metrics
+            .site(route.site)
+            .begin(proto as usize, route.mode.index());
         Self {
             ctx: ctx.clone(),
             proto,
-            route: Route::REFUSED,
+            route,
             status,
             began: Instant::now(),
             time: SystemTime::now(),
@@ -187,5 +195,47 @@ impl Record {
 
 /// Where a finished exchange goes: the access log and the metrics.
 fn report(finished: &Finished<'_>) {
+    observe(finished);
     super::access::write(finished);
+}
+
+/// The exchange's end in its site's metrics (begun in [`Record::new`]).
+fn observe(f: &Finished<'_>) {
+    f.ctx.metrics.site(f.route.site).end(&crate::metrics::Ended {
+        proto: f.proto as usize,
+        mode: f.route.mode.index(),
+        status: f.status,
+        bytes: f.bytes,
+        ttfb: f.ttfb,
+        ttlb: f.duration,
+        outcome: f.outcome as usize,
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metrics::{MODES, OUTCOMES, PROTOS};
+    use crate::service::Mode;
+
+    /// The metrics label tables are indexed by these enums' discriminants.
+    #[test]
+    fn label_tables_match_the_enums() {
+        for p in [Proto::H1, Proto::H2, Proto::H3] {
+            assert_eq!(PROTOS[p as usize], p.as_str());
+        }
+        for m in [Mode::Files, Mode::Proxy, Mode::WebTransport, Mode::Refused] {
+            assert_eq!(MODES[m.index()], m.as_str());
+        }
+        let outcomes = [
+            Outcome::Complete,
+            Outcome::ClientGone,
+            Outcome::Timeout,
+            Outcome::BodyError,
+            Outcome::Unfinished,
+        ];
+        for o in outcomes {
+            assert_eq!(OUTCOMES[o as usize], o.as_str());
+        }
+    }
 }

@@ -70,6 +70,7 @@ impl Switching {
         config.initial_window(self.active.window().max(self.active.initial_window()));
         self.active = Arc::new(config).build(now, self.mtu);
         self.on_bbr = true;
+        super::stats::BBR_SWITCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -17,6 +17,7 @@
 pub(crate) mod congestion;
 mod fields;
 pub(crate) mod generation;
+pub(crate) mod stats;
 pub(crate) mod uni;
 
 use std::net::SocketAddr;
@@ -33,6 +34,7 @@ use crate::exchange::{
 };
 use crate::files::cursor::STREAM_CHUNK;
 use crate::message::{BoxError, Response};
+use crate::metrics::{Close, Protocol, Tracked, Transport};
 use crate::webtransport::h3::WtConn;
 use congestion::{BulkSignal, SwitchingFactory};
 use generation::{CidGenerator, GenerationKey, Handshakes, QuicSocket};
@@ -200,6 +202,7 @@ impl H3Endpoint {
             let generation = current();
             let drivers = generation.drivers();
             let Some(crypto) = generation.quic() else {
+                drivers.metrics.connections().refused(Transport::Quic);
                 incoming.refuse();
                 continue;
             };
@@ -216,6 +219,7 @@ impl H3Endpoint {
                 continue;
             }
             let Ok(permit) = permits.clone().try_acquire_owned() else {
+                drivers.metrics.connections().refused(Transport::Quic);
                 incoming.refuse();
                 continue;
             };
@@ -326,13 +330,23 @@ async fn connection(
     permit: OwnedSemaphorePermit,
     handshake: Handshake,
 ) {
+    let mut tracked = Tracked::accepted(drivers.metrics.connections(), Transport::Quic);
     let handshaken = tokio::time::timeout(drivers.limits.handshake_timeout, connecting).await;
     drop(handshake);
     let conn = match handshaken {
         Ok(Ok(conn)) => conn,
-        Ok(Err(e)) => return tracing::debug!(%peer, error = %e, "h3: handshake failed"),
-        Err(_) => return tracing::debug!(%peer, "h3: handshake timed out"),
+        Ok(Err(e)) => {
+            tracked.close(Protocol::None, Close::HandshakeFailed);
+            return tracing::debug!(%peer, error = %e, "h3: handshake failed");
+        }
+        Err(_) => {
+            tracked.close(Protocol::None, Close::HandshakeTimeout);
+            return tracing::debug!(%peer, "h3: handshake timed out");
+        }
     };
+    tracked.close(Protocol::H3, Close::Closed);
+    // Declared before everything that holds the connection: read last, once closed.
+    let _stats = stats::OnEnd(conn.clone());
     let sni = conn
         .handshake_data()
         .and_then(|d| d.downcast::<quinn::crypto::rustls::HandshakeData>().ok())
@@ -358,7 +372,10 @@ async fn connection(
     }
     let mut h3 = match builder.build::<_, Bytes>(uni::Connection::new(conn)).await {
         Ok(h3) => h3,
-        Err(e) => return tracing::debug!(%peer, error = %e, "h3: connection setup failed"),
+        Err(e) => {
+            tracked.close(Protocol::H3, Close::ProtocolError);
+            return tracing::debug!(%peer, error = %e, "h3: connection setup failed");
+        }
     };
     let permit = Arc::new(permit);
     let wt = (ctx.webtransport_sessions > 0).then(|| WtConn::new(quic.clone()));
@@ -412,6 +429,7 @@ async fn connection(
                 if !idle {
                     idle_since = tokio::time::Instant::now();
                 } else if idle_since.elapsed() >= ctx.limits.idle_timeout {
+                    tracked.close(Protocol::H3, Close::IdleTimeout);
                     tracing::debug!(%peer, "h3: idle, connection closed");
                     let goaway = tokio::time::timeout(Duration::from_secs(1), h3.shutdown(0));
                     if let Ok(Err(e)) = goaway.await {
@@ -438,6 +456,10 @@ async fn connection(
             }
             Ok(None) => break,
             Err(e) => {
+                tracked.close(
+                    Protocol::H3,
+                    quic.close_reason().map_or(Close::Error, |r| close_reason(&r)),
+                );
                 tracing::debug!(%peer, error = %e, "h3: connection ended");
                 break;
             }
@@ -445,6 +467,28 @@ async fn connection(
     }
     // H3_NO_ERROR; also ends the WebTransport datagram reader, which holds a handle.
     quic.close(quinn::VarInt::from_u32(0x100), b"");
+    RECEIVED.fetch_add(quic.stats().udp_rx.bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// UDP payload bytes received by QUIC connections that served HTTP/3, added when
+/// each closes (for the metrics).
+static RECEIVED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Bytes received by closed HTTP/3 connections so far (see [`RECEIVED`]).
+pub(crate) fn received_bytes() -> u64 {
+    RECEIVED.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The `reason` a QUIC connection's close is counted under.
+fn close_reason(e: &quinn::ConnectionError) -> Close {
+    use quinn::ConnectionError as E;
+    match e {
+        E::TimedOut => Close::IdleTimeout,
+        E::Reset => Close::Reset,
+        E::ApplicationClosed(_) | E::ConnectionClosed(_) | E::LocallyClosed => Close::Closed,
+        E::TransportError(_) | E::VersionMismatch => Close::ProtocolError,
+        E::CidsExhausted => Close::Error,
+    }
 }
 
 type Resolver = h3::server::RequestResolver<uni::Connection, Bytes>;

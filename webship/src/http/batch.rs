@@ -22,6 +22,17 @@ use std::task::{ready, Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use crate::metrics::{Collector, Encoder, Kind, Values};
+
+/// What each hand-over to TLS carried, in bytes: its count is the batches written,
+/// its sum their bytes (one observation per drained batch, none per frame).
+static WRITES: Values = Values::new(
+    &[
+        1024, 4096, 16_384, 32_768, 65_536, 131_072, 262_144, 524_288, 1_048_576,
+    ],
+    1.0,
+);
+
 #[derive(Debug)]
 pub(crate) struct WriteBatch<S> {
     inner: S,
@@ -48,6 +59,9 @@ impl<S> WriteBatch<S> {
 impl<S: AsyncWrite + Unpin> WriteBatch<S> {
     /// Hands everything batched to `inner`.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.buf.is_empty() {
+            return Poll::Ready(Ok(()));
+        }
         while self.written < self.buf.len() {
             let n = ready!(Pin::new(&mut self.inner).poll_write(cx, &self.buf[self.written..]))?;
             if n == 0 {
@@ -55,6 +69,7 @@ impl<S: AsyncWrite + Unpin> WriteBatch<S> {
             }
             self.written += n;
         }
+        WRITES.observe(self.buf.len() as u64);
         self.buf.clear();
         self.written = 0;
         Poll::Ready(Ok(()))
@@ -67,7 +82,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteBatch<S> {
         if this.buf.len() + data.len() > this.capacity {
             ready!(this.poll_drain(cx))?;
             if data.len() >= this.capacity {
-                return Pin::new(&mut this.inner).poll_write(cx, data);
+                let n = ready!(Pin::new(&mut this.inner).poll_write(cx, data))?;
+                WRITES.observe(n as u64);
+                return Poll::Ready(Ok(n));
             }
         }
         this.buf.extend_from_slice(data);
@@ -121,6 +138,21 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for WriteBatch<S> {
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         ready!(self.poll_drain(cx))?;
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// The HTTP/2 write batches as a metric family, read at scrape time.
+#[derive(Debug)]
+pub(crate) struct Metrics;
+
+impl Collector for Metrics {
+    fn collect(&self, out: &mut Encoder) {
+        out.family(
+            "webship_h2_write_batch_bytes",
+            Kind::Histogram,
+            "HTTP/2 write batches handed to TLS, by size in bytes (count: writes, sum: bytes).",
+        );
+        WRITES.write(out, &[]);
     }
 }
 

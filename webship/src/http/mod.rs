@@ -12,9 +12,10 @@ mod h2_guard;
 mod hyper;
 
 use crate::exchange::ConnContext;
+use crate::metrics::Close;
 use crate::tls::{Accepted, Alpn};
 
-pub(crate) use batch::WriteBatch;
+pub(crate) use batch::{Metrics as BatchMetrics, WriteBatch};
 
 /// Why a connection ended early.
 #[derive(Debug, thiserror::Error)]
@@ -23,6 +24,43 @@ pub(crate) enum ConnError {
     H1(#[from] h1::H1Error),
     #[error(transparent)]
     Hyper(#[from] hyper::HyperError),
+}
+
+impl ConnError {
+    /// The `reason` label the connection's close is counted under.
+    pub(crate) fn close(&self) -> Close {
+        use crate::exchange::SendError;
+        use std::io::ErrorKind;
+        let io = |e: &std::io::Error| match e.kind() {
+            ErrorKind::TimedOut => Close::HeaderTimeout,
+            ErrorKind::ConnectionReset
+            | ErrorKind::BrokenPipe
+            | ErrorKind::UnexpectedEof
+            | ErrorKind::ConnectionAborted => Close::Reset,
+            ErrorKind::InvalidData => Close::ProtocolError,
+            _ => Close::Error,
+        };
+        match self {
+            ConnError::H1(h1::H1Error::Io(e)) => io(e),
+            ConnError::H1(h1::H1Error::Send(SendError::Timeout)) => Close::SendTimeout,
+            ConnError::H1(h1::H1Error::Send(SendError::Peer(_))) => Close::Reset,
+            ConnError::H1(h1::H1Error::Send(SendError::Body(_))) => Close::Error,
+            ConnError::Hyper(hyper::HyperError::Stalled) => Close::SendTimeout,
+            ConnError::Hyper(hyper::HyperError::HeadTimeout) => Close::HeaderTimeout,
+            ConnError::Hyper(hyper::HyperError::NoPreface) => Close::HandshakeTimeout,
+            ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_timeout() => Close::HeaderTimeout,
+            ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_parse() => Close::ProtocolError,
+            ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_incomplete_message() || e.is_closed() => {
+                Close::Reset
+            }
+            ConnError::Hyper(hyper::HyperError::Hyper(e)) => {
+                match std::error::Error::source(e).and_then(|s| s.downcast_ref::<std::io::Error>()) {
+                    Some(e) => io(e),
+                    None => Close::ProtocolError,
+                }
+            }
+        }
+    }
 }
 
 /// Serves one accepted connection until it ends.

@@ -37,6 +37,23 @@ use crate::sys::{self, KtlsCipher, KtlsDirection, KtlsKeys, KtlsVersion};
 static PROMOTIONS: AtomicU64 = AtomicU64::new(0);
 static SENDFILE_BYTES: AtomicU64 = AtomicU64::new(0);
 static FALLBACKS: AtomicU64 = AtomicU64::new(0);
+static LOST: AtomicU64 = AtomicU64::new(0);
+/// Bytes read off every terminated TCP connection (TLS records; after a promotion,
+/// what the kernel hands over): one relaxed addition per read, for the metrics.
+static RECEIVED: AtomicU64 = AtomicU64::new(0);
+
+/// Bytes read off terminated TCP connections so far (see [`RECEIVED`]).
+pub(crate) fn received_bytes() -> u64 {
+    RECEIVED.load(Ordering::Relaxed)
+}
+
+/// Counts what a read added to `buf` since it held `before` bytes.
+fn count_read(buf: &ReadBuf<'_>, before: usize) {
+    let n = buf.filled().len().saturating_sub(before);
+    if n > 0 {
+        RECEIVED.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
 
 /// Process-wide kTLS counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,6 +61,8 @@ pub(crate) struct Counters {
     pub promotions: u64,
     pub sendfile_bytes: u64,
     pub fallbacks: u64,
+    /// Connections lost in a promotion (the kernel refused the keys).
+    pub lost: u64,
 }
 
 pub(crate) fn counters() -> Counters {
@@ -51,7 +70,38 @@ pub(crate) fn counters() -> Counters {
         promotions: PROMOTIONS.load(Ordering::Relaxed),
         sendfile_bytes: SENDFILE_BYTES.load(Ordering::Relaxed),
         fallbacks: FALLBACKS.load(Ordering::Relaxed),
+        lost: LOST.load(Ordering::Relaxed),
     }
+}
+
+/// The kTLS counters as metric families, read at scrape time.
+#[derive(Debug)]
+pub(crate) struct Metrics;
+
+impl crate::metrics::Collector for Metrics {
+    fn collect(&self, out: &mut crate::metrics::Encoder) {
+        let c = counters();
+        out.family(
+            "webship_ktls_promotions",
+            crate::metrics::Kind::Counter,
+            "HTTP/1.1 promotions to kernel TLS tried, by result (kernel: promoted; stayed: left in rustls; lost: the connection was lost).",
+        )
+        .sample(&[("result", "kernel")], c.promotions)
+        .sample(&[("result", "stayed")], c.fallbacks)
+        .sample(&[("result", "lost")], c.lost);
+        out.family(
+            "webship_ktls_sendfile_bytes",
+            crate::metrics::Kind::Counter,
+            "Response bytes sent with sendfile over kernel TLS.",
+        )
+        .sample(&[], c.sendfile_bytes);
+    }
+}
+
+/// A promotion that lost its connection: counted where it is returned.
+fn lost(e: PromoteError) -> Promotion {
+    LOST.fetch_add(1, Ordering::Relaxed);
+    Promotion::Lost(e)
 }
 
 /// The suites preflight found the kernel able to take over (TX and RX).
@@ -120,7 +170,10 @@ impl<S: AsyncRead + Unpin> AsyncRead for RecordBounded<S> {
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
         if !this.bounded {
-            return Pin::new(&mut this.inner).poll_read(cx, buf);
+            let before = buf.filled().len();
+            let polled = Pin::new(&mut this.inner).poll_read(cx, buf);
+            count_read(buf, before);
+            return polled;
         }
         let reading_header = this.remaining == 0;
         let want = if reading_header {
@@ -136,6 +189,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for RecordBounded<S> {
         let mut sub = ReadBuf::new(dst);
         ready!(Pin::new(&mut this.inner).poll_read(cx, &mut sub))?;
         let n = sub.filled().len();
+        RECEIVED.fetch_add(n as u64, Ordering::Relaxed);
         if reading_header {
             this.header[this.header_len..this.header_len + n].copy_from_slice(sub.filled());
             this.header_len += n;
@@ -242,7 +296,7 @@ pub(crate) fn promote(tls: RustlsStream, support: &Support) -> Promotion {
     }
     let secrets = match conn.dangerous_extract_secrets() {
         Ok(s) => s,
-        Err(e) => return Promotion::Lost(sys::KtlsError::Refused("rustls", io::Error::other(e)).into()),
+        Err(e) => return lost(sys::KtlsError::Refused("rustls", io::Error::other(e)).into()),
     };
     let tcp = io.inner;
     for (direction, (seq, secrets)) in [(KtlsDirection::Tx, secrets.tx), (KtlsDirection::Rx, secrets.rx)] {
@@ -250,7 +304,7 @@ pub(crate) fn promote(tls: RustlsStream, support: &Support) -> Promotion {
             ConnectionTrafficSecrets::Aes128Gcm { key, iv }
             | ConnectionTrafficSecrets::Aes256Gcm { key, iv }
             | ConnectionTrafficSecrets::Chacha20Poly1305 { key, iv } => (key.as_ref(), iv.as_ref()),
-            _ => return Promotion::Lost(PromoteError::Suite),
+            _ => return lost(PromoteError::Suite),
         };
         let keys = KtlsKeys {
             version: suite.0,
@@ -260,7 +314,7 @@ pub(crate) fn promote(tls: RustlsStream, support: &Support) -> Promotion {
             seq,
         };
         if let Err(e) = sys::set_ktls_keys(&tcp, direction, &keys) {
-            return Promotion::Lost(e.into());
+            return lost(e.into());
         }
     }
     PROMOTIONS.fetch_add(1, Ordering::Relaxed);
@@ -334,7 +388,10 @@ impl AsyncRead for KtlsStream {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.tcp).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut self.tcp).poll_read(cx, buf);
+        count_read(buf, before);
+        polled
     }
 }
 

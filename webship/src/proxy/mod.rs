@@ -24,6 +24,7 @@
 mod body;
 mod headers;
 mod inspect;
+mod metrics;
 pub(crate) mod path;
 mod upstream;
 
@@ -41,6 +42,8 @@ use crate::config::{Route, UpstreamProtocol};
 use crate::message::{empty_body, Body, BoxError, RequestHead, Response, StreamBody};
 
 use body::{LimitedBody, RelayBody, Upload, Waiting};
+pub(crate) use metrics::Metrics;
+use metrics::{ErrorKind, UpstreamMetrics};
 use upstream::{Fault, Upstream};
 
 /// How long a failing upstream is skipped.
@@ -69,6 +72,8 @@ struct RouteState {
     next: AtomicUsize,
     /// When each upstream may be tried again after a failure.
     ejected_until: Mutex<Vec<Option<Instant>>>,
+    /// Each upstream's metrics slot, by index.
+    metrics: Vec<std::sync::Arc<UpstreamMetrics>>,
 }
 
 impl Proxy {
@@ -160,6 +165,7 @@ impl RouteState {
             client: Upstream::new(route)?,
             next: AtomicUsize::new(0),
             ejected_until: Mutex::new(vec![None; route.upstreams.len()]),
+            metrics: route.upstreams.iter().map(|&u| metrics::slot(u)).collect(),
             route: route.clone(),
         })
     }
@@ -210,9 +216,11 @@ impl RouteState {
             let sent = Instant::now();
             let failed = match self.exchange(request, &upload, bodiless).await {
                 Ok(resp) => {
+                    let head = sent.elapsed();
+                    self.metrics[i].responded(head);
                     let report = UpstreamReport {
                         addr: upstream,
-                        head: Some(sent.elapsed()),
+                        head: Some(head),
                     };
                     return (
                         relay(resp, req.method, self.route.body_idle_timeout),
@@ -250,9 +258,15 @@ impl RouteState {
             )
         };
         let failed_text = || text(StatusCode::BAD_GATEWAY, "webship: the upstream failed\n");
+        let metrics = &self.metrics[i];
         let e = match failed {
             Failed::Timeout(waiting) => {
                 tracing::warn!(target: "proxy", %domain, %upstream, ?waiting, "upstream exchange timed out");
+                metrics.error(match waiting {
+                    Waiting::Client => ErrorKind::ClientTimeout,
+                    Waiting::Connection => ErrorKind::ConnectTimeout,
+                    Waiting::Response | Waiting::UpstreamReading => ErrorKind::ResponseTimeout,
+                });
                 return Some(match waiting {
                     Waiting::Client => {
                         text(StatusCode::REQUEST_TIMEOUT, "webship: the request body stalled\n")
@@ -268,6 +282,15 @@ impl RouteState {
         };
         let fault = upstream::classify(&e);
         tracing::warn!(target: "proxy", %domain, %upstream, ?fault, error = %chain(&e), "upstream exchange failed");
+        metrics.error(match fault {
+            Fault::Unreachable => ErrorKind::Unreachable,
+            Fault::QueueFull => ErrorKind::QueueFull,
+            Fault::Local => ErrorKind::Local,
+            Fault::TooLarge => ErrorKind::TooLarge,
+            Fault::Client => ErrorKind::ClientBody,
+            Fault::Garbage => ErrorKind::Garbage,
+            Fault::Broken => ErrorKind::Broken,
+        });
         Some(match fault {
             Fault::Unreachable => {
                 self.eject(i, domain, upstream, "unreachable");
@@ -297,6 +320,7 @@ impl RouteState {
 
     fn eject(&self, i: usize, domain: &str, upstream: SocketAddr, why: &str) {
         tracing::warn!(target: "proxy", %domain, %upstream, why, "upstream ejected for {} s", EJECT_FOR.as_secs());
+        self.metrics[i].ejected();
         if let Ok(mut e) = self.ejected_until.lock() {
             if let Some(slot) = e.get_mut(i) {
                 *slot = Some(Instant::now() + EJECT_FOR);

@@ -29,6 +29,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use crate::config::{Route, UpstreamProtocol};
 use crate::message::{BoxError, StreamBody};
 
+use super::metrics::{self, OpenConnection, UpstreamMetrics};
 use super::ProxyError;
 
 /// Idle pooled connections kept per upstream (never more than the cap).
@@ -39,11 +40,15 @@ const POOL_IDLE_PER_UPSTREAM: usize = 64;
 #[error("no connection to the upstream became free in time (queue timeout)")]
 pub(super) struct QueueTimeout;
 
-/// Makes TCP connections, each holding a permit of its upstream's semaphore.
+/// Each upstream's connection cap and metrics slot.
+type Caps = HashMap<SocketAddr, (Arc<Semaphore>, Arc<UpstreamMetrics>)>;
+
+/// Makes TCP connections, each holding a permit of its upstream's semaphore and
+/// counted open in its upstream's metrics.
 #[derive(Debug, Clone)]
 pub(super) struct CappedConnector {
     http: HttpConnector,
-    caps: Arc<HashMap<SocketAddr, Arc<Semaphore>>>,
+    caps: Arc<Caps>,
     queue_timeout: Duration,
 }
 
@@ -59,7 +64,10 @@ impl CappedConnector {
         let caps = route
             .upstreams
             .iter()
-            .map(|u| (*u, Arc::new(Semaphore::new(route.max_connections_per_upstream))))
+            .map(|u| {
+                let cap = Arc::new(Semaphore::new(route.max_connections_per_upstream));
+                (*u, (cap, metrics::slot(*u)))
+            })
             .collect();
         Self {
             http,
@@ -87,17 +95,24 @@ impl tower_service::Service<Uri> for CappedConnector {
         let mut http = self.http.clone();
         let queue_timeout = self.queue_timeout;
         Box::pin(async move {
-            let permit = match cap {
-                Some(cap) => Some(
-                    tokio::time::timeout(queue_timeout, cap.acquire_owned())
-                        .await
-                        .map_err(|_| QueueTimeout)?
-                        .map_err(|_| QueueTimeout)?,
+            let (permit, metrics) = match cap {
+                Some((cap, metrics)) => (
+                    Some(
+                        tokio::time::timeout(queue_timeout, cap.acquire_owned())
+                            .await
+                            .map_err(|_| QueueTimeout)?
+                            .map_err(|_| QueueTimeout)?,
+                    ),
+                    Some(metrics),
                 ),
-                None => None,
+                None => (None, None),
             };
             let io = tower_service::Service::call(&mut http, uri).await?;
-            Ok(Capped { io, _permit: permit })
+            Ok(Capped {
+                io,
+                _permit: permit,
+                _open: metrics.map(|m| m.connected()),
+            })
         })
     }
 }
@@ -107,6 +122,7 @@ impl tower_service::Service<Uri> for CappedConnector {
 pub(super) struct Capped<T> {
     io: T,
     _permit: Option<OwnedSemaphorePermit>,
+    _open: Option<OpenConnection>,
 }
 
 impl<T: hyper::rt::Read + Unpin> hyper::rt::Read for Capped<T> {

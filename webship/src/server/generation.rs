@@ -38,6 +38,8 @@ pub(super) struct Fixed {
     /// Where access log lines go (the file is opened once, at start; SIGUSR1 reopens
     /// it); each generation brings its own format and sampling.
     pub(super) access: Arc<Sink>,
+    /// The process's metrics: every generation's sites keep their slots in it.
+    pub(super) metrics: Arc<crate::metrics::Registry>,
 }
 
 /// TCP health's counter slots for this generation's sites and passthrough routes,
@@ -104,6 +106,7 @@ impl Generation {
             fixed.shutdown.clone(),
             fixed.ktls.clone(),
             &fixed.access,
+            &fixed.metrics,
         ));
         let passthrough = Passthrough::new(&config, fixed.engine, fixed.programs.clone()).map(Arc::new);
         let quic = stack

@@ -9,6 +9,8 @@
 //! server stops accepting (the kernel backlog absorbs the burst) instead of failing
 //! new clients. Draining is waiting for every permit to come back.
 
+mod admin;
+mod collect;
 mod generation;
 mod handover;
 mod plan;
@@ -30,6 +32,7 @@ use crate::config::{Config, TlsSource};
 use crate::control::ControlListener;
 use crate::exchange::access::{Sink, QUEUE_LINES};
 use crate::h3::H3Endpoint;
+use crate::metrics::{Close, Protocol, Tracked, Transport};
 use crate::passthrough::Decision;
 use crate::preflight::Report;
 use crate::service::Service;
@@ -37,6 +40,7 @@ use crate::service::Service;
 /// watchdog (see the module).
 pub use crate::sys::notify;
 use crate::tls::{Acceptor, SiteNames};
+pub use admin::AdminError;
 use generation::{Current, Fixed, Generation};
 pub use handover::HandoverError;
 use plan::Plan;
@@ -67,6 +71,8 @@ pub enum ServerError {
     AccessLog(#[from] AccessLogError),
     #[error(transparent)]
     Control(#[from] crate::control::ControlError),
+    #[error(transparent)]
+    Admin(#[from] AdminError),
     #[error("the inherited listening socket cannot be used: {0}")]
     Inherited(std::io::Error),
     #[error(
@@ -129,13 +135,25 @@ pub async fn run(
         engine: plan.engine(),
         programs: plan.programs(),
         tcp_health: plan.watch_tcp()?,
+        metrics: crate::metrics::Registry::new(),
     };
+    let metrics = fixed.metrics.clone();
+    metrics.register(Box::new(collect::Passthrough::new(plan.programs())));
+    let engine = plan.passthrough.is_some().then(|| plan.engine());
+    collect::register_subsystems(&metrics, plan.programs(), engine);
+    metrics.register(Box::new(collect::Received));
     let first = Generation::new(1, config.clone(), stack, &fixed)?;
+    metrics.set_generation(1);
     let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
     if let Some(programs) = &fixed.tcp_health {
         programs.watch_port(bound.local.port());
     }
     let control = bind_control(&config, takeover)?;
+    let admin = config
+        .admin
+        .as_ref()
+        .map(admin::AdminListener::bind)
+        .transpose()?;
     let signals = reload::Signals::watch();
     if let Some((uid, gid)) = privilege.ids() {
         if let Err(e) = access_writer.give_to(uid, gid) {
@@ -147,6 +165,12 @@ pub async fn run(
     // Started by a switched thread: the writer runs as the service account.
     access_writer.start()?;
     announce(&config, &report, &bound);
+    let admin_task = admin.map(|admin| {
+        if let Some(addr) = admin.local_addr() {
+            tracing::info!(%addr, "admin listener: /metrics, /healthz, /readyz");
+        }
+        tokio::spawn(admin.serve(metrics.clone()))
+    });
 
     let current = Arc::new(Current::new(first));
     let limit = config.limits.max_connections;
@@ -186,6 +210,7 @@ pub async fn run(
         current: current.clone(),
         bbr: report.use_bbr(),
     };
+    metrics.set_ready(true);
     // READY=1 (systemd): bound, preflight passed, privileges dropped, serving.
     let mut reporter = systemd::Reporter::serving(current.clone(), permits.clone(), limit);
     let control_file = control.as_ref().map(|c| reload::SocketFile::of(c.path()));
@@ -212,6 +237,13 @@ pub async fn run(
         .accept_until(bound.listener, &permits, supervisor)
         .await
         .flatten();
+    metrics.set_ready(false);
+    if successor.is_some() {
+        // The successor answers health checks and scrapes from now on.
+        if let Some(task) = &admin_task {
+            task.abort();
+        }
+    }
     // The copies kept for a successor go too: once the accept loop has dropped its
     // listener, nothing may hold the port open (the kernel would keep completing
     // handshakes nobody accepts).
@@ -233,7 +265,7 @@ pub async fn run(
     let last = current.load();
     drain(&permits, limit, last.config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
-    for task in [h3_task, relay_task].into_iter().flatten() {
+    for task in [h3_task, relay_task, admin_task].into_iter().flatten() {
         task.abort();
     }
     drop(reporter);
@@ -486,12 +518,13 @@ async fn connection(
     _permit: OwnedSemaphorePermit,
 ) {
     let (acceptor, drivers) = (&generation.stack.acceptor, &generation.drivers);
+    let mut tracked = Tracked::accepted(drivers.metrics.connections(), Transport::Tcp);
     let handshake_timeout = drivers.limits.handshake_timeout;
     // Before anything else reads: a load balancer's PROXY header names the client.
     let listed = &drivers.accept_proxy_protocol;
     let Some(ends) = crate::proxy_protocol::accept::accept(&tcp, peer, listed, handshake_timeout).await
     else {
-        return;
+        return tracked.close(Protocol::None, Close::ProxyHeader);
     };
     let peer = ends.client;
     if let Some(pt) = &generation.passthrough {
@@ -500,20 +533,28 @@ async fn connection(
                 if let Some(slots) = &generation.tcp {
                     slots.tag_route(tcp.as_fd(), route);
                 }
+                // Its ends are counted by reason in the passthrough counters.
+                tracked.close(Protocol::Passthrough, Close::Closed);
                 return pt.forward(route, tcp, ends).await;
             }
             Decision::Close(reason) => {
+                tracked.close(Protocol::None, Close::NoRoute);
                 return tracing::debug!(%peer, reason, "passthrough: closed");
             }
             Decision::Terminate => {}
         }
     }
     if acceptor.is_empty() {
-        return;
+        return tracked.close(Protocol::None, Close::NoRoute);
     }
     let accepted = match acceptor.accept(tcp, handshake_timeout).await {
         Ok(a) => a,
         Err(e) => {
+            let reason = match e {
+                crate::tls::AcceptError::Timeout => Close::HandshakeTimeout,
+                crate::tls::AcceptError::Io(_) => Close::HandshakeFailed,
+            };
+            tracked.close(Protocol::None, reason);
             tracing::debug!(%peer, error = %e, "handshake failed");
             return;
         }
@@ -521,9 +562,17 @@ async fn connection(
     if let Some(slots) = &generation.tcp {
         slots.tag_site(accepted.stream.get_ref().0.get_ref().as_fd(), accepted.site);
     }
+    let protocol = match accepted.alpn {
+        crate::tls::Alpn::H1 => Protocol::H1,
+        crate::tls::Alpn::H2 => Protocol::H2,
+    };
+    // Counted as closed in order unless the driver says otherwise (a task dropped at
+    // the end of the drain too).
+    tracked.close(protocol, Close::Closed);
     let tls = accepted.tls_info();
     let ctx = drivers.connection(peer, accepted.site, tls);
     if let Err(e) = crate::http::serve(accepted, ctx).await {
+        tracked.close(protocol, e.close());
         tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
 }

@@ -55,7 +55,7 @@ pub(super) fn inherit_counters(values: &[u64]) {
 }
 
 /// This process's userspace counters plus what it inherited.
-fn published() -> Values {
+pub(super) fn published() -> Values {
     let inherited = *INHERITED
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);

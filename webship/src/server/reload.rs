@@ -173,6 +173,8 @@ impl Reloader {
         let quic = generation.quic.clone();
         let sites = generation.config.sites.len();
         self.current.swap(generation);
+        self.fixed.metrics.set_generation(number);
+        self.fixed.metrics.reloaded(true);
         if let Some(h3) = &self.h3 {
             h3.set(quic.as_ref());
         }
@@ -194,6 +196,7 @@ impl Reloader {
     }
 
     fn refuse(&self, text: String, current: u64) -> Reply {
+        self.fixed.metrics.reloaded(false);
         let mut reply = Reply::refused(text);
         if let Some(account) = self
             .account
@@ -279,6 +282,25 @@ fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<Strin
         &mut new.control_socket,
         &running.control_socket,
         path,
+    );
+    kept(
+        n,
+        "[admin]",
+        "serving",
+        &mut new.admin,
+        &running.admin,
+        |v| match v {
+            Some(a) => format!(
+                "{}{}",
+                a.listen,
+                if a.token_file.is_some() {
+                    " with a token"
+                } else {
+                    ""
+                }
+            ),
+            None => "(none)".into(),
+        },
     );
     let (kernel, was) = (&mut new.kernel, &running.kernel);
     kept(n, "[kernel] ktls", "using", &mut kernel.ktls, &was.ktls, |v| {
@@ -441,12 +463,20 @@ async fn answer(
     let reply = match &incoming.request {
         Request::Reload { config } => reloader.reload(config.clone()).await,
         Request::Status => reloader.status(),
+        Request::Metrics => Reply::ok(reloader.fixed.metrics.render(crate::metrics::Format::Prometheus)),
         Request::Takeover if predecessor.load(Ordering::SeqCst) => {
             let reason = "the process this one took over from is still draining; try again once it exits";
             handover::refuse(incoming, reason).await;
             return None;
         }
-        Request::Takeover => return handover::give(incoming, sockets.clone()).await,
+        Request::Takeover => {
+            // Not ready while the sockets are handed over: a balancer should send new
+            // work elsewhere until it is clear which process serves.
+            reloader.fixed.metrics.set_ready(false);
+            let successor = handover::give(incoming, sockets.clone()).await;
+            reloader.fixed.metrics.set_ready(successor.is_none());
+            return successor;
+        }
     };
     incoming.reply(&reply).await;
     None

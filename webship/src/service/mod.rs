@@ -49,6 +49,11 @@ pub(crate) enum Mode {
 }
 
 impl Mode {
+    /// Its index in the metrics' `mode` label table (`metrics::MODES`).
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
     pub(crate) fn as_str(self) -> &'static str {
         match self {
             Mode::Files => "files",
@@ -112,7 +117,7 @@ impl Service {
                 .map(|s| {
                     s.webtransport
                         .clone()
-                        .map(|w| Arc::new(crate::webtransport::Endpoint::new(w)))
+                        .map(|w| Arc::new(crate::webtransport::Endpoint::for_site(w, &s.domain.to_string())))
                 })
                 .collect(),
             webtransport_h2: config
@@ -130,6 +135,11 @@ impl Service {
     /// A site's configured domain (`*.example.com`, `_` for the catch-all).
     pub(crate) fn site_name(&self, site: usize) -> Option<&Arc<str>> {
         self.names.get(site)
+    }
+
+    /// Every site's name, by index.
+    pub(crate) fn site_names(&self) -> &[Arc<str>] {
+        &self.names
     }
 
     /// The sites by name (the TLS layer's table).

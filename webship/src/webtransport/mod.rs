@@ -11,7 +11,10 @@ pub mod capsule;
 pub mod diag;
 pub(crate) mod h2;
 pub(crate) mod h3;
+mod metrics;
 pub(crate) mod session;
+
+pub(crate) use metrics::Metrics;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -149,7 +152,8 @@ impl Counters {
 pub(crate) struct Endpoint {
     pub config: WebTransport,
     sessions: Arc<Semaphore>,
-    pub counters: Counters,
+    /// Shared with the site's endpoint in other generations (see [`metrics`]).
+    pub counters: Arc<Counters>,
 }
 
 /// Why a CONNECT did not become a session.
@@ -160,11 +164,23 @@ pub(crate) struct Refusal {
 }
 
 impl Endpoint {
+    /// An endpoint with counters of its own.
+    #[cfg(test)]
     pub(crate) fn new(config: WebTransport) -> Self {
         Self {
             sessions: Arc::new(Semaphore::new(config.max_sessions)),
             config,
-            counters: Counters::default(),
+            counters: Arc::default(),
+        }
+    }
+
+    /// `site`'s endpoint, counting in the site's counters (which continue across
+    /// reloads and are what the metrics read).
+    pub(crate) fn for_site(config: WebTransport, site: &str) -> Self {
+        Self {
+            sessions: Arc::new(Semaphore::new(config.max_sessions)),
+            config,
+            counters: metrics::counters(site),
         }
     }
 

@@ -6,6 +6,7 @@
 //! Validation collects every problem instead of stopping at the first, so one
 //! `webship check` names them all; the walk's order is the order they are listed in.
 
+mod admin;
 mod kernel;
 mod limits;
 mod log;
@@ -14,6 +15,8 @@ mod proxy;
 mod runtime;
 mod sites;
 mod webtransport;
+
+pub(crate) use admin::read_token;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -82,6 +85,7 @@ impl Validator<'_> {
         let workers = self.workers(raw.workers);
         self.account(raw.user.as_deref(), raw.group.as_deref());
         let control_socket = self.control_socket(raw.control_socket.as_deref(), listen);
+        let admin = raw.admin.as_ref().and_then(|a| self.admin(a, listen));
         let top = self.top_level(&raw);
         let accept_proxy_protocol = self.address_blocks(
             "accept_proxy_protocol",
@@ -123,6 +127,7 @@ impl Validator<'_> {
             user: raw.user,
             group: raw.group,
             control_socket: Some(control_socket),
+            admin,
         }
     }
 
