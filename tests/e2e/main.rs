@@ -29,4 +29,5 @@ mod support;
 mod systemd;
 mod tls;
 mod upgrade;
+mod watch;
 mod webtransport;

@@ -44,6 +44,9 @@ pub enum Request {
     /// the admin listener's `/metrics` serves it (for `webship stats` without an
     /// admin listener).
     Metrics,
+    /// The large responses in flight (declared length of 1 MiB or more), with
+    /// their progress: the reply's `transfers` (for `webship stats --watch`).
+    Transfers,
 }
 
 /// The daemon's answer.
@@ -58,6 +61,39 @@ pub struct Reply {
     /// in the file but need a restart to take effect, and the like.
     #[serde(default)]
     pub notes: Vec<String>,
+    /// The answer to [`Request::Transfers`]; absent from every other reply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfers: Option<TransferList>,
+}
+
+/// The large responses in flight.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferList {
+    /// Largest first.
+    pub listed: Vec<TransferInfo>,
+    /// Large responses since start that found the table full and were not listed.
+    pub unlisted: u64,
+}
+
+/// One large response in flight.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferInfo {
+    /// Unique within the daemon's life (a listing's slot is reused).
+    pub id: u64,
+    /// The site's domain, `-` for none.
+    pub site: String,
+    /// `h1`, `h2` or `h3`.
+    pub proto: String,
+    /// The client (as a PROXY header gave it, where one came).
+    pub peer: std::net::SocketAddr,
+    /// The request's path, without its query, cut at 256 bytes.
+    pub path: String,
+    /// Body bytes handed to the connection so far.
+    pub sent: u64,
+    /// The declared length.
+    pub total: u64,
+    /// Since the request head was complete.
+    pub elapsed_ms: u64,
 }
 
 impl Reply {
@@ -66,6 +102,7 @@ impl Reply {
             ok: true,
             message: message.into(),
             notes: Vec::new(),
+            transfers: None,
         }
     }
 
@@ -74,6 +111,7 @@ impl Reply {
             ok: false,
             message: message.into(),
             notes: Vec::new(),
+            transfers: None,
         }
     }
 }

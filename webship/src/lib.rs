@@ -33,4 +33,5 @@ mod service;
 mod shutdown;
 mod sys;
 mod tls;
+pub mod watch;
 pub mod webtransport;

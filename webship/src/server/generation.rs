@@ -33,6 +33,8 @@ pub(super) struct Fixed {
     pub(super) programs: Option<Arc<Programs>>,
     /// The process's metrics: every generation's sites keep their slots in it.
     pub(super) metrics: Arc<crate::metrics::Registry>,
+    /// The large responses in flight (the control socket's `transfers`).
+    pub(super) transfers: Arc<crate::exchange::Transfers>,
 }
 
 /// One generation of the configuration, as new connections see it.
@@ -58,6 +60,7 @@ impl Generation {
             fixed.shutdown.clone(),
             fixed.ktls.clone(),
             &fixed.metrics,
+            fixed.transfers.clone(),
         ));
         let passthrough = Passthrough::new(&config, fixed.engine, fixed.programs.clone()).map(Arc::new);
         let quic = stack

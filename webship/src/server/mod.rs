@@ -128,6 +128,7 @@ pub async fn run(
         engine: plan.engine(),
         programs: plan.programs(),
         metrics: crate::metrics::Registry::new(),
+        transfers: Arc::default(),
     };
     let metrics = fixed.metrics.clone();
     metrics.register(Box::new(collect::Passthrough::new(plan.programs())));
