@@ -115,8 +115,6 @@ struct State {
     interval: Duration,
     last: Option<(Poll, Instant)>,
     view: Option<View>,
-    /// Since when, and why, the daemon has not answered.
-    failing: Option<(Instant, String)>,
 }
 
 impl State {
@@ -126,7 +124,6 @@ impl State {
             interval: options.interval,
             last: None,
             view: None,
-            failing: None,
         }
     }
 
@@ -149,12 +146,12 @@ impl State {
                     elapsed,
                 ));
                 self.last = Some((poll, now));
-                self.failing = None;
                 Ok(())
             }
             Err(e) if self.view.is_none() => Err(e),
             Err(e) => {
-                let since = self.failing.as_ref().map_or(now, |(since, _)| *since);
+                // Away since the last answer.
+                let since = self.last.as_ref().map_or(now, |(_, at)| *at);
                 let away = now.saturating_duration_since(since);
                 if away >= GIVE_UP {
                     return Err(WatchError::GaveUp {
@@ -162,7 +159,6 @@ impl State {
                         last: e.to_string(),
                     });
                 }
-                self.failing = Some((since, e.to_string()));
                 if let Some(view) = &mut self.view {
                     view.unreachable = Some(Unreachable {
                         error: e.to_string(),
@@ -335,13 +331,13 @@ mod tests {
         state.update(gone(), start + Duration::from_secs(1)).unwrap();
         state.update(gone(), start + Duration::from_secs(4)).unwrap();
         let shown = state.view.as_ref().unwrap().unreachable.clone().unwrap();
-        assert_eq!(shown.for_seconds, 3.0);
+        assert_eq!(shown.for_seconds, 4.0, "since the last answer");
         assert!(shown.error.contains("no answer on /nowhere.sock"), "{shown:?}");
         // Back: the warning goes.
         state.update(answer(5.0), start + Duration::from_secs(5)).unwrap();
         assert!(state.view.as_ref().unwrap().unreachable.is_none());
         state.update(gone(), start + Duration::from_secs(6)).unwrap();
-        let late = start + Duration::from_secs(6) + GIVE_UP;
+        let late = start + Duration::from_secs(5) + GIVE_UP;
         assert!(matches!(
             state.update(gone(), late),
             Err(WatchError::GaveUp { .. })

@@ -15,10 +15,13 @@ use super::text;
 /// Draws `view` over the whole frame.
 pub(crate) fn draw(frame: &mut Frame<'_>, view: &View) {
     let warning = text::unreachable(view);
+    let totals = text::totals(view);
+    // Its rows, their header and the borders.
+    let top_height = u16::try_from(totals.len() + 3).unwrap_or(u16::MAX);
     let [head, status, top, sites, transfers] = Layout::vertical([
         Constraint::Length(1),
         Constraint::Length(u16::from(warning.is_some())),
-        Constraint::Length(16),
+        Constraint::Length(top_height),
         Constraint::Min(5),
         Constraint::Min(5),
     ])
@@ -29,10 +32,10 @@ pub(crate) fn draw(frame: &mut Frame<'_>, view: &View) {
         let red = Style::new().fg(Color::Red).add_modifier(Modifier::BOLD);
         frame.render_widget(Paragraph::new(Line::from(line)).style(red), status);
     }
-    let [totals, latency] =
+    let [left, right] =
         Layout::horizontal([Constraint::Percentage(50), Constraint::Percentage(50)]).areas(top);
-    draw_totals(frame, view, totals);
-    draw_latency(frame, view, latency);
+    draw_totals(frame, totals, left);
+    draw_latency(frame, view, right);
     draw_sites(frame, view, sites);
     draw_transfers(frame, view, transfers);
 }
@@ -41,8 +44,8 @@ fn bold() -> Style {
     Style::new().add_modifier(Modifier::BOLD)
 }
 
-fn draw_totals(frame: &mut Frame<'_>, view: &View, area: Rect) {
-    let rows = text::totals(view).into_iter().map(Row::new);
+fn draw_totals(frame: &mut Frame<'_>, totals: Vec<[String; 3]>, area: Rect) {
+    let rows = totals.into_iter().map(Row::new);
     let widths = [
         Constraint::Min(22),
         Constraint::Length(12),
@@ -179,6 +182,14 @@ mod tests {
         assert!(row("│requests").contains("105"), "{screen}");
         assert!(row("│requests").contains("4.0/s"), "{screen}");
         assert!(row("bytes sent").contains("6.0 MiB/s"), "{screen}");
+        assert!(
+            row("passthrough bytes down").contains("20 B"),
+            "the last total shows:\n{screen}"
+        );
+        assert!(
+            !screen.contains("1xx"),
+            "no 1xx row before one was seen:\n{screen}"
+        );
         assert!(row("first byte").contains("last interval"), "{screen}");
         let site = row("│files.test ");
         assert!(site.contains("4.0/s") && site.contains("6.0 MiB/s"), "{screen}");

@@ -120,7 +120,8 @@ pub(crate) fn totals(view: &View) -> Vec<[String; 3]> {
     let counted = |name: &str, f: &Figure| [name.to_owned(), count(f.total), per_second(f.per_second)];
     let mut rows = vec![counted("requests", &t.requests)];
     for (class, f) in &t.responses {
-        if f.total > 0.0 || class != "other" {
+        // 1xx and 600-999 are rare: shown once seen.
+        if f.total > 0.0 || !matches!(class.as_str(), "1xx" | "other") {
             rows.push(counted(&format!("responses {class}"), f));
         }
     }
