@@ -187,3 +187,33 @@ async fn send_all<W: BodyWriter>(
     }
     timed(stall, writer.finish()).await
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_range_goes_in_pieces_that_cover_it_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"").unwrap();
+        let file = std::sync::Arc::new(std::fs::File::open(&path).unwrap());
+        let range = |offset, len| FileRange {
+            file: file.clone(),
+            offset,
+            len,
+        };
+        let cut: Vec<(u64, u64)> = pieces(range(5, 2 * FILE_PIECE + 3))
+            .map(|p| (p.offset, p.len))
+            .collect();
+        assert_eq!(
+            cut,
+            [
+                (5, FILE_PIECE),
+                (5 + FILE_PIECE, FILE_PIECE),
+                (5 + 2 * FILE_PIECE, 3)
+            ]
+        );
+        assert_eq!(pieces(range(9, 0)).count(), 0);
+    }
+}

@@ -203,7 +203,7 @@ mod tests {
         ] {
             assert!(transfer.contains(part), "{part:?} missing:\n{screen}");
         }
-        assert!(row("transfers in flight (1 listed)").contains('┌'), "{screen}");
+        assert!(row("transfers in flight (1 listed)").contains("┌"), "{screen}");
     }
 
     #[test]
