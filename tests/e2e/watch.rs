@@ -200,3 +200,35 @@ fn a_socket_nobody_answers_on_is_an_error_at_once() {
         "{stderr}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_that_goes_away_is_shown_with_its_last_figures() {
+    let env = Env::new();
+    let control = env.dir.path().join("control.sock");
+    let mut server = env.start(&format!("control_socket = \"{}\"", control.display()));
+    let socket = control.to_str().unwrap().to_owned();
+    let watching = tokio::task::spawn_blocking(move || {
+        watch(
+            &["--interval", "1", "--count", "4", "--socket", &socket],
+            Duration::from_secs(30),
+        )
+    });
+    // The first poll is at once; the daemon goes between the first and the third.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    server.terminate();
+    assert!(
+        server.wait_exit(Duration::from_secs(10)).is_some(),
+        "the daemon did not stop"
+    );
+    let (text, _) = watching.await.unwrap();
+    let blocks: Vec<&str> = text.split("\n\n").filter(|b| !b.trim().is_empty()).collect();
+    assert_eq!(blocks.len(), 4, "one block per poll, answered or not:\n{text}");
+    assert!(!blocks[0].contains("NOT ANSWERING"), "{text}");
+    let last = blocks[3];
+    let warning = last
+        .lines()
+        .find(|l| l.starts_with("NOT ANSWERING for "))
+        .unwrap_or_else(|| panic!("the last block does not say the daemon is away:\n{text}"));
+    assert!(warning.contains("no webship answers on"), "{warning}");
+    assert!(last.contains("  requests "), "the last figures stay:\n{last}");
+}
