@@ -8,6 +8,7 @@ pub mod client;
 pub mod fixture;
 pub mod nginx;
 pub mod origin;
+pub mod prometheus;
 pub mod server;
 
 pub use fixture::{fixture, Fixture, FIXTURE_LEN};

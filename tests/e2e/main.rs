@@ -12,6 +12,7 @@ mod h2_floods;
 mod h3;
 mod h3_conformance;
 mod lifecycle;
+mod metrics;
 mod origins;
 mod package;
 mod passthrough;

@@ -1,7 +1,7 @@
 //! `cargo xtask`: the project's own commands.
 //!
 //! - `cargo xtask test`: install what the suite needs when missing (Debian packages:
-//!   curl, nginx, nghttp2-client, ngtcp2-client, python3, chromium + chromium-driver,
+//!   curl, nginx, nghttp2-client, ngtcp2-client, python3, prometheus, chromium + chromium-driver,
 //!   and for the package test dpkg-dev, binutils, lintian, systemd; PyPI:
 //!   aioquic; only what is absent), build, then run
 //!   every test: formatting, clippy, unit tests, the end-to-end suite, the kTLS VM
@@ -44,6 +44,10 @@ const APT: &[(&str, &str)] = &[
     ("systemd-analyze", "systemd"),
     ("setpriv", "util-linux"),
     ("strace", "strace"),
+    // The metrics test: a real Prometheus scrapes the admin listener; promtool
+    // lints the exposition.
+    ("prometheus", "prometheus"),
+    ("promtool", "prometheus"),
     // The package test: build (dpkg-shlibdeps, strip), check, install into a root.
     ("dpkg-shlibdeps", "dpkg-dev"),
     ("strip", "binutils"),
