@@ -6,7 +6,7 @@
 use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::text::Line;
-use ratatui::widgets::{Block, Paragraph, Row, Table};
+use ratatui::widgets::{Block, Cell, Paragraph, Row, Table};
 use ratatui::Frame;
 
 use super::model::View;
@@ -44,15 +44,22 @@ fn bold() -> Style {
     Style::new().add_modifier(Modifier::BOLD)
 }
 
+/// A number's cell: right-aligned, so that magnitudes line up.
+fn right(s: String) -> Cell<'static> {
+    Cell::from(Line::from(s).right_aligned())
+}
+
 fn draw_totals(frame: &mut Frame<'_>, totals: Vec<[String; 3]>, area: Rect) {
-    let rows = totals.into_iter().map(Row::new);
+    let rows = totals
+        .into_iter()
+        .map(|[name, total, rate]| Row::new([Cell::from(name), right(total), right(rate)]));
     let widths = [
         Constraint::Min(22),
         Constraint::Length(12),
         Constraint::Length(14),
     ];
     let table = Table::new(rows, widths)
-        .header(Row::new(["", "total", "per second"]).style(bold()))
+        .header(Row::new([String::new(), "total".into(), "per second".into()].map(right)).style(bold()))
         .block(Block::bordered().title(" totals "));
     frame.render_widget(table, area);
 }
@@ -75,11 +82,11 @@ fn draw_latency(frame: &mut Frame<'_>, view: &View, area: Rect) {
 fn draw_sites(frame: &mut Frame<'_>, view: &View, area: Rect) {
     let rows = view.sites.iter().map(|s| {
         Row::new([
-            s.site.clone(),
-            text::per_second(s.requests.per_second),
-            text::bytes_per_second(s.bytes_sent.per_second),
-            text::bytes(s.bytes_sent.total),
-            text::count(s.in_flight),
+            Cell::from(s.site.clone()),
+            right(text::per_second(s.requests.per_second)),
+            right(text::bytes_per_second(s.bytes_sent.per_second)),
+            right(text::bytes(s.bytes_sent.total)),
+            right(text::count(s.in_flight)),
         ])
     });
     let widths = [
@@ -90,7 +97,16 @@ fn draw_sites(frame: &mut Frame<'_>, view: &View, area: Rect) {
         Constraint::Length(9),
     ];
     let table = Table::new(rows, widths)
-        .header(Row::new(["site", "req/s", "sent/s", "sent", "in flight"]).style(bold()))
+        .header(
+            Row::new([
+                Cell::from("site"),
+                right("req/s".into()),
+                right("sent/s".into()),
+                right("sent".into()),
+                right("in flight".into()),
+            ])
+            .style(bold()),
+        )
         .block(Block::bordered().title(" sites by throughput "));
     frame.render_widget(table, area);
 }
@@ -99,14 +115,18 @@ fn draw_transfers(frame: &mut Frame<'_>, view: &View, area: Rect) {
     let rows = view.transfers.iter().map(|t| {
         let i = &t.info;
         Row::new([
-            i.site.clone(),
-            i.proto.clone(),
-            i.peer.to_string(),
-            i.path.clone(),
-            format!("{} {:>3.0}%", text::bar(t.done(), 12), t.done() * 100.0),
-            format!("{} / {}", text::bytes(i.sent as f64), text::bytes(i.total as f64)),
-            text::bytes_per_second(t.per_second),
-            text::duration(i.elapsed_ms as f64 / 1000.0),
+            Cell::from(i.site.clone()),
+            Cell::from(i.proto.clone()),
+            Cell::from(i.peer.to_string()),
+            Cell::from(i.path.clone()),
+            Cell::from(format!("{} {:>3.0}%", text::bar(t.done(), 12), t.done() * 100.0)),
+            right(format!(
+                "{} / {}",
+                text::bytes(i.sent as f64),
+                text::bytes(i.total as f64)
+            )),
+            right(text::bytes_per_second(t.per_second)),
+            right(text::duration(i.elapsed_ms as f64 / 1000.0)),
         ])
     });
     let widths = [
@@ -120,8 +140,12 @@ fn draw_transfers(frame: &mut Frame<'_>, view: &View, area: Rect) {
         Constraint::Length(8),
     ];
     let title = format!(" {} ", text::transfers_title(view));
+    let header = ["site", "proto", "peer", "path", "progress"]
+        .map(Cell::from)
+        .into_iter()
+        .chain(["sent", "rate", "for"].map(|h| right(h.into())));
     let table = Table::new(rows, widths)
-        .header(Row::new(["site", "proto", "peer", "path", "progress", "sent", "rate", "for"]).style(bold()))
+        .header(Row::new(header).style(bold()))
         .block(Block::bordered().title(title));
     frame.render_widget(table, area);
 }
