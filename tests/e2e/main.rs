@@ -33,4 +33,5 @@ mod systemd;
 mod tcp_health;
 mod tls;
 mod upgrade;
+mod watch;
 mod webtransport;

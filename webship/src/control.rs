@@ -24,8 +24,11 @@ use tokio::sync::mpsc;
 
 /// How long either side waits for the other's line.
 const LINE_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest line either side reads (a reply carries validation errors).
-const MAX_LINE: u64 = 256 * 1024;
+/// The longest request the daemon reads.
+const MAX_REQUEST: u64 = 256 * 1024;
+/// The longest reply a client reads: a `metrics` reply carries the whole exposition,
+/// several KiB per busy site.
+const MAX_REPLY: u64 = 16 * 1024 * 1024;
 /// Control connections being read at once; more wait in the kernel's backlog.
 const MAX_PENDING: usize = 8;
 
@@ -44,6 +47,9 @@ pub enum Request {
     /// the admin listener's `/metrics` serves it (for `webship stats` without an
     /// admin listener).
     Metrics,
+    /// The large responses in flight (declared length of 1 MiB or more), with
+    /// their progress: the reply's `transfers` (for `webship stats --watch`).
+    Transfers,
 }
 
 /// The daemon's answer.
@@ -58,6 +64,39 @@ pub struct Reply {
     /// in the file but need a restart to take effect, and the like.
     #[serde(default)]
     pub notes: Vec<String>,
+    /// The answer to [`Request::Transfers`]; absent from every other reply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transfers: Option<TransferList>,
+}
+
+/// The large responses in flight.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferList {
+    /// Largest first.
+    pub listed: Vec<TransferInfo>,
+    /// Large responses since start that found the table full and were not listed.
+    pub unlisted: u64,
+}
+
+/// One large response in flight.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferInfo {
+    /// Unique within the daemon's life (a listing's slot is reused).
+    pub id: u64,
+    /// The site's domain, `-` for none.
+    pub site: String,
+    /// `h1`, `h2` or `h3`.
+    pub proto: String,
+    /// The client (as a PROXY header gave it, where one came).
+    pub peer: std::net::SocketAddr,
+    /// The request's path, without its query, cut at 256 bytes.
+    pub path: String,
+    /// Body bytes handed to the connection so far.
+    pub sent: u64,
+    /// The declared length.
+    pub total: u64,
+    /// Since the request head was complete.
+    pub elapsed_ms: u64,
 }
 
 impl Reply {
@@ -66,6 +105,7 @@ impl Reply {
             ok: true,
             message: message.into(),
             notes: Vec::new(),
+            transfers: None,
         }
     }
 
@@ -74,6 +114,7 @@ impl Reply {
             ok: false,
             message: message.into(),
             notes: Vec::new(),
+            transfers: None,
         }
     }
 }
@@ -198,7 +239,7 @@ impl ControlListener {
                 tokio::spawn(async move {
                     let _permit = permit;
                     let mut stream = BufReader::new(stream);
-                    match read_line::<Request>(&mut stream).await {
+                    match read_line::<Request>(&mut stream, MAX_REQUEST).await {
                         Ok(request) => {
                             let incoming = Incoming {
                                 request,
@@ -286,7 +327,7 @@ impl Call {
     /// Reads the daemon's reply, waiting at most `limit` (a reload that validates
     /// a large file and loads certificates takes a moment).
     pub async fn reply(mut self, limit: Duration) -> Result<Reply, ControlError> {
-        let read = tokio::time::timeout(limit, read_line::<Reply>(&mut self.stream));
+        let read = tokio::time::timeout(limit, read_line::<Reply>(&mut self.stream, MAX_REPLY));
         let reason = match read.await {
             Ok(Ok(reply)) => return Ok(reply),
             Ok(Err(reason)) => reason,
@@ -319,16 +360,19 @@ fn remove_stale(path: &Path) -> io::Result<()> {
     }
 }
 
-async fn read_line<T: for<'de> Deserialize<'de>>(stream: &mut BufReader<UnixStream>) -> Result<T, String> {
+async fn read_line<T: for<'de> Deserialize<'de>>(
+    stream: &mut BufReader<UnixStream>,
+    max: u64,
+) -> Result<T, String> {
     let mut line = Vec::new();
-    let mut limited = (&mut *stream).take(MAX_LINE);
+    let mut limited = (&mut *stream).take(max);
     let read = tokio::time::timeout(LINE_TIMEOUT, limited.read_until(b'\n', &mut line));
     match read.await {
         Err(_) => return Err(format!("nothing within {} s", LINE_TIMEOUT.as_secs())),
         Ok(Err(e)) => return Err(e.to_string()),
         Ok(Ok(0)) => return Err("closed without a line".into()),
         Ok(Ok(_)) if line.last() != Some(&b'\n') => {
-            return Err(format!("no complete line within {MAX_LINE} bytes"));
+            return Err(format!("no complete line within {max} bytes"));
         }
         Ok(Ok(_)) => {}
     }

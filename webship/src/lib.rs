@@ -8,6 +8,8 @@
 //! of the others, except that `config` checks `path_prefix` and `deny_paths` with
 //! `proxy::path`, itself a leaf (pure path grammar), so that a pattern is validated
 //! by the very functions requests are matched with. `main.rs` wires them: config → preflight → server.
+//! `watch` (`webship stats --watch`) is a client of the daemon's control socket and
+//! imports nothing but `control`.
 //! docs/architecture.md draws the graph.
 #![deny(unsafe_code)]
 
@@ -33,4 +35,5 @@ mod service;
 mod shutdown;
 mod sys;
 mod tls;
+pub mod watch;
 pub mod webtransport;

@@ -63,17 +63,34 @@ enum Command {
         config: Option<PathBuf>,
     },
     /// Print the passthrough counters of the running daemon (kernel and userspace),
-    /// read from its pinned bpf maps.
+    /// read from its pinned bpf maps; or, with --watch, a live view of its traffic.
     Stats {
-        /// Read the pin folder from this configuration (`[kernel] bpf_pin_dir`).
+        /// Read the pin folder from this configuration (`[kernel] bpf_pin_dir`); with
+        /// --watch, the daemon's control socket (as `webship reload` finds it).
         #[arg(long, short, conflicts_with = "pin_dir")]
         config: Option<PathBuf>,
         /// The pin folder [default: /sys/fs/bpf/webship].
         #[arg(long)]
         pin_dir: Option<PathBuf>,
-        /// One JSON object instead of a table.
+        /// One JSON object instead of a table (with --watch: one per interval, a line
+        /// each).
         #[arg(long)]
         json: bool,
+        /// Live: rates, the busiest sites, latency and the large transfers in flight,
+        /// polled over the control socket every --interval (q, Esc or Ctrl-C quits).
+        /// When standard output is not a terminal, one text block per interval.
+        #[arg(long, conflicts_with = "pin_dir")]
+        watch: bool,
+        /// Seconds between polls (0.2 to 3600).
+        #[arg(long, requires = "watch", value_name = "SECS", default_value_t = 1.0)]
+        interval: f64,
+        /// The daemon's control socket [default: its `control_socket` with --config,
+        /// else the one socket in /run/webship].
+        #[arg(long, requires = "watch", conflicts_with = "config", value_name = "PATH")]
+        socket: Option<PathBuf>,
+        /// Stop after this many polls.
+        #[arg(long, requires = "watch", value_name = "N")]
+        count: Option<u64>,
     },
 }
 
@@ -97,8 +114,18 @@ fn main() -> ExitCode {
         Command::Preflight { config } => run_preflight(config.as_deref()),
         Command::Stats {
             config,
+            json,
+            watch: true,
+            interval,
+            socket,
+            count,
+            ..
+        } => watch(config.as_deref(), socket, interval, json, count),
+        Command::Stats {
+            config,
             pin_dir,
             json,
+            ..
         } => stats(config.as_deref(), pin_dir, json),
     };
     match result {
@@ -319,6 +346,43 @@ fn only_control_socket() -> anyhow::Result<PathBuf> {
             )
         }
     }
+}
+
+fn watch(
+    config: Option<&Path>,
+    socket: Option<PathBuf>,
+    interval: f64,
+    json: bool,
+    count: Option<u64>,
+) -> anyhow::Result<ExitCode> {
+    use webship::watch::{self, Options, MAX_INTERVAL, MIN_INTERVAL};
+    let interval = std::time::Duration::try_from_secs_f64(interval)
+        .ok()
+        .filter(|i| (MIN_INTERVAL..=MAX_INTERVAL).contains(i))
+        .with_context(|| {
+            format!(
+                "--interval {interval}: give seconds from {} to {}",
+                MIN_INTERVAL.as_secs_f64(),
+                MAX_INTERVAL.as_secs()
+            )
+        })?;
+    let socket = match (socket, config) {
+        (Some(socket), _) => socket,
+        (None, Some(path)) => {
+            let file = std::fs::canonicalize(path)
+                .with_context(|| format!("{}: cannot read the configuration", path.display()))?;
+            control_socket_of(&file)?
+        }
+        (None, None) => only_control_socket()?,
+    };
+    let options = Options {
+        socket,
+        interval,
+        json,
+        count,
+    };
+    watch::run(&options)?;
+    Ok(ExitCode::SUCCESS)
 }
 
 fn run_preflight(path: Option<&Path>) -> anyhow::Result<ExitCode> {

@@ -271,6 +271,14 @@ impl ResponseBody {
         }
         Some(range)
     }
+
+    /// `sent` body bytes are out: a range taken by [`Self::take_file_range`] is
+    /// produced at once but sent piece by piece, and its sender says how far it got.
+    pub(crate) fn sent(&self, sent: u64) {
+        if let Some(record) = &self.record {
+            record.progress(sent);
+        }
+    }
 }
 
 impl Drop for ResponseBody {
@@ -316,6 +324,9 @@ impl http_body::Body for ResponseBody {
             Poll::Ready(Some(Ok(frame))) => {
                 let len = frame.data_ref().map_or(0, |d| d.len() as u64);
                 this.produced += len;
+                if let Some(record) = &this.record {
+                    record.progress(this.produced);
+                }
                 // Trailers are the last frame.
                 this.ended |= frame.is_trailers();
                 if let Some(pull) = &mut this.pull {

@@ -12,6 +12,7 @@ pub(crate) mod access;
 mod body;
 mod record;
 mod send;
+mod transfers;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,6 +28,7 @@ use crate::webtransport::{Admission, Refusal};
 pub(crate) use body::{PullClock, ResponseBody};
 pub(crate) use record::{Outcome, Record};
 pub(crate) use send::{send_body, BodyWriter, Progress, SendError};
+pub(crate) use transfers::Transfers;
 
 /// The protocol a request arrived over, as logs name it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +80,8 @@ pub(crate) struct Drivers {
     pub(crate) webtransport_sessions: usize,
     /// This generation's metric slots (by site index) in the process's registry.
     pub(crate) metrics: crate::metrics::Sites,
+    /// The large responses in flight (one table per process).
+    pub(crate) transfers: Arc<Transfers>,
 }
 
 impl Drivers {
@@ -88,8 +92,10 @@ impl Drivers {
         ktls: Option<Arc<crate::ktls::Support>>,
         access_sink: &Arc<access::Sink>,
         metrics: &Arc<crate::metrics::Registry>,
+        transfers: Arc<Transfers>,
     ) -> Self {
         Self {
+            transfers,
             metrics: metrics.sites(service.site_names()),
             service,
             limits: config.limits,
@@ -162,7 +168,8 @@ impl ConnContext {
     /// ([`ResponseBody::recorded`]) so it is reported when that body ends.
     pub(crate) async fn handle(&self, head: &RequestHead<'_>, body: StreamBody) -> (Response, Record) {
         let (mut resp, route) = self.service.handle(head, body).await;
-        let record = Record::new(self, head, route, resp.status.as_u16());
+        let mut record = Record::new(self, head, route, resp.status.as_u16());
+        record.list_if_large(head, &resp);
         stamp(&mut resp);
         (resp, record)
     }

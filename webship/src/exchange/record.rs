@@ -15,8 +15,9 @@ use std::time::{Duration, Instant, SystemTime};
 
 use http::{HeaderValue, Method, Uri};
 
+use super::transfers::{Entry, Transfer};
 use super::{ConnContext, Proto};
-use crate::message::{RequestHead, TlsInfo};
+use crate::message::{Body, RequestHead, Response, TlsInfo};
 use crate::service::Route;
 
 /// How a response ended.
@@ -77,6 +78,8 @@ pub(crate) struct Record {
     /// Whether the response went out through kernel TLS (h1 after promotion).
     ktls: bool,
     line: Option<Box<RequestLine>>,
+    /// Its slot among the large responses in flight, if it has one.
+    transfer: Option<Transfer>,
 }
 
 /// A finished exchange: what the access log and the metrics read.
@@ -131,6 +134,7 @@ impl Record {
             first_pull: None,
             ktls: false,
             line,
+            transfer: None,
         }
     }
 
@@ -151,6 +155,50 @@ impl Record {
             first_pull: None,
             ktls: false,
             line: None,
+            transfer: None,
+        }
+    }
+
+    /// Lists the exchange among the large responses in flight when `resp` declares
+    /// a body of at least `transfers::MIN_LEN` (see `transfers`); a smaller one
+    /// costs a comparison.
+    pub(crate) fn list_if_large(&mut self, head: &RequestHead<'_>, resp: &Response) {
+        if head.method == http::Method::HEAD {
+            return;
+        }
+        let total = match &resp.body {
+            Body::Empty => 0,
+            Body::Bytes(b) => b.len() as u64,
+            Body::File(f) => f.len,
+            Body::Stream(_) => resp
+                .headers
+                .get(http::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        };
+        if total < super::transfers::MIN_LEN {
+            return;
+        }
+        let site = self
+            .route
+            .site
+            .and_then(|s| self.ctx.service.site_name(s))
+            .cloned();
+        self.transfer = self.ctx.transfers.register(Entry {
+            site,
+            proto: self.proto,
+            peer: self.ctx.client.peer,
+            path: head.uri.path(),
+            total,
+            started: self.began,
+        });
+    }
+
+    /// `sent` bytes of the body are out (for a listed transfer's progress).
+    pub(crate) fn progress(&self, sent: u64) {
+        if let Some(transfer) = &self.transfer {
+            transfer.progress(sent);
         }
     }
 

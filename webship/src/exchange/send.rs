@@ -112,6 +112,22 @@ pub(crate) async fn send_body<W: BodyWriter>(
     sent
 }
 
+/// The largest piece of a file range handed to the writer at once: the progress of
+/// a listed transfer moves this often (sendfile makes calls of this size anyway).
+const FILE_PIECE: u64 = 16 * 1024 * 1024;
+
+/// `range` in pieces of at most [`FILE_PIECE`] bytes.
+fn pieces(range: FileRange) -> impl Iterator<Item = FileRange> {
+    let end = range.offset + range.len;
+    (range.offset..end)
+        .step_by(usize::try_from(FILE_PIECE).unwrap_or(usize::MAX))
+        .map(move |offset| FileRange {
+            file: range.file.clone(),
+            offset,
+            len: FILE_PIECE.min(end - offset),
+        })
+}
+
 /// One write to the peer, which must complete within `stall`.
 async fn timed<F: Future<Output = Result<(), SendError>>>(
     stall: Duration,
@@ -131,8 +147,15 @@ async fn send_all<W: BodyWriter>(
         if writer.sends_files() {
             if let Some(range) = body.take_file_range() {
                 body.set_ktls();
-                // A range by sendfile times its own writes (each must make progress).
-                writer.file(range).await?;
+                // A range by sendfile times its own writes (each must make progress);
+                // it goes in pieces so its progress shows while it runs.
+                let mut sent = body.produced() - range.len;
+                for piece in pieces(range) {
+                    let len = piece.len;
+                    writer.file(piece).await?;
+                    sent += len;
+                    body.sent(sent);
+                }
                 continue;
             }
         }
@@ -163,4 +186,34 @@ async fn send_all<W: BodyWriter>(
         }
     }
     timed(stall, writer.finish()).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_range_goes_in_pieces_that_cover_it_exactly() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        std::fs::write(&path, b"").unwrap();
+        let file = std::sync::Arc::new(std::fs::File::open(&path).unwrap());
+        let range = |offset, len| FileRange {
+            file: file.clone(),
+            offset,
+            len,
+        };
+        let cut: Vec<(u64, u64)> = pieces(range(5, 2 * FILE_PIECE + 3))
+            .map(|p| (p.offset, p.len))
+            .collect();
+        assert_eq!(
+            cut,
+            [
+                (5, FILE_PIECE),
+                (5 + FILE_PIECE, FILE_PIECE),
+                (5 + 2 * FILE_PIECE, 3)
+            ]
+        );
+        assert_eq!(pieces(range(9, 0)).count(), 0);
+    }
 }

@@ -40,6 +40,8 @@ pub(super) struct Fixed {
     pub(super) access: Arc<Sink>,
     /// The process's metrics: every generation's sites keep their slots in it.
     pub(super) metrics: Arc<crate::metrics::Registry>,
+    /// The large responses in flight (the control socket's `transfers`).
+    pub(super) transfers: Arc<crate::exchange::Transfers>,
 }
 
 /// TCP health's counter slots for this generation's sites and passthrough routes,
@@ -107,6 +109,7 @@ impl Generation {
             fixed.ktls.clone(),
             &fixed.access,
             &fixed.metrics,
+            fixed.transfers.clone(),
         ));
         let passthrough = Passthrough::new(&config, fixed.engine, fixed.programs.clone()).map(Arc::new);
         let quic = stack

@@ -136,6 +136,7 @@ pub async fn run(
         programs: plan.programs(),
         tcp_health: plan.watch_tcp()?,
         metrics: crate::metrics::Registry::new(),
+        transfers: Arc::default(),
     };
     let metrics = fixed.metrics.clone();
     metrics.register(Box::new(collect::Passthrough::new(plan.programs())));

@@ -192,6 +192,7 @@ impl Reloader {
                 path.display()
             ),
             notes,
+            transfers: None,
         }
     }
 
@@ -464,6 +465,12 @@ async fn answer(
         Request::Reload { config } => reloader.reload(config.clone()).await,
         Request::Status => reloader.status(),
         Request::Metrics => Reply::ok(reloader.fixed.metrics.render(crate::metrics::Format::Prometheus)),
+        Request::Transfers => {
+            let (listed, unlisted) = reloader.fixed.transfers.list();
+            let mut reply = Reply::ok(format!("{} large response(s) in flight", listed.len()));
+            reply.transfers = Some(crate::control::TransferList { listed, unlisted });
+            reply
+        }
         Request::Takeover if predecessor.load(Ordering::SeqCst) => {
             let reason = "the process this one took over from is still draining; try again once it exits";
             handover::refuse(incoming, reason).await;
