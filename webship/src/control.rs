@@ -24,8 +24,11 @@ use tokio::sync::mpsc;
 
 /// How long either side waits for the other's line.
 const LINE_TIMEOUT: Duration = Duration::from_secs(10);
-/// The longest line either side reads (a reply carries validation errors).
+/// The longest request line the daemon reads.
 const MAX_LINE: u64 = 256 * 1024;
+/// The longest reply line a client reads: a reply carries validation errors, or the
+/// whole metrics exposition (about 25 KB per busy site).
+const MAX_REPLY: u64 = 16 * 1024 * 1024;
 /// Control connections being read at once; more wait in the kernel's backlog.
 const MAX_PENDING: usize = 8;
 
@@ -198,7 +201,7 @@ impl ControlListener {
                 tokio::spawn(async move {
                     let _permit = permit;
                     let mut stream = BufReader::new(stream);
-                    match read_line::<Request>(&mut stream).await {
+                    match read_line::<Request>(&mut stream, MAX_LINE).await {
                         Ok(request) => {
                             let incoming = Incoming {
                                 request,
@@ -286,7 +289,7 @@ impl Call {
     /// Reads the daemon's reply, waiting at most `limit` (a reload that validates
     /// a large file and loads certificates takes a moment).
     pub async fn reply(mut self, limit: Duration) -> Result<Reply, ControlError> {
-        let read = tokio::time::timeout(limit, read_line::<Reply>(&mut self.stream));
+        let read = tokio::time::timeout(limit, read_line::<Reply>(&mut self.stream, MAX_REPLY));
         let reason = match read.await {
             Ok(Ok(reply)) => return Ok(reply),
             Ok(Err(reason)) => reason,
@@ -319,16 +322,19 @@ fn remove_stale(path: &Path) -> io::Result<()> {
     }
 }
 
-async fn read_line<T: for<'de> Deserialize<'de>>(stream: &mut BufReader<UnixStream>) -> Result<T, String> {
+async fn read_line<T: for<'de> Deserialize<'de>>(
+    stream: &mut BufReader<UnixStream>,
+    max: u64,
+) -> Result<T, String> {
     let mut line = Vec::new();
-    let mut limited = (&mut *stream).take(MAX_LINE);
+    let mut limited = (&mut *stream).take(max);
     let read = tokio::time::timeout(LINE_TIMEOUT, limited.read_until(b'\n', &mut line));
     match read.await {
         Err(_) => return Err(format!("nothing within {} s", LINE_TIMEOUT.as_secs())),
         Ok(Err(e)) => return Err(e.to_string()),
         Ok(Ok(0)) => return Err("closed without a line".into()),
         Ok(Ok(_)) if line.last() != Some(&b'\n') => {
-            return Err(format!("no complete line within {MAX_LINE} bytes"));
+            return Err(format!("no complete line within {max} bytes"));
         }
         Ok(Ok(_)) => {}
     }
