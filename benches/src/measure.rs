@@ -480,6 +480,15 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 server.port,
                 server.scrapes()
             );
+            // Every run lasts longer than a scrape interval: none means its cells
+            // measured a server nobody scraped.
+            ensure!(
+                server.scrapes() > 0,
+                "{} on port {}: its admin listener never answered /metrics; log:\n{}",
+                server.name,
+                server.port,
+                server.log_tail()
+            );
         }
     }
     drop(sets);

@@ -223,7 +223,7 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
     steps.time("kTLS VM", || vm::vm_test(false))?;
     // The benchmark harness, one sample per webship cell, so it cannot rot.
     steps.time("bench smokes", || {
-        bench(&["download".into(), "--smoke".into()])?;
+        bench(&["download".into(), "--smoke".into(), "--scrape".into()])?;
         bench(&["webtransport", "--samples", "1", "--datagrams", "2000"].map(String::from))?;
         bench(&["concurrency", "--levels", "1,16", "--mib", "1"].map(String::from))
     })

@@ -71,3 +71,32 @@ pub(crate) async fn serve(accepted: Accepted, ctx: ConnContext) -> Result<(), Co
         Alpn::H2 => Ok(hyper::serve_h2(accepted.stream, ctx).await?),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exchange::SendError;
+
+    /// The close reasons the metrics count: timeouts by kind, resets, the rest.
+    #[test]
+    fn connection_errors_map_to_close_reasons() {
+        let io = |kind| ConnError::H1(h1::H1Error::Io(std::io::Error::from(kind)));
+        assert_eq!(io(std::io::ErrorKind::TimedOut).close(), Close::HeaderTimeout);
+        assert_eq!(io(std::io::ErrorKind::ConnectionReset).close(), Close::Reset);
+        assert_eq!(io(std::io::ErrorKind::BrokenPipe).close(), Close::Reset);
+        assert_eq!(io(std::io::ErrorKind::Other).close(), Close::Error);
+        let send = |e| ConnError::H1(h1::H1Error::Send(e));
+        assert_eq!(send(SendError::Timeout).close(), Close::SendTimeout);
+        assert_eq!(send(SendError::peer("gone")).close(), Close::Reset);
+        let hyper = |e| ConnError::Hyper(e);
+        assert_eq!(hyper(hyper::HyperError::Stalled).close(), Close::SendTimeout);
+        assert_eq!(
+            hyper(hyper::HyperError::HeadTimeout).close(),
+            Close::HeaderTimeout
+        );
+        assert_eq!(
+            hyper(hyper::HyperError::NoPreface).close(),
+            Close::HandshakeTimeout
+        );
+    }
+}
