@@ -52,8 +52,10 @@ async fn clean_loopback_download_shows_rtt_and_rate_and_no_loss() {
     let env = Env::new();
     let body = vec![7u8; 8 * MIB as usize];
     env.write("eight.bin", &body);
-    let server =
-        env.start("[kernel]\ntcp_health = \"required\"\nbpf_pin_dir = \"/sys/fs/bpf/webship-e2e-{port}\"\n");
+    let admin = SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
+    let server = env.start(&format!(
+        "[admin]\nlisten = \"{admin}\"\n[kernel]\ntcp_health = \"required\"\nbpf_pin_dir = \"/sys/fs/bpf/webship-e2e-{{port}}\"\n"
+    ));
     let pins = format!("/sys/fs/bpf/webship-e2e-{}", server.port);
     let out = env.dir.path().join("eight.out");
     let url = format!("https://{HOST}:{}/eight.bin", server.port);
@@ -82,6 +84,42 @@ async fn clean_loopback_download_shows_rtt_and_rate_and_no_loss() {
         "retransmissions on loopback: {s}"
     );
     assert_eq!(num(&s, "rto"), 0, "no retransmission timeout on loopback: {s}");
+
+    // `/metrics` renders the same snapshot.
+    let out = Command::new("curl")
+        .args(["--silent", "--fail", "--max-time", "10"])
+        .arg(format!("http://{admin}/metrics"))
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let series = |name: &str| {
+        let prefix = format!("{name}{{site=\"{HOST}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or_else(|| panic!("no {prefix} in /metrics:\n{text}"))
+    };
+    assert_eq!(series("webship_tcp_connections_closed_total"), 1, "{text}");
+    assert_eq!(
+        series("webship_tcp_retransmits_total"),
+        num(&s, "retransmits"),
+        "{text}"
+    );
+    assert_eq!(
+        series("webship_tcp_acked_bytes_total"),
+        num(&s, "bytes_acked"),
+        "{text}"
+    );
+    assert_eq!(series("webship_tcp_rtt_seconds_count"), 1, "{text}");
+    assert_eq!(series("webship_tcp_delivery_rate_bytes_count"), 1, "{text}");
+    let docs = include_str!("../../docs/metrics.md");
+    for family in text.lines().filter_map(|l| l.strip_prefix("# TYPE webship_tcp_")) {
+        let name = format!("webship_tcp_{}", family.split(' ').next().unwrap());
+        assert!(
+            docs.contains(&format!("`{name}`")),
+            "{name} is not in docs/metrics.md"
+        );
+    }
 
     // A client that gives up mid-body closes with unread bytes: the kernel resets
     // the connection, and the site counts a reset.

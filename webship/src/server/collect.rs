@@ -27,6 +27,83 @@ pub(super) fn register_subsystems(
     metrics.register(Box::new(crate::webtransport::Metrics));
 }
 
+/// TCP health per site (`[kernel] tcp_health`): the sock_ops program's per-CPU
+/// counters, summed when a scrape asks (the same snapshot `webship stats` shows).
+pub(super) struct TcpHealth {
+    programs: Arc<Programs>,
+}
+
+impl TcpHealth {
+    pub(super) fn new(programs: Arc<Programs>) -> Self {
+        Self { programs }
+    }
+}
+
+/// One counter of a site's TCP health.
+type SiteCounter = fn(&crate::ebpf::tcp::SiteTcp) -> u64;
+
+/// A log2 histogram of the eBPF side as Prometheus buckets: bucket `i` holds values
+/// below `2^(i+1)` (in the program's unit; `scale` turns that into the metric's), the
+/// last, unbounded one is `+Inf`.
+fn log2_buckets(h: &crate::ebpf::tcp::Histogram, scale: f64) -> impl Iterator<Item = (f64, u64)> + '_ {
+    let bounded = h.buckets.len().saturating_sub(1);
+    h.buckets[..bounded]
+        .iter()
+        .enumerate()
+        .scan(0u64, move |cumulative, (i, n)| {
+            *cumulative += n;
+            Some((h.upper_bound(i).unwrap_or(u64::MAX) as f64 * scale, *cumulative))
+        })
+}
+
+impl Collector for TcpHealth {
+    fn collect(&self, out: &mut Encoder) {
+        let snapshot = self.programs.tcp_snapshot();
+        let counters: [(&str, &str, SiteCounter); 6] = [
+            ("webship_tcp_retransmits", "TCP segments retransmitted to the site's clients (kernel, sock_ops).", |s| s.retransmits),
+            ("webship_tcp_rto", "TCP retransmission timeouts on the site's connections.", |s| s.rto),
+            ("webship_tcp_connections_closed", "TCP connections of the site that closed (counted by the kernel).", |s| s.closed),
+            ("webship_tcp_connections_reset", "TCP connections of the site closed without the FIN handshake (a reset either way, or a timeout).", |s| s.reset),
+            ("webship_tcp_acked_bytes", "Bytes the site's clients acknowledged, of closed connections.", |s| s.bytes_acked),
+            ("webship_tcp_received_bytes", "Bytes received from the site's clients, of closed connections.", |s| s.bytes_received),
+        ];
+        for (name, help, value) in counters {
+            out.family(name, Kind::Counter, help);
+            for site in &snapshot.sites {
+                out.sample(&[("site", &site.site)], value(site));
+            }
+        }
+        out.family(
+            "webship_tcp_rtt_seconds",
+            Kind::Histogram,
+            "Smoothed TCP RTT of the site's connections when they closed (log2 buckets).",
+        );
+        for site in &snapshot.sites {
+            let h = &site.rtt_us;
+            out.histogram(
+                &[("site", &site.site)],
+                log2_buckets(h, 1e-6),
+                h.sum as f64 / 1e6,
+                h.count,
+            );
+        }
+        out.family(
+            "webship_tcp_delivery_rate_bytes",
+            Kind::Histogram,
+            "The last delivery-rate sample of the site's connections when they closed, bytes per second (log2 buckets).",
+        );
+        for site in &snapshot.sites {
+            let h = &site.delivery_rate;
+            out.histogram(
+                &[("site", &site.site)],
+                log2_buckets(h, 1.0),
+                h.sum as f64,
+                h.count,
+            );
+        }
+    }
+}
+
 /// The passthrough counters as metric families.
 pub(super) struct Passthrough {
     programs: Option<Arc<Programs>>,

@@ -143,6 +143,9 @@ pub async fn run(
     let engine = plan.passthrough.is_some().then(|| plan.engine());
     collect::register_subsystems(&metrics, plan.programs(), engine);
     metrics.register(Box::new(collect::Received));
+    if let Some(programs) = &fixed.tcp_health {
+        metrics.register(Box::new(collect::TcpHealth::new(programs.clone())));
+    }
     let first = Generation::new(1, config.clone(), stack, &fixed)?;
     metrics.set_generation(1);
     let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
