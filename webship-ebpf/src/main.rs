@@ -36,8 +36,9 @@ use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, SockHash};
 use aya_ebpf::programs::{SkBuffContext, SockOpsContext, TcContext};
 use aya_log_ebpf::debug;
 use webship_ebpf_common::{
-    bucket, flow_key, Counter, Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_UP, MAX_SPLICED_SOCKETS,
-    MAX_TCP_PORTS, MAX_TCP_SITES, MAX_UDP_FLOWS, RATE_BUCKETS, RTT_BUCKETS, TCP_TAGS_DEFAULT,
+    bucket, flow_key, Counter, Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_UP,
+    MAX_SPLICED_SOCKETS, MAX_TCP_PORTS, MAX_TCP_SITES, MAX_UDP_FLOWS, RATE_BUCKETS, RTT_BUCKETS,
+    TCP_TAGS_DEFAULT,
 };
 
 #[map]
