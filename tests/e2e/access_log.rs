@@ -235,6 +235,15 @@ async fn json_lines_name_the_upstream_and_its_time() {
         assert_eq!(line["path"], "/bytes/1000", "{line}");
         assert_eq!(line["upstream"], origin.addr.to_string(), "{line}");
         assert!(line["upstream_ms"].as_f64().is_some_and(|ms| ms >= 0.0), "{line}");
+        // The exchange began before the service called the upstream.
+        let (ttfb, upstream) = (
+            line["ttfb_ms"].as_f64().unwrap(),
+            line["upstream_ms"].as_f64().unwrap(),
+        );
+        assert!(
+            ttfb >= upstream,
+            "time to first byte {ttfb} ms < upstream {upstream} ms: {line}"
+        );
         assert!(line["duration_ms"].as_f64() >= line["ttfb_ms"].as_f64(), "{line}");
         assert_eq!(line["outcome"], "complete", "{line}");
         assert_eq!(line["tls_version"], "TLSv1_3", "{line}");

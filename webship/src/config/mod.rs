@@ -26,7 +26,7 @@ pub use model::{
     DEFAULT_PIN_DIR,
 };
 /// The bearer token of `[admin] token_file` (what validation checked).
-pub(crate) use validate::read_token as read_admin_token;
+pub(crate) use validate::{read_token as read_admin_token, MAX_TOKEN_BYTES};
 
 #[cfg(test)]
 mod tests;

@@ -21,7 +21,8 @@ use webship_ebpf_common::{TcpSite, MAX_TCP_SITES, RATE_BUCKETS, RTT_BUCKETS};
 
 /// Every site's TCP health, summed over CPUs: what a metrics exporter renders.
 ///
-/// Proposed Prometheus names (all labelled `{site="<name>"}`):
+/// Its Prometheus families (all labelled `{site="<name>"}`; written by
+/// `server::collect::TcpHealth`, documented in docs/metrics.md):
 /// - `webship_tcp_retransmits_total`: segments retransmitted to the site's clients;
 /// - `webship_tcp_rto_total`: retransmission timeouts (a stalled path, tail latency);
 /// - `webship_tcp_connections_closed_total` and `webship_tcp_connections_reset_total`

@@ -4,7 +4,10 @@
 //! back (`tcp.rs` holds the types and the pure parts).
 //!
 //! The hot path is [`Programs::tag_tcp`]: one `SO_COOKIE` read and one map update
-//! per connection, nothing per request or per byte. The kernel side costs one hash
+//! per connection, nothing per request or per byte. The update holds one mutex
+//! (aya's map `insert` takes `&mut`) for the one syscall. Unlike the metrics'
+//! per-site slots (`metrics::Slots`, 4,096 names then `_other`), the kernel's table
+//! of names is a fixed map of `MAX_TCP_SITES`; a name past it is not counted (logged). The kernel side costs one hash
 //! lookup per state change of a watched socket and per retransmission.
 
 use std::borrow::Borrow;

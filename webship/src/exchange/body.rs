@@ -272,6 +272,12 @@ impl ResponseBody {
         Some(range)
     }
 
+    /// `bytes` of a file range taken by [`take_file_range`](Self::take_file_range)
+    /// were not sent after all (the write failed): the record counts what went.
+    pub(crate) fn not_sent(&mut self, bytes: u64) {
+        self.produced = self.produced.saturating_sub(bytes);
+    }
+
     /// `sent` body bytes are out: a range taken by [`Self::take_file_range`] is
     /// produced at once but sent piece by piece, and its sender says how far it got.
     pub(crate) fn sent(&self, sent: u64) {

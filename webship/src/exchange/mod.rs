@@ -167,8 +167,9 @@ impl ConnContext {
     /// the exchange's record, which the driver puts in the response body it sends
     /// ([`ResponseBody::recorded`]) so it is reported when that body ends.
     pub(crate) async fn handle(&self, head: &RequestHead<'_>, body: StreamBody) -> (Response, Record) {
+        let start = record::Start::now();
         let (mut resp, route) = self.service.handle(head, body).await;
-        let mut record = Record::new(self, head, route, resp.status.as_u16());
+        let mut record = Record::new(self, head, start, route, resp.status.as_u16());
         record.list_if_large(head, &resp);
         stamp(&mut resp);
         (resp, record)
@@ -205,7 +206,7 @@ impl ConnContext {
             mode: crate::service::Mode::WebTransport,
             upstream: None,
         };
-        Record::new(self, head, route, status.as_u16()).finish(0, Outcome::Complete);
+        Record::new(self, head, record::Start::now(), route, status.as_u16()).finish(0, Outcome::Complete);
         if let Err(refusal) = &admitted {
             tracing::debug!(peer = %self.client.peer, proto, reason = refusal.reason, "WebTransport session refused");
         }

@@ -82,6 +82,24 @@ pub(crate) struct Record {
     transfer: Option<Transfer>,
 }
 
+/// When an exchange began: its request head was complete and the service was about
+/// to be called (so the time the service took, an upstream's included, is in the
+/// time to first byte and the duration).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Start {
+    began: Instant,
+    time: SystemTime,
+}
+
+impl Start {
+    pub(crate) fn now() -> Self {
+        Self {
+            began: Instant::now(),
+            time: SystemTime::now(),
+        }
+    }
+}
+
 /// A finished exchange: what the access log and the metrics read.
 #[derive(Debug)]
 pub(crate) struct Finished<'a> {
@@ -109,7 +127,13 @@ pub(crate) struct Finished<'a> {
 
 impl Record {
     /// The record of `head`'s exchange, answered with `status` by `route`.
-    pub(crate) fn new(ctx: &ConnContext, head: &RequestHead<'_>, route: Route, status: u16) -> Self {
+    pub(crate) fn new(
+        ctx: &ConnContext,
+        head: &RequestHead<'_>,
+        start: Start,
+        route: Route,
+        status: u16,
+    ) -> Self {
         let proto = Proto::of(head.version);
         ctx.metrics
             .site(route.site)
@@ -129,8 +153,8 @@ impl Record {
             proto,
             route,
             status,
-            began: Instant::now(),
-            time: SystemTime::now(),
+            began: start.began,
+            time: start.time,
             first_pull: None,
             ktls: false,
             line,

@@ -149,10 +149,16 @@ async fn send_all<W: BodyWriter>(
                 body.set_ktls();
                 // A range by sendfile times its own writes (each must make progress);
                 // it goes in pieces so its progress shows while it runs.
-                let mut sent = body.produced() - range.len;
+                let end = body.produced();
+                let mut sent = end - range.len;
                 for piece in pieces(range) {
                     let len = piece.len;
-                    writer.file(piece).await?;
+                    if let Err(e) = writer.file(piece).await {
+                        // The range counted as handed out when it was taken: what did
+                        // not go (this piece and the rest) is not the response's.
+                        body.not_sent(end - sent);
+                        return Err(e);
+                    }
                     sent += len;
                     body.sent(sent);
                 }
@@ -215,5 +221,53 @@ mod tests {
             ]
         );
         assert_eq!(pieces(range(9, 0)).count(), 0);
+    }
+
+    /// A writer that sends files unread and fails after `ok` pieces.
+    struct FailingFiles {
+        ok: usize,
+    }
+
+    impl BodyWriter for FailingFiles {
+        async fn data(&mut self, _: Bytes) -> Result<(), SendError> {
+            Ok(())
+        }
+        async fn trailers(&mut self, _: HeaderMap) -> Result<(), SendError> {
+            Ok(())
+        }
+        async fn finish(&mut self) -> Result<(), SendError> {
+            Ok(())
+        }
+        fn abort(&mut self) {}
+        fn sends_files(&self) -> bool {
+            true
+        }
+        async fn file(&mut self, _: FileRange) -> Result<(), SendError> {
+            match self.ok.checked_sub(1) {
+                Some(left) => {
+                    self.ok = left;
+                    Ok(())
+                }
+                None => Err(SendError::peer("the client went")),
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_file_range_that_fails_halfway_counts_only_what_went() {
+        use crate::message::{Body, FileBody, Segment};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sparse");
+        let len = 3 * FILE_PIECE;
+        std::fs::File::create(&path).unwrap().set_len(len).unwrap();
+        let body = Body::File(FileBody {
+            file: std::sync::Arc::new(std::fs::File::open(&path).unwrap()),
+            segments: vec![Segment::File { offset: 0, len }],
+            len,
+        });
+        let mut body = ResponseBody::new(body, 64 * 1024);
+        let sent = send_all(&mut body, &mut FailingFiles { ok: 1 }, Duration::from_secs(5)).await;
+        assert!(matches!(sent, Err(SendError::Peer(_))), "{sent:?}");
+        assert_eq!(body.produced(), FILE_PIECE, "one piece went, two did not");
     }
 }

@@ -44,11 +44,11 @@ const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "other"];
 /// The `site` label of requests that reached no site (a foreign `Host`, a request
 /// refused before it had one).
 const NO_SITE: &str = "-";
-/// Distinct site names kept; beyond, new names share one slot labelled
-/// [`OTHER_SITES`]. Sites come from the configuration, but a daemon reloaded with
+/// Distinct site names kept by every per-site family (the exchanges here, the
+/// WebTransport endpoints'); beyond, new names share one slot labelled `_other`
+/// ([`slots::OTHER`]). Sites come from the configuration, but a daemon reloaded with
 /// ever new names must not grow without bound.
-const MAX_SITES: usize = 4096;
-const OTHER_SITES: &str = "_other";
+pub(crate) const MAX_SITES: usize = 4096;
 
 /// Writes a subsystem's families at scrape time, from counters the subsystem keeps
 /// anyway (statics, endpoint counters, eBPF maps). Called with no lock of the
@@ -283,7 +283,7 @@ impl Connections {
 pub(crate) struct Registry {
     started: Instant,
     start_time: SystemTime,
-    sites: Mutex<Vec<Arc<SiteMetrics>>>,
+    sites: Slots<SiteMetrics>,
     none: Arc<SiteMetrics>,
     connections: Connections,
     generation: AtomicU64,
@@ -307,7 +307,7 @@ impl Registry {
         Arc::new(Self {
             started: Instant::now(),
             start_time: SystemTime::now(),
-            sites: Mutex::new(Vec::new()),
+            sites: Slots::with_cap(MAX_SITES),
             none: Arc::new(SiteMetrics::named(NO_SITE.into())),
             connections: Connections::default(),
             generation: AtomicU64::new(0),
@@ -320,25 +320,9 @@ impl Registry {
     /// The slots of a generation whose sites are `names` (by index): a name seen
     /// before gets its existing slot, so its series continue across reloads.
     pub(crate) fn sites(self: &Arc<Self>, names: &[Arc<str>]) -> Sites {
-        let mut known = self.sites.lock().unwrap_or_else(|e| e.into_inner());
         let slots = names
             .iter()
-            .map(|name| {
-                if let Some(slot) = known.iter().find(|s| s.name == *name) {
-                    return slot.clone();
-                }
-                let name = if known.len() < MAX_SITES {
-                    name.clone()
-                } else {
-                    OTHER_SITES.into()
-                };
-                if let Some(other) = known.iter().find(|s| s.name == name) {
-                    return other.clone();
-                }
-                let slot = Arc::new(SiteMetrics::named(name));
-                known.push(slot.clone());
-                slot
-            })
+            .map(|name| self.sites.get_with(name, |kept| SiteMetrics::named(kept.into())))
             .collect();
         Sites {
             registry: self.clone(),
@@ -379,9 +363,9 @@ impl Registry {
         self.render_process(&mut out);
         self.render_connections(&mut out);
         {
-            let known = self.sites.lock().unwrap_or_else(|e| e.into_inner());
+            let known = self.sites.all();
             let sites: Vec<&SiteMetrics> = std::iter::once(&*self.none)
-                .chain(known.iter().map(|s| &**s))
+                .chain(known.iter().map(|(_, s)| &**s))
                 .collect();
             render_sites(&mut out, &sites);
         }
@@ -693,8 +677,8 @@ mod tests {
         let registry = Registry::new();
         let names: Vec<Arc<str>> = (0..MAX_SITES + 10).map(|i| format!("s{i}.test").into()).collect();
         let sites = registry.sites(&names);
-        assert_eq!(registry.sites.lock().unwrap().len(), MAX_SITES + 1);
-        assert_eq!(&*sites.site(Some(MAX_SITES + 5)).name, OTHER_SITES);
+        assert_eq!(registry.sites.all().len(), MAX_SITES + 1);
+        assert_eq!(&*sites.site(Some(MAX_SITES + 5)).name, slots::OTHER);
     }
 
     #[test]

@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex};
 
 /// The name of the slot shared by names past the cap.
-const OTHER: &str = "_other";
+pub(crate) const OTHER: &str = "_other";
 
 #[derive(Debug)]
 pub(crate) struct Slots<T> {
@@ -30,6 +30,23 @@ impl<T: Default> Slots<T> {
 
     /// The slot of `name`, made on first sight.
     pub(crate) fn get(&self, name: &str) -> Arc<T> {
+        self.get_with(name, |_| T::default())
+    }
+}
+
+impl<T> Slots<T> {
+    /// At most `cap` names (then `_other`), for slots made by
+    /// [`get_with`](Self::get_with).
+    pub(crate) const fn with_cap(cap: usize) -> Self {
+        Self {
+            cap,
+            named: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The slot of `name`, made by `make` (given the name it is kept under: `name`,
+    /// or `_other` past the cap) on first sight.
+    pub(crate) fn get_with(&self, name: &str, make: impl FnOnce(&str) -> T) -> Arc<T> {
         let mut named = self.named.lock().unwrap_or_else(|e| e.into_inner());
         let mut name = name;
         if let Some((_, slot)) = named.iter().find(|(n, _)| n == name) {
@@ -41,7 +58,7 @@ impl<T: Default> Slots<T> {
                 return slot.clone();
             }
         }
-        let slot = Arc::new(T::default());
+        let slot = Arc::new(make(name));
         named.push((name.to_owned(), slot.clone()));
         slot
     }

@@ -95,6 +95,11 @@ impl AdminListener {
     pub(super) async fn serve(self, registry: Arc<Registry>) {
         let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
         loop {
+            // At the limit, new scrapers wait in the kernel's backlog rather than being
+            // closed: a full set of idle connections delays a probe, it does not fail it.
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                return;
+            };
             let (tcp, peer) = match self.listener.accept().await {
                 Ok(conn) => conn,
                 Err(e) => {
@@ -102,10 +107,6 @@ impl AdminListener {
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     continue;
                 }
-            };
-            let Ok(permit) = permits.clone().try_acquire_owned() else {
-                tracing::debug!(%peer, "admin: too many connections, closed");
-                continue;
             };
             let (registry, token) = (registry.clone(), self.token.clone());
             tokio::spawn(async move {
@@ -131,14 +132,20 @@ impl AdminListener {
 /// The answer to one admin request.
 fn answer<B>(req: &Request<B>, registry: &Registry, token: Option<&str>) -> Response<Full<Bytes>> {
     if let Some(token) = token {
+        // The scheme is case-insensitive (RFC 9110 §11.1).
         let sent = req
             .headers()
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+            .map(HeaderValue::as_bytes)
+            .filter(|v| v.len() > 7 && v[..7].eq_ignore_ascii_case(b"bearer "))
+            .map(|v| &v[7..]);
         if !sent.is_some_and(|sent| same(sent, token.as_bytes())) {
             let mut resp = text(StatusCode::UNAUTHORIZED, "a bearer token is required\n");
             resp.headers_mut()
                 .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            // A client without the token does not keep one of the few connections.
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
             return resp;
         }
     }
@@ -186,13 +193,20 @@ fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
     resp
 }
 
-/// Whether `a` equals `b`, in time that depends on their lengths only (a wrong
-/// token's first differing byte is not given away by timing).
+/// Whether `a` equals `b`, in time that gives away neither the first differing byte
+/// nor the token's length: every byte up to the longest token a file may hold is
+/// compared (missing bytes as zero), and the lengths are compared along with them.
 fn same(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
+    const SPAN: usize = crate::config::MAX_TOKEN_BYTES as usize;
+    if a.len() > SPAN || b.len() > SPAN {
         return false;
     }
-    let diff = a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y));
+    let at = |s: &[u8], i: usize| s.get(i).copied().unwrap_or(0);
+    let lengths = (a.len() ^ b.len())
+        .to_le_bytes()
+        .iter()
+        .fold(0u8, |acc, x| acc | x);
+    let diff = (0..SPAN).fold(lengths, |acc, i| acc | (at(a, i) ^ at(b, i)));
     std::hint::black_box(diff) == 0
 }
 

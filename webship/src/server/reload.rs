@@ -464,7 +464,17 @@ async fn answer(
     let reply = match &incoming.request {
         Request::Reload { config } => reloader.reload(config.clone()).await,
         Request::Status => reloader.status(),
-        Request::Metrics => Reply::ok(reloader.fixed.metrics.render(crate::metrics::Format::Prometheus)),
+        // Read-only answers are made and sent by a task of their own: rendering a
+        // busy registry takes milliseconds, and a client that does not read its reply
+        // must not hold signals, reloads and takeovers for the reply timeout.
+        Request::Metrics => {
+            let metrics = reloader.fixed.metrics.clone();
+            tokio::spawn(async move {
+                let reply = Reply::ok(metrics.render(crate::metrics::Format::Prometheus));
+                incoming.reply(&reply).await;
+            });
+            return None;
+        }
         Request::Transfers => {
             let (listed, unlisted) = reloader.fixed.transfers.list();
             let mut reply = Reply::ok(format!("{} large response(s) in flight", listed.len()));
@@ -485,7 +495,7 @@ async fn answer(
             return successor;
         }
     };
-    incoming.reply(&reply).await;
+    tokio::spawn(async move { incoming.reply(&reply).await });
     None
 }
 

@@ -1,8 +1,8 @@
 //! The endpoints' [`Counters`] for the metrics: one set per site name, kept
 //! process-wide, so a site's WebTransport series continue across reloads (each
 //! generation's endpoint holds its site's set; sessions only add to atomics).
-//! Site names come from the configuration; past [`MAX_SITES`] new ones share one
-//! set labelled `_other`.
+//! Site names come from the configuration; past [`crate::metrics::MAX_SITES`] new
+//! ones share one set labelled `_other`, as the exchange families do.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -11,12 +11,10 @@ use crate::metrics::{Collector, Encoder, Kind, Slots};
 
 use super::{Code, Counters};
 
-const MAX_SITES: usize = 4096;
-
 /// A family of one series per site: name (after `webship_`), kind, help, field.
 type PerSite = (&'static str, Kind, &'static str, fn(&Counters) -> &AtomicU64);
 
-static SITES: Slots<Counters> = Slots::new(MAX_SITES);
+static SITES: Slots<Counters> = Slots::new(crate::metrics::MAX_SITES);
 
 /// The counters of `site`'s endpoint, made on first sight (configuration time).
 pub(super) fn counters(site: &str) -> Arc<Counters> {

@@ -12,7 +12,7 @@ use super::Validator;
 /// The shortest token accepted: a guessable token guards nothing.
 pub(crate) const MIN_TOKEN_BYTES: usize = 16;
 /// The longest token file read (a token is one line).
-const MAX_TOKEN_BYTES: u64 = 4096;
+pub(crate) const MAX_TOKEN_BYTES: u64 = 4096;
 
 impl Validator<'_> {
     pub(super) fn admin(&mut self, raw: &RawAdmin, listen: SocketAddr) -> Option<Admin> {
@@ -37,7 +37,14 @@ impl Validator<'_> {
             );
         }
         let token_file = raw.token_file.as_ref().map(|p| self.path(p));
-        if let Some(path) = &token_file {
+        // A token readable by root only is the natural setup for a secret; a reload
+        // validates as the service account, which may not read it, and `[admin]`
+        // changes only at a restart (which reads it as root and fails clearly). Only
+        // what is known to be wrong is refused.
+        let denied = |path: &std::path::Path| {
+            std::fs::File::open(path).is_err_and(|e| e.kind() == std::io::ErrorKind::PermissionDenied)
+        };
+        if let Some(path) = token_file.as_ref().filter(|p| !denied(p)) {
             if let Err(problem) = read_token(path) {
                 self.problem(
                     "admin.token_file",

@@ -16,7 +16,7 @@ mod runtime;
 mod sites;
 mod webtransport;
 
-pub(crate) use admin::read_token;
+pub(crate) use admin::{read_token, MAX_TOKEN_BYTES};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -21,6 +21,10 @@ use std::time::{Duration, Instant};
 /// Lines the queue holds (about 4 MiB of typical lines): a second of a busy
 /// server's requests while the disk hiccups.
 pub(crate) const QUEUE_LINES: usize = 16_384;
+/// Bytes the queue holds at most, whatever the lines' sizes: a client can make one
+/// line large (a 32 KiB User-Agent of bytes the formats escape to four or six each),
+/// and 16,384 of those must not become gigabytes while the writer is behind.
+pub(crate) const QUEUE_BYTES: usize = 16 * 1024 * 1024;
 /// Lines the writer takes off the queue for one batch.
 const BATCH_LINES: usize = 1024;
 /// The largest single write to standard error: PIPE_BUF, so a pipe or the journal's
@@ -142,6 +146,8 @@ pub(crate) struct Sink {
     path: Option<PathBuf>,
     /// Lines queued and not yet written.
     queued: AtomicUsize,
+    /// Their bytes (bounded by [`QUEUE_BYTES`]).
+    queued_bytes: AtomicUsize,
     /// Lines dropped because the queue was full, since start.
     dropped: AtomicU64,
     /// A reopened file waiting for the writer.
@@ -170,6 +176,7 @@ impl Sink {
             tx,
             path: path.map(Path::to_owned),
             queued: AtomicUsize::new(0),
+            queued_bytes: AtomicUsize::new(0),
             dropped: AtomicU64::new(0),
             reopened: Mutex::new(None),
         });
@@ -183,11 +190,18 @@ impl Sink {
 
     /// Queues one line; drops (and counts) it when the queue is full. Never waits.
     pub(crate) fn send(&self, line: Vec<u8>) {
+        let len = line.len();
+        if self.queued_bytes.fetch_add(len, Ordering::Relaxed) + len > QUEUE_BYTES {
+            self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         self.queued.fetch_add(1, Ordering::Relaxed);
         match self.tx.try_send(line) {
             Ok(()) => {}
             Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
                 self.queued.fetch_sub(1, Ordering::Relaxed);
+                self.queued_bytes.fetch_sub(len, Ordering::Relaxed);
                 self.dropped.fetch_add(1, Ordering::Relaxed);
             }
         }
@@ -223,8 +237,20 @@ impl Writer {
     /// same path (no rotation happened) still works after the switch.
     #[cfg(unix)]
     pub(crate) fn give_to(&self, uid: u32, gid: u32) -> io::Result<()> {
+        use std::os::unix::fs::MetadataExt;
         match &self.destination {
-            Destination::File(f) => std::os::unix::fs::fchown(f, Some(uid), Some(gid)),
+            Destination::File(f) => {
+                // A second name for the file (a hard link someone planted at the
+                // path) would hand that other file to the account: refuse it.
+                let meta = f.metadata()?;
+                if meta.nlink() != 1 {
+                    return Err(io::Error::other(format!(
+                        "the file has {} names (hard links); not handing it over",
+                        meta.nlink()
+                    )));
+                }
+                std::os::unix::fs::fchown(f, Some(uid), Some(gid))
+            }
             Destination::Stderr => Ok(()),
         }
     }
@@ -256,6 +282,7 @@ impl Writer {
                 batch.extend_from_slice(&line);
                 lines += 1;
             }
+            self.sink.queued_bytes.fetch_sub(batch.len(), Ordering::Relaxed);
             // Lines queued before the reopen go to the new file too: nothing is lost
             // and nothing written after the signal lands in the moved file.
             let reopened = self
@@ -320,6 +347,45 @@ mod tests {
         sink.flush(Duration::from_secs(10));
         let written = std::fs::read_to_string(&path).unwrap();
         assert_eq!(written, "line 0\nline 1\nline 2\nline 3\n");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn the_queue_holds_a_bounded_number_of_bytes() {
+        let dir = temp("bytes");
+        let path = dir.join("access.log");
+        let (sink, writer) = Sink::open(Some(&path), 64).unwrap();
+        let big = vec![b'x'; QUEUE_BYTES / 2 + 1];
+        sink.send(big.clone());
+        sink.send(big.clone());
+        assert_eq!(
+            sink.dropped(),
+            1,
+            "two lines over the byte cap: the second dropped"
+        );
+        sink.send(b"small\n".to_vec());
+        assert_eq!(sink.dropped(), 1, "a small line still fits");
+        writer.start().unwrap();
+        sink.flush(Duration::from_secs(10));
+        // Written: the room is back.
+        sink.send(big);
+        assert_eq!(sink.dropped(), 1);
+        sink.flush(Duration::from_secs(10));
+        let written = std::fs::metadata(&path).unwrap().len();
+        assert_eq!(written, 2 * (QUEUE_BYTES as u64 / 2 + 1) + 6);
+        let _ = std::fs::remove_dir_all(dir);
+    }
+
+    #[test]
+    fn a_file_with_a_second_name_is_not_handed_over() {
+        let dir = temp("hardlink");
+        let target = dir.join("secret");
+        std::fs::write(&target, b"").unwrap();
+        let path = dir.join("access.log");
+        std::fs::hard_link(&target, &path).unwrap();
+        let (_sink, writer) = Sink::open(Some(&path), 4).unwrap();
+        let refused = writer.give_to(65534, 65534);
+        assert!(refused.is_err(), "a hard-linked log file was handed over");
         let _ = std::fs::remove_dir_all(dir);
     }
 
