@@ -92,6 +92,62 @@ const PASSTHROUGH_ENGINES: [(&str, &str); 4] = [
     (measure::WEBSHIP_COPY, "copy"),
 ];
 
+/// `hold`'s arguments: idle connections to a server started by hand (under heaptrack,
+/// say), to see what each one allocates.
+#[derive(Debug, Args)]
+pub(crate) struct HoldArgs {
+    /// The server, e.g. 127.0.0.1:8443.
+    #[arg(long)]
+    pub addr: SocketAddr,
+    /// The CA certificate (PEM) the server's certificate is issued by.
+    #[arg(long)]
+    pub ca: PathBuf,
+    #[arg(long, default_value = "localhost")]
+    pub sni: String,
+    /// h1, h2 or h3.
+    #[arg(long, default_value = "h1")]
+    pub protocol: String,
+    #[arg(long, default_value_t = 1000)]
+    pub n: usize,
+    /// How long to hold them once all are up.
+    #[arg(long, default_value_t = 30)]
+    pub secs: u64,
+}
+
+/// Opens `n` idle connections, holds them `secs`, closes them.
+pub(crate) fn hold(args: &HoldArgs) -> Result<()> {
+    let kind = match args.protocol.as_str() {
+        "h1" => Idle::H1,
+        "h2" => Idle::H2,
+        "h3" => Idle::H3,
+        other => anyhow::bail!("unknown protocol {other:?}; use h1, h2 or h3"),
+    };
+    let target = Target {
+        addr: args.addr,
+        sni: args.sni.clone(),
+        tls: client_config(
+            webship_testkit::pki::roots_from_pem(&args.ca)?,
+            rustls::DEFAULT_VERSIONS,
+            &[],
+        )?,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let (held, took) = idleclient::open(&target, kind, args.n).await?;
+        eprintln!(
+            "hold: {} {} connections up in {took:?}; holding {} s",
+            held.len(),
+            kind.label(),
+            args.secs
+        );
+        tokio::time::sleep(Duration::from_secs(args.secs)).await;
+        held.close().await;
+        Ok(())
+    })
+}
+
 /// `connections` on its own: the table on stdout and in target/bench/connections.md.
 pub(crate) fn run(args: &ConnectionsArgs) -> Result<()> {
     measure(args)?.publish("connections")

@@ -66,6 +66,9 @@ enum Command {
     /// mode and server; server RSS and kernel memory per connection, accept rate, a
     /// normal download's time while they are held.
     Connections(connections::ConnectionsArgs),
+    /// Idle connections to a server started by hand, held for a while (profiling).
+    #[command(hide = true)]
+    Hold(connections::HoldArgs),
     /// WebTransport from the diagnostic endpoint (one stream, datagrams) directly and
     /// through HTTP/3 passthrough, next to an h3 download of the fixture.
     Webtransport(wtbench::WtBenchArgs),
@@ -150,5 +153,6 @@ fn main() -> Result<()> {
         Command::Webtransport(args) => wtbench::run(&args),
         Command::Concurrency(args) => concurrency::run(&args),
         Command::Connections(args) => connections::run(&args),
+        Command::Hold(args) => connections::hold(&args),
     }
 }

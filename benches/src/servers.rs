@@ -203,9 +203,14 @@ pub(crate) fn start_webship_proxy(
         "[reverse_proxy]\nenabled = true\ntls_termination = true\n\n\
          [reverse_proxy.tls]\ncert = {cert:?}\nkey = {key:?}\n\n\
          [[reverse_proxy.routes]]\ndomain = \"localhost\"\npath_prefix = \"/\"\n\
-         upstreams = [\"127.0.0.1:{origin_port}\"]\n",
+         upstreams = [\"127.0.0.1:{origin_port}\"]\n{per_upstream}",
         cert = s.identity.cert,
         key = s.identity.key,
+        // Holding many slow downloads: one upstream connection each, like the peers.
+        per_upstream = s
+            .hold
+            .map(|_| format!("max_connections_per_upstream = {}\n", s.connection_cap()))
+            .unwrap_or_default(),
     );
     let mut server = launch_webship(spec, s, &serve)?;
     server.host = "localhost";

@@ -182,7 +182,7 @@ impl Conn {
                 Next::Close => return Ok(()),
                 Next::Reject(status) => {
                     let resp = self.ctx.refuse(status);
-                    self.respond(stream, &Method::GET, resp, false).await?;
+                    Box::pin(self.respond(stream, &Method::GET, resp, false)).await?;
                     return Ok(());
                 }
             };
@@ -190,7 +190,7 @@ impl Conn {
             match req.body {
                 RequestBody::None => {}
                 RequestBody::Discard(n) => {
-                    if !self.discard(stream, n).await? {
+                    if !Box::pin(self.discard(stream, n)).await? {
                         return Ok(());
                     }
                 }
@@ -199,9 +199,12 @@ impl Conn {
             let mut head = self.ctx.head(&req.method, &req.uri, req.version, &req.headers);
             // This driver drains request bodies; proxy sites get hyper's (`http::hyper`).
             head.body_forwardable = false;
-            let resp = self.ctx.handle(&head, crate::message::empty_body()).await;
+            // Handling and responding are boxed: their futures (the service, the send
+            // loop) are far larger than the wait for a request, and an idle
+            // connection's task would otherwise be allocated at their size.
+            let resp = Box::pin(self.ctx.handle(&head, crate::message::empty_body())).await;
             keep_alive &= !self.ctx.shutdown.is_requested();
-            self.respond(stream, &req.method, resp, keep_alive).await?;
+            Box::pin(self.respond(stream, &req.method, resp, keep_alive)).await?;
             if !keep_alive {
                 return Ok(());
             }

@@ -25,11 +25,14 @@ pub(crate) enum ConnError {
     Hyper(#[from] hyper::HyperError),
 }
 
-/// Serves one accepted connection until it ends.
+/// Serves one accepted connection until it ends. Each driver is boxed, so a
+/// connection holds the memory of its own driver's future, not of the largest.
 pub(crate) async fn serve(accepted: Accepted, ctx: ConnContext) -> Result<(), ConnError> {
     match accepted.alpn {
-        Alpn::H1 if ctx.service.is_proxy(accepted.site) => Ok(hyper::serve_h1(accepted.stream, ctx).await?),
-        Alpn::H1 => Ok(h1::serve(accepted.stream, ctx).await?),
-        Alpn::H2 => Ok(hyper::serve_h2(accepted.stream, ctx).await?),
+        Alpn::H1 if ctx.service.is_proxy(accepted.site) => {
+            Ok(Box::pin(hyper::serve_h1(accepted.stream, ctx)).await?)
+        }
+        Alpn::H1 => Ok(Box::pin(h1::serve(accepted.stream, ctx)).await?),
+        Alpn::H2 => Ok(Box::pin(hyper::serve_h2(accepted.stream, ctx)).await?),
     }
 }

@@ -451,6 +451,11 @@ async fn drain(permits: &Semaphore, limit: usize, grace: std::time::Duration) {
     }
 }
 
+/// One accepted connection, from the PROXY header to its end. Each stage is boxed:
+/// a task is allocated at the size of its largest state, so without the boxes every
+/// idle connection carried the largest of them all (13.4 KiB measured with heaptrack,
+/// the biggest allocation of an idle HTTP/1.1 connection); boxed, a stage's memory
+/// is held only while that stage runs, and only its own.
 async fn connection(
     tcp: TcpStream,
     peer: SocketAddr,
@@ -461,14 +466,20 @@ async fn connection(
     let handshake_timeout = drivers.limits.handshake_timeout;
     // Before anything else reads: a load balancer's PROXY header names the client.
     let listed = &drivers.accept_proxy_protocol;
-    let Some(ends) = crate::proxy_protocol::accept::accept(&tcp, peer, listed, handshake_timeout).await
+    let Some(ends) = Box::pin(crate::proxy_protocol::accept::accept(
+        &tcp,
+        peer,
+        listed,
+        handshake_timeout,
+    ))
+    .await
     else {
         return;
     };
     let peer = ends.client;
     if let Some(pt) = &generation.passthrough {
-        match pt.decide(&tcp, handshake_timeout).await {
-            Decision::Forward(route) => return pt.forward(route, tcp, ends).await,
+        match Box::pin(pt.decide(&tcp, handshake_timeout)).await {
+            Decision::Forward(route) => return Box::pin(pt.forward(route, tcp, ends)).await,
             Decision::Close(reason) => {
                 return tracing::debug!(%peer, reason, "passthrough: closed");
             }
@@ -478,7 +489,7 @@ async fn connection(
     if acceptor.is_empty() {
         return;
     }
-    let accepted = match acceptor.accept(tcp, handshake_timeout).await {
+    let accepted = match Box::pin(acceptor.accept(tcp, handshake_timeout)).await {
         Ok(a) => a,
         Err(e) => {
             tracing::debug!(%peer, error = %e, "handshake failed");
@@ -486,7 +497,7 @@ async fn connection(
         }
     };
     let ctx = drivers.connection(peer, accepted.site);
-    if let Err(e) = crate::http::serve(accepted, ctx).await {
+    if let Err(e) = Box::pin(crate::http::serve(accepted, ctx)).await {
         tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
 }
