@@ -497,7 +497,7 @@ async fn connection(
         }
     };
     let ctx = drivers.connection(peer, accepted.site);
-    if let Err(e) = Box::pin(crate::http::serve(accepted, ctx)).await {
+    if let Err(e) = crate::http::serve(accepted, ctx).await {
         tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
 }
