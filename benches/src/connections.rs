@@ -326,6 +326,7 @@ impl Run<'_> {
                 &PathBuf::from("/usr/sbin/nginx"),
                 &self.stage.root,
                 &origin_dir,
+                Some(u32::try_from(most).unwrap_or(u32::MAX)),
             )?),
             Mode::Passthrough => Some(servers::start_webship(
                 &self.spec(ORIGIN_WEBSHIP),

@@ -272,7 +272,8 @@ pub(crate) async fn slow_downloads(
                 let n = stream.read(&mut buf).await?;
                 ensure!(
                     buf[..n].starts_with(b"HTTP/1.1 200"),
-                    "slow download: no 200 response"
+                    "slow download: no 200 response: {:?}",
+                    String::from_utf8_lossy(&buf[..n.min(200)])
                 );
                 anyhow::Ok((stream, buf, n as u64))
             };

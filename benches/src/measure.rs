@@ -230,7 +230,7 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
     let mut sets = vec![ModeServers {
         mode: Mode::Limit,
         servers: vec![
-            servers::start_origin(LIMIT_PLAIN, &args.nginx, root, &dir("limit-plain")?)?,
+            servers::start_origin(LIMIT_PLAIN, &args.nginx, root, &dir("limit-plain")?, None)?,
             servers::start_tls_source(
                 LIMIT_TLS,
                 &Settings {
@@ -250,6 +250,7 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 &args.nginx,
                 root,
                 &dir("origin-nginx")?,
+                None,
             )?),
             Mode::Passthrough => {
                 let origin_dir = dir("origin-webship")?;

@@ -316,7 +316,14 @@ pub(crate) fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
 
 /// The proxies' origin: nginx serving `root` over plain HTTP on loopback, one
 /// worker, keep-alive connections reused for as long as the proxies like.
-pub(crate) fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: &Path) -> Result<Server> {
+/// `hold`: as [`Settings::hold`], when the proxies in front hold that many slow downloads.
+pub(crate) fn start_origin(
+    name: &'static str,
+    binary: &Path,
+    root: &Path,
+    dir: &Path,
+    hold: Option<u32>,
+) -> Result<Server> {
     let origin_settings = Settings {
         root,
         identity: &Identity {
@@ -326,7 +333,7 @@ pub(crate) fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: 
         },
         workers: 1,
         dir,
-        hold: None,
+        hold,
     };
     let mut origin = launch_nginx(name, binary, &origin_settings, |port| {
         let mut server = String::new();
