@@ -235,9 +235,14 @@ pub(crate) fn start_webship_passthrough(
     let serve = format!(
         "[reverse_proxy]\nenabled = true\ntls_termination = false\npassthrough_engine = {engine:?}\n\
          udp_upstream = \"127.0.0.1:{origin_port}\"\nudp_engine = {udp_engine:?}\n\
-         passthrough_idle_timeout_secs = {HOLD_TIMEOUT_SECS}\n\n\
+         passthrough_idle_timeout_secs = {HOLD_TIMEOUT_SECS}\n{flows}\n\
          [[reverse_proxy.routes]]\ndomain = \"localhost\"\n\
          upstreams = [\"127.0.0.1:{origin_port}\"]\n",
+        // The idle h3 connections come from a few client sockets on one address.
+        flows = s
+            .hold
+            .map(|_| format!("udp_max_flows_per_address = {}\n", s.connection_cap()))
+            .unwrap_or_default(),
     );
     let mut server = launch_webship(spec, s, &serve)?;
     server.host = "localhost";

@@ -298,6 +298,12 @@ async fn copy(client: &TcpStream, upstream: &TcpStream) -> std::io::Result<()> {
 /// Copies what `from` receives to `to` through a buffer of `buffer` bytes until
 /// `limit` bytes have moved (`true`) or `from` ends first (`false`, and `to` is
 /// half-closed). An error (a reset on either side) ends it.
+///
+/// The buffer is allocated when bytes arrive and given back after a read smaller
+/// than [`SMALL_READ`] (a handshake flight, an interactive message): a connection at
+/// rest holds none, where every idle one held both directions' (62 KiB of RSS per
+/// idle connection on the `auto` engine, measured by the `connections` bench).
+/// Bulk reads fill it and keep it.
 async fn copy_one_way(
     from: &TcpStream,
     to: &TcpStream,
@@ -306,10 +312,13 @@ async fn copy_one_way(
     limit: u64,
 ) -> std::io::Result<bool> {
     use std::io::ErrorKind::{WouldBlock, WriteZero};
-    let mut buf = vec![0u8; buffer];
+    let mut buf = Vec::new();
     let mut moved = 0u64;
     while moved < limit {
         from.readable().await?;
+        if buf.is_empty() {
+            buf = vec![0u8; buffer];
+        }
         let n = match from.try_read(&mut buf) {
             Ok(0) => {
                 let _ = socket2::SockRef::from(to).shutdown(std::net::Shutdown::Write);
@@ -331,9 +340,15 @@ async fn copy_one_way(
         }
         moved += n as u64;
         count(counter, n as u64);
+        if n < SMALL_READ {
+            buf = Vec::new();
+        }
     }
     Ok(true)
 }
+
+/// A read below this leaves the copy engines' buffer given back (see `copy_one_way`).
+const SMALL_READ: usize = 16 * 1024;
 
 /// The engine to run for `configured`. `auto` stays itself: each direction copies
 /// its first [`splice::ADAPTIVE_COPY_BYTES`], then splices — chosen by measurement
