@@ -708,3 +708,26 @@ fn section(args: &ConnectionsArgs, rows: &[Row], gaps: &[String]) -> Section {
         bars,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sockstat_mem_is_read_per_protocol() {
+        let sockstat = "sockets: used 290\nTCP: inuse 7 orphan 0 tw 2 alloc 9 mem 3\nUDP: inuse 4 mem 12\n";
+        assert_eq!(sockstat_mem(sockstat, "TCP:"), 3);
+        assert_eq!(sockstat_mem(sockstat, "UDP:"), 12);
+        assert_eq!(sockstat_mem(sockstat, "RAW:"), 0, "a missing line reads as 0");
+        // This kernel's own tables have what the scenario reads.
+        let mem = Mem::read(std::process::id());
+        assert!(mem.rss_kib > 0 && mem.slab_kib > 0, "{mem:?}");
+    }
+
+    #[test]
+    fn levels_are_sized_by_webships_descriptor_rule() {
+        let margin = u64::from(servers::HOLD_MARGIN);
+        assert_eq!(files_needed(Mode::Direct, 1000), (1000 + margin) * 2 + 256);
+        assert_eq!(files_needed(Mode::Passthrough, 1000), (1000 + margin) * 7 + 256);
+    }
+}

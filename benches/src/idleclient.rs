@@ -312,3 +312,16 @@ pub(crate) async fn slow_downloads(
     }
     Ok(set)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sources_rotate_before_ports_run_out() {
+        assert_eq!(source(0), Ipv4Addr::new(127, 0, 0, 1));
+        assert_eq!(source(PER_SOURCE - 1), Ipv4Addr::new(127, 0, 0, 1));
+        assert_eq!(source(PER_SOURCE), Ipv4Addr::new(127, 0, 0, 2));
+        assert_eq!(source(2 * PER_SOURCE + 5), Ipv4Addr::new(127, 0, 0, 3));
+    }
+}

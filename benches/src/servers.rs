@@ -488,7 +488,8 @@ pub(crate) const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_
 pub(crate) fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
     let mut server = spawn("nginx", s.dir.join("nginx.log"), None, |port| {
         let mut conf = format!("load_module {NGINX_STREAM_MODULE};\n");
-        conf.push_str(&nginx_main(s.dir, s.workers, s.connection_cap())?);
+        // Two connections per tunnel: the client's and the upstream's.
+        conf.push_str(&nginx_main(s.dir, s.workers, 2 * s.connection_cap())?);
         writeln!(conf, "stream {{")?;
         writeln!(
             conf,
