@@ -104,6 +104,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
             identity,
             workers: args.workers,
             dir: &stage.dir("webship")?,
+            hold: None,
         },
     )?;
     let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
@@ -248,14 +249,14 @@ async fn downloads(
 }
 
 /// A TLS connection to `localhost` on `addr` speaking `http`.
-async fn open(addr: SocketAddr, tls: &Arc<rustls::ClientConfig>, http: Http) -> Result<Conn> {
+pub(crate) async fn open(addr: SocketAddr, tls: &Arc<rustls::ClientConfig>, http: Http) -> Result<Conn> {
     let tls = webship_testkit::pki::with_alpn(tls, http.alpn());
     let stream = connect(addr, "localhost", tls).await.context("TLS handshake")?;
     Conn::handshake(stream, http, &format!("localhost:{}", addr.port()), Tuning::BULK).await
 }
 
 /// One GET on `conn`, the body checked against the fixture.
-async fn get(conn: &mut Conn, path: &str) -> Result<FixtureCheck> {
+pub(crate) async fn get(conn: &mut Conn, path: &str) -> Result<FixtureCheck> {
     let mut check = FixtureCheck::default();
     let head = conn.fetch_into("GET", path, &[], &mut check).await?;
     ensure!(head.status == 200, "status {}", head.status);

@@ -13,7 +13,9 @@
 mod aead;
 mod clients;
 mod concurrency;
+mod connections;
 mod h3client;
+mod idleclient;
 mod measure;
 mod proc;
 mod report;
@@ -60,6 +62,13 @@ enum Command {
     /// over 256 h1 connections: aggregate throughput, p50/p99 time to last byte,
     /// server peak RSS.
     Concurrency(concurrency::ConcurrencyArgs),
+    /// Connections at rest: N idle h1/h2/h3 connections (and N slow downloads) per
+    /// mode and server; server RSS and kernel memory per connection, accept rate, a
+    /// normal download's time while they are held.
+    Connections(connections::ConnectionsArgs),
+    /// Idle connections to a server started by hand, held for a while (profiling).
+    #[command(hide = true)]
+    Hold(connections::HoldArgs),
     /// WebTransport from the diagnostic endpoint (one stream, datagrams) directly and
     /// through HTTP/3 passthrough, next to an h3 download of the fixture.
     Webtransport(wtbench::WtBenchArgs),
@@ -119,9 +128,9 @@ pub struct DownloadArgs {
     #[arg(long, value_delimiter = ',', default_value = "direct,proxy,passthrough")]
     pub modes: Vec<measure::Mode>,
     /// The scenarios measured after the matrix into the same report, comma-separated
-    /// (`concurrency`, `webtransport`); `--scenarios` with no value runs none, and so
-    /// does `--smoke` (CI smoke-tests each on its own).
-    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "concurrency,webtransport")]
+    /// (`concurrency`, `webtransport`, `connections`); `--scenarios` with no value runs
+    /// none, and so does `--smoke` (CI smoke-tests each on its own).
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "concurrency,webtransport,connections")]
     pub scenarios: Vec<measure::Scenario>,
     /// Also write the results as JSON to this file (they always go to target/bench/report.json).
     #[arg(long)]
@@ -149,5 +158,7 @@ fn main() -> Result<()> {
         Command::WtGet(args) => wtclient::run(&args),
         Command::Webtransport(args) => wtbench::run(&args),
         Command::Concurrency(args) => concurrency::run(&args),
+        Command::Connections(args) => connections::run(&args),
+        Command::Hold(args) => connections::hold(&args),
     }
 }

@@ -30,6 +30,7 @@ use webship_testkit::fixture::hex;
 
 use crate::clients::{Clients, Protocol};
 use crate::concurrency::ConcurrencyArgs;
+use crate::connections::ConnectionsArgs;
 use crate::proc::{
     clock_ticks_per_second, cpu_ticks, host_busy_ticks, major_faults, udp_socket_drops, Loss, RssWatch,
 };
@@ -96,6 +97,8 @@ pub enum Scenario {
     Concurrency,
     /// WebTransport streams and datagrams, directly and through HTTP/3 passthrough.
     Webtransport,
+    /// Idle and slow connections per mode, protocol and server: memory per connection.
+    Connections,
 }
 
 /// The servers of one mode: Webship first, then the peers that started. The
@@ -181,6 +184,7 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
         identity,
         workers: args.workers,
         dir: stage.scratch.path(),
+        hold: None,
     };
     let nginx_version = servers::nginx_version(&args.nginx);
 
@@ -228,7 +232,7 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
     let mut sets = vec![ModeServers {
         mode: Mode::Limit,
         servers: vec![
-            servers::start_origin(LIMIT_PLAIN, &args.nginx, root, &dir("limit-plain")?)?,
+            servers::start_origin(LIMIT_PLAIN, &args.nginx, root, &dir("limit-plain")?, None)?,
             servers::start_tls_source(
                 LIMIT_TLS,
                 &Settings {
@@ -248,6 +252,7 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 &args.nginx,
                 root,
                 &dir("origin-nginx")?,
+                None,
             )?),
             Mode::Passthrough => {
                 let origin_dir = dir("origin-webship")?;
@@ -537,6 +542,20 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 levels: vec![1, 16, 256],
                 workers: args.workers,
                 cache_dir: Some(cache.join("root")),
+            }),
+            Scenario::Connections => crate::connections::measure(&ConnectionsArgs {
+                webship: args.webship.clone(),
+                levels: vec![1000, 5000, 10_000, 50_000],
+                modes: args.modes.clone(),
+                protocols: ["h1", "h2", "h3"].map(String::from).to_vec(),
+                peers: args.peers.clone(),
+                slow: 200,
+                slow_rate: 4096,
+                mib: 16,
+                samples: 3,
+                workers: args.workers,
+                cache_dir: Some(cache.join("root")),
+                smoke: false,
             }),
             Scenario::Webtransport => crate::wtbench::measure(&WtBenchArgs {
                 webship: args.webship.clone(),

@@ -205,6 +205,26 @@ pub(crate) struct Settings<'a> {
     pub workers: u32,
     /// Per-server scratch space: configs, logs, pid and temp files.
     pub dir: &'a Path,
+    /// `Some(n)`: the server must hold `n` connections that send nothing for minutes
+    /// (the `connections` scenario): connection limits sized to fit them, idle and
+    /// first-request timeouts of [`HOLD_TIMEOUT_SECS`]. `None`: each server's own
+    /// defaults, as an operator would start it.
+    pub hold: Option<u32>,
+}
+
+/// The idle and first-request timeout of every server holding idle connections: far
+/// beyond one measurement (open, settle, timed downloads), so no server closes them
+/// while they are counted.
+pub(crate) const HOLD_TIMEOUT_SECS: u32 = 900;
+/// Connections a server holding idle ones allows beyond them: the timed downloads'.
+pub(crate) const HOLD_MARGIN: u32 = 200;
+
+impl Settings<'_> {
+    /// Connections a server must allow: what it holds plus room for the timed
+    /// downloads ([`HOLD_MARGIN`]); 1024 without `hold`.
+    fn connection_cap(&self) -> u32 {
+        self.hold.map_or(1024, |n| n + HOLD_MARGIN)
+    }
 }
 
 /// One Webship instance: h1, h2 and h3 (UDP, same port), plus `[runtime.settings]`.
@@ -257,9 +277,14 @@ pub(crate) fn start_webship_proxy(
         "[reverse_proxy]\nenabled = true\ntls_termination = true\n\n\
          [reverse_proxy.tls]\ncert = {cert:?}\nkey = {key:?}\n\n\
          [[reverse_proxy.routes]]\ndomain = \"localhost\"\npath_prefix = \"/\"\n\
-         upstreams = [\"127.0.0.1:{origin_port}\"]\n",
+         upstreams = [\"127.0.0.1:{origin_port}\"]\n{per_upstream}",
         cert = s.identity.cert,
         key = s.identity.key,
+        // Holding many slow downloads: one upstream connection each, like the peers.
+        per_upstream = s
+            .hold
+            .map(|_| format!("max_connections_per_upstream = {}\n", s.connection_cap()))
+            .unwrap_or_default(),
     );
     let mut server = launch_webship(spec, s, &serve)?;
     server.host = "localhost";
@@ -283,9 +308,15 @@ pub(crate) fn start_webship_passthrough(
     };
     let serve = format!(
         "[reverse_proxy]\nenabled = true\ntls_termination = false\npassthrough_engine = {engine:?}\n\
-         udp_upstream = \"127.0.0.1:{origin_port}\"\nudp_engine = {udp_engine:?}\n\n\
+         udp_upstream = \"127.0.0.1:{origin_port}\"\nudp_engine = {udp_engine:?}\n\
+         passthrough_idle_timeout_secs = {HOLD_TIMEOUT_SECS}\n{flows}\n\
          [[reverse_proxy.routes]]\ndomain = \"localhost\"\n\
          upstreams = [\"127.0.0.1:{origin_port}\"]\n",
+        // The idle h3 connections come from a few client sockets on one address.
+        flows = s
+            .hold
+            .map(|_| format!("udp_max_flows_per_address = {}\n", s.connection_cap()))
+            .unwrap_or_default(),
     );
     let mut server = launch_webship(spec, s, &serve)?;
     server.host = "localhost";
@@ -326,6 +357,13 @@ fn webship_config(spec: &WebshipSpec<'_>, s: &Settings<'_>, port: u16, serve: &s
         workers = s.workers,
         ktls = spec.ktls,
     );
+    if s.hold.is_some() {
+        let _ = write!(
+            config,
+            "\n[limits]\nmax_connections = {}\nidle_timeout_secs = {HOLD_TIMEOUT_SECS}\n",
+            s.connection_cap()
+        );
+    }
     if !spec.runtime.is_empty() {
         config.push_str("\n[runtime.settings]\n");
         for (name, value) in &spec.runtime {
@@ -358,7 +396,7 @@ pub(crate) fn start_tls_source(name: &'static str, s: &Settings<'_>, file: &Path
 }
 
 pub(crate) fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
-    launch_nginx("nginx", binary, s.dir, s.workers, |port| {
+    launch_nginx("nginx", binary, s, |port| {
         let mut server = String::new();
         tls_server(&mut server, port, s)?;
         writeln!(server, "    root {};\n  }}", s.root.display())?;
@@ -368,8 +406,26 @@ pub(crate) fn start_nginx(binary: &Path, s: &Settings<'_>) -> Result<Server> {
 
 /// The proxies' origin: nginx serving `root` over plain HTTP on loopback, one
 /// worker, keep-alive connections reused for as long as the proxies like.
-pub(crate) fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: &Path) -> Result<Server> {
-    let mut origin = launch_nginx(name, binary, dir, 1, |port| {
+/// `hold`: as [`Settings::hold`], when the proxies in front hold that many slow downloads.
+pub(crate) fn start_origin(
+    name: &'static str,
+    binary: &Path,
+    root: &Path,
+    dir: &Path,
+    hold: Option<u32>,
+) -> Result<Server> {
+    let origin_settings = Settings {
+        root,
+        identity: &Identity {
+            cert: PathBuf::new(),
+            key: PathBuf::new(),
+            ca: PathBuf::new(),
+        },
+        workers: 1,
+        dir,
+        hold,
+    };
+    let mut origin = launch_nginx(name, binary, &origin_settings, |port| {
         let mut server = String::new();
         writeln!(server, "  keepalive_requests 100000;")?;
         writeln!(server, "  server {{\n    listen 127.0.0.1:{port};")?;
@@ -387,7 +443,7 @@ pub(crate) fn start_origin(name: &'static str, binary: &Path, root: &Path, dir: 
 /// the header); `proxy_max_temp_file_size 0`, so a response larger than the
 /// buffers is relayed synchronously through them and never spooled to disk.
 pub(crate) fn start_nginx_proxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
-    let mut nginx = launch_nginx("nginx", binary, s.dir, s.workers, |port| {
+    let mut nginx = launch_nginx("nginx", binary, s, |port| {
         let mut server = String::new();
         writeln!(
             server,
@@ -421,18 +477,26 @@ fn tls_server(conf: &mut String, port: u16, s: &Settings<'_>) -> Result<()> {
     Ok(())
 }
 
-/// Writes `nginx.conf` in `dir` around the `http` block's `servers(port)` and starts nginx.
+/// Writes `nginx.conf` in `s.dir` around the `http` block's `servers(port)` and starts nginx.
 fn launch_nginx(
     name: &'static str,
     binary: &Path,
-    dir: &Path,
-    workers: u32,
+    s: &Settings<'_>,
     mut servers: impl FnMut(u16) -> Result<String>,
 ) -> Result<Server> {
+    let dir = s.dir;
     spawn(name, dir.join("nginx.log"), None, |port| {
         let shown = dir.display();
-        let mut conf = nginx_main(dir, workers, 64)?;
+        let connections = if s.hold.is_some() { s.connection_cap() } else { 64 };
+        let mut conf = nginx_main(dir, s.workers, connections)?;
         writeln!(conf, "http {{")?;
+        if s.hold.is_some() {
+            // Before the first request (h1), between requests and with no stream (h2).
+            writeln!(
+                conf,
+                "  client_header_timeout {HOLD_TIMEOUT_SECS}s;\n  keepalive_timeout {HOLD_TIMEOUT_SECS}s;"
+            )?;
+        }
         writeln!(
             conf,
             "  access_log off;\n  default_type application/octet-stream;"
@@ -455,12 +519,16 @@ fn with_config(binary: &Path, path: PathBuf, conf: &str, args: &[&str]) -> Resul
     Ok(command)
 }
 
-/// The `global` and `defaults` sections of both HAProxy setups: `workers` threads,
-/// 64k buffers, `mode` (tcp or http) and the same timeouts.
-fn haproxy_head(workers: u32, mode: &str, global: &str) -> String {
+/// The `global` and `defaults` sections of both HAProxy setups: `s.workers` threads,
+/// 64k buffers, `mode` (tcp or http) and the same timeouts (longer when holding idle
+/// connections; HAProxy sizes its open-file limit from `maxconn`).
+fn haproxy_head(s: &Settings<'_>, mode: &str, global: &str) -> String {
+    let (workers, maxconn) = (s.workers, s.connection_cap());
+    let client = s.hold.map_or(150, |_| HOLD_TIMEOUT_SECS);
     format!(
-        "global\n  nbthread {workers}\n  maxconn 1024\n  tune.bufsize 65536\n{global}\
-         defaults\n  mode {mode}\n  timeout connect 5s\n  timeout client 150s\n  timeout server 150s\n"
+        "global\n  nbthread {workers}\n  maxconn {maxconn}\n  tune.bufsize 65536\n{global}\
+         defaults\n  mode {mode}\n  maxconn {maxconn}\n  timeout connect 5s\n  timeout client {client}s\n  \
+         timeout server {client}s\n  timeout http-request {client}s\n  timeout http-keep-alive {client}s\n"
     )
 }
 
@@ -473,6 +541,8 @@ fn nginx_main(dir: &Path, workers: u32, connections: u32) -> Result<String> {
         conf,
         "daemon off;\nmaster_process on;\nworker_processes {workers};"
     )?;
+    // Two descriptors per passthrough connection, and a margin for files and logs.
+    writeln!(conf, "worker_rlimit_nofile {};", 2 * connections + 256)?;
     writeln!(conf, "pid {}/nginx.pid;\nerror_log stderr warn;", dir.display())?;
     writeln!(conf, "events {{ worker_connections {connections}; }}")?;
     Ok(conf)
@@ -503,7 +573,8 @@ pub(crate) const NGINX_STREAM_MODULE: &str = "/usr/lib/nginx/modules/ngx_stream_
 pub(crate) fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
     let mut server = spawn("nginx", s.dir.join("nginx.log"), None, |port| {
         let mut conf = format!("load_module {NGINX_STREAM_MODULE};\n");
-        conf.push_str(&nginx_main(s.dir, s.workers, 1024)?);
+        // Two connections per tunnel: the client's and the upstream's.
+        conf.push_str(&nginx_main(s.dir, s.workers, 2 * s.connection_cap())?);
         writeln!(conf, "stream {{")?;
         writeln!(
             conf,
@@ -512,7 +583,8 @@ pub(crate) fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_po
         writeln!(
             conf,
             "  server {{\n    listen 127.0.0.1:{port};\n    ssl_preread on;\n    proxy_pass $origin;\n    \
-             proxy_buffer_size 256k;\n  }}"
+             proxy_buffer_size 256k;\n    proxy_timeout {}s;\n  }}",
+            s.hold.map_or(600, |_| HOLD_TIMEOUT_SECS)
         )?;
         writeln!(
             conf,
@@ -530,7 +602,7 @@ pub(crate) fn start_nginx_passthrough(binary: &Path, s: &Settings<'_>, origin_po
 /// `req.ssl_sni`, as its documentation describes; one thread, 64k buffers.
 pub(crate) fn start_haproxy_passthrough(binary: &Path, s: &Settings<'_>, origin_port: u16) -> Result<Server> {
     let mut server = spawn(HAPROXY, s.dir.join("haproxy.log"), None, |port| {
-        let mut conf = haproxy_head(s.workers, "tcp", "");
+        let mut conf = haproxy_head(s, "tcp", "");
         writeln!(
             conf,
             "frontend fe\n  bind 127.0.0.1:{port}\n  tcp-request inspect-delay 5s\n  \
@@ -597,11 +669,7 @@ pub(crate) fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -
         let mut both = fs::read_to_string(&s.identity.cert)?;
         both.push_str(&fs::read_to_string(&s.identity.key)?);
         fs::write(&pem, both)?;
-        let mut conf = haproxy_head(
-            s.workers,
-            "http",
-            "  ssl-default-bind-options ssl-min-ver TLSv1.3\n",
-        );
+        let mut conf = haproxy_head(s, "http", "  ssl-default-bind-options ssl-min-ver TLSv1.3\n");
         writeln!(
             conf,
             "frontend fe\n  bind 127.0.0.1:{port} ssl crt {} alpn h2,http/1.1\n  default_backend origin",
@@ -633,7 +701,8 @@ pub(crate) fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u
             writeln!(
                 conf,
                 "{{\n  admin off\n  auto_https disable_redirects\n  storage file_system {dir}/data\n  \
-                 servers {{\n    protocols h1 h2 h3\n  }}\n}}"
+                 servers {{\n    protocols h1 h2 h3\n    timeouts {{\n      idle {idle}s\n    }}\n  }}\n}}",
+                idle = s.hold.map_or(300, |_| HOLD_TIMEOUT_SECS)
             )?;
             writeln!(conf, ":{port} {{\n  bind 127.0.0.1")?;
             writeln!(
@@ -675,6 +744,13 @@ pub(crate) fn start_h2o(binary: &Path, s: &Settings<'_>, origin_port: Option<u16
         // Started as root, h2o drops to `nobody` unless told otherwise, and could then
         // not read the scratch directory.
         writeln!(conf, "user: root\nnum-threads: {}", s.workers)?;
+        writeln!(conf, "max-connections: {}", s.connection_cap())?;
+        if s.hold.is_some() {
+            writeln!(
+                conf,
+                "http1-request-timeout: {HOLD_TIMEOUT_SECS}\nhttp2-idle-timeout: {HOLD_TIMEOUT_SECS}"
+            )?;
+        }
         // Responses bigger than its buffer go to mmap'ed temporary files (the proxy's
         // case here): on a disk-backed /tmp every sample then takes major page faults.
         if Path::new("/dev/shm").is_dir() {

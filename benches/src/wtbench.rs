@@ -81,6 +81,7 @@ pub(crate) fn measure(args: &WtBenchArgs) -> Result<Section> {
         identity,
         workers: args.workers,
         dir: d,
+        hold: None,
     };
     let origin = servers::start_webship_webtransport(&spec("webship"), &settings(&origin_dir))?;
     let mut targets: Vec<(&str, Option<Server>)> = vec![("direct", None)];

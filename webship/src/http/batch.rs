@@ -44,11 +44,20 @@ pub(crate) struct WriteBatch<S> {
     wrote_since_flush: bool,
 }
 
+/// A drain smaller than this (a PING, SETTINGS or WINDOW_UPDATE, the tail of a
+/// response) gives a buffer larger than [`KEEP`] back: the connection is not
+/// streaming, and an idle one should hold no batch.
+const SMALL_DRAIN: usize = 1024;
+/// What a buffer may keep between small drains.
+const KEEP: usize = 4 * 1024;
+
 impl<S> WriteBatch<S> {
+    /// The buffer grows to `capacity` on first use (it was allocated whole up front:
+    /// 128 KiB of address space and a mapping per connection, idle or not).
     pub(crate) fn new(inner: S, capacity: usize) -> Self {
         Self {
             inner,
-            buf: Vec::with_capacity(capacity),
+            buf: Vec::new(),
             written: 0,
             capacity,
             wrote_since_flush: false,
@@ -70,6 +79,9 @@ impl<S: AsyncWrite + Unpin> WriteBatch<S> {
             self.written += n;
         }
         WRITES.observe(self.buf.len() as u64);
+        if self.written < SMALL_DRAIN && self.buf.capacity() > KEEP {
+            self.buf = Vec::new();
+        }
         self.buf.clear();
         self.written = 0;
         Poll::Ready(Ok(()))

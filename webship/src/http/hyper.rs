@@ -66,7 +66,14 @@ const PREFACE_BYTES: u64 = 24 + 9;
 
 /// Serves one HTTP/2 connection until the client closes it, it idles out, or
 /// shutdown is requested (then GOAWAY and the open streams finish).
-pub(crate) async fn serve_h2(mut stream: RustlsStream, ctx: ConnContext) -> Result<(), HyperError> {
+///
+/// The setup runs before the future is made: the future holds the connection and
+/// what drives it, not the builder and a second copy of the stream argument
+/// (the same for `serve_h1`).
+pub(crate) fn serve_h2(
+    mut stream: RustlsStream,
+    ctx: ConnContext,
+) -> impl Future<Output = Result<(), HyperError>> {
     // HTTP/2 never moves to kernel TLS: let rustls read whole socket buffers.
     stream.get_mut().0.unbound();
     let settings = ctx.h2;
@@ -96,18 +103,23 @@ pub(crate) async fn serve_h2(mut stream: RustlsStream, ctx: ConnContext) -> Resu
     let guard = H2Guard::new(io, guarded);
     let head = guard.head_clock();
     let conn = builder.serve_connection(TokioIo::new(guard), service(&ctx, &watch));
-    tokio::pin!(conn);
-    let h2 = H2Watch {
-        preface: &read,
-        head: &head,
-    };
-    drive(conn, |c| c.graceful_shutdown(), &watch, Some(h2), &ctx).await
+    async move {
+        tokio::pin!(conn);
+        let h2 = H2Watch {
+            preface: &read,
+            head: &head,
+        };
+        drive(conn, |c| c.graceful_shutdown(), &watch, Some(h2), &ctx).await
+    }
 }
 
 /// Serves HTTP/1.1 through hyper, for connections whose certificate names a proxy
 /// site: hyper streams request bodies (chunked or sized) and relays trailers, which
 /// the file-serving driver does not need to.
-pub(crate) async fn serve_h1(mut stream: RustlsStream, ctx: ConnContext) -> Result<(), HyperError> {
+pub(crate) fn serve_h1(
+    mut stream: RustlsStream,
+    ctx: ConnContext,
+) -> impl Future<Output = Result<(), HyperError>> {
     stream.get_mut().0.unbound();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
@@ -116,8 +128,10 @@ pub(crate) async fn serve_h1(mut stream: RustlsStream, ctx: ConnContext) -> Resu
         .max_buf_size(ctx.limits.max_header_bytes.max(8192));
     let watch = Watch::new();
     let conn = builder.serve_connection(TokioIo::new(stream), service(&ctx, &watch));
-    tokio::pin!(conn);
-    drive(conn, |c| c.graceful_shutdown(), &watch, None, &ctx).await
+    async move {
+        tokio::pin!(conn);
+        drive(conn, |c| c.graceful_shutdown(), &watch, None, &ctx).await
+    }
 }
 
 /// What [`drive`] watches of a connection's requests: how many are in flight, and

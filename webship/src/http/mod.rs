@@ -11,6 +11,9 @@ mod h1;
 mod h2_guard;
 mod hyper;
 
+use std::future::Future;
+use std::pin::Pin;
+
 use crate::exchange::ConnContext;
 use crate::metrics::Close;
 use crate::tls::{Accepted, Alpn};
@@ -63,12 +66,26 @@ impl ConnError {
     }
 }
 
-/// Serves one accepted connection until it ends.
-pub(crate) async fn serve(accepted: Accepted, ctx: ConnContext) -> Result<(), ConnError> {
+/// The future of one connection's driver, boxed at its own size.
+pub(crate) type Serving = Pin<Box<dyn Future<Output = Result<(), ConnError>> + Send>>;
+
+/// Serves one accepted connection until it ends. The driver's future is boxed on
+/// its own: a connection holds the memory of its driver, not of the largest of
+/// them, and no wrapper holds the accepted stream a second time.
+pub(crate) fn serve(accepted: Accepted, ctx: ConnContext) -> Serving {
     match accepted.alpn {
-        Alpn::H1 if ctx.service.is_proxy(accepted.site) => Ok(hyper::serve_h1(accepted.stream, ctx).await?),
-        Alpn::H1 => Ok(h1::serve(accepted.stream, ctx).await?),
-        Alpn::H2 => Ok(hyper::serve_h2(accepted.stream, ctx).await?),
+        Alpn::H1 if ctx.service.is_proxy(accepted.site) => {
+            let driver = hyper::serve_h1(accepted.stream, ctx);
+            Box::pin(async move { Ok(driver.await?) })
+        }
+        Alpn::H1 => {
+            let driver = h1::serve(accepted.stream, ctx);
+            Box::pin(async move { Ok(driver.await?) })
+        }
+        Alpn::H2 => {
+            let driver = hyper::serve_h2(accepted.stream, ctx);
+            Box::pin(async move { Ok(driver.await?) })
+        }
     }
 }
 

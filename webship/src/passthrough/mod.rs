@@ -298,6 +298,13 @@ async fn copy(client: &TcpStream, upstream: &TcpStream) -> std::io::Result<()> {
 /// Copies what `from` receives to `to` through a buffer of `buffer` bytes until
 /// `limit` bytes have moved (`true`) or `from` ends first (`false`, and `to` is
 /// half-closed). An error (a reset on either side) ends it.
+///
+/// A connection at rest holds no buffer (every idle one held both directions': 62
+/// KiB of RSS per idle connection on the `auto` engine, 45 on `copy`, measured by
+/// the `connections` bench). A [`SMALL_READ`] buffer is allocated when the socket is
+/// readable and given back after a read smaller than it (a handshake flight, an
+/// interactive message) or a read that finds nothing; a read that fills it moves the
+/// direction to the full `buffer`, which bulk reads keep.
 async fn copy_one_way(
     from: &TcpStream,
     to: &TcpStream,
@@ -306,17 +313,27 @@ async fn copy_one_way(
     limit: u64,
 ) -> std::io::Result<bool> {
     use std::io::ErrorKind::{WouldBlock, WriteZero};
-    let mut buf = vec![0u8; buffer];
+    let mut buf = Vec::new();
     let mut moved = 0u64;
     while moved < limit {
         from.readable().await?;
+        let fresh = buf.is_empty();
+        if fresh {
+            buf = vec![0u8; SMALL_READ.min(buffer)];
+        }
         let n = match from.try_read(&mut buf) {
             Ok(0) => {
                 let _ = socket2::SockRef::from(to).shutdown(std::net::Shutdown::Write);
                 return Ok(false);
             }
             Ok(n) => n,
-            Err(e) if e.kind() == WouldBlock => continue,
+            // Readiness left over from the last read: wait holding nothing again.
+            Err(e) if e.kind() == WouldBlock => {
+                if fresh {
+                    buf = Vec::new();
+                }
+                continue;
+            }
             Err(e) => return Err(e),
         };
         let mut data = &buf[..n];
@@ -331,9 +348,17 @@ async fn copy_one_way(
         }
         moved += n as u64;
         count(counter, n as u64);
+        if n == buf.len() && n < buffer {
+            buf = vec![0u8; buffer];
+        } else if n < SMALL_READ {
+            buf = Vec::new();
+        }
     }
     Ok(true)
 }
+
+/// A read below this leaves the copy engines' buffer given back (see `copy_one_way`).
+const SMALL_READ: usize = 16 * 1024;
 
 /// The engine to run for `configured`. `auto` stays itself: each direction copies
 /// its first [`splice::ADAPTIVE_COPY_BYTES`], then splices — chosen by measurement

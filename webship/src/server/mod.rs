@@ -515,6 +515,11 @@ async fn drain(permits: &Semaphore, limit: usize, grace: std::time::Duration) {
     }
 }
 
+/// One accepted connection, from the PROXY header to its end. Each stage is boxed:
+/// a task is allocated at the size of its largest state, so without the boxes every
+/// idle connection carried the largest of them all (13.4 KiB measured with heaptrack,
+/// the biggest allocation of an idle HTTP/1.1 connection); boxed, a stage's memory
+/// is held only while that stage runs, and only its own.
 async fn connection(
     tcp: TcpStream,
     peer: SocketAddr,
@@ -526,20 +531,26 @@ async fn connection(
     let handshake_timeout = drivers.limits.handshake_timeout;
     // Before anything else reads: a load balancer's PROXY header names the client.
     let listed = &drivers.accept_proxy_protocol;
-    let Some(ends) = crate::proxy_protocol::accept::accept(&tcp, peer, listed, handshake_timeout).await
+    let Some(ends) = Box::pin(crate::proxy_protocol::accept::accept(
+        &tcp,
+        peer,
+        listed,
+        handshake_timeout,
+    ))
+    .await
     else {
         return tracked.close(Protocol::None, Close::ProxyHeader);
     };
     let peer = ends.client;
     if let Some(pt) = &generation.passthrough {
-        match pt.decide(&tcp, handshake_timeout).await {
+        match Box::pin(pt.decide(&tcp, handshake_timeout)).await {
             Decision::Forward(route) => {
                 if let Some(slots) = &generation.tcp {
                     slots.tag_route(tcp.as_fd(), route);
                 }
                 // Its ends are counted by reason in the passthrough counters.
                 tracked.close(Protocol::Passthrough, Close::Closed);
-                return pt.forward(route, tcp, ends).await;
+                return Box::pin(pt.forward(route, tcp, ends)).await;
             }
             Decision::Close(reason) => {
                 tracked.close(Protocol::None, Close::NoRoute);
@@ -551,7 +562,7 @@ async fn connection(
     if acceptor.is_empty() {
         return tracked.close(Protocol::None, Close::NoRoute);
     }
-    let accepted = match acceptor.accept(tcp, handshake_timeout).await {
+    let accepted = match Box::pin(acceptor.accept(tcp, handshake_timeout)).await {
         Ok(a) => a,
         Err(e) => {
             let reason = match e {

@@ -177,8 +177,6 @@ pub(crate) struct H2Guard<S> {
     limits: GuardLimits,
     /// Input not yet judged: at most one frame header plus one non-DATA payload.
     raw: Vec<u8>,
-    /// Where input is read into before it is judged.
-    scratch: Vec<u8>,
     /// Judged input hyper has not read yet.
     ready: Vec<u8>,
     ready_at: usize,
@@ -242,7 +240,6 @@ impl<S> H2Guard<S> {
             inner,
             limits,
             raw: Vec::new(),
-            scratch: Vec::new(),
             ready: Vec::new(),
             ready_at: 0,
             preface_left: PREFACE.len(),
@@ -397,12 +394,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for H2Guard<S> {
                 return Poll::Pending;
             }
             // Read as much as hyper asked for, so h2 sees the reads it would
-            // without the guard (one buffer per connection, zeroed once).
-            let want = buf.remaining().clamp(8 * 1024, MAX_READ);
-            if this.scratch.len() < want {
-                this.scratch.resize(want, 0);
+            // without the guard, into hyper's own buffer: the bytes are copied out to
+            // be judged and only the judged ones are handed back (below, next turn).
+            // A buffer of the guard's own was 8 KiB kept by every idle connection.
+            let want = buf.remaining().min(MAX_READ);
+            if want == 0 {
+                return Poll::Ready(Ok(()));
             }
-            let mut read = ReadBuf::new(&mut this.scratch[..want]);
+            let mut read = ReadBuf::new(buf.initialize_unfilled_to(want));
             if Pin::new(&mut this.inner).poll_read(cx, &mut read)?.is_pending() {
                 // Nothing more comes: the open head's timer wakes this read.
                 if this.poll_head_timer(cx).is_ready() {
