@@ -255,6 +255,58 @@ async fn json_lines_name_the_upstream_and_its_time() {
     assert_eq!(failed["upstream_ms"], Value::Null, "{failed}");
 }
 
+/// A client that gives up while the proxy still waits for its upstream's head (an
+/// h2 connection dropped: hyper drops the service's future) is logged once, as
+/// nginx logs it: status 499, and here the outcome `client_gone`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_before_the_upstream_answers_is_logged() {
+    let env = Env::new();
+    // Connections complete in the kernel's backlog; nothing ever answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (cert, key) = env.leaf("proxy", &["silent.test"]);
+    let server = Server::start(
+        env.dir.path(),
+        &format!(
+            "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n[reverse_proxy]\nenabled = true\n\
+             [reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
+             [[reverse_proxy.routes]]\ndomain = \"silent.test\"\nupstreams = [\"{}\"]\n",
+            cert.display(),
+            key.display(),
+            silent.local_addr().unwrap()
+        ),
+    );
+    let client = env.pki.client(&[Proto::H2.alpn()]).unwrap();
+    let fetch = webship_tests::client::fetch(
+        Proto::H2,
+        server.addr(),
+        "silent.test",
+        client,
+        "GET",
+        "/wait",
+        &[],
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), fetch)
+            .await
+            .is_err(),
+        "the silent upstream answered"
+    );
+    let path = server.access_log_path().unwrap().to_owned();
+    let read = || check_access_log(&path).unwrap();
+    assert!(eventually(WAIT, || read().len() == 1), "one line: {:?}", read());
+    let line = &read()[0];
+    assert_eq!(line["status"], 499, "{line}");
+    assert_eq!(line["outcome"], "client_gone", "{line}");
+    assert_eq!(line["protocol"], "h2", "{line}");
+    assert_eq!(line["path"], "/wait", "{line}");
+    assert_eq!(line["bytes"], 0, "{line}");
+    assert!(
+        line["duration_ms"].as_f64().is_some_and(|ms| ms >= 400.0),
+        "{line}"
+    );
+    drop(silent);
+}
+
 /// logrotate's move-and-signal: lines written before the move stay in the moved
 /// file, lines after SIGUSR1 go to a new file at the path, none lost or doubled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -167,9 +167,11 @@ impl ConnContext {
     /// the exchange's record, which the driver puts in the response body it sends
     /// ([`ResponseBody::recorded`]) so it is reported when that body ends.
     pub(crate) async fn handle(&self, head: &RequestHead<'_>, body: StreamBody) -> (Response, Record) {
-        let start = record::Start::now();
+        // Begun before the service is called: its time is the exchange's, and a client
+        // that leaves while it runs is still reported (see `record::Pending`).
+        let pending = Record::begin(self, head, record::Start::now());
         let (mut resp, route) = self.service.handle(head, body).await;
-        let mut record = Record::new(self, head, start, route, resp.status.as_u16());
+        let mut record = pending.answered(route, resp.status.as_u16());
         record.list_if_large(head, &resp);
         stamp(&mut resp);
         (resp, record)

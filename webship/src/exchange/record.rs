@@ -100,6 +100,69 @@ impl Start {
     }
 }
 
+/// An exchange the service has not answered yet. If the client goes first (its
+/// stream reset, its connection closed: the driver drops the service's future, and
+/// with it this), the exchange is still reported once, as nginx logs it: status 499
+/// ("client closed request"), outcome `client_gone`, no site (the router's answer
+/// never came), nothing sent.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    /// `Some` until answered (which consumes the `Pending`) or dropped.
+    parts: Option<Parts>,
+}
+
+#[derive(Debug)]
+struct Parts {
+    ctx: ConnContext,
+    proto: Proto,
+    start: Start,
+    line: Option<Box<RequestLine>>,
+}
+
+/// The status an exchange is logged with when its client left before the answer.
+const CLIENT_CLOSED: u16 = 499;
+
+impl Parts {
+    fn into_record(self, route: Route, status: u16) -> Record {
+        self.ctx
+            .metrics
+            .site(route.site)
+            .begin(self.proto as usize, route.mode.index());
+        Record {
+            ctx: self.ctx,
+            proto: self.proto,
+            route,
+            status,
+            began: self.start.began,
+            time: self.start.time,
+            first_pull: None,
+            ktls: false,
+            line: self.line,
+            transfer: None,
+        }
+    }
+}
+
+impl Pending {
+    /// The service answered with `status` through `route`: the record the response
+    /// body carries from here.
+    pub(crate) fn answered(mut self, route: Route, status: u16) -> Record {
+        // Always `Some` here: only this (which consumes `self`) and `drop` take it.
+        let parts = self.parts.take().expect("a pending exchange is answered once");
+        parts.into_record(route, status)
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if let Some(parts) = self.parts.take() {
+            parts
+                .into_record(Route::REFUSED, CLIENT_CLOSED)
+                .finish(0, Outcome::ClientGone);
+        }
+    }
+}
+
 /// A finished exchange: what the access log and the metrics read.
 #[derive(Debug)]
 pub(crate) struct Finished<'a> {
@@ -126,7 +189,8 @@ pub(crate) struct Finished<'a> {
 }
 
 impl Record {
-    /// The record of `head`'s exchange, answered with `status` by `route`.
+    /// The record of `head`'s exchange, begun at `start` and answered with `status`
+    /// by `route`.
     pub(crate) fn new(
         ctx: &ConnContext,
         head: &RequestHead<'_>,
@@ -134,10 +198,11 @@ impl Record {
         route: Route,
         status: u16,
     ) -> Self {
-        let proto = Proto::of(head.version);
-        ctx.metrics
-            .site(route.site)
-            .begin(proto as usize, route.mode.index());
+        Self::begin(ctx, head, start).answered(route, status)
+    }
+
+    /// An exchange whose request the service is about to answer (see [`Pending`]).
+    pub(crate) fn begin(ctx: &ConnContext, head: &RequestHead<'_>, start: Start) -> Pending {
         let line = ctx.access.is_some().then(|| {
             let header = |name| head.headers.get(name).cloned();
             Box::new(RequestLine {
@@ -148,17 +213,13 @@ impl Record {
                 user_agent: header(http::header::USER_AGENT),
             })
         });
-        Self {
-            ctx: ctx.clone(),
-            proto,
-            route,
-            status,
-            began: start.began,
-            time: start.time,
-            first_pull: None,
-            ktls: false,
-            line,
-            transfer: None,
+        Pending {
+            parts: Some(Parts {
+                ctx: ctx.clone(),
+                proto: Proto::of(head.version),
+                start,
+                line,
+            }),
         }
     }
 
