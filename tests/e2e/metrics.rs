@@ -17,6 +17,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
 use webship_tests::client::{fetch, Proto};
 use webship_tests::nginx::Nginx;
 use webship_tests::prometheus::Prometheus;
@@ -59,6 +60,21 @@ fn admin_get(addr: SocketAddr, path: &str, headers: &[&str]) -> (u16, String) {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
     (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+/// Starts an HTTP/1.1 download of `/big.bin` from `addr` and reads only the first
+/// bytes of its answer: the connection stays busy (a drain waits for it). The
+/// connection, and what was read.
+async fn held_download(env: &Env, addr: SocketAddr) -> (TlsStream<TcpStream>, [u8; 64]) {
+    let mut tls = webship_tests::client::connect(addr, HOST, env.client(b"http/1.1"))
+        .await
+        .unwrap();
+    tls.write_all(format!("GET /big.bin HTTP/1.1\r\nHost: {HOST}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut head = [0u8; 64];
+    let _ = tls.read(&mut head).await.unwrap();
+    (tls, head)
 }
 
 fn loopback(port: u16) -> SocketAddr {
@@ -350,14 +366,7 @@ async fn readyz_turns_unready_in_the_drain_and_the_control_socket_answers_metric
     );
 
     // A download the client does not read keeps the drain going.
-    let mut tls = webship_tests::client::connect(server.addr(), HOST, env.client(b"http/1.1"))
-        .await
-        .unwrap();
-    tls.write_all(format!("GET /big.bin HTTP/1.1\r\nHost: {HOST}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut head = [0u8; 64];
-    let _ = tls.read(&mut head).await.unwrap();
+    let (tls, head) = held_download(&env, server.addr()).await;
     assert!(head.starts_with(b"HTTP/1.1 200"));
     server.terminate();
     let unready = eventually(Duration::from_secs(5), || {
@@ -456,14 +465,7 @@ async fn after_a_takeover_the_new_process_answers_on_the_admin_address() {
     );
     let mut old = env.start(&extra);
     // A download the client does not read keeps the old process draining.
-    let mut tls = webship_tests::client::connect(old.addr(), HOST, env.client(b"http/1.1"))
-        .await
-        .unwrap();
-    tls.write_all(format!("GET /big.bin HTTP/1.1\r\nHost: {HOST}\r\n\r\n").as_bytes())
-        .await
-        .unwrap();
-    let mut head = [0u8; 64];
-    let _ = tls.read(&mut head).await.unwrap();
+    let (tls, _head) = held_download(&env, old.addr()).await;
     let (_, before) = admin_get(admin, "/metrics", &[]);
     assert!(
         before.contains("webship_http_requests_total{site=\"files.test\",proto=\"h1\",mode=\"files\"} 1\n"),
