@@ -104,6 +104,29 @@ impl Collector for TcpHealth {
     }
 }
 
+/// The access log's lines dropped because its queue was full (the writer behind):
+/// the table's counter, beside the rate-limited warning.
+pub(super) struct AccessLog {
+    sink: Arc<crate::exchange::access::Sink>,
+}
+
+impl AccessLog {
+    pub(super) fn new(sink: Arc<crate::exchange::access::Sink>) -> Self {
+        Self { sink }
+    }
+}
+
+impl Collector for AccessLog {
+    fn collect(&self, out: &mut Encoder) {
+        out.family(
+            "webship_access_log_dropped_lines",
+            Kind::Counter,
+            "Access log lines dropped because the writer's queue was full.",
+        )
+        .sample(&[], self.sink.dropped());
+    }
+}
+
 /// The passthrough counters as metric families.
 pub(super) struct Passthrough {
     programs: Option<Arc<Programs>>,
@@ -251,6 +274,23 @@ impl Collector for Received {
 mod tests {
     use super::*;
     use crate::metrics::Format;
+
+    #[test]
+    fn dropped_access_lines_are_counted_and_documented() {
+        let (sink, _writer) = crate::exchange::access::Sink::open(None, 1).unwrap();
+        for _ in 0..3 {
+            sink.send(b"line\n".to_vec());
+        }
+        let registry = Registry::new();
+        registry.register(Box::new(AccessLog::new(sink)));
+        let text = registry.render(Format::Prometheus);
+        assert!(
+            text.contains("\nwebship_access_log_dropped_lines_total 2\n"),
+            "{text}"
+        );
+        let docs = include_str!("../../../docs/metrics.md");
+        assert!(docs.contains("`webship_access_log_dropped_lines_total`"));
+    }
 
     /// Every family the subsystem collectors write is in docs/metrics.md, in both
     /// formats' spelling of the name (`_total` on counters in Prometheus' text).

@@ -143,6 +143,7 @@ pub async fn run(
     let engine = plan.passthrough.is_some().then(|| plan.engine());
     collect::register_subsystems(&metrics, plan.programs(), engine);
     metrics.register(Box::new(collect::Received));
+    metrics.register(Box::new(collect::AccessLog::new(fixed.access.clone())));
     if let Some(programs) = &fixed.tcp_health {
         metrics.register(Box::new(collect::TcpHealth::new(programs.clone())));
     }
