@@ -42,6 +42,8 @@ pub(super) struct Fixed {
     pub(super) metrics: Arc<crate::metrics::Registry>,
     /// The large responses in flight (the control socket's `transfers`).
     pub(super) transfers: Arc<crate::exchange::Transfers>,
+    /// Certificate slots, session cache and ticket keys, kept across reloads.
+    pub(super) tls: Arc<crate::tls::Shared>,
 }
 
 /// TCP health's counter slots for this generation's sites and passthrough routes,

@@ -89,7 +89,7 @@ pub enum ServerError {
 /// error is the text both print.
 pub fn check_file(path: &std::path::Path) -> Result<Config, CheckError> {
     let config = reload::load(path)?;
-    reload::build(&config)?;
+    reload::check(&config)?;
     Ok(config)
 }
 
@@ -110,7 +110,8 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     // The runtime's threads wait for the switch; whatever fails first releases them.
     let guard = privilege.guard();
-    let stack = Stack::build(&config)?;
+    let tls = Arc::new(crate::tls::Shared::new()?);
+    let stack = Stack::build(&config, &tls)?;
     let mut inherited = match (takeover, &config.control_socket) {
         (true, Some(path)) => Some(handover::take(path, config.listen, &config.kernel.bpf_pin_dir).await?),
         (true, None) => return Err(HandoverError::NoControlSocket.into()),
@@ -137,6 +138,7 @@ pub async fn run(
         tcp_health: plan.watch_tcp()?,
         metrics: crate::metrics::Registry::new(),
         transfers: Arc::default(),
+        tls,
     };
     let metrics = fixed.metrics.clone();
     metrics.register(Box::new(collect::Passthrough::new(plan.programs())));
@@ -377,10 +379,10 @@ struct Stack {
 }
 
 impl Stack {
-    fn build(config: &Config) -> Result<Self, ServerError> {
+    fn build(config: &Config, tls: &crate::tls::Shared) -> Result<Self, ServerError> {
         let sites = SiteNames::new(config);
         Ok(Self {
-            acceptor: Acceptor::build(config, &sites)?,
+            acceptor: Acceptor::build(config, &sites, tls)?,
             service: Arc::new(Service::new(config, sites)?),
         })
     }

@@ -53,9 +53,15 @@ pub(super) fn load(path: &Path) -> Result<Config, CheckError> {
 
 /// Builds what `config` serves with: the account looked up, certificates and keys
 /// read, upstream TLS, the service (`webship check`'s second half).
-pub(super) fn build(config: &Config) -> Result<Stack, CheckError> {
+pub(super) fn build(config: &Config, tls: &crate::tls::Shared) -> Result<Stack, CheckError> {
     account(config)?;
-    Stack::build(config).map_err(|e| refused(config, &e))
+    Stack::build(config, tls).map_err(|e| refused(config, &e))
+}
+
+/// [`build`] with TLS state of its own (`webship check`: nothing is served).
+pub(super) fn check(config: &Config) -> Result<Stack, CheckError> {
+    let tls = crate::tls::Shared::new().map_err(|e| CheckError(format!("{}: {e}", config.source)))?;
+    build(config, &tls)
 }
 
 /// Looks up the service account the file names (whether or not it is the running one).
@@ -144,12 +150,13 @@ impl Reloader {
         let running = self.running.clone();
         let h3_bound = self.h3.is_some();
         let file = path.clone();
+        let tls = self.fixed.tls.clone();
         // Reading files and building TLS configurations blocks: off the reactors.
         let prepared = tokio::task::spawn_blocking(move || {
             let mut config = load(&file)?;
             account(&config)?;
             let notes = keep_running(&mut config, &running, h3_bound);
-            let stack = build(&config)?;
+            let stack = build(&config, &tls)?;
             Ok::<_, CheckError>((config, stack, notes))
         })
         .await;
@@ -172,7 +179,11 @@ impl Reloader {
         }
         let quic = generation.quic.clone();
         let sites = generation.config.sites.len();
+        let slots = generation.stack.acceptor.slot_keys().to_vec();
         self.current.swap(generation);
+        // Open connections keep the keys they shook hands with; the table forgets the
+        // slots no site serves from any more.
+        self.fixed.tls.certs.retain(&slots);
         self.fixed.metrics.set_generation(number);
         self.fixed.metrics.reloaded(true);
         if let Some(h3) = &self.h3 {

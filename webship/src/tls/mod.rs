@@ -6,13 +6,17 @@
 //! `[[sites]]` entry), like nginx's `default_server`. Routing by `Host` is then the
 //! service's job. Session resumption works across sites: all configs share one
 //! session cache and one ticket key.
+//!
+//! Certificates live in process-wide slots ([`certs`]) that outlive a configuration
+//! generation; the resolvers read the slot at each handshake, so a certificate can be
+//! replaced without rebuilding anything.
 
-use std::path::{Path, PathBuf};
+pub(crate) mod certs;
+
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use rustls::crypto::CryptoProvider;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::server::{ProducesTickets, ServerSessionMemoryCache};
 use rustls::ServerConfig;
 use tokio::net::TcpStream;
@@ -21,6 +25,7 @@ use tokio_rustls::LazyConfigAcceptor;
 use crate::config::{Config, Protocols, TlsSource};
 use crate::ktls::{RecordBounded, RustlsStream};
 use crate::names::NameTable;
+use certs::{CertSlot, Certificates, Origin, SlotKey};
 
 /// Session-cache entries shared by all sites (rustls keeps them in memory).
 const SESSION_CACHE_ENTRIES: usize = 4096;
@@ -101,6 +106,28 @@ pub(crate) struct Acceptor {
     protocols: Vec<Protocols>,
     sites: SiteNames,
     quic: Option<Arc<ServerConfig>>,
+    slots: Vec<SlotKey>,
+}
+
+/// What outlives a configuration generation: the certificate slots, the session
+/// cache and the ticket keys (so a reload neither re-keys nor forgets sessions).
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) provider: Arc<CryptoProvider>,
+    pub(crate) certs: Certificates,
+    pub(crate) cache: Arc<dyn rustls::server::StoresServerSessions>,
+    pub(crate) ticketer: Arc<dyn ProducesTickets>,
+}
+
+impl Shared {
+    pub(crate) fn new() -> Result<Self, TlsError> {
+        Ok(Self {
+            provider: Arc::new(provider()),
+            certs: Certificates::default(),
+            cache: ServerSessionMemoryCache::new(SESSION_CACHE_ENTRIES),
+            ticketer: rustls::crypto::aws_lc_rs::Ticketer::new()?,
+        })
+    }
 }
 
 /// A completed handshake.
@@ -125,52 +152,46 @@ impl Accepted {
 }
 
 impl Acceptor {
-    /// Loads every site's certificate and key (or generates the self-signed one) and
-    /// checks that each key matches its certificate.
-    pub(crate) fn build(config: &Config, sites: &SiteNames) -> Result<Self, TlsError> {
-        let provider = Arc::new(provider());
-        let cache = ServerSessionMemoryCache::new(SESSION_CACHE_ENTRIES);
-        let ticketer: Arc<dyn ProducesTickets> = rustls::crypto::aws_lc_rs::Ticketer::new()?;
+    /// Loads every site's certificate and key (or generates the self-signed one),
+    /// checks that each key matches its certificate, and installs them in `shared`'s
+    /// slots.
+    pub(crate) fn build(config: &Config, sites: &SiteNames, shared: &Shared) -> Result<Self, TlsError> {
+        let provider = shared.provider.clone();
         let mut configs = Vec::with_capacity(config.sites.len());
-        let mut quic_keys = Vec::with_capacity(config.sites.len());
+        let mut quic_slots = Vec::with_capacity(config.sites.len());
+        let mut keys = Vec::with_capacity(config.sites.len());
         for site in &config.sites {
-            let (chain, key) = match &site.tls {
-                TlsSource::Files { cert, key } => (load_chain(cert)?, load_key(key)?),
-                TlsSource::SelfSigned { names } => self_signed(names)?,
-            };
-            let signer = provider
-                .key_provider
-                .load_private_key(key)
-                .map_err(|e| match &site.tls {
-                    TlsSource::Files { key, .. } => TlsError::Key {
-                        path: key.clone(),
-                        reason: e.to_string(),
+            let domain = site.domain.to_string();
+            let (origin, certified) = match &site.tls {
+                TlsSource::Files { cert, key } => (
+                    Origin::Files {
+                        cert: cert.clone(),
+                        key: key.clone(),
                     },
-                    TlsSource::SelfSigned { .. } => TlsError::SelfSigned(e.to_string()),
-                })?;
-            let certified = rustls::sign::CertifiedKey::new(chain, signer);
-            if let (Err(_), TlsSource::Files { cert, key }) = (certified.keys_match(), &site.tls) {
-                return Err(TlsError::Mismatch {
-                    site: site.domain.to_string(),
-                    cert: cert.clone(),
-                    key: key.clone(),
-                });
-            }
-            let certified = Arc::new(certified);
-            quic_keys.push(site.protocols.h3.then(|| certified.clone()));
+                    certs::load_pair(&provider, &domain, cert, key)?,
+                ),
+                TlsSource::SelfSigned { names } => {
+                    (Origin::SelfSigned, certs::self_signed(&provider, names)?)
+                }
+            };
+            let key = SlotKey { site: domain, origin };
+            let slot = shared.certs.slot(key.clone());
+            slot.set(Arc::new(certified));
+            keys.push(key);
+            quic_slots.push(site.protocols.h3.then(|| slot.clone()));
             let mut server = ServerConfig::builder_with_provider(provider.clone())
                 .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
                 .with_no_client_auth()
-                .with_cert_resolver(Arc::new(FixedCert(certified)));
-            server.session_storage = cache.clone();
-            server.ticketer = ticketer.clone();
+                .with_cert_resolver(Arc::new(SiteCert(slot)));
+            server.session_storage = shared.cache.clone();
+            server.ticketer = shared.ticketer.clone();
             server.alpn_protocols = alpn_list(site.protocols);
             // kTLS promotion needs the traffic secrets; rustls only hands them over when
             // asked at configuration time.
             server.enable_secret_extraction = true;
             configs.push(Arc::new(server));
         }
-        let quic = if quic_keys.iter().any(Option::is_some) {
+        let quic = if quic_slots.iter().any(Option::is_some) {
             // QUIC carries TLS 1.3 only and one config per endpoint, so the site is
             // chosen by SNI inside the certificate resolver instead.
             let mut server = ServerConfig::builder_with_provider(provider)
@@ -178,10 +199,10 @@ impl Acceptor {
                 .with_no_client_auth()
                 .with_cert_resolver(Arc::new(SniResolver {
                     sites: sites.clone(),
-                    keys: quic_keys,
+                    slots: quic_slots,
                 }));
-            server.session_storage = cache;
-            server.ticketer = ticketer;
+            server.session_storage = shared.cache.clone();
+            server.ticketer = shared.ticketer.clone();
             server.alpn_protocols = vec![b"h3".to_vec()];
             server.max_early_data_size = 0;
             Some(Arc::new(server))
@@ -193,7 +214,14 @@ impl Acceptor {
             protocols: config.sites.iter().map(|s| s.protocols).collect(),
             sites: sites.clone(),
             quic,
+            slots: keys,
         })
+    }
+
+    /// The certificate slots this configuration serves from (for
+    /// [`Certificates::retain`] once it is current).
+    pub(crate) fn slot_keys(&self) -> &[SlotKey] {
+        &self.slots
     }
 
     /// Whether no site terminates TLS (a passthrough-only listener).
@@ -241,14 +269,14 @@ impl Acceptor {
     }
 }
 
-/// The site's certificate, whatever the ClientHello asks: the site was already chosen
-/// by SNI before this config was picked.
+/// The site's certificate as its slot holds it now, whatever the ClientHello asks: the
+/// site was already chosen by SNI before this config was picked.
 #[derive(Debug)]
-struct FixedCert(Arc<rustls::sign::CertifiedKey>);
+struct SiteCert(Arc<CertSlot>);
 
-impl rustls::server::ResolvesServerCert for FixedCert {
+impl rustls::server::ResolvesServerCert for SiteCert {
     fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
-        Some(self.0.clone())
+        self.0.get()
     }
 }
 
@@ -258,15 +286,15 @@ impl rustls::server::ResolvesServerCert for FixedCert {
 #[derive(Debug)]
 struct SniResolver {
     sites: SiteNames,
-    keys: Vec<Option<Arc<rustls::sign::CertifiedKey>>>,
+    slots: Vec<Option<Arc<CertSlot>>>,
 }
 
 impl rustls::server::ResolvesServerCert for SniResolver {
     fn resolve(&self, hello: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
-        self.keys
-            .get(self.sites.site_for(hello.server_name()))
-            .cloned()
-            .flatten()
+        self.slots
+            .get(self.sites.site_for(hello.server_name()))?
+            .as_ref()?
+            .get()
     }
 }
 
@@ -286,35 +314,4 @@ fn alpn_list(p: Protocols) -> Vec<Vec<u8>> {
         list.push(b"http/1.1".to_vec());
     }
     list
-}
-
-fn load_chain(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let err = |reason: String| TlsError::Cert {
-        path: path.to_owned(),
-        reason,
-    };
-    let chain = CertificateDer::pem_file_iter(path)
-        .map_err(|e| err(e.to_string()))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| err(e.to_string()))?;
-    if chain.is_empty() {
-        return Err(err("no CERTIFICATE block found".into()));
-    }
-    Ok(chain)
-}
-
-fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    PrivateKeyDer::from_pem_file(path).map_err(|e| TlsError::Key {
-        path: path.to_owned(),
-        reason: e.to_string(),
-    })
-}
-
-type Pair = (Vec<CertificateDer<'static>>, PrivateKeyDer<'static>);
-
-fn self_signed(names: &[String]) -> Result<Pair, TlsError> {
-    let generated = rcgen::generate_simple_self_signed(names.to_vec())
-        .map_err(|e| TlsError::SelfSigned(e.to_string()))?;
-    let key = PrivatePkcs8KeyDer::from(generated.key_pair.serialize_der());
-    Ok((vec![generated.cert.der().clone()], key.into()))
 }
