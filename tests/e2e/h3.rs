@@ -138,13 +138,19 @@ async fn cancelled_download_frees_the_stream_and_the_connection_lives_on() {
     }
     let got = h3.fetch("GET", "/small.txt", &[]).await;
     assert_eq!(got.body, b"small");
+    // The server learns of each cancellation from the client's STOP_SENDING, which
+    // waits in its receive queue behind the datagrams of a connection it is still
+    // filling: seconds on a loaded 2-core host (1.9 s measured under six parallel
+    // builds). 20 s stays well inside the 60 s send timeout, so a server that ignored
+    // STOP_SENDING and ended the streams by timeout still fails here.
     assert!(
-        eventually(Duration::from_secs(5), || server
+        eventually(Duration::from_secs(20), || server
             .log()
-            .matches("h3: response not completed")
+            .lines()
+            .filter(|l| l.contains("h3: response not completed") && l.contains("Remote reset"))
             .count()
             == 3),
-        "the server did not stop the three cancelled responses:\n{}",
+        "the server did not stop the three cancelled responses on the client's STOP_SENDING:\n{}",
         server.log()
     );
     assert_rss_within(&server, base, 24);
