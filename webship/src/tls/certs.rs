@@ -330,4 +330,36 @@ mod tests {
         table.retain(&[key("a.test")]);
         assert!(Arc::ptr_eq(&table.slot(key("a.test")), &a));
     }
+
+    #[test]
+    fn a_staple_follows_its_leaf_and_the_site_setting() {
+        let provider = super::super::provider();
+        let slot = CertSlot::default();
+        let first = Arc::new(self_signed(&provider, &["a.test".into()]).unwrap());
+        let leaf = first.cert[0].clone();
+        assert!(!slot.staple(&leaf, Some(b"r1".to_vec()), StapleState::Good), "an empty slot takes no staple");
+        slot.set(first.clone());
+        assert!(slot.staple(&leaf, Some(b"r1".to_vec()), StapleState::Good));
+        assert_eq!(slot.get().unwrap().ocsp.as_deref(), Some(&b"r1"[..]));
+        assert_eq!(slot.staple_state(), StapleState::Good);
+        // The same certificate set again (a reload of unchanged files) keeps it.
+        slot.set(first.clone());
+        assert_eq!(slot.get().unwrap().ocsp.as_deref(), Some(&b"r1"[..]));
+        // A renewed certificate drops it, and an answer for the old leaf is ignored.
+        slot.set(Arc::new(self_signed(&provider, &["a.test".into()]).unwrap()));
+        assert!(slot.get().unwrap().ocsp.is_none());
+        assert_eq!(slot.staple_state(), StapleState::None);
+        assert!(!slot.staple(&leaf, Some(b"r2".to_vec()), StapleState::Good));
+        assert!(slot.get().unwrap().ocsp.is_none());
+        // Revoked: recorded, nothing stapled; stapling off takes a staple off.
+        let now = slot.get().unwrap().cert[0].clone();
+        assert!(slot.staple(&now, None, StapleState::Revoked));
+        assert_eq!(slot.staple_state(), StapleState::Revoked);
+        assert!(slot.staple(&now, Some(b"r3".to_vec()), StapleState::Good));
+        slot.set_stapling(false);
+        assert!(slot.get().unwrap().ocsp.is_none());
+        assert!(slot.staple(&now, Some(b"r4".to_vec()), StapleState::Good));
+        assert!(slot.get().unwrap().ocsp.is_none(), "stapling off staples nothing");
+        assert_eq!(slot.staple_state(), StapleState::None);
+    }
 }
