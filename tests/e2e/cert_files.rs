@@ -6,8 +6,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use super::ocsp::{first_pem, s_client, Issued, TestCa};
-use webship_tests::server::eventually;
+use super::ocsp::{first_pem, s_client, scrape, Issued, TestCa};
+use webship_tests::server::{eventually, free_port};
 use webship_tests::Server;
 
 const HOST: &str = "renewed.test";
@@ -40,8 +40,9 @@ fn a_renewed_pair_is_served_and_a_mismatched_or_expired_one_refused() {
     let (cert, key) = (live.join("fullchain.pem"), live.join("privkey.pem"));
     relink(&cert, &first.chain);
     relink(&key, &first.key);
+    let admin = free_port().unwrap();
     let config = format!(
-        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n\
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n\
          [sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
         root.display(),
         cert.display(),
@@ -55,11 +56,14 @@ fn a_renewed_pair_is_served_and_a_mismatched_or_expired_one_refused() {
     relink(&key, &second.key);
     relink(&cert, &second.chain);
     assert!(
-        eventually(Duration::from_secs(15), || served(server.port, &ca.cert) == leaf_pem(&second)),
+        eventually(Duration::from_secs(15), || served(server.port, &ca.cert)
+            == leaf_pem(&second)),
         "the renewed certificate is not served: {}",
         server.log()
     );
-    assert!(server.log().contains("certificate files changed: the new pair is served"));
+    assert!(server
+        .log()
+        .contains("certificate files changed: the new pair is served"));
 
     // A certificate with another certificate's key: refused, the renewed pair stays.
     let third = ca.issue("third", HOST, None, None);
@@ -70,11 +74,20 @@ fn a_renewed_pair_is_served_and_a_mismatched_or_expired_one_refused() {
         "the mismatched pair is not refused: {}",
         server.log()
     );
-    assert!(server.log().contains("does not belong to the certificate"), "{}", server.log());
+    assert!(
+        server.log().contains("does not belong to the certificate"),
+        "{}",
+        server.log()
+    );
     assert_eq!(served(server.port, &ca.cert), leaf_pem(&second));
 
     // A matching pair that has expired: refused too.
-    let expired = ca.issue("expired", HOST, None, Some(("20200101000000Z", "20200201000000Z")));
+    let expired = ca.issue(
+        "expired",
+        HOST,
+        None,
+        Some(("20200101000000Z", "20200201000000Z")),
+    );
     relink(&key, &expired.key);
     relink(&cert, &expired.chain);
     assert!(
@@ -89,8 +102,16 @@ fn a_renewed_pair_is_served_and_a_mismatched_or_expired_one_refused() {
     relink(&key, &third.key);
     relink(&cert, &third.chain);
     assert!(
-        eventually(Duration::from_secs(15), || served(server.port, &ca.cert) == leaf_pem(&third)),
+        eventually(Duration::from_secs(15), || served(server.port, &ca.cert)
+            == leaf_pem(&third)),
         "the corrected pair is not served: {}",
         server.log()
     );
+    let metrics = scrape(admin);
+    for line in [
+        "webship_tls_certificate_file_reloads_total{result=\"ok\"} 2",
+        "webship_tls_certificate_file_reloads_total{result=\"refused\"} 2",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "no `{line}` in:\n{metrics}");
+    }
 }

@@ -482,9 +482,7 @@ pub enum TlsSource {
         ocsp_stapling: bool,
     },
     /// Generated at start for these names; only the built-in default uses it.
-    SelfSigned {
-        names: Vec<String>,
-    },
+    SelfSigned { names: Vec<String> },
 }
 
 /// How a kernel feature is treated by preflight.

@@ -893,7 +893,13 @@ fn ocsp_stapling_is_on_unless_a_site_turns_it_off_and_the_cache_path_resolves() 
     assert_eq!(stapling, [false, true]);
     assert_eq!(config.ocsp_cache, f.dir.path().join("state/ocsp"));
     let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n";
-    assert_eq!(f.parse(base).unwrap().ocsp_cache, std::path::Path::new(DEFAULT_OCSP_CACHE));
-    let typo = f.parse(&format!("{base}ocsp_stapeling = true\n")).unwrap_err().to_string();
+    assert_eq!(
+        f.parse(base).unwrap().ocsp_cache,
+        std::path::Path::new(DEFAULT_OCSP_CACHE)
+    );
+    let typo = f
+        .parse(&format!("{base}ocsp_stapeling = true\n"))
+        .unwrap_err()
+        .to_string();
     assert!(typo.contains("unknown field `ocsp_stapeling`"), "{typo}");
 }

@@ -176,7 +176,10 @@ pub async fn run(
     // written with the service account's rights, as a reload reads them.
     let cert_tasks = [
         tokio::spawn(crate::tls::watch::run(fixed.tls.clone())),
-        tokio::spawn(crate::tls::ocsp::run(fixed.tls.clone(), config.ocsp_cache.clone())),
+        tokio::spawn(crate::tls::ocsp::run(
+            fixed.tls.clone(),
+            config.ocsp_cache.clone(),
+        )),
     ];
     // Started by a switched thread: the writer runs as the service account.
     access_writer.start()?;
@@ -281,7 +284,11 @@ pub async fn run(
     let last = current.load();
     drain(&permits, limit, last.config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
-    for task in [h3_task, relay_task, admin_task].into_iter().flatten().chain(cert_tasks) {
+    for task in [h3_task, relay_task, admin_task]
+        .into_iter()
+        .flatten()
+        .chain(cert_tasks)
+    {
         task.abort();
     }
     drop(reporter);

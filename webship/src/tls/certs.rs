@@ -131,7 +131,12 @@ impl CertSlot {
     /// certificate whose leaf is `leaf`, or takes the staple off with `None`, and
     /// records `state`. Does nothing when the slot serves another leaf by now; staples
     /// nothing when stapling is off. Returns whether the slot still serves `leaf`.
-    pub(crate) fn staple(&self, leaf: &CertificateDer<'_>, response: Option<Vec<u8>>, state: StapleState) -> bool {
+    pub(crate) fn staple(
+        &self,
+        leaf: &CertificateDer<'_>,
+        response: Option<Vec<u8>>,
+        state: StapleState,
+    ) -> bool {
         let mut staple = self.staple.lock().unwrap_or_else(|p| p.into_inner());
         let Some(current) = self.get() else {
             return false;
@@ -144,7 +149,8 @@ impl CertSlot {
             (None, StapleState::Good) => StapleState::None,
             _ => state,
         });
-        *self.current.write().unwrap_or_else(|p| p.into_inner()) = Some(with_ocsp(&current, response.clone()));
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) =
+            Some(with_ocsp(&current, response.clone()));
         *staple = Some(Staple {
             leaf: leaf.clone().into_owned(),
             response,
@@ -337,7 +343,10 @@ mod tests {
         let slot = CertSlot::default();
         let first = Arc::new(self_signed(&provider, &["a.test".into()]).unwrap());
         let leaf = first.cert[0].clone();
-        assert!(!slot.staple(&leaf, Some(b"r1".to_vec()), StapleState::Good), "an empty slot takes no staple");
+        assert!(
+            !slot.staple(&leaf, Some(b"r1".to_vec()), StapleState::Good),
+            "an empty slot takes no staple"
+        );
         slot.set(first.clone());
         assert!(slot.staple(&leaf, Some(b"r1".to_vec()), StapleState::Good));
         assert_eq!(slot.get().unwrap().ocsp.as_deref(), Some(&b"r1"[..]));

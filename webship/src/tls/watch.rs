@@ -121,14 +121,23 @@ pub(crate) async fn run(shared: Arc<Shared>) {
     }
 }
 
-fn load(shared: &Shared, site: &str, cert: &Path, key: &Path) -> Result<rustls::sign::CertifiedKey, WatchError> {
+fn load(
+    shared: &Shared,
+    site: &str,
+    cert: &Path,
+    key: &Path,
+) -> Result<rustls::sign::CertifiedKey, WatchError> {
     let certified = certs::load_pair(&shared.provider, site, cert, key)?;
     check_valid_now(cert, &certified.cert[0], SystemTime::now())?;
     Ok(certified)
 }
 
 /// Refuses a leaf outside its validity period at `now`.
-pub(crate) fn check_valid_now(path: &Path, leaf: &CertificateDer<'_>, now: SystemTime) -> Result<(), WatchError> {
+pub(crate) fn check_valid_now(
+    path: &Path,
+    leaf: &CertificateDer<'_>,
+    now: SystemTime,
+) -> Result<(), WatchError> {
     let parsed = x509_cert::Certificate::from_der(leaf).map_err(|e| WatchError::Unreadable {
         path: path.to_owned(),
         reason: e.to_string(),
@@ -156,7 +165,7 @@ pub(crate) struct Metrics;
 impl Collector for Metrics {
     fn collect(&self, out: &mut Encoder) {
         out.family(
-            "webship_tls_certificate_file_reloads_total",
+            "webship_tls_certificate_file_reloads",
             Kind::Counter,
             "Certificate/key pairs changed on disk: served (ok) or refused (mismatch, unreadable, not valid now).",
         )

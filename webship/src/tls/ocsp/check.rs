@@ -159,7 +159,10 @@ pub(crate) fn verify(
         .response_bytes
         .ok_or_else(|| CheckError::Malformed("`successful` without a response".into()))?;
     if bytes.response_type != x509_cert::der::oid::db::rfc6960::ID_PKIX_OCSP_BASIC {
-        return Err(CheckError::Malformed(format!("response type {} is not basic", bytes.response_type)));
+        return Err(CheckError::Malformed(format!(
+            "response type {} is not basic",
+            bytes.response_type
+        )));
     }
     let raw = bytes.response.as_bytes();
     let basic = BasicOcspResponse::from_der(raw).map_err(malformed)?;
@@ -171,8 +174,14 @@ pub(crate) fn verify(
         .ok_or_else(|| CheckError::NotForThis(target.serial.clone()))?;
     let signer = signer(target, &basic, algs, now)?;
     let tbs = first_element(raw).map_err(malformed)?;
-    check_signature(algs, signer, &basic.signature_algorithm, tbs, basic.signature.raw_bytes())
-        .map_err(|e| CheckError::Signature(format!("response: {e}")))?;
+    check_signature(
+        algs,
+        signer,
+        &basic.signature_algorithm,
+        tbs,
+        basic.signature.raw_bytes(),
+    )
+    .map_err(|e| CheckError::Signature(format!("response: {e}")))?;
     let this_update = at(single.this_update.0.to_unix_duration());
     let next_update = single.next_update.map(|t| at(t.0.to_unix_duration()));
     if this_update > now + SKEW {
@@ -208,19 +217,25 @@ fn signer<'a>(
     if names(&target.issuer) {
         return Ok(&target.issuer);
     }
-    let delegate = basic
-        .certs
-        .iter()
-        .flatten()
-        .find(|c| names(c))
-        .ok_or_else(|| CheckError::Signature("signed by neither the issuer nor a certificate it carries".into()))?;
+    let delegate = basic.certs.iter().flatten().find(|c| names(c)).ok_or_else(|| {
+        CheckError::Signature("signed by neither the issuer nor a certificate it carries".into())
+    })?;
     let refuse = |why: &str| CheckError::Signature(format!("delegated responder certificate: {why}"));
     if delegate.tbs_certificate.issuer != target.issuer.tbs_certificate.subject {
         return Err(refuse("not issued by the certificate's issuer"));
     }
-    let tbs = delegate.tbs_certificate.to_der().map_err(|e| refuse(&e.to_string()))?;
-    check_signature(algs, &target.issuer, &delegate.signature_algorithm, &tbs, delegate.signature.raw_bytes())
-        .map_err(|e| refuse(&e))?;
+    let tbs = delegate
+        .tbs_certificate
+        .to_der()
+        .map_err(|e| refuse(&e.to_string()))?;
+    check_signature(
+        algs,
+        &target.issuer,
+        &delegate.signature_algorithm,
+        &tbs,
+        delegate.signature.raw_bytes(),
+    )
+    .map_err(|e| refuse(&e))?;
     let ocsp_signing = delegate
         .tbs_certificate
         .get::<ExtendedKeyUsage>()
@@ -272,13 +287,13 @@ fn first_element(der: &[u8]) -> Result<&[u8], x509_cert::der::Error> {
     let mut reader = SliceReader::new(inner)?;
     let header = Header::decode(&mut reader)?;
     let len = usize::try_from(reader.position())? + usize::try_from(header.length)?;
-    inner
-        .get(..len)
-        .ok_or_else(|| x509_cert::der::ErrorKind::Incomplete {
+    inner.get(..len).ok_or_else(|| {
+        x509_cert::der::ErrorKind::Incomplete {
             expected_len: header.length,
             actual_len: x509_cert::der::Length::try_from(inner.len()).unwrap_or_default(),
         }
-        .into())
+        .into()
+    })
 }
 
 fn at(since_epoch: Duration) -> SystemTime {
@@ -286,11 +301,16 @@ fn at(since_epoch: Duration) -> SystemTime {
 }
 
 fn spki_bits(cert: &Certificate) -> &[u8] {
-    cert.tbs_certificate.subject_public_key_info.subject_public_key.raw_bytes()
+    cert.tbs_certificate
+        .subject_public_key_info
+        .subject_public_key
+        .raw_bytes()
 }
 
 fn sha1(bytes: &[u8]) -> Vec<u8> {
-    digest::digest(&digest::SHA1_FOR_LEGACY_USE_ONLY, bytes).as_ref().to_vec()
+    digest::digest(&digest::SHA1_FOR_LEGACY_USE_ONLY, bytes)
+        .as_ref()
+        .to_vec()
 }
 
 pub(crate) fn hex(bytes: &[u8]) -> String {

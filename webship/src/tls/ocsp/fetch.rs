@@ -44,7 +44,9 @@ async fn exchange(url: &str, request: &[u8]) -> Result<Vec<u8>, FetchError> {
     let port = uri.port_u16().unwrap_or(80);
     let authority = uri.authority().map(|a| a.as_str().to_owned()).unwrap_or_default();
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    let tcp = tokio::net::TcpStream::connect((host, port)).await.map_err(|e| io(&e))?;
+    let tcp = tokio::net::TcpStream::connect((host, port))
+        .await
+        .map_err(|e| io(&e))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
         .await
         .map_err(|e| io(&e))?;

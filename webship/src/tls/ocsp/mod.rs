@@ -69,7 +69,10 @@ pub(crate) async fn run(shared: Arc<Shared>, cache: PathBuf) {
 /// (as root, before the switch), when some certificate will be stapled.
 pub(crate) fn prepare_cache(shared: &Shared, cache: &Path, owner: Option<(u32, u32)>) {
     let wanted = shared.certs.snapshot().iter().any(|(_, slot)| {
-        slot.stapling() && slot.get().is_some_and(|c| matches!(check::target(&c.cert), Ok(Some(_))))
+        slot.stapling()
+            && slot
+                .get()
+                .is_some_and(|c| matches!(check::target(&c.cert), Ok(Some(_))))
     });
     if !wanted {
         return;
@@ -211,7 +214,10 @@ impl Stapler {
                 self.next_fetch = Instant::now() + refresh_after(&answer);
                 self.backoff = MIN_BACKOFF;
             }
-            Ok(_) => self.failed(&target, "the responder does not know the certificate (status unknown)"),
+            Ok(_) => self.failed(
+                &target,
+                "the responder does not know the certificate (status unknown)",
+            ),
             Err(e) => self.failed(&target, &e),
         }
     }
@@ -294,11 +300,15 @@ impl Collector for Metrics {
                 out.sample(&[("site", site), ("state", s.label())], u64::from(*state == s));
             }
         }
-        out.family("webship_tls_ocsp_responses_total", Kind::Counter, "Verified OCSP answers fetched, by certificate status.")
-            .sample(&[("status", "good")], GOOD.load(Ordering::Relaxed))
-            .sample(&[("status", "revoked")], REVOKED.load(Ordering::Relaxed));
         out.family(
-            "webship_tls_ocsp_fetch_errors_total",
+            "webship_tls_ocsp_responses",
+            Kind::Counter,
+            "Verified OCSP answers fetched, by certificate status.",
+        )
+        .sample(&[("status", "good")], GOOD.load(Ordering::Relaxed))
+        .sample(&[("status", "revoked")], REVOKED.load(Ordering::Relaxed));
+        out.family(
+            "webship_tls_ocsp_fetch_errors",
             Kind::Counter,
             "OCSP fetches that failed: unreachable responder, HTTP error, a response that does not verify, status unknown.",
         )
