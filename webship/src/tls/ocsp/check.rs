@@ -327,3 +327,111 @@ fn status_name(status: OcspResponseStatus) -> &'static str {
         OcspResponseStatus::Unauthorized => "unauthorized",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Responses captured from `openssl ocsp` (offline, `-reqin`/`-respout`) over a
+    //! fixture CA: `leaf` good, `revoked` revoked; `delegated` signed by a responder
+    //! certificate the CA issued with OCSPSigning, `rogue` by one the CA issued
+    //! without it. All produced at [`PRODUCED`], with a `nextUpdate` 7 days on.
+    use super::*;
+    use rustls::pki_types::pem::PemObject;
+
+    const PRODUCED: u64 = 1_796_410_623;
+    const CA: &[u8] = include_bytes!("testdata/ca.pem");
+
+    fn chain(leaf: &[u8]) -> Vec<CertificateDer<'static>> {
+        [leaf, CA]
+            .iter()
+            .map(|pem| CertificateDer::from_pem_slice(pem).unwrap())
+            .collect()
+    }
+
+    fn at(secs_after: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(PRODUCED + secs_after)
+    }
+
+    fn algs() -> WebPkiSupportedAlgorithms {
+        crate::tls::provider().signature_verification_algorithms
+    }
+
+    fn leaf() -> Target {
+        target(&chain(include_bytes!("testdata/leaf.pem")))
+            .unwrap()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_request_names_the_responder_and_the_serial() {
+        let t = leaf();
+        assert_eq!(t.url, "http://127.0.0.1:9/ocsp");
+        assert_eq!(t.serial, "2000");
+        let req = OcspRequest::from_der(&t.request).unwrap();
+        assert_eq!(req.tbs_request.request_list[0].req_cert, t.cert_id);
+        let no_aia = crate::tls::certs::self_signed(&crate::tls::provider(), &["a.test".into()]).unwrap();
+        assert!(target(&no_aia.cert).unwrap().is_none(), "no AIA: nothing to ask");
+        let alone = chain(include_bytes!("testdata/leaf.pem"))[..1].to_vec();
+        assert!(matches!(target(&alone), Err(CheckError::NoIssuer)));
+    }
+
+    #[test]
+    fn a_good_answer_signed_by_the_issuer_or_its_delegate_verifies() {
+        let t = leaf();
+        for file in [
+            &include_bytes!("testdata/good.der")[..],
+            include_bytes!("testdata/delegated.der"),
+        ] {
+            let answer = verify(&t, file, &algs(), at(60)).unwrap();
+            assert_eq!(answer.status, Status::Good);
+            assert_eq!(answer.this_update, at(0));
+            assert_eq!(answer.next_update, Some(at(7 * 86_400)));
+        }
+    }
+
+    #[test]
+    fn a_revoked_answer_says_so() {
+        let t = target(&chain(include_bytes!("testdata/revoked.pem")))
+            .unwrap()
+            .unwrap();
+        let answer = verify(&t, include_bytes!("testdata/revoked.der"), &algs(), at(60)).unwrap();
+        assert_eq!(answer.status, Status::Revoked);
+    }
+
+    #[test]
+    fn bad_answers_are_refused() {
+        let t = leaf();
+        let good = include_bytes!("testdata/good.der");
+        let e = verify(&t, include_bytes!("testdata/rogue.der"), &algs(), at(60)).unwrap_err();
+        assert!(e.to_string().contains("no OCSPSigning"), "{e}");
+        // Another certificate's answer.
+        let e = verify(&t, include_bytes!("testdata/revoked.der"), &algs(), at(60)).unwrap_err();
+        assert!(matches!(e, CheckError::NotForThis(_)), "{e}");
+        // One bit of the signed data changed: the producedAt seconds digit.
+        let mut tampered = good.to_vec();
+        let pos = tampered
+            .windows(15)
+            .position(|w| w == b"20261204185703Z")
+            .unwrap();
+        tampered[pos + 13] = b'4';
+        let e = verify(&t, &tampered, &algs(), at(60)).unwrap_err();
+        assert!(matches!(e, CheckError::Signature(_)), "{e}");
+        let e = verify(&t, good, &algs(), at(8 * 86_400)).unwrap_err();
+        assert!(e.to_string().contains("nextUpdate has passed"), "{e}");
+        let e = verify(
+            &t,
+            good,
+            &algs(),
+            SystemTime::UNIX_EPOCH + Duration::from_secs(PRODUCED - 3600),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("thisUpdate is in the future"), "{e}");
+        for cut in [0, 5, good.len() - 1] {
+            assert!(verify(&t, &good[..cut], &algs(), at(60)).is_err());
+        }
+        let e = verify(&t, &[0x30, 0x03, 0x0a, 0x01, 0x03], &algs(), at(60)).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "the responder answered `tryLater` instead of `successful`"
+        );
+    }
+}
