@@ -107,6 +107,8 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             entry.pending = None;
             // Two small local files: read in place, as a reload reads them.
             match load(&shared, &key.site, cert, key_path) {
+                // A reload already read these files: nothing new to serve.
+                Ok(certified) if slot.get().is_some_and(|c| c.cert == certified.cert) => {}
                 Ok(certified) => {
                     slot.set(Arc::new(certified));
                     RELOADED.fetch_add(1, Ordering::Relaxed);

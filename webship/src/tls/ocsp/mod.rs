@@ -47,20 +47,33 @@ static FETCH_ERRORS: AtomicU64 = AtomicU64::new(0);
 /// Starts and ends the slots' tasks as the certificate table changes; runs until
 /// dropped (aborting it leaves the tasks to end with their slots).
 pub(crate) async fn run(shared: Arc<Shared>, cache: PathBuf) {
-    let mut tasks: HashMap<SlotKey, tokio::task::JoinHandle<()>> = HashMap::new();
+    let mut tasks = Tasks::default();
     let mut tick = tokio::time::interval(TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         // A task ends once its slot leaves the table, so the map stays as large as
         // the table.
-        tasks.retain(|_, task| !task.is_finished());
+        tasks.0.retain(|_, task| !task.is_finished());
         for (key, slot) in shared.certs.snapshot() {
-            if tasks.contains_key(&key) {
+            if tasks.0.contains_key(&key) {
                 continue;
             }
             let task = Stapler::new(shared.clone(), key.clone(), slot, cache.clone());
-            tasks.insert(key, tokio::spawn(task.run()));
+            tasks.0.insert(key, tokio::spawn(task.run()));
+        }
+    }
+}
+
+/// The slots' tasks, ended with the manager (aborting [`run`] at shutdown stops
+/// every fetch).
+#[derive(Default)]
+struct Tasks(HashMap<SlotKey, tokio::task::JoinHandle<()>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for task in self.0.values() {
+            task.abort();
         }
     }
 }
@@ -248,7 +261,8 @@ impl Stapler {
     /// Writes the answer whole or not at all (a temporary file renamed over).
     fn write_cache(&self, leaf: &CertificateDer<'_>, response: &[u8]) {
         let path = self.cache_file(leaf);
-        let tmp = path.with_extension("tmp");
+        // Per process: during a takeover the old and the new daemon both write.
+        let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
         let written = std::fs::create_dir_all(&self.cache)
             .and_then(|()| std::fs::write(&tmp, response))
             .and_then(|()| std::fs::rename(&tmp, &path));
