@@ -301,6 +301,22 @@ fn a_staple_is_sent_refreshed_before_next_update_and_cached_for_a_restart() {
         server.log()
     );
     let first = this_update(&out).unwrap();
+    // A reload reads the same files again: the staple stays, with no new fetch.
+    let hup = Command::new("kill")
+        .args(["-HUP", &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    assert!(
+        eventually(Duration::from_secs(10), || server
+            .log()
+            .contains("configuration reloaded")),
+        "no reload: {}",
+        server.log()
+    );
+    let out = s_client(server.port, "good.test", &ca.cert);
+    assert!(stapled_good(&out), "the reload dropped the staple:\n{out}");
+    assert_eq!(this_update(&out).unwrap(), first);
     // nextUpdate is a minute ahead: asked again half-way, about 30 s on.
     assert!(
         eventually(Duration::from_secs(50), || count(
