@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod access_log;
+mod cert_files;
 mod config_errors;
 mod download;
 mod faults;
@@ -14,6 +15,7 @@ mod h3;
 mod h3_conformance;
 mod lifecycle;
 mod metrics;
+mod ocsp;
 mod origins;
 mod package;
 mod passthrough;

@@ -93,6 +93,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         access_log: super::AccessLog::default(),
         control_socket: None,
         admin: None,
+        ocsp_cache: PathBuf::from(super::DEFAULT_OCSP_CACHE),
         accept_proxy_protocol: Vec::new(),
         user: None,
         group: None,

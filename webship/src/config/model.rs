@@ -49,6 +49,9 @@ pub struct Config {
     pub control_socket: Option<PathBuf>,
     /// The admin listener (`/metrics`, `/healthz`, `/readyz`); `None`: none.
     pub admin: Option<Admin>,
+    /// `ocsp_cache`: the folder of the OCSP responses stapled (absolute), so that a
+    /// restart staples at once.
+    pub ocsp_cache: PathBuf,
 }
 
 /// `[admin]`: plain HTTP/1.1 for metrics scrapers and health checks.
@@ -104,6 +107,10 @@ impl fmt::Display for AccessFormat {
         })
     }
 }
+
+/// Where OCSP responses are cached unless `ocsp_cache` says otherwise (systemd's
+/// `StateDirectory=webship`).
+pub const DEFAULT_OCSP_CACHE: &str = "/var/lib/webship/ocsp";
 
 /// The folder of the default control sockets (systemd's `RuntimeDirectory=webship`).
 pub const CONTROL_DIR: &str = "/run/webship";
@@ -470,11 +477,12 @@ pub enum TlsSource {
     Files {
         cert: PathBuf,
         key: PathBuf,
+        /// `ocsp_stapling`: staple the OCSP responder's answer when the certificate
+        /// names one.
+        ocsp_stapling: bool,
     },
     /// Generated at start for these names; only the built-in default uses it.
-    SelfSigned {
-        names: Vec<String>,
-    },
+    SelfSigned { names: Vec<String> },
 }
 
 /// How a kernel feature is treated by preflight.

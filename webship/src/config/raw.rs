@@ -34,6 +34,8 @@ pub(super) struct RawConfig {
     pub accept_proxy_protocol: Option<Vec<String>>,
     /// The admin listener (metrics, health).
     pub admin: Option<RawAdmin>,
+    /// Where fetched OCSP responses are kept across restarts.
+    pub ocsp_cache: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -149,6 +151,8 @@ pub(super) struct RawProtocols {
 pub(super) struct RawTls {
     pub cert: PathBuf,
     pub key: PathBuf,
+    /// Staple the responder's OCSP answer in handshakes (on by default).
+    pub ocsp_stapling: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -874,3 +874,32 @@ fn the_admin_listener_stays_on_loopback_unless_allowed_with_a_token() {
     ));
     assert!(typo.is_err(), "unknown keys are errors");
 }
+
+#[test]
+fn ocsp_stapling_is_on_unless_a_site_turns_it_off_and_the_cache_path_resolves() {
+    let f = Files::new();
+    let text = "ocsp_cache = \"state/ocsp\"\n[[sites]]\ndomain = \"a.test\"\nroot = \"media\"\n\
+                [sites.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\nocsp_stapling = false\n\
+                [[sites]]\ndomain = \"b.test\"\nroot = \"media\"\n[sites.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n";
+    let config = f.parse(text).unwrap();
+    let stapling: Vec<bool> = config
+        .sites
+        .iter()
+        .map(|s| match s.tls {
+            TlsSource::Files { ocsp_stapling, .. } => ocsp_stapling,
+            TlsSource::SelfSigned { .. } => panic!("files expected"),
+        })
+        .collect();
+    assert_eq!(stapling, [false, true]);
+    assert_eq!(config.ocsp_cache, f.dir.path().join("state/ocsp"));
+    let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n";
+    assert_eq!(
+        f.parse(base).unwrap().ocsp_cache,
+        std::path::Path::new(DEFAULT_OCSP_CACHE)
+    );
+    let typo = f
+        .parse(&format!("{base}ocsp_stapeling = true\n"))
+        .unwrap_err()
+        .to_string();
+    assert!(typo.contains("unknown field `ocsp_stapeling`"), "{typo}");
+}

@@ -149,6 +149,8 @@ pub async fn run(
     if let Some(programs) = &fixed.tcp_health {
         metrics.register(Box::new(collect::TcpHealth::new(programs.clone())));
     }
+    metrics.register(Box::new(crate::tls::watch::Metrics));
+    metrics.register(Box::new(crate::tls::ocsp::Metrics(fixed.tls.clone())));
     let first = Generation::new(1, config.clone(), stack, &fixed)?;
     metrics.set_generation(1);
     let bound = Bound::bind(&config, &first.stack, &plan, inherited.as_mut())?;
@@ -167,8 +169,18 @@ pub async fn run(
             tracing::warn!(error = %e, "cannot hand the access log file to the service account: a SIGUSR1 that reopens it without a rotation will fail");
         }
     }
+    crate::tls::ocsp::prepare_cache(&fixed.tls, &config.ocsp_cache, privilege.ids());
     drop_privileges(&config, &report, &plan, &privilege)?;
     drop(guard);
+    // Started by switched threads: certificate files and the OCSP cache are read and
+    // written with the service account's rights, as a reload reads them.
+    let cert_tasks = [
+        tokio::spawn(crate::tls::watch::run(fixed.tls.clone())),
+        tokio::spawn(crate::tls::ocsp::run(
+            fixed.tls.clone(),
+            config.ocsp_cache.clone(),
+        )),
+    ];
     // Started by a switched thread: the writer runs as the service account.
     access_writer.start()?;
     announce(&config, &report, &bound);
@@ -272,7 +284,11 @@ pub async fn run(
     let last = current.load();
     drain(&permits, limit, last.config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
-    for task in [h3_task, relay_task, admin_task].into_iter().flatten() {
+    for task in [h3_task, relay_task, admin_task]
+        .into_iter()
+        .flatten()
+        .chain(cert_tasks)
+    {
         task.abort();
     }
     drop(reporter);

@@ -314,6 +314,15 @@ fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<Strin
             None => "(none)".into(),
         },
     );
+    // The OCSP tasks run from start with one cache folder.
+    kept(
+        n,
+        "ocsp_cache",
+        "caching OCSP answers in",
+        &mut new.ocsp_cache,
+        &running.ocsp_cache,
+        |v| v.display().to_string(),
+    );
     let (kernel, was) = (&mut new.kernel, &running.kernel);
     kept(n, "[kernel] ktls", "using", &mut kernel.ktls, &was.ktls, |v| {
         shown(v)

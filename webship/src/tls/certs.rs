@@ -5,6 +5,10 @@
 //! complete [`CertifiedKey`], checks it, and swaps it in with [`CertSlot::set`]. Open
 //! connections keep the key they shook hands with; the next handshake sees the new one.
 //!
+//! A slot also carries the site's OCSP staple ([`CertSlot::staple`]): whoever renews
+//! the certificate need not know about OCSP, since [`CertSlot::set`] keeps the staple
+//! only while the leaf it was fetched for is still the one served.
+//!
 //! Slots are kept by site name and by where the certificate comes from
 //! ([`SlotKey`]), so a reload that keeps a site's source keeps its slot (an ACME
 //! certificate obtained before the reload is served after it), and a reload that
@@ -12,6 +16,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use rustls::crypto::CryptoProvider;
@@ -40,9 +45,59 @@ pub(crate) struct SlotKey {
 /// One site's certificate as served now. Empty until a certificate is installed: a
 /// handshake for a site whose slot is empty fails rather than showing another site's
 /// certificate.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct CertSlot {
     current: RwLock<Option<Arc<CertifiedKey>>>,
+    /// The OCSP response stapled to `current`, with the leaf it answers for. Written
+    /// under this lock only, so a renewal and a staple never interleave.
+    staple: Mutex<Option<Staple>>,
+    /// `ocsp_stapling` of the site (on unless the configuration turns it off).
+    stapling: AtomicBool,
+    /// [`StapleState`] as a byte, for the metrics.
+    state: AtomicU8,
+}
+
+#[derive(Debug)]
+struct Staple {
+    leaf: CertificateDer<'static>,
+    /// `None` once the responder said something not to staple (revoked).
+    response: Option<Vec<u8>>,
+}
+
+/// What the OCSP responder last said about the certificate a slot serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum StapleState {
+    /// No staple: stapling is off, the certificate names no responder, or no valid
+    /// response is at hand.
+    None = 0,
+    /// A valid `good` response is stapled.
+    Good = 1,
+    /// The responder says the certificate is revoked; nothing is stapled.
+    Revoked = 2,
+}
+
+impl StapleState {
+    pub(crate) const ALL: [StapleState; 3] = [Self::None, Self::Good, Self::Revoked];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Good => "good",
+            Self::Revoked => "revoked",
+        }
+    }
+}
+
+impl Default for CertSlot {
+    fn default() -> Self {
+        Self {
+            current: RwLock::default(),
+            staple: Mutex::default(),
+            stapling: AtomicBool::new(true),
+            state: AtomicU8::new(StapleState::None as u8),
+        }
+    }
 }
 
 impl CertSlot {
@@ -52,10 +107,91 @@ impl CertSlot {
         self.current.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Serves `key` from the next handshake on.
+    /// Serves `key` from the next handshake on. The staple stays when `key` has the
+    /// same leaf as the one it was fetched for (a reload reading unchanged files);
+    /// otherwise it goes, since a renewed certificate needs its own.
     pub(crate) fn set(&self, key: Arc<CertifiedKey>) {
+        let mut staple = self.staple.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = staple
+            .as_ref()
+            .filter(|s| key.cert.first() == Some(&s.leaf))
+            .map(|s| s.response.clone());
+        let key = match kept {
+            Some(response) => with_ocsp(&key, response.filter(|_| self.stapling())),
+            None => {
+                *staple = None;
+                self.set_state(StapleState::None);
+                with_ocsp(&key, None)
+            }
+        };
         *self.current.write().unwrap_or_else(|p| p.into_inner()) = Some(key);
     }
+
+    /// Staples `response` (a DER OCSP response the caller verified) to the
+    /// certificate whose leaf is `leaf`, or takes the staple off with `None`, and
+    /// records `state`. Does nothing when the slot serves another leaf by now; staples
+    /// nothing when stapling is off. Returns whether the slot still serves `leaf`.
+    pub(crate) fn staple(
+        &self,
+        leaf: &CertificateDer<'_>,
+        response: Option<Vec<u8>>,
+        state: StapleState,
+    ) -> bool {
+        let mut staple = self.staple.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(current) = self.get() else {
+            return false;
+        };
+        if current.cert.first() != Some(leaf) {
+            return false;
+        }
+        let response = response.filter(|_| self.stapling());
+        self.set_state(match (&response, state) {
+            (None, StapleState::Good) => StapleState::None,
+            _ => state,
+        });
+        *self.current.write().unwrap_or_else(|p| p.into_inner()) =
+            Some(with_ocsp(&current, response.clone()));
+        *staple = Some(Staple {
+            leaf: leaf.clone().into_owned(),
+            response,
+        });
+        true
+    }
+
+    /// Turns stapling on or off for this slot (the site's `ocsp_stapling`); off takes
+    /// a staple off at once.
+    pub(crate) fn set_stapling(&self, on: bool) {
+        self.stapling.store(on, Ordering::Relaxed);
+        if !on {
+            if let Some(current) = self.get() {
+                self.staple(&current.cert[0], None, StapleState::None);
+            }
+        }
+    }
+
+    pub(crate) fn stapling(&self) -> bool {
+        self.stapling.load(Ordering::Relaxed)
+    }
+
+    /// What the responder last said, as far as the slot serves it.
+    pub(crate) fn staple_state(&self) -> StapleState {
+        match self.state.load(Ordering::Relaxed) {
+            1 => StapleState::Good,
+            2 => StapleState::Revoked,
+            _ => StapleState::None,
+        }
+    }
+
+    fn set_state(&self, state: StapleState) {
+        self.state.store(state as u8, Ordering::Relaxed);
+    }
+}
+
+/// `key` with its OCSP response replaced; the chain and the signing key are shared.
+fn with_ocsp(key: &CertifiedKey, ocsp: Option<Vec<u8>>) -> Arc<CertifiedKey> {
+    let mut key = key.clone();
+    key.ocsp = ocsp;
+    Arc::new(key)
 }
 
 /// The process's certificate slots, shared by every configuration generation.
@@ -73,6 +209,27 @@ impl Certificates {
             .entry(key)
             .or_default()
             .clone()
+    }
+
+    /// Every slot now, with its key (for the tasks that renew certificates: they walk
+    /// this table rather than the configuration, so a reload that adds or removes a
+    /// site needs nothing from them).
+    pub(crate) fn snapshot(&self) -> Vec<(SlotKey, Arc<CertSlot>)> {
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Whether `key` still has a slot (a removed site's renewer stops).
+    pub(crate) fn holds(&self, key: &SlotKey, slot: &Arc<CertSlot>) -> bool {
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(key)
+            .is_some_and(|s| Arc::ptr_eq(s, slot))
     }
 
     /// Drops the slots no generation named in `keep`: a reload that removes a site or
@@ -178,5 +335,40 @@ mod tests {
         assert!(files.get().is_none(), "another origin is another slot");
         table.retain(&[key("a.test")]);
         assert!(Arc::ptr_eq(&table.slot(key("a.test")), &a));
+    }
+
+    #[test]
+    fn a_staple_follows_its_leaf_and_the_site_setting() {
+        let provider = super::super::provider();
+        let slot = CertSlot::default();
+        let first = Arc::new(self_signed(&provider, &["a.test".into()]).unwrap());
+        let leaf = first.cert[0].clone();
+        assert!(
+            !slot.staple(&leaf, Some(b"r1".to_vec()), StapleState::Good),
+            "an empty slot takes no staple"
+        );
+        slot.set(first.clone());
+        assert!(slot.staple(&leaf, Some(b"r1".to_vec()), StapleState::Good));
+        assert_eq!(slot.get().unwrap().ocsp.as_deref(), Some(&b"r1"[..]));
+        assert_eq!(slot.staple_state(), StapleState::Good);
+        // The same certificate set again (a reload of unchanged files) keeps it.
+        slot.set(first.clone());
+        assert_eq!(slot.get().unwrap().ocsp.as_deref(), Some(&b"r1"[..]));
+        // A renewed certificate drops it, and an answer for the old leaf is ignored.
+        slot.set(Arc::new(self_signed(&provider, &["a.test".into()]).unwrap()));
+        assert!(slot.get().unwrap().ocsp.is_none());
+        assert_eq!(slot.staple_state(), StapleState::None);
+        assert!(!slot.staple(&leaf, Some(b"r2".to_vec()), StapleState::Good));
+        assert!(slot.get().unwrap().ocsp.is_none());
+        // Revoked: recorded, nothing stapled; stapling off takes a staple off.
+        let now = slot.get().unwrap().cert[0].clone();
+        assert!(slot.staple(&now, None, StapleState::Revoked));
+        assert_eq!(slot.staple_state(), StapleState::Revoked);
+        assert!(slot.staple(&now, Some(b"r3".to_vec()), StapleState::Good));
+        slot.set_stapling(false);
+        assert!(slot.get().unwrap().ocsp.is_none());
+        assert!(slot.staple(&now, Some(b"r4".to_vec()), StapleState::Good));
+        assert!(slot.get().unwrap().ocsp.is_none(), "stapling off staples nothing");
+        assert_eq!(slot.staple_state(), StapleState::None);
     }
 }

@@ -12,6 +12,8 @@
 //! replaced without rebuilding anything.
 
 pub(crate) mod certs;
+pub(crate) mod ocsp;
+pub(crate) mod watch;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -162,20 +164,26 @@ impl Acceptor {
         let mut keys = Vec::with_capacity(config.sites.len());
         for site in &config.sites {
             let domain = site.domain.to_string();
-            let (origin, certified) = match &site.tls {
-                TlsSource::Files { cert, key } => (
+            let (origin, certified, stapling) = match &site.tls {
+                TlsSource::Files {
+                    cert,
+                    key,
+                    ocsp_stapling,
+                } => (
                     Origin::Files {
                         cert: cert.clone(),
                         key: key.clone(),
                     },
                     certs::load_pair(&provider, &domain, cert, key)?,
+                    *ocsp_stapling,
                 ),
                 TlsSource::SelfSigned { names } => {
-                    (Origin::SelfSigned, certs::self_signed(&provider, names)?)
+                    (Origin::SelfSigned, certs::self_signed(&provider, names)?, false)
                 }
             };
             let key = SlotKey { site: domain, origin };
             let slot = shared.certs.slot(key.clone());
+            slot.set_stapling(stapling);
             slot.set(Arc::new(certified));
             keys.push(key);
             quic_slots.push(site.protocols.h3.then(|| slot.clone()));

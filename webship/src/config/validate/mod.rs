@@ -128,6 +128,10 @@ impl Validator<'_> {
             group: raw.group,
             control_socket: Some(control_socket),
             admin,
+            ocsp_cache: raw
+                .ocsp_cache
+                .as_deref()
+                .map_or_else(|| PathBuf::from(super::DEFAULT_OCSP_CACHE), |p| self.path(p)),
         }
     }
 
@@ -243,7 +247,11 @@ impl Validator<'_> {
                 );
             }
         }
-        TlsSource::Files { cert, key: key_path }
+        TlsSource::Files {
+            cert,
+            key: key_path,
+            ocsp_stapling: tls.ocsp_stapling.unwrap_or(true),
+        }
     }
 
     fn domain(&mut self, key: &str, domain: &str) -> Option<DomainPattern> {

@@ -1,0 +1,429 @@
+//! OCSP stapling against a real responder: `openssl ocsp` on loopback over a test CA
+//! run with `openssl ca` (its index is the responder's), checked with
+//! `openssl s_client -status` as a client sees it. Also the test CA and the
+//! handshake helper that `cert_files.rs` shares.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use webship_testkit::process::{Logs, Process};
+use webship_tests::server::{eventually, free_port};
+use webship_tests::Server;
+
+/// A CA managed by `openssl ca`: its index records what it issued and revoked.
+pub(crate) struct TestCa {
+    dir: PathBuf,
+    pub(crate) cert: PathBuf,
+}
+
+/// An issued certificate: the chain file (leaf, then the CA) and its key.
+pub(crate) struct Issued {
+    pub(crate) chain: PathBuf,
+    pub(crate) key: PathBuf,
+    pub(crate) leaf: PathBuf,
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "openssl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl TestCa {
+    pub(crate) fn new(dir: &Path) -> Self {
+        let dir = dir.join("ca");
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("index.txt"), "").unwrap();
+        std::fs::write(dir.join("serial"), "1000\n").unwrap();
+        std::fs::write(
+            dir.join("ca.cnf"),
+            "[ca]\ndefault_ca = test\n[test]\ndatabase = index.txt\nnew_certs_dir = .\nserial = serial\n\
+             default_md = sha256\npolicy = any\nunique_subject = no\ndefault_days = 30\n\
+             [any]\ncommonName = supplied\n",
+        )
+        .unwrap();
+        openssl(
+            &dir,
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-nodes",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.pem",
+                "-days",
+                "30",
+                "-subj",
+                "/CN=webship OCSP test CA",
+            ],
+        );
+        Self {
+            cert: dir.join("ca.pem"),
+            dir,
+        }
+    }
+
+    /// Issues `name` for `dns`, naming the responder on `ocsp_port` in its AIA when
+    /// given, valid from `dates.0` to `dates.1` (`openssl ca` dates) when given.
+    pub(crate) fn issue(
+        &self,
+        name: &str,
+        dns: &str,
+        ocsp_port: Option<u16>,
+        dates: Option<(&str, &str)>,
+    ) -> Issued {
+        let ext = self.dir.join(format!("{name}.ext"));
+        let aia = ocsp_port
+            .map(|p| format!("authorityInfoAccess = OCSP;URI:http://127.0.0.1:{p}/\n"))
+            .unwrap_or_default();
+        std::fs::write(
+            &ext,
+            format!("basicConstraints = CA:FALSE\nsubjectAltName = DNS:{dns}\n{aia}"),
+        )
+        .unwrap();
+        let (key, csr, leaf) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.pem"),
+        );
+        openssl(
+            &self.dir,
+            &[
+                "req",
+                "-new",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-nodes",
+                "-keyout",
+                &key,
+                "-out",
+                &csr,
+                "-subj",
+                &format!("/CN={dns}"),
+            ],
+        );
+        let mut args = vec![
+            "ca",
+            "-batch",
+            "-notext",
+            "-config",
+            "ca.cnf",
+            "-cert",
+            "ca.pem",
+            "-keyfile",
+            "ca.key",
+            "-in",
+            &csr,
+            "-out",
+            &leaf,
+            "-extfile",
+            ext.to_str().unwrap(),
+        ];
+        if let Some((start, end)) = dates {
+            args.extend(["-startdate", start, "-enddate", end]);
+        }
+        openssl(&self.dir, &args);
+        let leaf = self.dir.join(leaf);
+        let chain = self.dir.join(format!("{name}-chain.pem"));
+        let text = std::fs::read_to_string(&leaf).unwrap() + &std::fs::read_to_string(&self.cert).unwrap();
+        std::fs::write(&chain, text).unwrap();
+        Issued {
+            chain,
+            key: self.dir.join(key),
+            leaf,
+        }
+    }
+
+    pub(crate) fn revoke(&self, issued: &Issued) {
+        openssl(
+            &self.dir,
+            &[
+                "ca",
+                "-config",
+                "ca.cnf",
+                "-cert",
+                "ca.pem",
+                "-keyfile",
+                "ca.key",
+                "-revoke",
+                issued.leaf.to_str().unwrap(),
+            ],
+        );
+    }
+
+    /// `openssl ocsp` answering from this CA's index on `port`, signing with the CA
+    /// key; answers carry a `nextUpdate` `minutes` ahead.
+    pub(crate) fn responder(&self, port: u16, minutes: u32) -> Process {
+        let logs = Logs::one(self.dir.join(format!("ocsp-{port}.log")));
+        let process = Process::spawn(
+            "openssl ocsp",
+            Command::new("openssl")
+                .args([
+                    "ocsp",
+                    "-index",
+                    "index.txt",
+                    "-port",
+                    &port.to_string(),
+                    "-rsigner",
+                    "ca.pem",
+                ])
+                .args([
+                    "-rkey",
+                    "ca.key",
+                    "-CA",
+                    "ca.pem",
+                    "-nmin",
+                    &minutes.to_string(),
+                    "-ignore_err",
+                ])
+                .current_dir(&self.dir),
+            logs,
+        )
+        .unwrap();
+        // Not probed with a connection: `openssl ocsp` stalls on one that closes
+        // without a request.
+        assert!(
+            eventually(Duration::from_secs(10), || process
+                .log()
+                .contains("waiting for OCSP client connections")),
+            "openssl ocsp did not start on {port}: {}",
+            process.log()
+        );
+        process
+    }
+}
+
+/// `openssl s_client -status` to the daemon on `port` for `sni`: its whole output.
+pub(crate) fn s_client(port: u16, sni: &str, ca: &Path) -> String {
+    let out = Command::new("timeout")
+        .args([
+            "15",
+            "openssl",
+            "s_client",
+            "-connect",
+            &format!("127.0.0.1:{port}"),
+            "-servername",
+            sni,
+        ])
+        .args(["-status", "-CAfile", ca.to_str().unwrap()])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+}
+
+/// `/metrics` of the admin listener on `port`, by curl.
+pub(crate) fn scrape(port: u16) -> String {
+    let out = Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "10",
+            &format!("http://127.0.0.1:{port}/metrics"),
+        ])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The first PEM certificate in `text` (the leaf `s_client` prints), whitespace-free.
+pub(crate) fn first_pem(text: &str) -> String {
+    let start = text
+        .find("-----BEGIN CERTIFICATE-----")
+        .unwrap_or_else(|| panic!("no certificate in:\n{text}"));
+    let end = text[start..].find("-----END CERTIFICATE-----").unwrap() + start;
+    text[start..end].split_whitespace().collect()
+}
+
+/// The `This Update` line of a stapled response.
+fn this_update(out: &str) -> Option<String> {
+    out.lines()
+        .find(|l| l.trim_start().starts_with("This Update:"))
+        .map(|l| l.trim().to_owned())
+}
+
+fn stapled_good(out: &str) -> bool {
+    out.contains("OCSP Response Status: successful") && out.contains("Cert Status: good")
+}
+
+fn site(domain: &str, issued: &Issued, root: &Path, extra: &str) -> String {
+    format!(
+        "[[sites]]\ndomain = \"{domain}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n{extra}\n",
+        root.display(),
+        issued.chain.display(),
+        issued.key.display()
+    )
+}
+
+fn count(log: &str, line: &str) -> usize {
+    log.matches(line).count()
+}
+
+#[test]
+fn a_staple_is_sent_refreshed_before_next_update_and_cached_for_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let ca = TestCa::new(dir.path());
+    let port = free_port().unwrap();
+    let leaf = ca.issue("good", "good.test", Some(port), None);
+    let responder = ca.responder(port, 1);
+    let cache = dir.path().join("ocsp-cache");
+    let config = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\nocsp_cache = \"{}\"\n{}",
+        cache.display(),
+        site("good.test", &leaf, &root, "")
+    );
+    let server = Server::start(dir.path(), &config);
+    let mut out = String::new();
+    assert!(
+        eventually(Duration::from_secs(15), || {
+            out = s_client(server.port, "good.test", &ca.cert);
+            stapled_good(&out)
+        }),
+        "no good staple:\n{out}\nresponder: {}\nwebship: {}",
+        responder.log(),
+        server.log()
+    );
+    let first = this_update(&out).unwrap();
+    // A reload reads the same files again: the staple stays, with no new fetch.
+    let hup = Command::new("kill")
+        .args(["-HUP", &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(hup.success());
+    assert!(
+        eventually(Duration::from_secs(10), || server
+            .log()
+            .contains("configuration reloaded")),
+        "no reload: {}",
+        server.log()
+    );
+    let out = s_client(server.port, "good.test", &ca.cert);
+    assert!(stapled_good(&out), "the reload dropped the staple:\n{out}");
+    assert_eq!(this_update(&out).unwrap(), first);
+    // nextUpdate is a minute ahead: asked again half-way, about 30 s on.
+    assert!(
+        eventually(Duration::from_secs(50), || count(
+            &server.log(),
+            "OCSP response fetched and stapled"
+        ) >= 2),
+        "no refresh: {}",
+        server.log()
+    );
+    let out = s_client(server.port, "good.test", &ca.cert);
+    assert!(stapled_good(&out), "{out}");
+    assert_ne!(
+        this_update(&out).unwrap(),
+        first,
+        "the refreshed answer is not the one stapled"
+    );
+    let cached: Vec<_> = std::fs::read_dir(&cache).unwrap().collect();
+    assert_eq!(cached.len(), 1, "one cached answer: {cached:?}");
+    drop(server);
+
+    // With the responder gone, a restart staples the cached answer.
+    drop(responder);
+    let server = Server::start(dir.path(), &config);
+    let mut out = String::new();
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            out = s_client(server.port, "good.test", &ca.cert);
+            stapled_good(&out)
+        }),
+        "the cached answer is not stapled after a restart:\n{out}\n{}",
+        server.log()
+    );
+    assert!(
+        server.log().contains("OCSP response from the cache stapled"),
+        "{}",
+        server.log()
+    );
+}
+
+#[test]
+fn stapling_is_per_site_and_a_revoked_certificate_is_logged_not_stapled() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let ca = TestCa::new(dir.path());
+    let port = free_port().unwrap();
+    let on = ca.issue("on", "on.test", Some(port), None);
+    let off = ca.issue("off", "off.test", Some(port), None);
+    let revoked = ca.issue("revoked", "revoked.test", Some(port), None);
+    ca.revoke(&revoked);
+    let _responder = ca.responder(port, 60);
+    let admin = free_port().unwrap();
+    let config = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\nocsp_cache = \"{}\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n{}{}{}",
+        dir.path().join("ocsp-cache").display(),
+        site("on.test", &on, &root, ""),
+        site("off.test", &off, &root, "ocsp_stapling = false"),
+        site("revoked.test", &revoked, &root, ""),
+    );
+    let server = Server::start(dir.path(), &config);
+    assert!(
+        eventually(Duration::from_secs(15), || stapled_good(&s_client(
+            server.port,
+            "on.test",
+            &ca.cert
+        ))),
+        "no staple for on.test: {}",
+        server.log()
+    );
+    assert!(
+        eventually(Duration::from_secs(15), || server.log().contains("is REVOKED")),
+        "the revocation is not logged: {}",
+        server.log()
+    );
+    let log = server.log();
+    let line = log.lines().find(|l| l.contains("is REVOKED")).unwrap();
+    assert!(line.contains("ERROR") && line.contains("revoked.test"), "{line}");
+    let serial = std::fs::read_to_string(dir.path().join("ca/serial.old")).unwrap();
+    assert!(
+        line.contains(serial.trim()),
+        "the serial {serial} is not named: {line}"
+    );
+    // The on.test staple shows the fetch loop ran for every site by now.
+    for sni in ["off.test", "revoked.test"] {
+        let out = s_client(server.port, sni, &ca.cert);
+        assert!(
+            out.contains("OCSP response: no response sent"),
+            "{sni} got a staple:\n{out}"
+        );
+        assert!(
+            out.contains("Verify return code: 0 (ok)"),
+            "{sni}: handshake not verified:\n{out}"
+        );
+    }
+    let metrics = scrape(admin);
+    for line in [
+        "webship_tls_ocsp_staple{site=\"on.test\",state=\"good\"} 1",
+        "webship_tls_ocsp_staple{site=\"off.test\",state=\"none\"} 1",
+        "webship_tls_ocsp_staple{site=\"revoked.test\",state=\"revoked\"} 1",
+        "webship_tls_ocsp_staple{site=\"revoked.test\",state=\"good\"} 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "no `{line}` in:\n{metrics}");
+    }
+    assert!(
+        metrics.lines().any(
+            |l| l.starts_with("webship_tls_ocsp_responses_total{status=\"revoked\"} ") && !l.ends_with(" 0")
+        ),
+        "the revoked answer is not counted:\n{metrics}"
+    );
+}

@@ -1,0 +1,331 @@
+//! OCSP stapling: each certificate whose leaf names an OCSP responder (Authority
+//! Information Access) gets the responder's signed answer attached to its
+//! handshakes, so clients need not ask the responder themselves.
+//!
+//! One task per certificate slot, started by [`run`], which walks the certificate
+//! table (a reload that adds or removes a site, a renewal by file or ACME, needs
+//! nothing from here: a new leaf is noticed within [`TICK`]). A task asks the
+//! responder ([`fetch`]), verifies the answer ([`check`]), staples it through
+//! [`CertSlot::staple`] and writes it to the cache folder, from which a restart
+//! staples at once. It asks again half-way to the answer's `nextUpdate`, sooner after
+//! a failure (with backoff), keeps a still-valid staple through failures and drops one
+//! whose `nextUpdate` has passed. A `revoked` answer is logged as an error and never
+//! stapled.
+
+mod check;
+mod fetch;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use rustls::pki_types::CertificateDer;
+
+use super::certs::{CertSlot, SlotKey, StapleState};
+use super::Shared;
+use crate::metrics::{Collector, Encoder, Kind};
+use check::{Answer, Status, Target};
+
+/// How often each task looks at its slot (a new leaf, stapling turned on or off).
+const TICK: Duration = Duration::from_secs(1);
+/// The first retry after a failed fetch; doubled each time up to [`MAX_BACKOFF`].
+const MIN_BACKOFF: Duration = Duration::from_secs(5);
+const MAX_BACKOFF: Duration = Duration::from_secs(3600);
+/// Bounds on the wait before a refresh, whatever `nextUpdate` says.
+const MIN_REFRESH: Duration = Duration::from_secs(10);
+const MAX_REFRESH: Duration = Duration::from_secs(7 * 24 * 3600);
+/// The refresh of an answer without `nextUpdate` (newer information is always
+/// available, RFC 6960 4.2.2.1).
+const NO_NEXT_UPDATE_REFRESH: Duration = Duration::from_secs(3600);
+
+static GOOD: AtomicU64 = AtomicU64::new(0);
+static REVOKED: AtomicU64 = AtomicU64::new(0);
+static FETCH_ERRORS: AtomicU64 = AtomicU64::new(0);
+
+/// Starts and ends the slots' tasks as the certificate table changes; runs until
+/// dropped (aborting it leaves the tasks to end with their slots).
+pub(crate) async fn run(shared: Arc<Shared>, cache: PathBuf) {
+    let mut tasks = Tasks::default();
+    let mut tick = tokio::time::interval(TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        // A task ends once its slot leaves the table, so the map stays as large as
+        // the table.
+        tasks.0.retain(|_, task| !task.is_finished());
+        for (key, slot) in shared.certs.snapshot() {
+            if tasks.0.contains_key(&key) {
+                continue;
+            }
+            let task = Stapler::new(shared.clone(), key.clone(), slot, cache.clone());
+            tasks.0.insert(key, tokio::spawn(task.run()));
+        }
+    }
+}
+
+/// The slots' tasks, ended with the manager (aborting [`run`] at shutdown stops
+/// every fetch).
+#[derive(Default)]
+struct Tasks(HashMap<SlotKey, tokio::task::JoinHandle<()>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for task in self.0.values() {
+            task.abort();
+        }
+    }
+}
+
+/// Makes the cache folder and hands it to the service account, while the daemon can
+/// (as root, before the switch), when some certificate will be stapled.
+pub(crate) fn prepare_cache(shared: &Shared, cache: &Path, owner: Option<(u32, u32)>) {
+    let wanted = shared.certs.snapshot().iter().any(|(_, slot)| {
+        slot.stapling()
+            && slot
+                .get()
+                .is_some_and(|c| matches!(check::target(&c.cert), Ok(Some(_))))
+    });
+    if !wanted {
+        return;
+    }
+    let made = std::fs::create_dir_all(cache).and_then(|()| match owner {
+        Some((uid, gid)) => std::os::unix::fs::chown(cache, Some(uid), Some(gid)),
+        None => Ok(()),
+    });
+    if let Err(e) = made {
+        tracing::warn!(dir = %cache.display(), error = %e, "cannot prepare the OCSP cache folder: responses are stapled but not kept across restarts");
+    }
+}
+
+/// One slot's stapling.
+struct Stapler {
+    shared: Arc<Shared>,
+    key: SlotKey,
+    slot: Arc<CertSlot>,
+    cache: PathBuf,
+    /// The leaf the state below is for.
+    leaf: Option<CertificateDer<'static>>,
+    /// `None`: the leaf names no responder, or cannot be asked about.
+    target: Option<Target>,
+    next_fetch: Instant,
+    backoff: Duration,
+    /// When the stapled answer stops being valid (`nextUpdate`).
+    staple_expires: Option<SystemTime>,
+    stapling: bool,
+}
+
+impl Stapler {
+    fn new(shared: Arc<Shared>, key: SlotKey, slot: Arc<CertSlot>, cache: PathBuf) -> Self {
+        Self {
+            shared,
+            key,
+            slot,
+            cache,
+            leaf: None,
+            target: None,
+            next_fetch: Instant::now(),
+            backoff: MIN_BACKOFF,
+            staple_expires: None,
+            stapling: false,
+        }
+    }
+
+    async fn run(mut self) {
+        while self.shared.certs.holds(&self.key, &self.slot) {
+            self.step().await;
+            tokio::time::sleep(TICK).await;
+        }
+    }
+
+    async fn step(&mut self) {
+        let Some(current) = self.slot.get() else {
+            return;
+        };
+        let stapling = self.slot.stapling();
+        let leaf = &current.cert[0];
+        if self.leaf.as_ref() != Some(leaf) || stapling != self.stapling {
+            if let Some(old) = self.leaf.as_ref().filter(|old| *old != leaf) {
+                // The renewed certificate's predecessor will not be served again.
+                let _ = std::fs::remove_file(self.cache_file(old));
+            }
+            self.leaf = Some(leaf.clone().into_owned());
+            self.stapling = stapling;
+            self.start(&current.cert);
+        }
+        if !self.stapling || self.target.is_none() {
+            return;
+        }
+        if self.staple_expires.is_some_and(|t| t <= SystemTime::now()) {
+            self.staple_expires = None;
+            self.slot.staple(leaf, None, StapleState::None);
+            tracing::warn!(site = %self.key.site, "OCSP staple expired (nextUpdate passed) before a new answer came: handshakes carry none until the responder answers");
+        }
+        if Instant::now() >= self.next_fetch {
+            self.fetch().await;
+        }
+    }
+
+    /// A new leaf (or stapling just turned on): what to ask, and the cached answer.
+    fn start(&mut self, chain: &[CertificateDer<'static>]) {
+        self.target = None;
+        self.staple_expires = None;
+        self.backoff = MIN_BACKOFF;
+        self.next_fetch = Instant::now();
+        if !self.stapling {
+            return;
+        }
+        match check::target(chain) {
+            Ok(target) => self.target = target,
+            Err(e) => {
+                tracing::warn!(site = %self.key.site, error = %e, "OCSP stapling impossible for this certificate; handshakes carry no staple");
+                return;
+            }
+        }
+        let Some(target) = &self.target else {
+            return;
+        };
+        let Some(cached) = read_capped(&self.cache_file(&chain[0])) else {
+            return;
+        };
+        match check::verify(target, &cached, &self.algs(), SystemTime::now()) {
+            Ok(answer) if answer.status == Status::Good => {
+                tracing::info!(site = %self.key.site, serial = %target.serial, "OCSP response from the cache stapled");
+                self.accept(&chain[0], cached, &answer);
+            }
+            // Stale or otherwise unusable: the responder is asked at once.
+            _ => {
+                let _ = std::fs::remove_file(self.cache_file(&chain[0]));
+            }
+        }
+    }
+
+    async fn fetch(&mut self) {
+        let (Some(target), Some(leaf)) = (self.target.clone(), self.leaf.clone()) else {
+            return;
+        };
+        let answer = match fetch::post(&target.url, &target.request).await {
+            Ok(body) => check::verify(&target, &body, &self.algs(), SystemTime::now())
+                .map(|answer| (answer, body))
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        match answer {
+            Ok((answer, body)) if answer.status == Status::Good => {
+                GOOD.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(site = %self.key.site, serial = %target.serial, "OCSP response fetched and stapled");
+                self.write_cache(&leaf, &body);
+                self.accept(&leaf, body, &answer);
+            }
+            Ok((answer, _)) if answer.status == Status::Revoked => {
+                REVOKED.fetch_add(1, Ordering::Relaxed);
+                tracing::error!(site = %self.key.site, serial = %target.serial, "OCSP: the certificate is REVOKED according to its responder; no staple is sent (replace the certificate)");
+                self.staple_expires = None;
+                self.slot.staple(&leaf, None, StapleState::Revoked);
+                let _ = std::fs::remove_file(self.cache_file(&leaf));
+                self.next_fetch = Instant::now() + refresh_after(&answer);
+                self.backoff = MIN_BACKOFF;
+            }
+            Ok(_) => self.failed(
+                &target,
+                "the responder does not know the certificate (status unknown)",
+            ),
+            Err(e) => self.failed(&target, &e),
+        }
+    }
+
+    fn failed(&mut self, target: &Target, error: &str) {
+        FETCH_ERRORS.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(site = %self.key.site, serial = %target.serial, error = %error, retry_secs = self.backoff.as_secs(), "OCSP fetch failed; a staple still valid is kept");
+        self.next_fetch = Instant::now() + self.backoff;
+        self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+    }
+
+    fn accept(&mut self, leaf: &CertificateDer<'_>, response: Vec<u8>, answer: &Answer) {
+        self.slot.staple(leaf, Some(response), StapleState::Good);
+        self.staple_expires = answer.next_update;
+        self.next_fetch = Instant::now() + refresh_after(answer);
+        self.backoff = MIN_BACKOFF;
+    }
+
+    fn algs(&self) -> rustls::crypto::WebPkiSupportedAlgorithms {
+        self.shared.provider.signature_verification_algorithms
+    }
+
+    fn cache_file(&self, leaf: &CertificateDer<'_>) -> PathBuf {
+        let digest = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, leaf);
+        self.cache.join(format!("{}.der", check::hex(digest.as_ref())))
+    }
+
+    /// Writes the answer whole or not at all (a temporary file renamed over).
+    fn write_cache(&self, leaf: &CertificateDer<'_>, response: &[u8]) {
+        let path = self.cache_file(leaf);
+        // Per process: during a takeover the old and the new daemon both write.
+        let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+        let written = std::fs::create_dir_all(&self.cache)
+            .and_then(|()| std::fs::write(&tmp, response))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            tracing::warn!(site = %self.key.site, file = %path.display(), error = %e, "cannot write the OCSP cache; the answer is stapled but a restart will ask again");
+        }
+    }
+}
+
+/// Half-way from now to `nextUpdate`, within [`MIN_REFRESH`]..[`MAX_REFRESH`].
+fn refresh_after(answer: &Answer) -> Duration {
+    let Some(next) = answer.next_update else {
+        return NO_NEXT_UPDATE_REFRESH;
+    };
+    let left = next.duration_since(SystemTime::now()).unwrap_or_default();
+    (left / 2).clamp(MIN_REFRESH, MAX_REFRESH)
+}
+
+/// A cached response, if the file exists and is no larger than a response may be.
+fn read_capped(path: &Path) -> Option<Vec<u8>> {
+    let meta = std::fs::metadata(path).ok()?;
+    if meta.len() > fetch::MAX_RESPONSE as u64 {
+        return None;
+    }
+    std::fs::read(path).ok()
+}
+
+/// The stapling families: each site's staple state, answers and fetch failures.
+pub(crate) struct Metrics(pub(crate) Arc<Shared>);
+
+impl Collector for Metrics {
+    fn collect(&self, out: &mut Encoder) {
+        // One state per site (a reload may briefly hold two slots for one name).
+        let states: BTreeMap<String, StapleState> = self
+            .0
+            .certs
+            .snapshot()
+            .into_iter()
+            .map(|(key, slot)| (key.site, slot.staple_state()))
+            .collect();
+        out.family(
+            "webship_tls_ocsp_staple",
+            Kind::Gauge,
+            "1 for the OCSP state of each site's certificate: good (a staple is sent), revoked (none is sent), none.",
+        );
+        for (site, state) in &states {
+            for s in StapleState::ALL {
+                out.sample(&[("site", site), ("state", s.label())], u64::from(*state == s));
+            }
+        }
+        out.family(
+            "webship_tls_ocsp_responses",
+            Kind::Counter,
+            "Verified OCSP answers fetched, by certificate status.",
+        )
+        .sample(&[("status", "good")], GOOD.load(Ordering::Relaxed))
+        .sample(&[("status", "revoked")], REVOKED.load(Ordering::Relaxed));
+        out.family(
+            "webship_tls_ocsp_fetch_errors",
+            Kind::Counter,
+            "OCSP fetches that failed: unreachable responder, HTTP error, a response that does not verify, status unknown.",
+        )
+        .sample(&[], FETCH_ERRORS.load(Ordering::Relaxed));
+    }
+}
