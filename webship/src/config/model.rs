@@ -475,6 +475,62 @@ pub enum TlsSource {
     SelfSigned {
         names: Vec<String>,
     },
+    /// Obtained and renewed through ACME (`[sites.acme]`).
+    Acme(AcmeSource),
+}
+
+/// A site's `[sites.acme]` with the top-level `[acme] storage`: everything that
+/// identifies one ACME certificate. Two sites with equal sources share it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AcmeSource {
+    /// The ACME directory URL (`https://...`).
+    pub directory: String,
+    /// The account's contact (`mailto:` added when missing); `None`: no contact.
+    pub email: Option<String>,
+    pub challenge: AcmeChallenge,
+    /// A PEM file of the CA the directory's HTTPS certificate chains to; `None`: the
+    /// system's roots.
+    pub directory_ca: Option<PathBuf>,
+    /// The names the certificate is for (the site's domain).
+    pub names: Vec<String>,
+    /// `[acme] storage`: accounts, keys and certificates.
+    pub storage: PathBuf,
+}
+
+impl AcmeSource {
+    /// This certificate's folder in the storage: one per name set and directory, so
+    /// changing either orders afresh instead of serving a certificate for other names.
+    pub fn folder(&self) -> PathBuf {
+        // FNV-1a: a stable tag that tells directories apart (not a secret).
+        let tag = self
+            .directory
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        self.storage
+            .join("certs")
+            .join(format!("{}-{:08x}", self.names.join("+"), tag >> 32))
+    }
+
+    /// Where the certificate chain (PEM, leaf first) and its key (PEM, 0600) are kept.
+    pub fn files(&self) -> (PathBuf, PathBuf) {
+        let folder = self.folder();
+        (folder.join("cert.pem"), folder.join("key.pem"))
+    }
+}
+
+/// How the ACME server checks that this daemon answers for a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AcmeChallenge {
+    /// RFC 8737: a special certificate on the TLS port, offered to ALPN `acme-tls/1`.
+    TlsAlpn01,
+}
+
+impl fmt::Display for AcmeChallenge {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::TlsAlpn01 => "tls-alpn-01",
+        })
+    }
 }
 
 /// How a kernel feature is treated by preflight.

@@ -34,6 +34,26 @@ pub(super) struct RawConfig {
     pub accept_proxy_protocol: Option<Vec<String>>,
     /// The admin listener (metrics, health).
     pub admin: Option<RawAdmin>,
+    /// Where ACME accounts, keys and certificates are kept.
+    pub acme: Option<RawAcme>,
+}
+
+/// `[acme]`: what every site with `[sites.acme]` shares.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAcme {
+    pub storage: PathBuf,
+}
+
+/// `[sites.acme]`: the site's certificate comes from this ACME server.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSiteAcme {
+    pub directory: String,
+    pub email: Option<String>,
+    pub challenge: Option<String>,
+    /// A PEM CA the ACME server's own HTTPS certificate must chain to.
+    pub directory_ca: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -108,6 +128,7 @@ pub(super) struct RawSite {
     pub dotfiles: Option<super::Dotfiles>,
     pub protocols: Option<RawProtocols>,
     pub tls: Option<RawTls>,
+    pub acme: Option<RawSiteAcme>,
     pub webtransport: Option<RawWebTransport>,
     pub log: Option<RawSiteLog>,
 }

@@ -138,6 +138,7 @@ pub async fn run(
         tcp_health: plan.watch_tcp()?,
         metrics: crate::metrics::Registry::new(),
         transfers: Arc::default(),
+        acme: crate::acme::Manager::new(tls.clone()),
         tls,
     };
     let metrics = fixed.metrics.clone();
@@ -145,6 +146,7 @@ pub async fn run(
     let engine = plan.passthrough.is_some().then(|| plan.engine());
     collect::register_subsystems(&metrics, plan.programs(), engine);
     metrics.register(Box::new(collect::Received));
+    metrics.register(Box::new(crate::acme::Metrics(fixed.acme.clone())));
     metrics.register(Box::new(collect::AccessLog::new(fixed.access.clone())));
     if let Some(programs) = &fixed.tcp_health {
         metrics.register(Box::new(collect::TcpHealth::new(programs.clone())));
@@ -167,8 +169,11 @@ pub async fn run(
             tracing::warn!(error = %e, "cannot hand the access log file to the service account: a SIGUSR1 that reopens it without a rotation will fail");
         }
     }
+    crate::acme::prepare_storage(&config, privilege.ids());
     drop_privileges(&config, &report, &plan, &privilege)?;
     drop(guard);
+    // As the service account: what it orders, it stores in the folders just handed over.
+    let acme_task = tokio::spawn(fixed.acme.clone().run(shutdown.clone()));
     // Started by a switched thread: the writer runs as the service account.
     access_writer.start()?;
     announce(&config, &report, &bound);
@@ -272,6 +277,7 @@ pub async fn run(
     let last = current.load();
     drain(&permits, limit, last.config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
+    acme_task.abort();
     for task in [h3_task, relay_task, admin_task].into_iter().flatten() {
         task.abort();
     }
@@ -571,6 +577,7 @@ async fn connection(
             let reason = match e {
                 crate::tls::AcceptError::Timeout => Close::HandshakeTimeout,
                 crate::tls::AcceptError::Io(_) => Close::HandshakeFailed,
+                crate::tls::AcceptError::AcmeChallenge => Close::Closed,
             };
             tracked.close(Protocol::None, reason);
             tracing::debug!(%peer, error = %e, "handshake failed");

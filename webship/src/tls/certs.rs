@@ -28,6 +28,8 @@ pub(crate) enum Origin {
     Files { cert: PathBuf, key: PathBuf },
     /// Generated at start (the built-in default site).
     SelfSigned,
+    /// Obtained and renewed through ACME (`crate::acme` keeps the slot filled).
+    Acme(crate::config::AcmeSource),
 }
 
 /// A slot's identity: the site's name and the origin of its certificate.
@@ -73,6 +75,18 @@ impl Certificates {
             .entry(key)
             .or_default()
             .clone()
+    }
+
+    /// The slots whose certificates come from ACME, for the renewal manager to walk:
+    /// reloads that add or remove ACME sites change what it sees.
+    pub(crate) fn acme_slots(&self) -> Vec<(SlotKey, Arc<CertSlot>)> {
+        self.slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .filter(|(k, _)| matches!(k.origin, Origin::Acme(_)))
+            .map(|(k, s)| (k.clone(), s.clone()))
+            .collect()
     }
 
     /// Drops the slots no generation named in `keep`: a reload that removes a site or

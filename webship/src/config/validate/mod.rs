@@ -6,6 +6,7 @@
 //! Validation collects every problem instead of stopping at the first, so one
 //! `webship check` names them all; the walk's order is the order they are listed in.
 
+mod acme;
 mod admin;
 mod kernel;
 mod limits;

@@ -17,6 +17,10 @@ pub(super) struct TopLevel {
     tls: Option<TlsSource>,
     protocols: Protocols,
     dotfiles: Dotfiles,
+    /// `[acme] storage`, when the table is there and valid.
+    acme_storage: Option<PathBuf>,
+    /// Whether there is an `[acme]` table at all (a refused one is reported once).
+    acme_table: bool,
 }
 
 impl Validator<'_> {
@@ -26,6 +30,8 @@ impl Validator<'_> {
             tls: raw.tls.as_ref().map(|t| self.tls("tls", t)),
             protocols: self.protocols("protocols", raw.protocols),
             dotfiles: raw.dotfiles.unwrap_or_default(),
+            acme_storage: raw.acme.as_ref().and_then(|a| self.acme_storage(a)),
+            acme_table: raw.acme.is_some(),
         }
     }
 
@@ -75,14 +81,25 @@ impl Validator<'_> {
                 None
             }
         };
-        let tls = match (&site.tls, &top.tls) {
-            (Some(t), _) => Some(self.tls(&format!("{key}.tls"), t)),
-            (None, Some(t)) => Some(t.clone()),
-            (None, None) => {
+        let tls = match (&site.acme, &site.tls, &top.tls) {
+            (Some(_), Some(_), _) => {
+                self.problem(
+                    format!("{key}.acme"),
+                    "the site has both [sites.tls] and [sites.acme]",
+                    "keep one: [sites.acme] obtains the certificate, [sites.tls] reads it from files",
+                );
+                None
+            }
+            (Some(a), None, _) => {
+                self.site_acme(&key, a, &domain, top.acme_storage.as_deref(), top.acme_table)
+            }
+            (None, Some(t), _) => Some(self.tls(&format!("{key}.tls"), t)),
+            (None, None, Some(t)) => Some(t.clone()),
+            (None, None, None) => {
                 self.problem(
                     format!("{key}.tls"),
                     "the site has no certificate",
-                    "add a [sites.tls] table with `cert` and `key` (PEM files)",
+                    "add a [sites.tls] table with `cert` and `key` (PEM files), or [sites.acme]",
                 );
                 None
             }
