@@ -28,8 +28,8 @@ struct Pebble {
 }
 
 impl Pebble {
-    /// Validates `tls-alpn-01` on `tls_port`.
-    fn start(env: &Env, tls_port: u16) -> Pebble {
+    /// Validates `tls-alpn-01` on `tls_port`, `http-01` on `http_port`.
+    fn start(env: &Env, tls_port: u16, http_port: u16) -> Pebble {
         let dir = env.dir.path();
         let (dns_port, dns_mgmt) = (free_port().unwrap(), free_port().unwrap());
         let mut dns = Process::spawn(
@@ -61,7 +61,7 @@ impl Pebble {
             "managementListenAddress": format!("127.0.0.1:{mgmt}"),
             "certificate": leaf.cert,
             "privateKey": leaf.key,
-            "httpPort": free_port().unwrap(),
+            "httpPort": http_port,
             "tlsPort": tls_port,
             "ocspResponderURL": "",
             "externalAccountBindingRequired": false,
@@ -101,8 +101,13 @@ impl Pebble {
 
     /// The daemon's configuration: `SITE` through ACME, storage in `storage`.
     fn config(&self, env: &Env, port: u16, storage: &Path) -> String {
+        self.config_with(env, port, storage, "", "tls-alpn-01")
+    }
+
+    /// With `acme` added to the `[acme]` table and this `challenge`.
+    fn config_with(&self, env: &Env, port: u16, storage: &Path, acme: &str, challenge: &str) -> String {
         format!(
-            "listen = \"127.0.0.1:{port}\"\nworkers = 2\n\n[acme]\nstorage = \"{}\"\n\n[[sites]]\ndomain = \"{SITE}\"\nroot = \"{}\"\n[sites.acme]\ndirectory = \"{}\"\nemail = \"ops@webship.test\"\nchallenge = \"tls-alpn-01\"\ndirectory_ca = \"{}\"\n",
+            "listen = \"127.0.0.1:{port}\"\nworkers = 2\n\n[acme]\nstorage = \"{}\"\n{acme}\n\n[[sites]]\ndomain = \"{SITE}\"\nroot = \"{}\"\n[sites.acme]\ndirectory = \"{}\"\nemail = \"ops@webship.test\"\nchallenge = \"{challenge}\"\ndirectory_ca = \"{}\"\n",
             storage.display(),
             env.root.display(),
             self.directory,
@@ -206,7 +211,7 @@ fn acme_tls_alpn01_issues_at_start_and_a_forced_renewal_swaps_it_under_a_downloa
     let body: Vec<u8> = (0..32u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     std::fs::write(env.root.join("big.bin"), &body).unwrap();
     let port = free_port().unwrap();
-    let pebble = Pebble::start(&env, port);
+    let pebble = Pebble::start(&env, port, free_port().unwrap());
     let storage = env.dir.path().join("acme");
     let started = Instant::now();
     let (server, config) = start(&env, port, &pebble.config(&env, port, &storage));
@@ -260,7 +265,7 @@ fn acme_tls_alpn01_issues_at_start_and_a_forced_renewal_swaps_it_under_a_downloa
 fn acme_certificate_is_reused_after_a_restart_and_a_failed_renewal_keeps_it() {
     let env = Env::new();
     let port = free_port().unwrap();
-    let pebble = Pebble::start(&env, port);
+    let pebble = Pebble::start(&env, port, free_port().unwrap());
     let storage = env.dir.path().join("acme");
     let (server, _) = start(&env, port, &pebble.config(&env, port, &storage));
     let (serial, _) = first_certificate(&server, &pebble.root, Instant::now());
@@ -288,4 +293,36 @@ fn acme_certificate_is_reused_after_a_restart_and_a_failed_renewal_keeps_it() {
     assert_eq!(metric(&config, "webship_acme_orders_total{outcome=\"failed\"}"), Some(1));
     assert_eq!(metric(&config, "webship_acme_orders_total{outcome=\"issued\"}"), Some(0));
     assert!(server.log().contains("acme: could not obtain a certificate"), "the failure is logged");
+}
+
+#[test]
+fn acme_http01_issues_through_the_http_listener_which_redirects_everything_else() {
+    let env = Env::new();
+    let (port, http) = (free_port().unwrap(), free_port().unwrap());
+    let pebble = Pebble::start(&env, port, http);
+    let storage = env.dir.path().join("acme");
+    let acme = format!("http_listen = \"127.0.0.1:{http}\"");
+    let started = Instant::now();
+    let (server, _) = start(&env, port, &pebble.config_with(&env, port, &storage, &acme, "http-01"));
+    let (_, took) = first_certificate(&server, &pebble.root, started);
+    eprintln!("ACME http-01: daemon start to a served Pebble certificate: {} ms", took.as_millis());
+    assert!(server.log().contains("acme: certificate installed"));
+    // Not a challenge: redirected to https on the TLS port, path kept.
+    let out = Command::new("curl")
+        .args(["-sS", "-o", "/dev/null", "-w", "%{http_code} %{redirect_url}", "--max-time", "10"])
+        .args(["-H", &format!("Host: {SITE}")])
+        .arg(format!("http://127.0.0.1:{http}/a/b.txt?x=1"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("308 https://{SITE}:{port}/a/b.txt?x=1")
+    );
+    // An unknown token is not found (the order's tokens were withdrawn).
+    let out = Command::new("curl")
+        .args(["-sS", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10"])
+        .arg(format!("http://127.0.0.1:{http}/.well-known/acme-challenge/nope"))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "404");
 }

@@ -14,6 +14,7 @@
 //!
 //! `order` speaks the protocol (through instant-acme), `store` keeps the files.
 
+pub(crate) mod http01;
 mod order;
 mod store;
 
@@ -94,6 +95,8 @@ pub(crate) struct Manager {
     /// Site names whose renewal was asked for.
     forced: Mutex<Vec<(String, oneshot::Sender<Result<String, String>>)>>,
     wake: Notify,
+    /// Pending http-01 answers, served by the `[acme] http_listen` listener.
+    http01: Arc<http01::Tokens>,
     issued: AtomicU64,
     failed: AtomicU64,
 }
@@ -105,6 +108,7 @@ impl Manager {
             status: Mutex::default(),
             forced: Mutex::default(),
             wake: Notify::new(),
+            http01: Arc::default(),
             issued: AtomicU64::new(0),
             failed: AtomicU64::new(0),
         })
@@ -123,6 +127,11 @@ impl Manager {
         drop(forced);
         self.wake.notify_one();
         Some(rx)
+    }
+
+    /// The http-01 answers, for the plain-HTTP listener.
+    pub(crate) fn http01_tokens(&self) -> Arc<http01::Tokens> {
+        self.http01.clone()
     }
 
     /// Every ACME site's certificate, by site name.
@@ -296,9 +305,34 @@ impl Manager {
             Ok(outcome) => outcome,
             Err(_) => Err(AcmeError::Timeout),
         };
+        let result = self.record(source, slots, outcome, started, accounts);
+        if let Some(leaf) = result.is_ok().then(|| slots.iter().find_map(|(_, s)| s.get())).flatten() {
+            if let Some(leaf) = leaf.cert.first() {
+                self.schedule(source, leaf, accounts).await;
+            }
+        }
+        let waiting = {
+            let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+            status.get_mut(source).map(|st| std::mem::take(&mut st.waiting)).unwrap_or_default()
+        };
+        for tx in waiting {
+            let _ = tx.send(result.clone());
+        }
+    }
+
+    /// Installs an order's certificate, or records its failure and the backoff.
+    fn record(
+        &self,
+        source: &AcmeSource,
+        slots: &[(String, Arc<CertSlot>)],
+        outcome: Result<order::Issued, AcmeError>,
+        started: std::time::Instant,
+        accounts: &mut HashMap<std::path::PathBuf, Account>,
+    ) -> Result<String, String> {
+        let sites: Vec<&str> = slots.iter().map(|(s, _)| s.as_str()).collect();
         let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
         let st = status.entry(source.clone()).or_default();
-        let result = match outcome {
+        match outcome {
             Ok(issued) => {
                 let key = Arc::new(issued.key);
                 for (_, slot) in slots {
@@ -312,10 +346,11 @@ impl Manager {
                     "acme: certificate installed"
                 );
                 let serial = issued.facts.serial.clone();
-                *st = Status {
-                    facts: Some(issued.facts),
-                    ..Status::default()
-                };
+                st.facts = Some(issued.facts);
+                st.failures = 0;
+                st.last_error = None;
+                st.next = None;
+                st.ari_recheck = None;
                 Ok(serial)
             }
             Err(e) => {
@@ -340,9 +375,6 @@ impl Manager {
                 );
                 Err(e.to_string())
             }
-        };
-        for tx in std::mem::take(&mut st.waiting) {
-            let _ = tx.send(result.clone());
         }
     }
 
@@ -359,7 +391,7 @@ impl Manager {
                 account
             }
         };
-        order::obtain(&account, source, &self.tls.challenges, &self.tls.provider).await
+        order::obtain(&account, source, &self.tls.challenges, &self.http01, &self.tls.provider).await
     }
 
     /// A uniformly random number in [0, 1).

@@ -20,7 +20,9 @@ use rustls::sign::CertifiedKey;
 use super::store::{self, CertFacts};
 use super::AcmeError;
 use crate::config::AcmeSource;
+use crate::config::AcmeChallenge;
 use crate::tls::alpn_challenge::AlpnChallenges;
+use super::http01::Tokens;
 
 /// How long the server may take to validate and to issue, polled with backoff.
 const POLL: RetryPolicy = RetryPolicy::new()
@@ -84,6 +86,7 @@ pub(super) async fn obtain(
     account: &Account,
     source: &AcmeSource,
     challenges: &AlpnChallenges,
+    tokens: &Tokens,
     provider: &CryptoProvider,
 ) -> Result<Issued, AcmeError> {
     let identifiers: Vec<Identifier> = source.names.iter().map(|n| Identifier::Dns(n.clone())).collect();
@@ -91,9 +94,15 @@ pub(super) async fn obtain(
         .new_order(&NewOrder::new(&identifiers))
         .await
         .map_err(client("create the order"))?;
-    let answered = Answered {
+    let mut answered = Answered {
         challenges,
-        names: source.names.clone(),
+        tokens,
+        names: Vec::new(),
+        token_list: Vec::new(),
+    };
+    let kind = match source.challenge {
+        AcmeChallenge::TlsAlpn01 => ChallengeType::TlsAlpn01,
+        AcmeChallenge::Http01 => ChallengeType::Http01,
     };
     let mut authorizations = order.authorizations();
     while let Some(authz) = authorizations.next().await {
@@ -104,11 +113,21 @@ pub(super) async fn obtain(
             other => return Err(AcmeError::Refused(format!("an authorization is {other:?}"))),
         }
         let mut challenge = authz
-            .challenge(ChallengeType::TlsAlpn01)
-            .ok_or_else(|| AcmeError::Refused("the server offers no tls-alpn-01 challenge".into()))?;
+            .challenge(kind.clone())
+            .ok_or_else(|| AcmeError::Refused(format!("the server offers no {} challenge", source.challenge)))?;
         let name = challenge.identifier().to_string();
-        let answer = challenge_cert(provider, &name, challenge.key_authorization().digest().as_ref())?;
-        if !challenges.insert(&name, Arc::new(answer)) {
+        let put = match source.challenge {
+            AcmeChallenge::TlsAlpn01 => {
+                let answer = challenge_cert(provider, &name, challenge.key_authorization().digest().as_ref())?;
+                answered.names.push(name);
+                challenges.insert(&answered.names[answered.names.len() - 1], Arc::new(answer))
+            }
+            AcmeChallenge::Http01 => {
+                answered.token_list.push(challenge.token.clone());
+                tokens.insert(&challenge.token, challenge.key_authorization().as_str())
+            }
+        };
+        if !put {
             return Err(AcmeError::Refused("too many challenges pending".into()));
         }
         challenge.set_ready().await.map_err(client("answer the challenge"))?;
@@ -185,13 +204,18 @@ fn challenge_cert(provider: &CryptoProvider, name: &str, digest: &[u8]) -> Resul
 /// Withdraws the challenge answers when the order is done with them, however it ends.
 struct Answered<'a> {
     challenges: &'a AlpnChallenges,
+    tokens: &'a Tokens,
     names: Vec<String>,
+    token_list: Vec<String>,
 }
 
 impl Drop for Answered<'_> {
     fn drop(&mut self) {
         for name in &self.names {
             self.challenges.remove(name);
+        }
+        for token in &self.token_list {
+            self.tokens.remove(token);
         }
     }
 }

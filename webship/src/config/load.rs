@@ -93,6 +93,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         access_log: super::AccessLog::default(),
         control_socket: None,
         admin: None,
+        acme_http_listen: None,
         accept_proxy_protocol: Vec::new(),
         user: None,
         group: None,

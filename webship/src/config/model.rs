@@ -49,6 +49,9 @@ pub struct Config {
     pub control_socket: Option<PathBuf>,
     /// The admin listener (`/metrics`, `/healthz`, `/readyz`); `None`: none.
     pub admin: Option<Admin>,
+    /// `[acme] http_listen`: the plain-HTTP listener answering ACME http-01
+    /// challenges and redirecting everything else to https; `None`: none.
+    pub acme_http_listen: Option<SocketAddr>,
 }
 
 /// `[admin]`: plain HTTP/1.1 for metrics scrapers and health checks.
@@ -523,12 +526,16 @@ impl AcmeSource {
 pub enum AcmeChallenge {
     /// RFC 8737: a special certificate on the TLS port, offered to ALPN `acme-tls/1`.
     TlsAlpn01,
+    /// RFC 8555 section 8.3: a token under `/.well-known/acme-challenge/` on the
+    /// `[acme] http_listen` listener (port 80).
+    Http01,
 }
 
 impl fmt::Display for AcmeChallenge {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Self::TlsAlpn01 => "tls-alpn-01",
+            Self::Http01 => "http-01",
         })
     }
 }

@@ -43,6 +43,8 @@ pub(super) struct RawConfig {
 #[serde(deny_unknown_fields)]
 pub(super) struct RawAcme {
     pub storage: PathBuf,
+    /// The plain-HTTP listener (port 80) that answers http-01 challenges.
+    pub http_listen: Option<String>,
 }
 
 /// `[sites.acme]`: the site's certificate comes from this ACME server.

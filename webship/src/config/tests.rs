@@ -917,3 +917,17 @@ fn acme_mistakes_are_named_with_their_key() {
     let unknown = format!("[acme]\nstorage = \"acme\"\n{ACME_SITE}dns = \"x\"\n");
     assert!(matches!(f.parse(&unknown), Err(ConfigError::Parse { .. })), "unknown keys are refused");
 }
+
+#[test]
+fn http01_needs_the_http_listener_on_another_port() {
+    let f = Files::new();
+    let site = format!("{ACME_SITE}challenge = \"http-01\"\n");
+    let config = f
+        .parse(&format!("[acme]\nstorage = \"acme\"\nhttp_listen = \"0.0.0.0:80\"\n{site}"))
+        .unwrap();
+    assert_eq!(config.acme_http_listen, Some("0.0.0.0:80".parse().unwrap()));
+    assert!(matches!(&config.sites[0].tls, TlsSource::Acme(a) if a.challenge == AcmeChallenge::Http01));
+    let same = format!("listen = \"0.0.0.0:443\"\n[acme]\nstorage = \"acme\"\nhttp_listen = \"127.0.0.1:443\"\n{site}");
+    let keys: Vec<String> = f.problems(&same).into_iter().map(|p| p.key).collect();
+    assert_eq!(keys, ["acme.http_listen"]);
+}

@@ -170,10 +170,19 @@ pub async fn run(
         }
     }
     crate::acme::prepare_storage(&config, privilege.ids());
+    // Port 80 needs root: bound before the switch, like the TLS port.
+    let acme_http = config
+        .acme_http_listen
+        .map(|addr| crate::acme::http01::bind(addr).map_err(|source| ServerError::Bind { addr, source }))
+        .transpose()?;
     drop_privileges(&config, &report, &plan, &privilege)?;
     drop(guard);
     // As the service account: what it orders, it stores in the folders just handed over.
     let acme_task = tokio::spawn(fixed.acme.clone().run(shutdown.clone()));
+    let acme_http_task = acme_http.map(|listener| {
+        let tokens = fixed.acme.http01_tokens();
+        tokio::spawn(crate::acme::http01::serve(listener, tokens, bound.local.port(), shutdown.clone()))
+    });
     // Started by a switched thread: the writer runs as the service account.
     access_writer.start()?;
     announce(&config, &report, &bound);
@@ -278,7 +287,7 @@ pub async fn run(
     drain(&permits, limit, last.config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
     acme_task.abort();
-    for task in [h3_task, relay_task, admin_task].into_iter().flatten() {
+    for task in [h3_task, relay_task, admin_task, acme_http_task].into_iter().flatten() {
         task.abort();
     }
     drop(reporter);
@@ -573,11 +582,15 @@ async fn connection(
     }
     let accepted = match Box::pin(acceptor.accept(tcp, handshake_timeout)).await {
         Ok(a) => a,
+        Err(crate::tls::AcceptError::AcmeChallenge) => {
+            tracked.close(Protocol::None, Close::Closed);
+            tracing::debug!(%peer, "acme: tls-alpn-01 challenge answered");
+            return;
+        }
         Err(e) => {
             let reason = match e {
                 crate::tls::AcceptError::Timeout => Close::HandshakeTimeout,
-                crate::tls::AcceptError::Io(_) => Close::HandshakeFailed,
-                crate::tls::AcceptError::AcmeChallenge => Close::Closed,
+                crate::tls::AcceptError::Io(_) | crate::tls::AcceptError::AcmeChallenge => Close::HandshakeFailed,
             };
             tracked.close(Protocol::None, reason);
             tracing::debug!(%peer, error = %e, "handshake failed");

@@ -3,6 +3,7 @@
 //! top-level storage folder become one [`AcmeSource`], which is also what the
 //! certificate's slot is kept by.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use crate::config::raw::{RawAcme, RawSiteAcme};
@@ -26,6 +27,29 @@ impl Validator<'_> {
         Some(storage)
     }
 
+    /// `[acme] http_listen`: an address and port other than the TLS listener's.
+    pub(super) fn acme_http_listen(&mut self, text: &str, listen: SocketAddr) -> Option<SocketAddr> {
+        match text.parse::<SocketAddr>() {
+            Ok(addr) if addr.port() == listen.port() && (addr.ip() == listen.ip() || addr.ip().is_unspecified() || listen.ip().is_unspecified()) => {
+                self.problem(
+                    "acme.http_listen",
+                    format!("`{text}` is the TLS listener's port"),
+                    "use port 80 (ACME servers validate http-01 there)",
+                );
+                None
+            }
+            Ok(addr) => Some(addr),
+            Err(_) => {
+                self.problem(
+                    "acme.http_listen",
+                    format!("`{text}` is not an address and port"),
+                    "write it as \"0.0.0.0:80\" or \"[::]:80\"",
+                );
+                None
+            }
+        }
+    }
+
     /// One site's `[sites.acme]`, for `domain`, with the top-level storage folder
     /// (`None`: no `[acme]` table, or a refused one).
     pub(super) fn site_acme(
@@ -34,7 +58,7 @@ impl Validator<'_> {
         raw: &RawSiteAcme,
         domain: &DomainPattern,
         storage: Option<&Path>,
-        acme_table: bool,
+        (acme_table, http_listen): (bool, bool),
     ) -> Option<TlsSource> {
         let key = format!("{key}.acme");
         let mut ok = true;
@@ -59,11 +83,12 @@ impl Validator<'_> {
         }
         let challenge = match raw.challenge.as_deref().unwrap_or("tls-alpn-01") {
             "tls-alpn-01" => Some(AcmeChallenge::TlsAlpn01),
+            "http-01" if http_listen => Some(AcmeChallenge::Http01),
             "http-01" => {
                 self.problem(
                     format!("{key}.challenge"),
-                    "`http-01` is not supported yet (it needs a port-80 listener)",
-                    "use challenge = \"tls-alpn-01\", answered on the TLS port itself",
+                    "`http-01` is answered on a plain-HTTP listener, and [acme] has no `http_listen`",
+                    "add `http_listen = \"0.0.0.0:80\"` to [acme], or use challenge = \"tls-alpn-01\" (answered on the TLS port itself)",
                 );
                 None
             }
@@ -71,7 +96,7 @@ impl Validator<'_> {
                 self.problem(
                     format!("{key}.challenge"),
                     format!("`{other}` is not a challenge type"),
-                    "use \"tls-alpn-01\"",
+                    "use \"tls-alpn-01\" or \"http-01\"",
                 );
                 None
             }

@@ -87,6 +87,11 @@ impl Validator<'_> {
         self.account(raw.user.as_deref(), raw.group.as_deref());
         let control_socket = self.control_socket(raw.control_socket.as_deref(), listen);
         let admin = raw.admin.as_ref().and_then(|a| self.admin(a, listen));
+        let acme_http_listen = raw
+            .acme
+            .as_ref()
+            .and_then(|a| a.http_listen.as_deref())
+            .and_then(|text| self.acme_http_listen(text, listen));
         let top = self.top_level(&raw);
         let accept_proxy_protocol = self.address_blocks(
             "accept_proxy_protocol",
@@ -129,6 +134,7 @@ impl Validator<'_> {
             group: raw.group,
             control_socket: Some(control_socket),
             admin,
+            acme_http_listen,
         }
     }
 

@@ -21,6 +21,8 @@ pub(super) struct TopLevel {
     acme_storage: Option<PathBuf>,
     /// Whether there is an `[acme]` table at all (a refused one is reported once).
     acme_table: bool,
+    /// Whether `[acme] http_listen` is set (http-01 needs it).
+    acme_http: bool,
 }
 
 impl Validator<'_> {
@@ -32,6 +34,7 @@ impl Validator<'_> {
             dotfiles: raw.dotfiles.unwrap_or_default(),
             acme_storage: raw.acme.as_ref().and_then(|a| self.acme_storage(a)),
             acme_table: raw.acme.is_some(),
+            acme_http: raw.acme.as_ref().is_some_and(|a| a.http_listen.is_some()),
         }
     }
 
@@ -91,7 +94,7 @@ impl Validator<'_> {
                 None
             }
             (Some(a), None, _) => {
-                self.site_acme(&key, a, &domain, top.acme_storage.as_deref(), top.acme_table)
+                self.site_acme(&key, a, &domain, top.acme_storage.as_deref(), (top.acme_table, top.acme_http))
             }
             (None, Some(t), _) => Some(self.tls(&format!("{key}.tls"), t)),
             (None, None, Some(t)) => Some(t.clone()),
