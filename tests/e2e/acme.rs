@@ -71,7 +71,12 @@ impl Pebble {
         let mut pebble = Process::spawn(
             "pebble",
             Command::new("pebble")
-                .args(["-config", file.to_str().unwrap(), "-dnsserver", &format!("127.0.0.1:{dns_port}")])
+                .args([
+                    "-config",
+                    file.to_str().unwrap(),
+                    "-dnsserver",
+                    &format!("127.0.0.1:{dns_port}"),
+                ])
                 .env("PEBBLE_VA_NOSLEEP", "1")
                 .env("PEBBLE_VA_ALWAYS_VALID", "0")
                 // Every order validates (no authorization reuse), no nonce is refused.
@@ -90,7 +95,11 @@ impl Pebble {
             .arg(&root)
             .output()
             .unwrap();
-        assert!(out.status.success(), "Pebble's root: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "Pebble's root: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         Pebble {
             _dns: dns,
             _pebble: pebble,
@@ -131,7 +140,11 @@ fn wait_ready(process: &mut Process, port: u16) {
 fn start(env: &Env, port: u16, config: &str) -> (Server, PathBuf) {
     let path = env.dir.path().join("webship.toml");
     std::fs::write(&path, config).unwrap();
-    let mut server = Server::spawn(env.dir.path(), &["serve", "--config", path.to_str().unwrap()], port);
+    let mut server = Server::spawn(
+        env.dir.path(),
+        &["serve", "--config", path.to_str().unwrap()],
+        port,
+    );
     server.wait_listening();
     (server, path)
 }
@@ -140,8 +153,21 @@ fn start(env: &Env, port: u16, config: &str) -> (Server, PathBuf) {
 /// `root`; `Err` with openssl's words when the handshake or the verification fails.
 fn served_serial(port: u16, root: &Path) -> Result<String, String> {
     let out = Command::new("timeout")
-        .args(["10", "openssl", "s_client", "-connect", &format!("127.0.0.1:{port}")])
-        .args(["-servername", SITE, "-verify_return_error", "-alpn", "http/1.1", "-CAfile"])
+        .args([
+            "10",
+            "openssl",
+            "s_client",
+            "-connect",
+            &format!("127.0.0.1:{port}"),
+        ])
+        .args([
+            "-servername",
+            SITE,
+            "-verify_return_error",
+            "-alpn",
+            "http/1.1",
+            "-CAfile",
+        ])
         .arg(root)
         .stdin(Stdio::null())
         .output()
@@ -171,7 +197,10 @@ fn first_certificate(server: &Server, root: &Path, since: Instant) -> (String, D
         match served_serial(server.port, root) {
             Ok(serial) => return (serial, since.elapsed()),
             Err(e) if since.elapsed() > ISSUE_WITHIN => {
-                panic!("no ACME certificate served after {ISSUE_WITHIN:?}: {e}\nlog:\n{}", server.log())
+                panic!(
+                    "no ACME certificate served after {ISSUE_WITHIN:?}: {e}\nlog:\n{}",
+                    server.log()
+                )
             }
             Err(_) => std::thread::sleep(Duration::from_millis(100)),
         }
@@ -186,12 +215,19 @@ fn certs(config: &Path, renew: Option<&str>) -> (bool, serde_json::Value, String
     }
     let out = webship(&args, Path::new("/"));
     let list = serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
-    (out.status.success(), list, String::from_utf8_lossy(&out.stderr).into_owned())
+    (
+        out.status.success(),
+        list,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 fn metric(config: &Path, line_start: &str) -> Option<u64> {
     let socket = webship::config::load(config).unwrap().control_socket.unwrap();
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let reply = runtime
         .block_on(webship::control::call(
             &socket,
@@ -208,7 +244,9 @@ fn metric(config: &Path, line_start: &str) -> Option<u64> {
 #[test]
 fn acme_tls_alpn01_issues_at_start_and_a_forced_renewal_swaps_it_under_a_download() {
     let env = Env::new();
-    let body: Vec<u8> = (0..32u32 << 20).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let body: Vec<u8> = (0..32u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
     std::fs::write(env.root.join("big.bin"), &body).unwrap();
     let port = free_port().unwrap();
     let pebble = Pebble::start(&env, port, free_port().unwrap());
@@ -216,14 +254,28 @@ fn acme_tls_alpn01_issues_at_start_and_a_forced_renewal_swaps_it_under_a_downloa
     let started = Instant::now();
     let (server, config) = start(&env, port, &pebble.config(&env, port, &storage));
     let (serial, took) = first_certificate(&server, &pebble.root, started);
-    eprintln!("ACME: daemon start to a served Pebble certificate: {} ms", took.as_millis());
+    eprintln!(
+        "ACME: daemon start to a served Pebble certificate: {} ms",
+        took.as_millis()
+    );
 
     // Stored: the key private to the daemon, the chain beside it.
-    let folder = std::fs::read_dir(storage.join("certs")).unwrap().next().unwrap().unwrap().path();
+    let folder = std::fs::read_dir(storage.join("certs"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(folder.join("key.pem")).unwrap().permissions().mode() & 0o777;
+    let mode = std::fs::metadata(folder.join("key.pem"))
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
     assert_eq!(mode, 0o600, "the stored key is 0600");
-    assert!(std::fs::read_to_string(folder.join("cert.pem")).unwrap().contains("BEGIN CERTIFICATE"));
+    assert!(std::fs::read_to_string(folder.join("cert.pem"))
+        .unwrap()
+        .contains("BEGIN CERTIFICATE"));
     let (ok, list, _) = certs(&config, None);
     assert!(ok);
     assert_eq!(list[0]["site"], SITE);
@@ -232,7 +284,15 @@ fn acme_tls_alpn01_issues_at_start_and_a_forced_renewal_swaps_it_under_a_downloa
     // A slow download on its own connection, under way while the renewal happens.
     let out = env.dir.path().join("download.bin");
     let mut curl = Command::new("curl")
-        .args(["-sS", "--http1.1", "--limit-rate", "8M", "--max-time", "60", "--cacert"])
+        .args([
+            "-sS",
+            "--http1.1",
+            "--limit-rate",
+            "8M",
+            "--max-time",
+            "60",
+            "--cacert",
+        ])
         .arg(&pebble.root)
         .args(["--resolve", &format!("{SITE}:{port}:127.0.0.1")])
         .arg(format!("https://{SITE}:{port}/big.bin"))
@@ -253,12 +313,22 @@ fn acme_tls_alpn01_issues_at_start_and_a_forced_renewal_swaps_it_under_a_downloa
         std::fs::metadata(&out).unwrap().len() < body.len() as u64,
         "the renewal happened while the download ran"
     );
-    assert_eq!(served_serial(port, &pebble.root).unwrap(), renewed, "a new connection sees the new serial");
+    assert_eq!(
+        served_serial(port, &pebble.root).unwrap(),
+        renewed,
+        "a new connection sees the new serial"
+    );
     let status = curl.wait().unwrap();
     assert!(status.success(), "the download across the renewal failed");
     assert!(std::fs::read(&out).unwrap() == body, "the download is byte-exact");
-    assert_eq!(metric(&config, "webship_acme_orders_total{outcome=\"issued\"}"), Some(2));
-    assert_eq!(metric(&config, "webship_acme_orders_total{outcome=\"failed\"}"), Some(0));
+    assert_eq!(
+        metric(&config, "webship_acme_orders_total{outcome=\"issued\"}"),
+        Some(2)
+    );
+    assert_eq!(
+        metric(&config, "webship_acme_orders_total{outcome=\"failed\"}"),
+        Some(0)
+    );
 }
 
 #[test]
@@ -283,16 +353,28 @@ fn acme_certificate_is_reused_after_a_restart_and_a_failed_renewal_keeps_it() {
     let (ok, list, message) = certs(&config, Some(SITE));
     assert!(!ok, "the renewal cannot succeed: {list}");
     assert!(message.contains("renewal failed"), "{message}");
-    assert!(list[0]["last_error"].as_str().is_some_and(|e| !e.is_empty()), "{list}");
+    assert!(
+        list[0]["last_error"].as_str().is_some_and(|e| !e.is_empty()),
+        "{list}"
+    );
     assert_eq!(list[0]["serial"].as_str(), Some(serial.as_str()));
     assert_eq!(
         served_serial(other, &pebble.root).as_deref(),
         Ok(serial.as_str()),
         "the old certificate keeps serving"
     );
-    assert_eq!(metric(&config, "webship_acme_orders_total{outcome=\"failed\"}"), Some(1));
-    assert_eq!(metric(&config, "webship_acme_orders_total{outcome=\"issued\"}"), Some(0));
-    assert!(server.log().contains("acme: could not obtain a certificate"), "the failure is logged");
+    assert_eq!(
+        metric(&config, "webship_acme_orders_total{outcome=\"failed\"}"),
+        Some(1)
+    );
+    assert_eq!(
+        metric(&config, "webship_acme_orders_total{outcome=\"issued\"}"),
+        Some(0)
+    );
+    assert!(
+        server.log().contains("acme: could not obtain a certificate"),
+        "the failure is logged"
+    );
 }
 
 #[test]
@@ -303,13 +385,28 @@ fn acme_http01_issues_through_the_http_listener_which_redirects_everything_else(
     let storage = env.dir.path().join("acme");
     let acme = format!("http_listen = \"127.0.0.1:{http}\"");
     let started = Instant::now();
-    let (server, _) = start(&env, port, &pebble.config_with(&env, port, &storage, &acme, "http-01"));
+    let (server, _) = start(
+        &env,
+        port,
+        &pebble.config_with(&env, port, &storage, &acme, "http-01"),
+    );
     let (_, took) = first_certificate(&server, &pebble.root, started);
-    eprintln!("ACME http-01: daemon start to a served Pebble certificate: {} ms", took.as_millis());
+    eprintln!(
+        "ACME http-01: daemon start to a served Pebble certificate: {} ms",
+        took.as_millis()
+    );
     assert!(server.log().contains("acme: certificate installed"));
     // Not a challenge: redirected to https on the TLS port, path kept.
     let out = Command::new("curl")
-        .args(["-sS", "-o", "/dev/null", "-w", "%{http_code} %{redirect_url}", "--max-time", "10"])
+        .args([
+            "-sS",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code} %{redirect_url}",
+            "--max-time",
+            "10",
+        ])
         .args(["-H", &format!("Host: {SITE}")])
         .arg(format!("http://127.0.0.1:{http}/a/b.txt?x=1"))
         .output()

@@ -320,12 +320,19 @@ fn certs(path: Option<&Path>, renew: Option<String>, json: bool) -> anyhow::Resu
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    let reply = runtime.block_on(control::call(&socket, &Request::Certs { renew }, CERTS_REPLY_TIMEOUT))?;
+    let reply = runtime.block_on(control::call(
+        &socket,
+        &Request::Certs { renew },
+        CERTS_REPLY_TIMEOUT,
+    ))?;
     let list = reply.certs.clone().unwrap_or_default();
     if json {
         println!("{}", serde_json::to_string(&list)?);
     } else {
-        println!("{:<32} {:<6} {:<40} {:<20} {:<20} last error", "site", "source", "serial", "not after", "next renewal");
+        println!(
+            "{:<32} {:<6} {:<40} {:<20} {:<20} last error",
+            "site", "source", "serial", "not after", "next renewal"
+        );
         let when = |t: Option<u64>| {
             t.map_or_else(
                 || "-".to_owned(),

@@ -45,11 +45,18 @@ impl Tokens {
     }
 
     pub(crate) fn remove(&self, token: &str) {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).remove(token);
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(token);
     }
 
     fn get(&self, token: &str) -> Option<String> {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner()).get(token).cloned()
+        self.pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(token)
+            .cloned()
     }
 }
 
@@ -69,7 +76,12 @@ pub(crate) fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 }
 
 /// Serves until shutdown; `https_port` is where redirects point.
-pub(crate) async fn serve(listener: TcpListener, tokens: Arc<Tokens>, https_port: u16, mut shutdown: Shutdown) {
+pub(crate) async fn serve(
+    listener: TcpListener,
+    tokens: Arc<Tokens>,
+    https_port: u16,
+    mut shutdown: Shutdown,
+) {
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     loop {
         let accepted = tokio::select! {
@@ -126,17 +138,30 @@ async fn answer(mut tcp: TcpStream, tokens: &Tokens, https_port: u16) -> std::io
         .find(|h| h.name.eq_ignore_ascii_case("host"))
         .and_then(|h| std::str::from_utf8(h.value).ok())
         .map(|h| h.rsplit_once(':').map_or(h, |(name, _)| name))
-        .filter(|h| !h.is_empty() && h.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-'));
+        .filter(|h| {
+            !h.is_empty()
+                && h.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-')
+        });
     let Some(host) = host else {
         return respond(&mut tcp, "400 Bad Request", None, "").await;
     };
-    let port = if https_port == 443 { String::new() } else { format!(":{https_port}") };
+    let port = if https_port == 443 {
+        String::new()
+    } else {
+        format!(":{https_port}")
+    };
     let path = if path.starts_with('/') { path } else { "/" };
     let location = format!("https://{host}{port}{path}");
     respond(&mut tcp, "308 Permanent Redirect", Some(&location), "").await
 }
 
-async fn respond(tcp: &mut TcpStream, status: &str, location: Option<&str>, body: &str) -> std::io::Result<()> {
+async fn respond(
+    tcp: &mut TcpStream,
+    status: &str,
+    location: Option<&str>,
+    body: &str,
+) -> std::io::Result<()> {
     let location = location.map(|l| format!("Location: {l}\r\n")).unwrap_or_default();
     let text = format!(
         "HTTP/1.1 {status}\r\n{location}Content-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",

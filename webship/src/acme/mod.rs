@@ -73,6 +73,9 @@ pub(crate) enum AcmeError {
     Timeout,
 }
 
+/// Where a forced renewal's outcome goes: the new serial, or the error.
+type Outcome = oneshot::Sender<Result<String, String>>;
+
 /// What the manager knows of one certificate (one [`AcmeSource`]).
 #[derive(Debug, Default)]
 struct Status {
@@ -83,7 +86,7 @@ struct Status {
     failures: u32,
     last_error: Option<String>,
     /// Callers of a forced renewal, told the outcome.
-    waiting: Vec<oneshot::Sender<Result<String, String>>>,
+    waiting: Vec<Outcome>,
 }
 
 /// The ACME manager: one per process, shared by the supervisor (for `webship
@@ -93,7 +96,7 @@ pub(crate) struct Manager {
     tls: Arc<Shared>,
     status: Mutex<HashMap<AcmeSource, Status>>,
     /// Site names whose renewal was asked for.
-    forced: Mutex<Vec<(String, oneshot::Sender<Result<String, String>>)>>,
+    forced: Mutex<Vec<(String, Outcome)>>,
     wake: Notify,
     /// Pending http-01 answers, served by the `[acme] http_listen` listener.
     http01: Arc<http01::Tokens>,
@@ -136,7 +139,10 @@ impl Manager {
 
     /// Every ACME site's certificate, by site name.
     pub(crate) fn list(&self) -> Vec<CertInfo> {
-        let epoch = |t: SystemTime| t.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let epoch = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        };
         let status = self.status.lock().unwrap_or_else(|p| p.into_inner());
         let mut list: Vec<CertInfo> = self
             .tls
@@ -144,7 +150,9 @@ impl Manager {
             .acme_slots()
             .into_iter()
             .filter_map(|(key, slot)| {
-                let Origin::Acme(source) = key.origin else { return None };
+                let Origin::Acme(source) = key.origin else {
+                    return None;
+                };
                 let st = status.get(&source);
                 let facts = slot_facts(&slot).or_else(|| st.and_then(|s| s.facts.clone()));
                 Some(CertInfo {
@@ -194,7 +202,10 @@ impl Manager {
             let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
             status.retain(|s, _| sources.contains_key(s));
             for (site, tx) in forced {
-                match sources.iter().find(|(_, slots)| slots.iter().any(|(name, _)| *name == site)) {
+                match sources
+                    .iter()
+                    .find(|(_, slots)| slots.iter().any(|(name, _)| *name == site))
+                {
                     Some((source, _)) => {
                         let st = status.entry(source.clone()).or_default();
                         st.next = None;
@@ -261,7 +272,10 @@ impl Manager {
         let Ok(facts) = CertFacts::of(leaf) else { return };
         let lifetime = facts.lifetime();
         let jitter = lifetime.mul_f64(self.random_share() / 20.0);
-        let mut next = facts.not_after.checked_sub(lifetime / 3 + jitter).unwrap_or(facts.not_after);
+        let mut next = facts
+            .not_after
+            .checked_sub(lifetime / 3 + jitter)
+            .unwrap_or(facts.not_after);
         let now = SystemTime::now();
         let mut recheck = now + ARI_RECHECK_MAX;
         if let Ok(id) = CertificateIdentifier::try_from(leaf) {
@@ -306,14 +320,21 @@ impl Manager {
             Err(_) => Err(AcmeError::Timeout),
         };
         let result = self.record(source, slots, outcome, started, accounts);
-        if let Some(leaf) = result.is_ok().then(|| slots.iter().find_map(|(_, s)| s.get())).flatten() {
+        if let Some(leaf) = result
+            .is_ok()
+            .then(|| slots.iter().find_map(|(_, s)| s.get()))
+            .flatten()
+        {
             if let Some(leaf) = leaf.cert.first() {
                 self.schedule(source, leaf, accounts).await;
             }
         }
         let waiting = {
             let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
-            status.get_mut(source).map(|st| std::mem::take(&mut st.waiting)).unwrap_or_default()
+            status
+                .get_mut(source)
+                .map(|st| std::mem::take(&mut st.waiting))
+                .unwrap_or_default()
         };
         for tx in waiting {
             let _ = tx.send(result.clone());
@@ -391,7 +412,14 @@ impl Manager {
                 account
             }
         };
-        order::obtain(&account, source, &self.tls.challenges, &self.http01, &self.tls.provider).await
+        order::obtain(
+            &account,
+            source,
+            &self.tls.challenges,
+            &self.http01,
+            &self.tls.provider,
+        )
+        .await
     }
 
     /// A uniformly random number in [0, 1).
@@ -406,7 +434,10 @@ impl Manager {
 
 /// The account for `source`, from the cache or restored from storage (`None` when
 /// there is none yet, or it cannot be restored now).
-async fn account_for(source: &AcmeSource, accounts: &mut HashMap<std::path::PathBuf, Account>) -> Option<Account> {
+async fn account_for(
+    source: &AcmeSource,
+    accounts: &mut HashMap<std::path::PathBuf, Account>,
+) -> Option<Account> {
     let file = store::account_file(source);
     if let Some(account) = accounts.get(&file) {
         return Some(account.clone());
@@ -414,7 +445,10 @@ async fn account_for(source: &AcmeSource, accounts: &mut HashMap<std::path::Path
     if !file.exists() {
         return None;
     }
-    let account = tokio::time::timeout(ARI_TIMEOUT, order::account(source)).await.ok()?.ok()?;
+    let account = tokio::time::timeout(ARI_TIMEOUT, order::account(source))
+        .await
+        .ok()?
+        .ok()?;
     accounts.insert(file, account.clone());
     Some(account)
 }

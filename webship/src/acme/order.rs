@@ -17,12 +17,12 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivatePkcs8KeyDer};
 use rustls::sign::CertifiedKey;
 
+use super::http01::Tokens;
 use super::store::{self, CertFacts};
 use super::AcmeError;
-use crate::config::AcmeSource;
 use crate::config::AcmeChallenge;
+use crate::config::AcmeSource;
 use crate::tls::alpn_challenge::AlpnChallenges;
-use super::http01::Tokens;
 
 /// How long the server may take to validate and to issue, polled with backoff.
 const POLL: RetryPolicy = RetryPolicy::new()
@@ -112,13 +112,14 @@ pub(super) async fn obtain(
             AuthorizationStatus::Pending => {}
             other => return Err(AcmeError::Refused(format!("an authorization is {other:?}"))),
         }
-        let mut challenge = authz
-            .challenge(kind.clone())
-            .ok_or_else(|| AcmeError::Refused(format!("the server offers no {} challenge", source.challenge)))?;
+        let mut challenge = authz.challenge(kind.clone()).ok_or_else(|| {
+            AcmeError::Refused(format!("the server offers no {} challenge", source.challenge))
+        })?;
         let name = challenge.identifier().to_string();
         let put = match source.challenge {
             AcmeChallenge::TlsAlpn01 => {
-                let answer = challenge_cert(provider, &name, challenge.key_authorization().digest().as_ref())?;
+                let answer =
+                    challenge_cert(provider, &name, challenge.key_authorization().digest().as_ref())?;
                 answered.names.push(name);
                 challenges.insert(&answered.names[answered.names.len() - 1], Arc::new(answer))
             }
@@ -130,9 +131,15 @@ pub(super) async fn obtain(
         if !put {
             return Err(AcmeError::Refused("too many challenges pending".into()));
         }
-        challenge.set_ready().await.map_err(client("answer the challenge"))?;
+        challenge
+            .set_ready()
+            .await
+            .map_err(client("answer the challenge"))?;
     }
-    let status = order.poll_ready(&POLL).await.map_err(client("wait for validation"))?;
+    let status = order
+        .poll_ready(&POLL)
+        .await
+        .map_err(client("wait for validation"))?;
     if status != OrderStatus::Ready {
         let detail = order
             .state()
@@ -175,7 +182,10 @@ pub(super) async fn obtain(
     let (cert_file, key_file) = source.files();
     store::write_atomic(&key_file, key.serialize_pem().as_bytes(), 0o600)?;
     store::write_atomic(&cert_file, chain_pem.as_bytes(), 0o644)?;
-    Ok(Issued { key: certified, facts })
+    Ok(Issued {
+        key: certified,
+        facts,
+    })
 }
 
 /// Names the protocol step an instant-acme error happened in.
@@ -187,7 +197,8 @@ fn client(step: &'static str) -> impl FnOnce(instant_acme::Error) -> AcmeError {
 /// name only, with the critical acmeIdentifier extension holding `digest` (the
 /// SHA-256 of the key authorization).
 fn challenge_cert(provider: &CryptoProvider, name: &str, digest: &[u8]) -> Result<CertifiedKey, AcmeError> {
-    let err = |e: rcgen::Error| AcmeError::Certificate(format!("cannot build the tls-alpn-01 certificate: {e}"));
+    let err =
+        |e: rcgen::Error| AcmeError::Certificate(format!("cannot build the tls-alpn-01 certificate: {e}"));
     let mut params = rcgen::CertificateParams::new(vec![name.to_owned()]).map_err(err)?;
     params
         .custom_extensions

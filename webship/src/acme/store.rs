@@ -34,7 +34,9 @@ pub(super) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<(), Ac
         path: path.to_owned(),
         source: e,
     };
-    let folder = path.parent().ok_or_else(|| err(std::io::ErrorKind::InvalidInput.into()))?;
+    let folder = path
+        .parent()
+        .ok_or_else(|| err(std::io::ErrorKind::InvalidInput.into()))?;
     create_private_dir(folder).map_err(err)?;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
@@ -117,9 +119,16 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), b"two");
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        let folder = std::fs::metadata(dir.path().join("a/b")).unwrap().permissions().mode() & 0o777;
+        let folder = std::fs::metadata(dir.path().join("a/b"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
         assert_eq!(folder, 0o700);
-        assert!(!dir.path().join("a/b/key.pem.tmp").exists(), "no temporary file is left");
+        assert!(
+            !dir.path().join("a/b/key.pem.tmp").exists(),
+            "no temporary file is left"
+        );
     }
 
     #[test]

@@ -505,10 +505,9 @@ impl AcmeSource {
     /// changing either orders afresh instead of serving a certificate for other names.
     pub fn folder(&self) -> PathBuf {
         // FNV-1a: a stable tag that tells directories apart (not a secret).
-        let tag = self
-            .directory
-            .bytes()
-            .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        let tag = self.directory.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
         self.storage
             .join("certs")
             .join(format!("{}-{:08x}", self.names.join("+"), tag >> 32))

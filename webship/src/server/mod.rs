@@ -181,7 +181,12 @@ pub async fn run(
     let acme_task = tokio::spawn(fixed.acme.clone().run(shutdown.clone()));
     let acme_http_task = acme_http.map(|listener| {
         let tokens = fixed.acme.http01_tokens();
-        tokio::spawn(crate::acme::http01::serve(listener, tokens, bound.local.port(), shutdown.clone()))
+        tokio::spawn(crate::acme::http01::serve(
+            listener,
+            tokens,
+            bound.local.port(),
+            shutdown.clone(),
+        ))
     });
     // Started by a switched thread: the writer runs as the service account.
     access_writer.start()?;
@@ -287,7 +292,10 @@ pub async fn run(
     drain(&permits, limit, last.config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
     acme_task.abort();
-    for task in [h3_task, relay_task, admin_task, acme_http_task].into_iter().flatten() {
+    for task in [h3_task, relay_task, admin_task, acme_http_task]
+        .into_iter()
+        .flatten()
+    {
         task.abort();
     }
     drop(reporter);
@@ -590,7 +598,9 @@ async fn connection(
         Err(e) => {
             let reason = match e {
                 crate::tls::AcceptError::Timeout => Close::HandshakeTimeout,
-                crate::tls::AcceptError::Io(_) | crate::tls::AcceptError::AcmeChallenge => Close::HandshakeFailed,
+                crate::tls::AcceptError::Io(_) | crate::tls::AcceptError::AcmeChallenge => {
+                    Close::HandshakeFailed
+                }
             };
             tracked.close(Protocol::None, reason);
             tracing::debug!(%peer, error = %e, "handshake failed");

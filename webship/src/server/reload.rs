@@ -277,6 +277,14 @@ fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<Strin
     kept(n, "workers", "running", &mut new.workers, &running.workers, |v| {
         shown(v)
     });
+    kept(
+        n,
+        "acme.http_listen",
+        "answering http-01 on",
+        &mut new.acme_http_listen,
+        &running.acme_http_listen,
+        |v| or_none(v.map(|a| a.to_string())),
+    );
     kept(n, "user", "running as", &mut new.user, &running.user, |v| {
         or_none(v.clone())
     });
@@ -518,7 +526,9 @@ async fn answer(
                     Some((site, rx)) => match tokio::time::timeout(CERTS_RENEW_WAIT, rx).await {
                         Ok(Ok(Ok(serial))) => Reply::ok(format!("{site}: renewed, serial {serial}")),
                         Ok(Ok(Err(e))) => Reply::refused(format!("{site}: renewal failed: {e}")),
-                        _ => Reply::refused(format!("{site}: the renewal is still running; see `webship certs`")),
+                        _ => Reply::refused(format!(
+                            "{site}: the renewal is still running; see `webship certs`"
+                        )),
                     },
                 };
                 reply.certs = Some(acme.list());

@@ -47,13 +47,22 @@ impl AlpnChallenges {
     /// The configuration that answers this ClientHello's challenge, when it is one:
     /// it offers `acme-tls/1` and names a host with a pending challenge. A client
     /// offering `acme-tls/1` for any other name is treated as an ordinary one.
-    pub(crate) fn answer(&self, provider: &Arc<CryptoProvider>, hello: &ClientHello<'_>) -> Option<Arc<ServerConfig>> {
+    pub(crate) fn answer(
+        &self,
+        provider: &Arc<CryptoProvider>,
+        hello: &ClientHello<'_>,
+    ) -> Option<Arc<ServerConfig>> {
         let offers = hello.alpn()?.any(|p| p == ACME_TLS_ALPN);
         if !offers {
             return None;
         }
         let name = hello.server_name()?.to_ascii_lowercase();
-        let key = self.pending.lock().unwrap_or_else(|p| p.into_inner()).get(&name)?.clone();
+        let key = self
+            .pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&name)?
+            .clone();
         let mut config = ServerConfig::builder_with_provider(provider.clone())
             .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
             .ok()?

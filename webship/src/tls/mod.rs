@@ -200,7 +200,9 @@ impl Acceptor {
                     if cert.exists() {
                         match certs::load_pair(&provider, &domain, &cert, &key) {
                             Ok(stored) => slot.set(Arc::new(stored)),
-                            Err(e) => tracing::warn!(site = %domain, error = %e, "acme: the stored certificate cannot be used; a new one is ordered"),
+                            Err(e) => {
+                                tracing::warn!(site = %domain, error = %e, "acme: the stored certificate cannot be used; a new one is ordered")
+                            }
                         }
                     }
                 }

@@ -30,7 +30,12 @@ impl Validator<'_> {
     /// `[acme] http_listen`: an address and port other than the TLS listener's.
     pub(super) fn acme_http_listen(&mut self, text: &str, listen: SocketAddr) -> Option<SocketAddr> {
         match text.parse::<SocketAddr>() {
-            Ok(addr) if addr.port() == listen.port() && (addr.ip() == listen.ip() || addr.ip().is_unspecified() || listen.ip().is_unspecified()) => {
+            Ok(addr)
+                if addr.port() == listen.port()
+                    && (addr.ip() == listen.ip()
+                        || addr.ip().is_unspecified()
+                        || listen.ip().is_unspecified()) =>
+            {
                 self.problem(
                     "acme.http_listen",
                     format!("`{text}` is the TLS listener's port"),
@@ -101,9 +106,14 @@ impl Validator<'_> {
                 None
             }
         };
-        let email = raw.email.as_ref().map(|e| e.strip_prefix("mailto:").unwrap_or(e).to_owned());
+        let email = raw
+            .email
+            .as_ref()
+            .map(|e| e.strip_prefix("mailto:").unwrap_or(e).to_owned());
         if let Some(e) = &email {
-            let valid = e.split_once('@').is_some_and(|(user, host)| !user.is_empty() && !host.is_empty())
+            let valid = e
+                .split_once('@')
+                .is_some_and(|(user, host)| !user.is_empty() && !host.is_empty())
                 && !e.chars().any(|c| c.is_whitespace() || c.is_control() || c == ',');
             if !valid {
                 ok = false;

@@ -93,9 +93,13 @@ impl Validator<'_> {
                 );
                 None
             }
-            (Some(a), None, _) => {
-                self.site_acme(&key, a, &domain, top.acme_storage.as_deref(), (top.acme_table, top.acme_http))
-            }
+            (Some(a), None, _) => self.site_acme(
+                &key,
+                a,
+                &domain,
+                top.acme_storage.as_deref(),
+                (top.acme_table, top.acme_http),
+            ),
             (None, Some(t), _) => Some(self.tls(&format!("{key}.tls"), t)),
             (None, None, Some(t)) => Some(t.clone()),
             (None, None, None) => {
