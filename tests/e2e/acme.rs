@@ -12,7 +12,7 @@ use webship_testkit::ports::free_port;
 use webship_testkit::process::{Logs, Process, Ready};
 use webship_tests::{webship, Server};
 
-use crate::support::Env;
+use crate::support::{Env, HOST};
 
 const SITE: &str = "acme.webship.test";
 /// Issuance with `PEBBLE_VA_NOSLEEP` takes about a second; the box may be busy.
@@ -422,4 +422,47 @@ fn acme_http01_issues_through_the_http_listener_which_redirects_everything_else(
         .output()
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "404");
+}
+
+#[test]
+fn acme_site_added_by_a_reload_gets_its_certificate_and_goes_with_the_next() {
+    let env = Env::new();
+    let port = free_port().unwrap();
+    let pebble = Pebble::start(&env, port, free_port().unwrap());
+    let storage = env.dir.path().join("acme");
+    let files_site = format!(
+        "[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+        env.root.display(),
+        env.cert.display(),
+        env.key.display()
+    );
+    let base = format!("listen = \"127.0.0.1:{port}\"\nworkers = 2\n\n{files_site}");
+    let (server, path) = start(&env, port, &base);
+    assert!(
+        served_serial(port, &pebble.root).is_err(),
+        "no ACME certificate before the reload"
+    );
+    let reload = |text: &str| {
+        std::fs::write(&path, text).unwrap();
+        let out = webship(&["reload", "--config", path.to_str().unwrap()], Path::new("/"));
+        assert!(
+            out.status.success(),
+            "reload: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    reload(&format!("{}\n{files_site}", pebble.config(&env, port, &storage)));
+    let (serial, _) = first_certificate(&server, &pebble.root, Instant::now());
+    let (ok, list, _) = certs(&path, None);
+    assert!(ok);
+    assert_eq!(list[0]["serial"].as_str(), Some(serial.as_str()), "{list}");
+    reload(&base);
+    let (ok, list, _) = certs(&path, None);
+    assert!(ok);
+    assert_eq!(
+        list,
+        serde_json::json!([]),
+        "the removed site is no longer managed"
+    );
+    assert!(served_serial(port, &pebble.root).is_err(), "nor served");
 }
