@@ -386,6 +386,8 @@ impl Manager {
                 let shift = st.failures.saturating_sub(1).min(16);
                 let backoff = BACKOFF_BASE.saturating_mul(1 << shift).min(BACKOFF_MAX);
                 let backoff = backoff + backoff.mul_f64(self.random_share() / 10.0);
+                // The server's own `Retry-After`, when the client saw one, is a floor.
+                let backoff = backoff.max(retry_after(&e).unwrap_or_default());
                 st.next = Some(SystemTime::now() + backoff);
                 st.last_error = Some(e.to_string());
                 tracing::warn!(
@@ -451,6 +453,17 @@ async fn account_for(
         .ok()?;
     accounts.insert(file, account.clone());
     Some(account)
+}
+
+/// How long the server asked to wait (`Retry-After` while polling an order).
+fn retry_after(e: &AcmeError) -> Option<Duration> {
+    match e {
+        AcmeError::Client {
+            source: instant_acme::Error::Timeout(Some(at)),
+            ..
+        } => Some(at.saturating_duration_since(std::time::Instant::now())),
+        _ => None,
+    }
 }
 
 fn forgotten_account(e: &AcmeError) -> bool {
