@@ -3,6 +3,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod access_log;
+mod acme;
 mod cert_files;
 mod config_errors;
 mod download;

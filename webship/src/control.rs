@@ -50,6 +50,9 @@ pub enum Request {
     /// The large responses in flight (declared length of 1 MiB or more), with
     /// their progress: the reply's `transfers` (for `webship stats --watch`).
     Transfers,
+    /// Each ACME site's certificate (the reply's `certs`); with `renew`, that site's
+    /// certificate is ordered anew first and the reply waits for the outcome.
+    Certs { renew: Option<String> },
 }
 
 /// The daemon's answer.
@@ -67,6 +70,27 @@ pub struct Reply {
     /// The answer to [`Request::Transfers`]; absent from every other reply.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transfers: Option<TransferList>,
+    /// The answer to [`Request::Certs`]; absent from every other reply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub certs: Option<Vec<CertInfo>>,
+}
+
+/// One site's certificate, as `webship certs` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CertInfo {
+    pub site: String,
+    /// Where it comes from: `acme`.
+    pub source: String,
+    /// The ACME directory URL.
+    pub directory: Option<String>,
+    /// The serving certificate's serial (hex); `None` while the site has none.
+    pub serial: Option<String>,
+    /// Its expiry, in seconds since the Unix epoch.
+    pub not_after: Option<u64>,
+    /// When it is renewed next, in seconds since the Unix epoch.
+    pub next_renewal: Option<u64>,
+    /// The last order's error, until an order succeeds.
+    pub last_error: Option<String>,
 }
 
 /// The large responses in flight.
@@ -106,6 +130,7 @@ impl Reply {
             message: message.into(),
             notes: Vec::new(),
             transfers: None,
+            certs: None,
         }
     }
 
@@ -115,6 +140,7 @@ impl Reply {
             message: message.into(),
             notes: Vec::new(),
             transfers: None,
+            certs: None,
         }
     }
 }

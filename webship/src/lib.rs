@@ -13,6 +13,7 @@
 //! docs/architecture.md draws the graph.
 #![deny(unsafe_code)]
 
+mod acme;
 pub mod config;
 pub mod control;
 pub mod ebpf;

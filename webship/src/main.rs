@@ -62,6 +62,21 @@ enum Command {
         #[arg(long, short)]
         config: Option<PathBuf>,
     },
+    /// List the running daemon's ACME certificates (serial, expiry, next renewal,
+    /// last error); with --renew, order one site's certificate anew now and wait for
+    /// the outcome (exits 1 when it failed: the old certificate keeps serving).
+    Certs {
+        /// The daemon is found through this file's `control_socket` (else the one
+        /// socket in /run/webship).
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// The site (its domain) to renew now.
+        #[arg(long, value_name = "SITE")]
+        renew: Option<String>,
+        /// One JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the passthrough counters of the running daemon (kernel and userspace),
     /// read from its pinned bpf maps; or, with --watch, a live view of its traffic.
     Stats {
@@ -112,6 +127,7 @@ fn main() -> ExitCode {
         Command::Check { config } => check(&config),
         Command::Reload { config } => reload(config.as_deref()),
         Command::Preflight { config } => run_preflight(config.as_deref()),
+        Command::Certs { config, renew, json } => certs(config.as_deref(), renew, json),
         Command::Stats {
             config,
             json,
@@ -285,6 +301,63 @@ fn reload(path: Option<&Path>) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// How long `webship certs --renew` waits: the daemon gives up on an order first.
+const CERTS_REPLY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(210);
+
+fn certs(path: Option<&Path>, renew: Option<String>, json: bool) -> anyhow::Result<ExitCode> {
+    use webship::control::{self, Request};
+    let socket = match path {
+        Some(path) => {
+            let file = std::fs::canonicalize(path)
+                .with_context(|| format!("{}: cannot read the configuration", path.display()))?;
+            control_socket_of(&file)?
+        }
+        None => only_control_socket()?,
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let reply = runtime.block_on(control::call(
+        &socket,
+        &Request::Certs { renew },
+        CERTS_REPLY_TIMEOUT,
+    ))?;
+    let list = reply.certs.clone().unwrap_or_default();
+    if json {
+        println!("{}", serde_json::to_string(&list)?);
+    } else {
+        println!(
+            "{:<32} {:<6} {:<40} {:<20} {:<20} last error",
+            "site", "source", "serial", "not after", "next renewal"
+        );
+        let when = |t: Option<u64>| {
+            t.map_or_else(
+                || "-".to_owned(),
+                |t| httpdate::fmt_http_date(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t)),
+            )
+        };
+        for c in &list {
+            println!(
+                "{:<32} {:<6} {:<40} {:<20} {:<20} {}",
+                c.site,
+                c.source,
+                c.serial.as_deref().unwrap_or("(none yet)"),
+                when(c.not_after),
+                when(c.next_renewal),
+                c.last_error.as_deref().unwrap_or("-")
+            );
+        }
+    }
+    if reply.ok {
+        eprintln!("{}", reply.message);
+        Ok(ExitCode::SUCCESS)
+    } else {
+        logging::fatal(&reply.message);
+        Ok(ExitCode::FAILURE)
+    }
 }
 
 /// The control socket the daemon running `file` answers on: its `control_socket`,

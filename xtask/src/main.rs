@@ -56,6 +56,10 @@ const APT: &[(&str, &str)] = &[
     // TCP health's lossy path: a network namespace, a veth pair, a TBF qdisc.
     ("ip", "iproute2"),
     ("tc", "iproute2"),
+    // ACME: the test CA (Pebble) issues certificates, its challenge test server
+    // answers its DNS queries on loopback.
+    ("pebble", "pebble"),
+    ("pebble-challtestsrv", "pebble"),
     // A real log analyser reads the combined access log.
     ("goaccess", "goaccess"),
 ];

@@ -94,6 +94,7 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         control_socket: None,
         admin: None,
         ocsp_cache: PathBuf::from(super::DEFAULT_OCSP_CACHE),
+        acme_http_listen: None,
         accept_proxy_protocol: Vec::new(),
         user: None,
         group: None,

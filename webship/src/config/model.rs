@@ -52,6 +52,9 @@ pub struct Config {
     /// `ocsp_cache`: the folder of the OCSP responses stapled (absolute), so that a
     /// restart staples at once.
     pub ocsp_cache: PathBuf,
+    /// `[acme] http_listen`: the plain-HTTP listener answering ACME http-01
+    /// challenges and redirecting everything else to https; `None`: none.
+    pub acme_http_listen: Option<SocketAddr>,
 }
 
 /// `[admin]`: plain HTTP/1.1 for metrics scrapers and health checks.
@@ -483,6 +486,65 @@ pub enum TlsSource {
     },
     /// Generated at start for these names; only the built-in default uses it.
     SelfSigned { names: Vec<String> },
+    /// Obtained and renewed through ACME (`[sites.acme]`).
+    Acme(AcmeSource),
+}
+
+/// A site's `[sites.acme]` with the top-level `[acme] storage`: everything that
+/// identifies one ACME certificate. Two sites with equal sources share it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AcmeSource {
+    /// The ACME directory URL (`https://...`).
+    pub directory: String,
+    /// The account's contact (`mailto:` added when missing); `None`: no contact.
+    pub email: Option<String>,
+    pub challenge: AcmeChallenge,
+    /// A PEM file of the CA the directory's HTTPS certificate chains to; `None`: the
+    /// system's roots.
+    pub directory_ca: Option<PathBuf>,
+    /// The names the certificate is for (the site's domain).
+    pub names: Vec<String>,
+    /// `[acme] storage`: accounts, keys and certificates.
+    pub storage: PathBuf,
+}
+
+impl AcmeSource {
+    /// This certificate's folder in the storage: one per name set and directory, so
+    /// changing either orders afresh instead of serving a certificate for other names.
+    pub fn folder(&self) -> PathBuf {
+        // FNV-1a: a stable tag that tells directories apart (not a secret).
+        let tag = self.directory.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        self.storage
+            .join("certs")
+            .join(format!("{}-{:08x}", self.names.join("+"), tag >> 32))
+    }
+
+    /// Where the certificate chain (PEM, leaf first) and its key (PEM, 0600) are kept.
+    pub fn files(&self) -> (PathBuf, PathBuf) {
+        let folder = self.folder();
+        (folder.join("cert.pem"), folder.join("key.pem"))
+    }
+}
+
+/// How the ACME server checks that this daemon answers for a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AcmeChallenge {
+    /// RFC 8737: a special certificate on the TLS port, offered to ALPN `acme-tls/1`.
+    TlsAlpn01,
+    /// RFC 8555 section 8.3: a token under `/.well-known/acme-challenge/` on the
+    /// `[acme] http_listen` listener (port 80).
+    Http01,
+}
+
+impl fmt::Display for AcmeChallenge {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::TlsAlpn01 => "tls-alpn-01",
+            Self::Http01 => "http-01",
+        })
+    }
 }
 
 /// How a kernel feature is treated by preflight.

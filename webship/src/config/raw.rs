@@ -36,6 +36,28 @@ pub(super) struct RawConfig {
     pub admin: Option<RawAdmin>,
     /// Where fetched OCSP responses are kept across restarts.
     pub ocsp_cache: Option<PathBuf>,
+    /// Where ACME accounts, keys and certificates are kept.
+    pub acme: Option<RawAcme>,
+}
+
+/// `[acme]`: what every site with `[sites.acme]` shares.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAcme {
+    pub storage: PathBuf,
+    /// The plain-HTTP listener (port 80) that answers http-01 challenges.
+    pub http_listen: Option<String>,
+}
+
+/// `[sites.acme]`: the site's certificate comes from this ACME server.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawSiteAcme {
+    pub directory: String,
+    pub email: Option<String>,
+    pub challenge: Option<String>,
+    /// A PEM CA the ACME server's own HTTPS certificate must chain to.
+    pub directory_ca: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -110,6 +132,7 @@ pub(super) struct RawSite {
     pub dotfiles: Option<super::Dotfiles>,
     pub protocols: Option<RawProtocols>,
     pub tls: Option<RawTls>,
+    pub acme: Option<RawSiteAcme>,
     pub webtransport: Option<RawWebTransport>,
     pub log: Option<RawSiteLog>,
 }

@@ -44,6 +44,8 @@ pub(super) struct Fixed {
     pub(super) transfers: Arc<crate::exchange::Transfers>,
     /// Certificate slots, session cache and ticket keys, kept across reloads.
     pub(super) tls: Arc<crate::tls::Shared>,
+    /// Keeps the ACME sites' certificates filled (`webship certs` asks it).
+    pub(super) acme: Arc<crate::acme::Manager>,
 }
 
 /// TCP health's counter slots for this generation's sites and passthrough routes,

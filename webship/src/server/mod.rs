@@ -138,6 +138,7 @@ pub async fn run(
         tcp_health: plan.watch_tcp()?,
         metrics: crate::metrics::Registry::new(),
         transfers: Arc::default(),
+        acme: crate::acme::Manager::new(tls.clone()),
         tls,
     };
     let metrics = fixed.metrics.clone();
@@ -145,6 +146,7 @@ pub async fn run(
     let engine = plan.passthrough.is_some().then(|| plan.engine());
     collect::register_subsystems(&metrics, plan.programs(), engine);
     metrics.register(Box::new(collect::Received));
+    metrics.register(Box::new(crate::acme::Metrics(fixed.acme.clone())));
     metrics.register(Box::new(collect::AccessLog::new(fixed.access.clone())));
     if let Some(programs) = &fixed.tcp_health {
         metrics.register(Box::new(collect::TcpHealth::new(programs.clone())));
@@ -170,17 +172,34 @@ pub async fn run(
         }
     }
     crate::tls::ocsp::prepare_cache(&fixed.tls, &config.ocsp_cache, privilege.ids());
+    crate::acme::prepare_storage(&config, privilege.ids());
+    // Port 80 needs root: bound before the switch, like the TLS port.
+    let acme_http = config
+        .acme_http_listen
+        .map(|addr| crate::acme::http01::bind(addr).map_err(|source| ServerError::Bind { addr, source }))
+        .transpose()?;
     drop_privileges(&config, &report, &plan, &privilege)?;
     drop(guard);
-    // Started by switched threads: certificate files and the OCSP cache are read and
-    // written with the service account's rights, as a reload reads them.
+    // Started by switched threads: certificate files, the OCSP cache and the ACME
+    // storage are read and written with the service account's rights, as a reload
+    // reads them.
     let cert_tasks = [
         tokio::spawn(crate::tls::watch::run(fixed.tls.clone())),
         tokio::spawn(crate::tls::ocsp::run(
             fixed.tls.clone(),
             config.ocsp_cache.clone(),
         )),
+        tokio::spawn(fixed.acme.clone().run(shutdown.clone())),
     ];
+    let acme_http_task = acme_http.map(|listener| {
+        let tokens = fixed.acme.http01_tokens();
+        tokio::spawn(crate::acme::http01::serve(
+            listener,
+            tokens,
+            bound.local.port(),
+            shutdown.clone(),
+        ))
+    });
     // Started by a switched thread: the writer runs as the service account.
     access_writer.start()?;
     announce(&config, &report, &bound);
@@ -284,7 +303,7 @@ pub async fn run(
     let last = current.load();
     drain(&permits, limit, last.config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
-    for task in [h3_task, relay_task, admin_task]
+    for task in [h3_task, relay_task, admin_task, acme_http_task]
         .into_iter()
         .flatten()
         .chain(cert_tasks)
@@ -583,10 +602,17 @@ async fn connection(
     }
     let accepted = match Box::pin(acceptor.accept(tcp, handshake_timeout)).await {
         Ok(a) => a,
+        Err(crate::tls::AcceptError::AcmeChallenge) => {
+            tracked.close(Protocol::None, Close::Closed);
+            tracing::debug!(%peer, "acme: tls-alpn-01 challenge answered");
+            return;
+        }
         Err(e) => {
             let reason = match e {
                 crate::tls::AcceptError::Timeout => Close::HandshakeTimeout,
-                crate::tls::AcceptError::Io(_) => Close::HandshakeFailed,
+                crate::tls::AcceptError::Io(_) | crate::tls::AcceptError::AcmeChallenge => {
+                    Close::HandshakeFailed
+                }
             };
             tracked.close(Protocol::None, reason);
             tracing::debug!(%peer, error = %e, "handshake failed");

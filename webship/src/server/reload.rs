@@ -204,6 +204,7 @@ impl Reloader {
             ),
             notes,
             transfers: None,
+            certs: None,
         }
     }
 
@@ -276,6 +277,14 @@ fn keep_running(new: &mut Config, running: &Config, h3_bound: bool) -> Vec<Strin
     kept(n, "workers", "running", &mut new.workers, &running.workers, |v| {
         shown(v)
     });
+    kept(
+        n,
+        "acme.http_listen",
+        "answering http-01 on",
+        &mut new.acme_http_listen,
+        &running.acme_http_listen,
+        |v| or_none(v.map(|a| a.to_string())),
+    );
     kept(n, "user", "running as", &mut new.user, &running.user, |v| {
         or_none(v.clone())
     });
@@ -474,6 +483,10 @@ pub(super) async fn supervise(
     }
 }
 
+/// How long `webship certs --renew` waits for the order's outcome (an order is
+/// bounded by the ACME manager's own timeout, 180 s).
+const CERTS_RENEW_WAIT: std::time::Duration = std::time::Duration::from_secs(200);
+
 /// Answers one control request; a takeover that succeeded returns the successor.
 async fn answer(
     incoming: Incoming,
@@ -500,6 +513,37 @@ async fn answer(
             let mut reply = Reply::ok(format!("{} large response(s) in flight", listed.len()));
             reply.transfers = Some(crate::control::TransferList { listed, unlisted });
             reply
+        }
+        Request::Certs { renew } => {
+            let acme = reloader.fixed.acme.clone();
+            let wait = match renew {
+                Some(site) => match acme.force(site) {
+                    Some(rx) => Some((site.clone(), rx)),
+                    None => {
+                        let reply = Reply::refused(format!("no ACME site `{site}` (see `webship certs`)"));
+                        tokio::spawn(async move { incoming.reply(&reply).await });
+                        return None;
+                    }
+                },
+                None => None,
+            };
+            // Its own task: an order takes seconds, and signals, reloads and takeovers
+            // must not wait for it.
+            tokio::spawn(async move {
+                let mut reply = match wait {
+                    None => Reply::ok("ACME certificates"),
+                    Some((site, rx)) => match tokio::time::timeout(CERTS_RENEW_WAIT, rx).await {
+                        Ok(Ok(Ok(serial))) => Reply::ok(format!("{site}: renewed, serial {serial}")),
+                        Ok(Ok(Err(e))) => Reply::refused(format!("{site}: renewal failed: {e}")),
+                        _ => Reply::refused(format!(
+                            "{site}: the renewal is still running; see `webship certs`"
+                        )),
+                    },
+                };
+                reply.certs = Some(acme.list());
+                incoming.reply(&reply).await;
+            });
+            return None;
         }
         Request::Takeover if predecessor.load(Ordering::SeqCst) => {
             let reason = "the process this one took over from is still draining; try again once it exits";

@@ -33,6 +33,8 @@ pub(crate) enum Origin {
     Files { cert: PathBuf, key: PathBuf },
     /// Generated at start (the built-in default site).
     SelfSigned,
+    /// Obtained and renewed through ACME (`crate::acme` keeps the slot filled).
+    Acme(crate::config::AcmeSource),
 }
 
 /// A slot's identity: the site's name and the origin of its certificate.
@@ -220,6 +222,15 @@ impl Certificates {
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// The slots whose certificates come from ACME, for the renewal manager to walk:
+    /// reloads that add or remove ACME sites change what it sees.
+    pub(crate) fn acme_slots(&self) -> Vec<(SlotKey, Arc<CertSlot>)> {
+        self.snapshot()
+            .into_iter()
+            .filter(|(k, _)| matches!(k.origin, Origin::Acme(_)))
             .collect()
     }
 

@@ -11,6 +11,7 @@
 //! generation; the resolvers read the slot at each handshake, so a certificate can be
 //! replaced without rebuilding anything.
 
+pub(crate) mod alpn_challenge;
 pub(crate) mod certs;
 pub(crate) mod ocsp;
 pub(crate) mod watch;
@@ -27,6 +28,7 @@ use tokio_rustls::LazyConfigAcceptor;
 use crate::config::{Config, Protocols, TlsSource};
 use crate::ktls::{RecordBounded, RustlsStream};
 use crate::names::NameTable;
+use alpn_challenge::AlpnChallenges;
 use certs::{CertSlot, Certificates, Origin, SlotKey};
 
 /// Session-cache entries shared by all sites (rustls keeps them in memory).
@@ -57,6 +59,9 @@ pub(crate) enum AcceptError {
     Io(#[from] std::io::Error),
     #[error("TLS handshake timed out")]
     Timeout,
+    /// An ACME `tls-alpn-01` validation was answered; the connection carries nothing.
+    #[error("ACME tls-alpn-01 challenge answered")]
+    AcmeChallenge,
 }
 
 /// The application protocol a connection negotiated.
@@ -109,6 +114,8 @@ pub(crate) struct Acceptor {
     sites: SiteNames,
     quic: Option<Arc<ServerConfig>>,
     slots: Vec<SlotKey>,
+    provider: Arc<CryptoProvider>,
+    challenges: Arc<AlpnChallenges>,
 }
 
 /// What outlives a configuration generation: the certificate slots, the session
@@ -119,6 +126,8 @@ pub(crate) struct Shared {
     pub(crate) certs: Certificates,
     pub(crate) cache: Arc<dyn rustls::server::StoresServerSessions>,
     pub(crate) ticketer: Arc<dyn ProducesTickets>,
+    /// Pending ACME `tls-alpn-01` answers, filled by `crate::acme`.
+    pub(crate) challenges: Arc<AlpnChallenges>,
 }
 
 impl Shared {
@@ -128,6 +137,7 @@ impl Shared {
             certs: Certificates::default(),
             cache: ServerSessionMemoryCache::new(SESSION_CACHE_ENTRIES),
             ticketer: rustls::crypto::aws_lc_rs::Ticketer::new()?,
+            challenges: Arc::default(),
         })
     }
 }
@@ -174,17 +184,40 @@ impl Acceptor {
                         cert: cert.clone(),
                         key: key.clone(),
                     },
-                    certs::load_pair(&provider, &domain, cert, key)?,
+                    Some(certs::load_pair(&provider, &domain, cert, key)?),
                     *ocsp_stapling,
                 ),
-                TlsSource::SelfSigned { names } => {
-                    (Origin::SelfSigned, certs::self_signed(&provider, names)?, false)
-                }
+                TlsSource::SelfSigned { names } => (
+                    Origin::SelfSigned,
+                    Some(certs::self_signed(&provider, names)?),
+                    false,
+                ),
+                // Kept as it is (ACME filled it before a reload), else the stored
+                // certificate if there is one; an empty slot fails handshakes until
+                // the ACME manager fills it.
+                TlsSource::Acme(source) => (Origin::Acme(source.clone()), None, true),
             };
-            let key = SlotKey { site: domain, origin };
+            let key = SlotKey {
+                site: domain.clone(),
+                origin,
+            };
             let slot = shared.certs.slot(key.clone());
             slot.set_stapling(stapling);
-            slot.set(Arc::new(certified));
+            match (certified, &site.tls) {
+                (Some(certified), _) => slot.set(Arc::new(certified)),
+                (None, TlsSource::Acme(source)) if slot.get().is_none() => {
+                    let (cert, key) = source.files();
+                    if cert.exists() {
+                        match certs::load_pair(&provider, &domain, &cert, &key) {
+                            Ok(stored) => slot.set(Arc::new(stored)),
+                            Err(e) => {
+                                tracing::warn!(site = %domain, error = %e, "acme: the stored certificate cannot be used; a new one is ordered")
+                            }
+                        }
+                    }
+                }
+                (None, _) => {}
+            }
             keys.push(key);
             quic_slots.push(site.protocols.h3.then(|| slot.clone()));
             let mut server = ServerConfig::builder_with_provider(provider.clone())
@@ -223,6 +256,8 @@ impl Acceptor {
             sites: sites.clone(),
             quic,
             slots: keys,
+            provider: shared.provider.clone(),
+            challenges: shared.challenges.clone(),
         })
     }
 
@@ -254,13 +289,20 @@ impl Acceptor {
         let handshake = async {
             let start =
                 LazyConfigAcceptor::new(rustls::server::Acceptor::default(), RecordBounded::new(tcp)).await?;
-            let site = self.sites.site_for(start.client_hello().server_name());
+            let hello = start.client_hello();
+            if let Some(challenge) = self.challenges.answer(&self.provider, &hello) {
+                // The validation only needs the handshake; the connection then closes.
+                start.into_stream(challenge).await?;
+                return Ok(None);
+            }
+            let site = self.sites.site_for(hello.server_name());
             let stream = start.into_stream(self.configs[site].clone()).await?;
-            Ok::<_, std::io::Error>((stream, site))
+            Ok::<_, std::io::Error>(Some((stream, site)))
         };
         let (stream, site) = tokio::time::timeout(timeout, handshake)
             .await
-            .map_err(|_| AcceptError::Timeout)??;
+            .map_err(|_| AcceptError::Timeout)??
+            .ok_or(AcceptError::AcmeChallenge)?;
         let alpn = match stream.get_ref().1.alpn_protocol() {
             Some(b"h2") => Alpn::H2,
             Some(_) => Alpn::H1,

@@ -6,6 +6,7 @@
 //! Validation collects every problem instead of stopping at the first, so one
 //! `webship check` names them all; the walk's order is the order they are listed in.
 
+mod acme;
 mod admin;
 mod kernel;
 mod limits;
@@ -86,6 +87,11 @@ impl Validator<'_> {
         self.account(raw.user.as_deref(), raw.group.as_deref());
         let control_socket = self.control_socket(raw.control_socket.as_deref(), listen);
         let admin = raw.admin.as_ref().and_then(|a| self.admin(a, listen));
+        let acme_http_listen = raw
+            .acme
+            .as_ref()
+            .and_then(|a| a.http_listen.as_deref())
+            .and_then(|text| self.acme_http_listen(text, listen));
         let top = self.top_level(&raw);
         let accept_proxy_protocol = self.address_blocks(
             "accept_proxy_protocol",
@@ -132,6 +138,7 @@ impl Validator<'_> {
                 .ocsp_cache
                 .as_deref()
                 .map_or_else(|| PathBuf::from(super::DEFAULT_OCSP_CACHE), |p| self.path(p)),
+            acme_http_listen,
         }
     }
 

@@ -17,6 +17,12 @@ pub(super) struct TopLevel {
     tls: Option<TlsSource>,
     protocols: Protocols,
     dotfiles: Dotfiles,
+    /// `[acme] storage`, when the table is there and valid.
+    acme_storage: Option<PathBuf>,
+    /// Whether there is an `[acme]` table at all (a refused one is reported once).
+    acme_table: bool,
+    /// Whether `[acme] http_listen` is set (http-01 needs it).
+    acme_http: bool,
 }
 
 impl Validator<'_> {
@@ -26,6 +32,9 @@ impl Validator<'_> {
             tls: raw.tls.as_ref().map(|t| self.tls("tls", t)),
             protocols: self.protocols("protocols", raw.protocols),
             dotfiles: raw.dotfiles.unwrap_or_default(),
+            acme_storage: raw.acme.as_ref().and_then(|a| self.acme_storage(a)),
+            acme_table: raw.acme.is_some(),
+            acme_http: raw.acme.as_ref().is_some_and(|a| a.http_listen.is_some()),
         }
     }
 
@@ -75,14 +84,29 @@ impl Validator<'_> {
                 None
             }
         };
-        let tls = match (&site.tls, &top.tls) {
-            (Some(t), _) => Some(self.tls(&format!("{key}.tls"), t)),
-            (None, Some(t)) => Some(t.clone()),
-            (None, None) => {
+        let tls = match (&site.acme, &site.tls, &top.tls) {
+            (Some(_), Some(_), _) => {
+                self.problem(
+                    format!("{key}.acme"),
+                    "the site has both [sites.tls] and [sites.acme]",
+                    "keep one: [sites.acme] obtains the certificate, [sites.tls] reads it from files",
+                );
+                None
+            }
+            (Some(a), None, _) => self.site_acme(
+                &key,
+                a,
+                &domain,
+                top.acme_storage.as_deref(),
+                (top.acme_table, top.acme_http),
+            ),
+            (None, Some(t), _) => Some(self.tls(&format!("{key}.tls"), t)),
+            (None, None, Some(t)) => Some(t.clone()),
+            (None, None, None) => {
                 self.problem(
                     format!("{key}.tls"),
                     "the site has no certificate",
-                    "add a [sites.tls] table with `cert` and `key` (PEM files)",
+                    "add a [sites.tls] table with `cert` and `key` (PEM files), or [sites.acme]",
                 );
                 None
             }

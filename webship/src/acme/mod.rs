@@ -1,0 +1,531 @@
+//! Automatic certificates through ACME (RFC 8555): the manager that keeps every
+//! ACME site's certificate slot filled and fresh.
+//!
+//! It owns no list of sites: each pass walks the process's certificate table for
+//! slots of [`Origin::Acme`](crate::tls::certs::Origin), so a reload that adds or
+//! removes an ACME site is seen at the next pass. Sites with equal sources share
+//! one certificate and one order. A certificate is ordered when the slot is empty,
+//! and renewed ahead of expiry: when a third of its lifetime is left (less a random
+//! share, so a fleet does not renew at once), or inside the server's ARI window
+//! (RFC 9773) when it offers one. A failure keeps the old certificate serving, is
+//! logged and counted, and is retried with exponential backoff; a site with no
+//! certificate yet fails its handshakes rather than show another site's.
+//! The new certificate is swapped into the slot: open connections keep theirs.
+//!
+//! `order` speaks the protocol (through instant-acme), `store` keeps the files.
+
+pub(crate) mod http01;
+mod order;
+mod store;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use instant_acme::{Account, CertificateIdentifier};
+use tokio::sync::{oneshot, Notify};
+
+use crate::config::AcmeSource;
+use crate::control::CertInfo;
+use crate::metrics::{Collector, Encoder, Kind};
+use crate::shutdown::Shutdown;
+use crate::tls::certs::{CertSlot, Origin};
+use crate::tls::Shared;
+use store::CertFacts;
+
+/// The longest one issuance may take, from the first request to the stored file.
+const ORDER_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long an ARI (renewal information) request may take.
+const ARI_TIMEOUT: Duration = Duration::from_secs(15);
+/// The longest pause between two passes over the table: how soon a site added by a
+/// reload gets its first order.
+const PASS_INTERVAL: Duration = Duration::from_secs(2);
+/// The first retry after a failure; doubled per failure up to [`BACKOFF_MAX`].
+const BACKOFF_BASE: Duration = Duration::from_secs(60);
+const BACKOFF_MAX: Duration = Duration::from_secs(6 * 3600);
+/// ARI is asked again at least this often, at most as often as its `Retry-After`.
+const ARI_RECHECK_MIN: Duration = Duration::from_secs(60);
+const ARI_RECHECK_MAX: Duration = Duration::from_secs(24 * 3600);
+/// Forced renewals waiting at once (`webship certs --renew`); more are refused.
+const MAX_FORCED: usize = 64;
+
+/// Why an issuance failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AcmeError {
+    #[error("ACME request failed ({step}): {source} (fix: check that the directory URL is reachable and the server accepts this account)")]
+    Client {
+        step: &'static str,
+        #[source]
+        source: instant_acme::Error,
+    },
+    #[error("the ACME server refused: {0} (fix: check that the server reaches this daemon's TLS port for the site's name)")]
+    Refused(String),
+    #[error("certificate: {0}")]
+    Certificate(String),
+    #[error("cannot write `{path}`: {source} (fix: make `[acme] storage` writable by the daemon's account)")]
+    Storage {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the order took longer than {}s", ORDER_TIMEOUT.as_secs())]
+    Timeout,
+}
+
+/// Where a forced renewal's outcome goes: the new serial, or the error.
+type Outcome = oneshot::Sender<Result<String, String>>;
+
+/// What the manager knows of one certificate (one [`AcmeSource`]).
+#[derive(Debug, Default)]
+struct Status {
+    facts: Option<CertFacts>,
+    /// When the next order is due (`None`: now).
+    next: Option<SystemTime>,
+    ari_recheck: Option<SystemTime>,
+    failures: u32,
+    last_error: Option<String>,
+    /// Callers of a forced renewal, told the outcome.
+    waiting: Vec<Outcome>,
+}
+
+/// The ACME manager: one per process, shared by the supervisor (for `webship
+/// certs`) and its own task.
+#[derive(Debug)]
+pub(crate) struct Manager {
+    tls: Arc<Shared>,
+    status: Mutex<HashMap<AcmeSource, Status>>,
+    /// Site names whose renewal was asked for.
+    forced: Mutex<Vec<(String, Outcome)>>,
+    wake: Notify,
+    /// Pending http-01 answers, served by the `[acme] http_listen` listener.
+    http01: Arc<http01::Tokens>,
+    issued: AtomicU64,
+    failed: AtomicU64,
+}
+
+impl Manager {
+    pub(crate) fn new(tls: Arc<Shared>) -> Arc<Self> {
+        Arc::new(Self {
+            tls,
+            status: Mutex::default(),
+            forced: Mutex::default(),
+            wake: Notify::new(),
+            http01: Arc::default(),
+            issued: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+        })
+    }
+
+    /// Renews `site`'s certificate now; the receiver gets the new serial or the
+    /// error. `None` when no ACME site has that name (or too many are waiting).
+    pub(crate) fn force(&self, site: &str) -> Option<oneshot::Receiver<Result<String, String>>> {
+        let known = self.tls.certs.acme_slots().iter().any(|(k, _)| k.site == site);
+        let mut forced = self.forced.lock().unwrap_or_else(|p| p.into_inner());
+        if !known || forced.len() >= MAX_FORCED {
+            return None;
+        }
+        let (tx, rx) = oneshot::channel();
+        forced.push((site.to_owned(), tx));
+        drop(forced);
+        self.wake.notify_one();
+        Some(rx)
+    }
+
+    /// The http-01 answers, for the plain-HTTP listener.
+    pub(crate) fn http01_tokens(&self) -> Arc<http01::Tokens> {
+        self.http01.clone()
+    }
+
+    /// Every ACME site's certificate, by site name.
+    pub(crate) fn list(&self) -> Vec<CertInfo> {
+        let epoch = |t: SystemTime| {
+            t.duration_since(SystemTime::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs())
+        };
+        let status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        let mut list: Vec<CertInfo> = self
+            .tls
+            .certs
+            .acme_slots()
+            .into_iter()
+            .filter_map(|(key, slot)| {
+                let Origin::Acme(source) = key.origin else {
+                    return None;
+                };
+                let st = status.get(&source);
+                let facts = slot_facts(&slot).or_else(|| st.and_then(|s| s.facts.clone()));
+                Some(CertInfo {
+                    site: key.site,
+                    source: "acme".into(),
+                    directory: Some(source.directory.clone()),
+                    serial: slot.get().and(facts.as_ref().map(|f| f.serial.clone())),
+                    not_after: facts.map(|f| epoch(f.not_after)),
+                    next_renewal: st.and_then(|s| s.next).map(epoch),
+                    last_error: st.and_then(|s| s.last_error.clone()),
+                })
+            })
+            .collect();
+        list.sort_by(|a, b| a.site.cmp(&b.site));
+        list
+    }
+
+    /// Keeps the ACME slots filled until shutdown. Each pass orders what is due, one
+    /// certificate at a time, each bounded by [`ORDER_TIMEOUT`].
+    pub(crate) async fn run(self: Arc<Self>, mut shutdown: Shutdown) {
+        let mut accounts: HashMap<std::path::PathBuf, Account> = HashMap::new();
+        while !shutdown.is_requested() {
+            let next = self.pass(&mut accounts).await;
+            let pause = next
+                .and_then(|t| t.duration_since(SystemTime::now()).ok())
+                .unwrap_or(PASS_INTERVAL)
+                .min(PASS_INTERVAL);
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = self.wake.notified() => {}
+                _ = shutdown.requested() => {}
+            }
+        }
+    }
+
+    /// One walk over the table; returns the earliest time something is due.
+    async fn pass(&self, accounts: &mut HashMap<std::path::PathBuf, Account>) -> Option<SystemTime> {
+        let mut sources: HashMap<AcmeSource, Vec<(String, Arc<CertSlot>)>> = HashMap::new();
+        for (key, slot) in self.tls.certs.acme_slots() {
+            if let Origin::Acme(source) = key.origin {
+                sources.entry(source).or_default().push((key.site, slot));
+            }
+        }
+        let forced: Vec<_> = std::mem::take(&mut *self.forced.lock().unwrap_or_else(|p| p.into_inner()));
+        {
+            // Forget what no slot names any more: the table stays as large as the config.
+            let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+            status.retain(|s, _| sources.contains_key(s));
+            for (site, tx) in forced {
+                match sources
+                    .iter()
+                    .find(|(_, slots)| slots.iter().any(|(name, _)| *name == site))
+                {
+                    Some((source, _)) => {
+                        let st = status.entry(source.clone()).or_default();
+                        st.next = None;
+                        st.waiting.push(tx);
+                    }
+                    None => {
+                        let _ = tx.send(Err(format!("no ACME site `{site}`")));
+                    }
+                }
+            }
+        }
+        let mut earliest: Option<SystemTime> = None;
+        for (source, slots) in &sources {
+            if self.due(source, slots, accounts).await {
+                self.renew(source, slots, accounts).await;
+            }
+            let status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(next) = status.get(source).and_then(|s| s.next) {
+                earliest = Some(earliest.map_or(next, |e| e.min(next)));
+            }
+        }
+        earliest
+    }
+
+    /// Whether `source` should be ordered now; schedules it when first seen with a
+    /// certificate (stored or from before a reload).
+    async fn due(
+        &self,
+        source: &AcmeSource,
+        slots: &[(String, Arc<CertSlot>)],
+        accounts: &mut HashMap<std::path::PathBuf, Account>,
+    ) -> bool {
+        let now = SystemTime::now();
+        let served = slots.iter().find_map(|(_, s)| s.get());
+        let (scheduled, ari_due) = {
+            let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+            let st = status.entry(source.clone()).or_default();
+            if !st.waiting.is_empty() {
+                return true;
+            }
+            if served.is_none() {
+                return st.next.is_none_or(|t| t <= now);
+            }
+            (st.next.is_some(), st.ari_recheck.is_none_or(|t| t <= now))
+        };
+        if !scheduled || ari_due {
+            let leaf = served.as_ref().and_then(|k| k.cert.first().cloned());
+            if let Some(leaf) = leaf {
+                self.schedule(source, &leaf, accounts).await;
+            }
+        }
+        let status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        status.get(source).and_then(|s| s.next).is_none_or(|t| t <= now)
+    }
+
+    /// Sets when the served certificate `leaf` is renewed: ARI's window when the
+    /// server offers it, else when a third of its lifetime is left, less jitter.
+    async fn schedule(
+        &self,
+        source: &AcmeSource,
+        leaf: &rustls::pki_types::CertificateDer<'static>,
+        accounts: &mut HashMap<std::path::PathBuf, Account>,
+    ) {
+        let Ok(facts) = CertFacts::of(leaf) else { return };
+        let lifetime = facts.lifetime();
+        let jitter = lifetime.mul_f64(self.random_share() / 20.0);
+        let mut next = facts
+            .not_after
+            .checked_sub(lifetime / 3 + jitter)
+            .unwrap_or(facts.not_after);
+        let now = SystemTime::now();
+        let mut recheck = now + ARI_RECHECK_MAX;
+        if let Ok(id) = CertificateIdentifier::try_from(leaf) {
+            if let Some(account) = account_for(source, accounts).await {
+                match tokio::time::timeout(ARI_TIMEOUT, account.renewal_info(&id)).await {
+                    Ok(Ok((info, retry))) => {
+                        let window = &info.suggested_window;
+                        let (start, end) = (SystemTime::from(window.start), SystemTime::from(window.end));
+                        let span = end.duration_since(start).unwrap_or_default();
+                        next = start + span.mul_f64(self.random_share());
+                        recheck = now + retry.clamp(ARI_RECHECK_MIN, ARI_RECHECK_MAX);
+                    }
+                    Ok(Err(instant_acme::Error::Unsupported(_))) => {}
+                    Ok(Err(e)) => tracing::debug!(error = %e, "acme: renewal information unavailable"),
+                    Err(_) => tracing::debug!("acme: renewal information timed out"),
+                }
+            }
+        }
+        let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        let st = status.entry(source.clone()).or_default();
+        // A failure's backoff stands until the next attempt.
+        if st.failures == 0 {
+            st.next = Some(next);
+        }
+        st.facts = Some(facts);
+        st.ari_recheck = Some(recheck);
+    }
+
+    /// Orders `source`'s certificate and swaps it into every slot that serves it.
+    async fn renew(
+        &self,
+        source: &AcmeSource,
+        slots: &[(String, Arc<CertSlot>)],
+        accounts: &mut HashMap<std::path::PathBuf, Account>,
+    ) {
+        let sites: Vec<&str> = slots.iter().map(|(s, _)| s.as_str()).collect();
+        let renewing = slots.iter().any(|(_, s)| s.get().is_some());
+        tracing::info!(sites = ?sites, directory = %source.directory, renewing, "acme: ordering a certificate");
+        let started = std::time::Instant::now();
+        let outcome = match tokio::time::timeout(ORDER_TIMEOUT, self.order(source, accounts)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(AcmeError::Timeout),
+        };
+        let result = self.record(source, slots, outcome, started, accounts);
+        if let Some(leaf) = result
+            .is_ok()
+            .then(|| slots.iter().find_map(|(_, s)| s.get()))
+            .flatten()
+        {
+            if let Some(leaf) = leaf.cert.first() {
+                self.schedule(source, leaf, accounts).await;
+            }
+        }
+        let waiting = {
+            let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+            status
+                .get_mut(source)
+                .map(|st| std::mem::take(&mut st.waiting))
+                .unwrap_or_default()
+        };
+        for tx in waiting {
+            let _ = tx.send(result.clone());
+        }
+    }
+
+    /// Installs an order's certificate, or records its failure and the backoff.
+    fn record(
+        &self,
+        source: &AcmeSource,
+        slots: &[(String, Arc<CertSlot>)],
+        outcome: Result<order::Issued, AcmeError>,
+        started: std::time::Instant,
+        accounts: &mut HashMap<std::path::PathBuf, Account>,
+    ) -> Result<String, String> {
+        let sites: Vec<&str> = slots.iter().map(|(s, _)| s.as_str()).collect();
+        let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
+        let st = status.entry(source.clone()).or_default();
+        match outcome {
+            Ok(issued) => {
+                let key = Arc::new(issued.key);
+                for (_, slot) in slots {
+                    slot.set(key.clone());
+                }
+                self.issued.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(
+                    sites = ?sites,
+                    serial = %issued.facts.serial,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "acme: certificate installed"
+                );
+                let serial = issued.facts.serial.clone();
+                st.facts = Some(issued.facts);
+                st.failures = 0;
+                st.last_error = None;
+                st.next = None;
+                st.ari_recheck = None;
+                Ok(serial)
+            }
+            Err(e) => {
+                // A server that forgot the account (a test CA restarted, an account
+                // deactivated) gets a new one at the next attempt.
+                accounts.remove(&store::account_file(source));
+                if forgotten_account(&e) {
+                    let _ = std::fs::remove_file(store::account_file(source));
+                }
+                self.failed.fetch_add(1, Ordering::Relaxed);
+                st.failures = st.failures.saturating_add(1);
+                let shift = st.failures.saturating_sub(1).min(16);
+                let backoff = BACKOFF_BASE.saturating_mul(1 << shift).min(BACKOFF_MAX);
+                let backoff = backoff + backoff.mul_f64(self.random_share() / 10.0);
+                // The server's own `Retry-After`, when the client saw one, is a floor.
+                let backoff = backoff.max(retry_after(&e).unwrap_or_default());
+                st.next = Some(SystemTime::now() + backoff);
+                st.last_error = Some(e.to_string());
+                tracing::warn!(
+                    sites = ?sites,
+                    error = %e,
+                    retry_in_secs = backoff.as_secs(),
+                    "acme: could not obtain a certificate; the current one (if any) stays in service"
+                );
+                Err(e.to_string())
+            }
+        }
+    }
+
+    async fn order(
+        &self,
+        source: &AcmeSource,
+        accounts: &mut HashMap<std::path::PathBuf, Account>,
+    ) -> Result<order::Issued, AcmeError> {
+        let account = match account_for(source, accounts).await {
+            Some(account) => account,
+            None => {
+                let account = order::account(source).await?;
+                accounts.insert(store::account_file(source), account.clone());
+                account
+            }
+        };
+        order::obtain(
+            &account,
+            source,
+            &self.tls.challenges,
+            &self.http01,
+            &self.tls.provider,
+        )
+        .await
+    }
+
+    /// A uniformly random number in [0, 1).
+    fn random_share(&self) -> f64 {
+        let mut bytes = [0u8; 8];
+        if self.tls.provider.secure_random.fill(&mut bytes).is_err() {
+            return 0.5;
+        }
+        (u64::from_le_bytes(bytes) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The account for `source`, from the cache or restored from storage (`None` when
+/// there is none yet, or it cannot be restored now).
+async fn account_for(
+    source: &AcmeSource,
+    accounts: &mut HashMap<std::path::PathBuf, Account>,
+) -> Option<Account> {
+    let file = store::account_file(source);
+    if let Some(account) = accounts.get(&file) {
+        return Some(account.clone());
+    }
+    if !file.exists() {
+        return None;
+    }
+    let account = tokio::time::timeout(ARI_TIMEOUT, order::account(source))
+        .await
+        .ok()?
+        .ok()?;
+    accounts.insert(file, account.clone());
+    Some(account)
+}
+
+/// How long the server asked to wait (`Retry-After` while polling an order).
+fn retry_after(e: &AcmeError) -> Option<Duration> {
+    match e {
+        AcmeError::Client {
+            source: instant_acme::Error::Timeout(Some(at)),
+            ..
+        } => Some(at.saturating_duration_since(std::time::Instant::now())),
+        _ => None,
+    }
+}
+
+fn forgotten_account(e: &AcmeError) -> bool {
+    matches!(e, AcmeError::Client { source: instant_acme::Error::Api(p), .. }
+        if p.r#type.as_deref().is_some_and(|t| t.ends_with(":accountDoesNotExist")))
+}
+
+fn slot_facts(slot: &CertSlot) -> Option<CertFacts> {
+    CertFacts::of(slot.get()?.cert.first()?).ok()
+}
+
+/// Creates every ACME storage folder of `config` (0700) and, when the daemon
+/// switches to a service account, hands it the folder and what is in it, so the
+/// manager (which runs as that account) can write there. Links are not followed.
+pub(crate) fn prepare_storage(config: &crate::config::Config, ids: Option<(u32, u32)>) {
+    let mut folders: Vec<&std::path::Path> = config
+        .sites
+        .iter()
+        .filter_map(|s| match &s.tls {
+            crate::config::TlsSource::Acme(a) => Some(a.storage.as_path()),
+            _ => None,
+        })
+        .collect();
+    folders.sort();
+    folders.dedup();
+    for folder in folders {
+        let result = store::create_private_dir(folder).and_then(|()| match ids {
+            Some((uid, gid)) => give(folder, uid, gid, 0),
+            None => Ok(()),
+        });
+        if let Err(e) = result {
+            tracing::warn!(path = %folder.display(), error = %e, "acme: cannot prepare the storage folder; certificates cannot be stored");
+        }
+    }
+}
+
+/// How deep `give` walks: the layout is two levels below the storage folder.
+const MAX_DEPTH: usize = 3;
+
+fn give(path: &std::path::Path, uid: u32, gid: u32, depth: usize) -> std::io::Result<()> {
+    std::os::unix::fs::lchown(path, Some(uid), Some(gid))?;
+    let meta = std::fs::symlink_metadata(path)?;
+    if meta.is_dir() && depth < MAX_DEPTH {
+        for entry in std::fs::read_dir(path)? {
+            give(&entry?.path(), uid, gid, depth + 1)?;
+        }
+    }
+    Ok(())
+}
+
+/// `webship_acme_*`: orders that succeeded and failed since start.
+#[derive(Debug)]
+pub(crate) struct Metrics(pub(crate) Arc<Manager>);
+
+impl Collector for Metrics {
+    fn collect(&self, out: &mut Encoder) {
+        out.family(
+            "webship_acme_orders",
+            Kind::Counter,
+            "ACME certificate orders since start, by outcome (issued: installed; failed: the old certificate, if any, kept serving)",
+        )
+        .sample(&[("outcome", "issued")], self.0.issued.load(Ordering::Relaxed))
+        .sample(&[("outcome", "failed")], self.0.failed.load(Ordering::Relaxed));
+    }
+}
