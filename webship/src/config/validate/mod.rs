@@ -87,6 +87,7 @@ impl Validator<'_> {
         let control_socket = self.control_socket(raw.control_socket.as_deref(), listen);
         let admin = raw.admin.as_ref().and_then(|a| self.admin(a, listen));
         let top = self.top_level(&raw);
+        let ticket_keys = self.ticket_keys(&raw);
         let accept_proxy_protocol = self.address_blocks(
             "accept_proxy_protocol",
             raw.accept_proxy_protocol.as_deref().unwrap_or_default(),
@@ -128,6 +129,7 @@ impl Validator<'_> {
             group: raw.group,
             control_socket: Some(control_socket),
             admin,
+            ticket_keys,
         }
     }
 
