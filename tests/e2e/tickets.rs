@@ -55,6 +55,9 @@ fn s_client(env: &Env, server: &Server, sess_in: Option<&Path>, sess_out: &Path)
         "-CAfile",
         ca.to_str().unwrap(),
         "-verify_return_error",
+        // Read until the server closes, not until our stdin ends: the response, and
+        // the tickets before it.
+        "-ign_eof",
         "-sess_out",
         sess_out.to_str().unwrap(),
     ];
@@ -84,7 +87,10 @@ fn s_client(env: &Env, server: &Server, sess_in: Option<&Path>, sess_out: &Path)
     if text.contains("Reused, TLSv1.3") {
         Handshake::Reused
     } else {
-        assert!(text.contains("New, TLSv1.3"), "no TLS 1.3 handshake line:\n{text}");
+        assert!(
+            text.contains("New, TLSv1.3"),
+            "no TLS 1.3 handshake line:\n{text}"
+        );
         Handshake::New
     }
 }
@@ -118,8 +124,16 @@ fn a_ticket_resumes_on_another_daemon_with_the_same_key_file_and_not_on_one_with
     let from_a = env.dir.path().join("a.session");
     let scratch = env.dir.path().join("scratch.session");
     assert_eq!(s_client(&env, &a, None, &from_a), Handshake::New);
-    assert_eq!(s_client(&env, &b, Some(&from_a), &scratch), Handshake::Reused, "B shares A's keys");
-    assert_eq!(s_client(&env, &c, Some(&from_a), &scratch), Handshake::New, "C has keys of its own");
+    assert_eq!(
+        s_client(&env, &b, Some(&from_a), &scratch),
+        Handshake::Reused,
+        "B shares A's keys"
+    );
+    assert_eq!(
+        s_client(&env, &c, Some(&from_a), &scratch),
+        Handshake::New,
+        "C has keys of its own"
+    );
     // And the other way: C's ticket is C's alone.
     let from_c = env.dir.path().join("c.session");
     assert_eq!(s_client(&env, &c, Some(&from_a), &from_c), Handshake::New);
@@ -162,13 +176,26 @@ fn a_rotated_file_resumes_a_key_while_it_is_listed_and_not_after() {
     assert_eq!(s_client(&env, &a, None, &old), Handshake::New);
 
     // B's file gets a key that encrypts at once; the old one stays listed.
-    let out = webship(&["ticket-keys", "rotate", keys_b.to_str().unwrap(), "--activate-in", "0"], &dir_b);
+    let out = webship(
+        &[
+            "ticket-keys",
+            "rotate",
+            keys_b.to_str().unwrap(),
+            "--activate-in",
+            "0",
+        ],
+        &dir_b,
+    );
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     // Its `not_before` is the next second when the first key was made this second.
     std::thread::sleep(Duration::from_millis(1100));
     let (ok, text) = reload(&dir_b);
     assert!(ok, "reload refused: {text}");
-    assert_eq!(s_client(&env, &b, Some(&old), &new), Handshake::Reused, "the old key still decrypts");
+    assert_eq!(
+        s_client(&env, &b, Some(&old), &new),
+        Handshake::Reused,
+        "the old key still decrypts"
+    );
     // B now issues under the new key, which A does not have yet: why a rotation
     // must reach every host before its key's `not_before`.
     assert_eq!(s_client(&env, &a, Some(&new), &scratch), Handshake::New);
@@ -181,7 +208,11 @@ fn a_rotated_file_resumes_a_key_while_it_is_listed_and_not_after() {
     lines.remove(last_key); // newest first: the last key line is the old key
     std::fs::write(&keys_b, lines.join("\n") + "\n").unwrap();
     wait_for_log(&b, "ticket keys re-read", 1);
-    assert_eq!(s_client(&env, &b, Some(&old), &scratch), Handshake::New, "a removed key still decrypts");
+    assert_eq!(
+        s_client(&env, &b, Some(&old), &scratch),
+        Handshake::New,
+        "a removed key still decrypts"
+    );
     assert_eq!(s_client(&env, &b, Some(&new), &scratch), Handshake::Reused);
 }
 
@@ -203,9 +234,24 @@ fn bad_files(good: &str) -> Vec<(&'static str, String, u32, &'static str)> {
     let key_line = good.lines().find(|l| l.starts_with("key ")).unwrap();
     vec![
         ("world-readable", good.to_owned(), 0o644, "mode 0644"),
-        ("short", format!("{}\n", &good[..good.len() - 3]), 0o600, "64 hex digits"),
-        ("not hex", good.replacen(&key_line[key_line.len() - 4..], "zzzz", 1), 0o600, "64 hex digits"),
-        ("no header", format!("{key_line}\n"), 0o600, "must start with `webship-ticket-keys v1`"),
+        (
+            "short",
+            format!("{}\n", &good[..good.len() - 3]),
+            0o600,
+            "64 hex digits",
+        ),
+        (
+            "not hex",
+            good.replacen(&key_line[key_line.len() - 4..], "zzzz", 1),
+            0o600,
+            "64 hex digits",
+        ),
+        (
+            "no header",
+            format!("{key_line}\n"),
+            0o600,
+            "must start with `webship-ticket-keys v1`",
+        ),
     ]
 }
 
@@ -224,13 +270,29 @@ fn a_bad_key_file_is_refused_at_start_and_at_reload_where_the_keys_in_use_stay()
         std::fs::write(&config, env.config(&keys_toml(&keys)).replace("{port}", "1")).unwrap();
         // `timeout`: a daemon that wrongly starts is stopped, and the test fails.
         let out = Command::new("timeout")
-            .args(["20", binary().to_str().unwrap(), "serve", "--config", config.to_str().unwrap()])
+            .args([
+                "20",
+                binary().to_str().unwrap(),
+                "serve",
+                "--config",
+                config.to_str().unwrap(),
+            ])
             .output()
             .unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{what}: not refused at start: {stderr}");
-        assert!(stderr.contains(words) && stderr.contains("fix:"), "{what}: {stderr}");
-        assert!(!stderr.contains(secret), "{what}: key material in the message: {stderr}");
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{what}: not refused at start: {stderr}"
+        );
+        assert!(
+            stderr.contains(words) && stderr.contains("fix:"),
+            "{what}: {stderr}"
+        );
+        assert!(
+            !stderr.contains(secret),
+            "{what}: key material in the message: {stderr}"
+        );
     }
 
     std::fs::write(&keys, &good).unwrap();
@@ -244,8 +306,14 @@ fn a_bad_key_file_is_refused_at_start_and_at_reload_where_the_keys_in_use_stay()
         std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(mode)).unwrap();
         std::fs::write(&keys, &text).unwrap();
         let (ok, reply) = reload(&dir);
-        assert!(!ok && reply.contains(words), "{what}: reload not refused: {reply}");
-        assert!(!reply.contains(secret), "{what}: key material in the reply: {reply}");
+        assert!(
+            !ok && reply.contains(words),
+            "{what}: reload not refused: {reply}"
+        );
+        assert!(
+            !reply.contains(secret),
+            "{what}: key material in the reply: {reply}"
+        );
         // The watcher sees the changed file too, refuses it, and says so.
         wait_for_log(&server, "the changed ticket key file was refused", i + 1);
         assert_eq!(

@@ -48,10 +48,7 @@ impl fmt::Debug for FileKey {
 #[derive(Debug, thiserror::Error)]
 pub enum TicketKeyError {
     #[error("ticket key file `{path}`: cannot read it: {source} (fix: point `[tls] ticket_keys` at a file the daemon can read; after the switch to `user`, reloads read it as that account: `chgrp GROUP FILE; chmod 0640 FILE`)")]
-    Read {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Read { path: PathBuf, source: std::io::Error },
     #[error("ticket key file `{path}`: mode {mode:04o} lets other users read or change it, and its keys decrypt every resumed session (fix: `chmod 0600` it, or 0640 with the service account's group so reloads can read it)")]
     Mode { path: PathBuf, mode: u32 },
     #[error("ticket key file `{path}` is larger than {MAX_FILE_BYTES} bytes: not a key file (fix: generate one with `webship ticket-keys new > FILE`)")]
@@ -64,11 +61,10 @@ pub enum TicketKeyError {
     },
     #[error("ticket key file `{path}`: no key is active yet (the earliest `not_before` is {earliest}, now is {now}) (fix: keep the key in use in the file until its successor's `not_before` has passed; check the host's clock)")]
     NoneActive { path: PathBuf, earliest: u64, now: u64 },
-    #[error("cannot write ticket key file `{path}`: {source} (fix: run as an account that may write its folder)")]
-    Write {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(
+        "cannot write ticket key file `{path}`: {source} (fix: run as an account that may write its folder)"
+    )]
+    Write { path: PathBuf, source: std::io::Error },
     #[error("cannot generate a ticket key: the system's random source failed")]
     Random,
 }
@@ -87,7 +83,9 @@ pub(crate) fn read(path: &Path, now: u64) -> Result<Vec<FileKey>, TicketKeyError
         .read_to_string(&mut text)
         .map_err(read_error)?;
     if text.len() as u64 > MAX_FILE_BYTES {
-        return Err(TicketKeyError::TooLarge { path: path.to_owned() });
+        return Err(TicketKeyError::TooLarge {
+            path: path.to_owned(),
+        });
     }
     let keys = parse(&text).map_err(|(line, reason)| TicketKeyError::Syntax {
         path: path.to_owned(),
@@ -162,7 +160,10 @@ pub(crate) fn parse(text: &str) -> Result<Vec<FileKey>, (usize, String)> {
             return Err((last, "the same secret as an earlier line".into()));
         }
         if keys.iter().any(|k| k.not_before == key.not_before) {
-            return Err((last, "the same `not_before` as an earlier line: which key encrypts would be ambiguous".into()));
+            return Err((
+                last,
+                "the same `not_before` as an earlier line: which key encrypts would be ambiguous".into(),
+            ));
         }
         keys.push(key);
     }
@@ -188,8 +189,12 @@ fn parse_key(line: &str) -> Result<FileKey, String> {
         .ok()
         .filter(|&t| t <= i64::MAX as u64)
         .ok_or("`not_before` is not a time in unix seconds")?;
-    let secret = decode_hex(secret)
-        .ok_or_else(|| format!("the secret is not {} hex digits ({SECRET_BYTES} bytes)", SECRET_BYTES * 2))?;
+    let secret = decode_hex(secret).ok_or_else(|| {
+        format!(
+            "the secret is not {} hex digits ({SECRET_BYTES} bytes)",
+            SECRET_BYTES * 2
+        )
+    })?;
     Ok(FileKey { not_before, secret })
 }
 
@@ -280,8 +285,13 @@ pub(crate) fn replace(path: &Path, text: &str) -> Result<(), TicketKeyError> {
             .open(&tmp)?;
         f.write_all(text.as_bytes())?;
         f.sync_all()?;
-        std::os::unix::fs::fchown(&f, Some(old.uid()), Some(old.gid()))
-            .or_else(|e| if e.kind() == std::io::ErrorKind::PermissionDenied { Ok(()) } else { Err(e) })?;
+        std::os::unix::fs::fchown(&f, Some(old.uid()), Some(old.gid())).or_else(|e| {
+            if e.kind() == std::io::ErrorKind::PermissionDenied {
+                Ok(())
+            } else {
+                Err(e)
+            }
+        })?;
         f.set_permissions(std::fs::Permissions::from_mode(old.mode() & 0o640))?;
         std::fs::rename(&tmp, path)
     })();

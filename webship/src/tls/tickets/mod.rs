@@ -20,8 +20,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 
 use crate::shutdown::Shutdown;
-pub use file::TicketKeyError;
 use file::FileKey;
+pub use file::TicketKeyError;
 
 /// How long a client may offer a ticket (announced in each ticket; RFC 8446 allows up
 /// to 7 days). A key must therefore decrypt for this long after it last encrypted.
@@ -168,7 +168,10 @@ impl Tickets {
         match file {
             Some(path) => {
                 let (set, source) = read_source(path, unix_now())?;
-                Ok(Prepared { set: Some(set), source })
+                Ok(Prepared {
+                    set: Some(set),
+                    source,
+                })
             }
             None if self.read().source == Source::Generated => Ok(Prepared {
                 set: None,
@@ -208,14 +211,19 @@ impl Tickets {
             match read {
                 Ok(Ok((set, source))) => {
                     let keys = set.0.len();
-                    self.install(Prepared { set: Some(set), source });
+                    self.install(Prepared {
+                        set: Some(set),
+                        source,
+                    });
                     tracing::info!(keys, "ticket keys re-read: the key file changed");
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "the changed ticket key file was refused; the keys in use stay");
                     self.remember(now_stamp);
                 }
-                Err(e) => tracing::warn!(error = %e, "the ticket key file check failed; the keys in use stay"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "the ticket key file check failed; the keys in use stay")
+                }
             }
         }
     }

@@ -27,7 +27,10 @@ fn a_ticket_opens_with_the_set_that_sealed_it_and_with_no_other() {
     assert_ne!(&ticket[ID_BYTES + NONCE_LEN..][..16], b"resumption state");
     assert_eq!(a.open(&ticket).unwrap(), b"resumption state");
     // The same file on another host: same keys, same ids.
-    assert_eq!(from_keys(&[key(100, 1)]).open(&ticket).unwrap(), b"resumption state");
+    assert_eq!(
+        from_keys(&[key(100, 1)]).open(&ticket).unwrap(),
+        b"resumption state"
+    );
     assert!(from_keys(&[key(100, 2)]).open(&ticket).is_none());
     // Tampered anywhere (id, nonce, body, tag): refused.
     for i in [0, ID_BYTES, ID_BYTES + NONCE_LEN, ticket.len() - 1] {
@@ -61,7 +64,11 @@ fn generated_keys_rotate_and_keep_the_previous_one() {
     let now = unix_now();
     let first = t.seal(b"a", now).unwrap();
     let second = t.seal(b"b", now + ROTATION_SECS).unwrap();
-    assert_ne!(first[..ID_BYTES], second[..ID_BYTES], "no new key after a rotation period");
+    assert_ne!(
+        first[..ID_BYTES],
+        second[..ID_BYTES],
+        "no new key after a rotation period"
+    );
     assert!(t.open(&first).is_some(), "the previous key no longer decrypts");
     let third = t.seal(b"c", now + 2 * ROTATION_SECS).unwrap();
     assert!(t.open(&first).is_none(), "a key two rotations old still decrypts");
@@ -90,14 +97,38 @@ fn parse_accepts_what_render_writes_and_nothing_loose() {
         (String::new(), 1, "header"),
         (format!("webship-ticket-keys v2\nkey 1 {hex}\n"), 1, "must start"),
         (format!("{}\n", file::HEADER), 1, "no `key` line"),
-        (format!("{}\nkey 1 {}\n", file::HEADER, &hex[2..]), 2, "hex digits"),
-        (format!("{}\nkey 1 {}zz\n", file::HEADER, &hex[2..]), 2, "hex digits"),
-        (format!("{}\nkey x {hex}\n", file::HEADER), 2, "unix seconds"),
-        (format!("{}\nkey 1 {hex} extra\n", file::HEADER), 2, "three fields"),
-        (format!("{}\nkee 1 {hex}\n", file::HEADER), 2, "starting with `key`"),
-        (format!("{}\nkey 1 {hex}\n# c\nkey 2 {hex}\n", file::HEADER), 4, "same secret"),
         (
-            format!("{}\nkey 1 {hex}\nkey 1 {}\n", file::HEADER, "cd".repeat(SECRET_BYTES)),
+            format!("{}\nkey 1 {}\n", file::HEADER, &hex[2..]),
+            2,
+            "hex digits",
+        ),
+        (
+            format!("{}\nkey 1 {}zz\n", file::HEADER, &hex[2..]),
+            2,
+            "hex digits",
+        ),
+        (format!("{}\nkey x {hex}\n", file::HEADER), 2, "unix seconds"),
+        (
+            format!("{}\nkey 1 {hex} extra\n", file::HEADER),
+            2,
+            "three fields",
+        ),
+        (
+            format!("{}\nkee 1 {hex}\n", file::HEADER),
+            2,
+            "starting with `key`",
+        ),
+        (
+            format!("{}\nkey 1 {hex}\n# c\nkey 2 {hex}\n", file::HEADER),
+            4,
+            "same secret",
+        ),
+        (
+            format!(
+                "{}\nkey 1 {hex}\nkey 1 {}\n",
+                file::HEADER,
+                "cd".repeat(SECRET_BYTES)
+            ),
             3,
             "same `not_before`",
         ),
@@ -105,7 +136,10 @@ fn parse_accepts_what_render_writes_and_nothing_loose() {
     for (text, line, words) in cases {
         let (at, reason) = file::parse(text).unwrap_err();
         assert_eq!((at, reason.contains(words)), (*line, true), "{text:?}: {reason}");
-        assert!(!reason.contains(&hex[..8]), "the error quotes key material: {reason}");
+        assert!(
+            !reason.contains(&hex[..8]),
+            "the error quotes key material: {reason}"
+        );
     }
     let many: Vec<FileKey> = (0..=MAX_KEYS as u8).map(|i| key(u64::from(i), i)).collect();
     let (_, reason) = file::parse(&file::render(&many)).unwrap_err();
@@ -118,7 +152,14 @@ fn read_refuses_a_file_others_can_read_and_one_with_no_active_key() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("keys");
     std::fs::write(&path, file::render(&[key(100, 1)])).unwrap();
-    for (mode, ok) in [(0o600, true), (0o640, true), (0o400, true), (0o644, false), (0o660, false), (0o602, false)] {
+    for (mode, ok) in [
+        (0o600, true),
+        (0o640, true),
+        (0o400, true),
+        (0o644, false),
+        (0o660, false),
+        (0o602, false),
+    ] {
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
         let read = file::read(&path, 200);
         assert_eq!(read.is_ok(), ok, "mode {mode:o}: {read:?}");
@@ -136,7 +177,10 @@ fn rotate_adds_a_waiting_key_and_drops_retired_ones() {
     assert_eq!(keys.iter().map(|k| k.not_before).collect::<Vec<_>>(), [1060, 0]);
     // Rotating again before the first new key is active: it goes after it.
     let keys = file::rotate(keys, 1010, 0, LIFE).unwrap();
-    assert_eq!(keys.iter().map(|k| k.not_before).collect::<Vec<_>>(), [1061, 1060, 0]);
+    assert_eq!(
+        keys.iter().map(|k| k.not_before).collect::<Vec<_>>(),
+        [1061, 1060, 0]
+    );
     // Once 1060's successor (1061) has encrypted for longer than a ticket lives, 1060
     // and 0 go; 1061 stays as the encrypting one, beside the new waiting key.
     let keys = file::rotate(keys, 1061 + LIFE, 30, LIFE).unwrap();
@@ -171,5 +215,29 @@ fn rotate_file_keeps_the_mode_and_the_old_keys_readable() {
 fn debug_output_names_no_key_material() {
     let k = key(5, 0xab);
     let text = format!("{k:?} {:?}", from_keys(std::slice::from_ref(&k)));
-    assert!(!text.contains("ab, ab") && !text.contains("abab") && !text.contains("171"), "{text}");
+    assert!(
+        !text.contains("ab, ab") && !text.contains("abab") && !text.contains("171"),
+        "{text}"
+    );
+}
+
+#[test]
+fn every_tcp_site_and_the_quic_endpoint_seal_with_the_shared_keys() {
+    let config = crate::config::builtin_default(Path::new("/")).unwrap();
+    assert!(config.sites.iter().any(|s| s.protocols.h3));
+    let shared = crate::tls::Shared::new(None).unwrap();
+    let sites = crate::tls::SiteNames::new(&config);
+    let acceptor = crate::tls::Acceptor::build(&config, &sites, &shared).unwrap();
+    let quic = acceptor.quic_config().expect("the built-in site serves h3");
+    let ours = Arc::as_ptr(&shared.ticketer);
+    assert!(std::ptr::addr_eq(Arc::as_ptr(&quic.ticketer), ours));
+    for tcp in &acceptor.configs {
+        assert!(std::ptr::addr_eq(Arc::as_ptr(&tcp.ticketer), ours));
+        assert_eq!(tcp.max_early_data_size, 0);
+    }
+    // No early data over QUIC: a replayable 0-RTT request is never accepted.
+    assert_eq!(quic.max_early_data_size, 0);
+    // A ticket the QUIC config seals opens through the shared key set.
+    let ticket = quic.ticketer.encrypt(b"state").unwrap();
+    assert_eq!(shared.tickets.open(&ticket).unwrap(), b"state");
 }
