@@ -214,7 +214,7 @@ fn decode_hex(text: &str) -> Option<[u8; SECRET_BYTES]> {
 /// The file's text for `keys`, newest first.
 pub(crate) fn render(keys: &[FileKey]) -> String {
     let mut sorted: Vec<&FileKey> = keys.iter().collect();
-    sorted.sort_by(|a, b| b.not_before.cmp(&a.not_before));
+    sorted.sort_by_key(|k| std::cmp::Reverse(k.not_before));
     let mut text = format!(
         "{HEADER}\n# key <not_before: unix seconds> <secret: {} hex digits>; the latest key whose\n\
          # not_before has passed encrypts, every key decrypts. Keep this file secret (mode 0600\n\
@@ -251,7 +251,7 @@ pub(crate) fn rotate(
     let latest = keys.iter().map(|k| k.not_before).max().unwrap_or(0);
     let not_before = now.saturating_add(activate_in).max(latest.saturating_add(1));
     keys.push(fresh(not_before)?);
-    keys.sort_by(|a, b| b.not_before.cmp(&a.not_before));
+    keys.sort_by_key(|k| std::cmp::Reverse(k.not_before));
     // Newest first: a key is retired once the key after it began before now - lifetime.
     let horizon = now.saturating_sub(lifetime);
     let mut successor_start: Option<u64> = None;

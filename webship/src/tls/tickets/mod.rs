@@ -76,7 +76,7 @@ impl KeySet {
     fn from_file(keys: &[FileKey]) -> Self {
         debug_assert!(keys.len() <= file::MAX_KEYS);
         let mut set: Vec<Key> = keys.iter().map(Key::new).collect();
-        set.sort_by(|a, b| b.not_before.cmp(&a.not_before));
+        set.sort_by_key(|k| std::cmp::Reverse(k.not_before));
         Self(set)
     }
 
