@@ -2,7 +2,8 @@
 //! one daemon and offers it to another. Daemons given the same `[tls] ticket_keys`
 //! file resume each other's tickets, one without it does not; a reload keeps the keys;
 //! a rotated file still resumes tickets of a key while it is listed and not after;
-//! a bad file is refused at start and at reload, and the keys in use stay.
+//! a bad file is refused at start and at reload, and the keys in use stay. Over HTTP/3,
+//! aioquic (`clients/h3_resume.py`) does the same across two daemons.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -322,4 +323,54 @@ fn a_bad_key_file_is_refused_at_start_and_at_reload_where_the_keys_in_use_stay()
             "{what}: the keys in use were dropped"
         );
     }
+}
+
+/// HTTP/3: aioquic takes a ticket from `first` and offers it to `second`; whether the
+/// second connection resumed, after checking both answered 200 and the ticket offered
+/// no 0-RTT.
+fn quic_resumes(env: &Env, first: &Server, second: &Server) -> bool {
+    let out = Command::new("timeout")
+        .args([
+            "60",
+            "python3",
+            concat!(env!("CARGO_MANIFEST_DIR"), "/clients/h3_resume.py"),
+            "127.0.0.1",
+            &first.port.to_string(),
+            &second.port.to_string(),
+            HOST,
+            "/hello.txt",
+            env.ca_file().to_str().unwrap(),
+        ])
+        .output()
+        .expect("python3 with aioquic is required; `cargo xtask deps` installs it");
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "aioquic: {line}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(line.trim()).unwrap_or_else(|e| panic!("{e}: {line}"));
+    assert_eq!(v["first"]["status"], "200", "{line}");
+    assert_eq!(v["second"]["status"], "200", "{line}");
+    assert_eq!(v["first"]["resumed"], false, "{line}");
+    assert!(v["early_data"].is_null(), "a ticket offers 0-RTT: {line}");
+    v["second"]["resumed"].as_bool().unwrap()
+}
+
+#[test]
+fn over_quic_a_ticket_resumes_on_another_daemon_with_the_same_key_file_and_not_without() {
+    let env = Env::new();
+    env.write("hello.txt", b"hello");
+    let keys = new_key_file(env.dir.path(), "ticket.keys");
+    let (a, _) = start_in(&env, "a", &keys_toml(&keys));
+    let (b, _) = start_in(&env, "b", &keys_toml(&keys));
+    let (c, _) = start_in(&env, "c", "");
+    assert!(
+        quic_resumes(&env, &a, &b),
+        "B did not resume A's ticket over QUIC"
+    );
+    assert!(
+        !quic_resumes(&env, &a, &c),
+        "C resumed a ticket it has no key for"
+    );
 }
