@@ -374,3 +374,33 @@ fn over_quic_a_ticket_resumes_on_another_daemon_with_the_same_key_file_and_not_w
         "C resumed a ticket it has no key for"
     );
 }
+
+#[test]
+fn a_root_only_key_file_serves_but_a_service_account_is_told_it_cannot_reread_it() {
+    let env = Env::new();
+    // The temp dirs are 0700: the service account must reach the files and the root.
+    for dir in [env.dir.path(), env.root.as_path()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    env.write("hello.txt", b"hello");
+    let keys = new_key_file(env.dir.path(), "ticket.keys");
+    let extra = format!("user = \"nobody\"\ngroup = \"nogroup\"\n{}", keys_toml(&keys));
+    let (server, dir) = start_in(&env, "a", &extra);
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    wait_for_log(&server, "the service account cannot read the ticket key file", 1);
+    let session = env.dir.path().join("a.session");
+    let scratch = env.dir.path().join("scratch.session");
+    assert_eq!(s_client(&env, &server, None, &session), Handshake::New);
+    let (ok, reply) = reload(&dir);
+    assert!(!ok && reply.contains("Permission denied"), "{reply}");
+    // As the warning says: readable by the account's group, and it reloads.
+    let chgrp = Command::new("chgrp").arg("nogroup").arg(&keys).status().unwrap();
+    assert!(chgrp.success());
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let (ok, reply) = reload(&dir);
+    assert!(ok, "{reply}");
+    assert_eq!(
+        s_client(&env, &server, Some(&session), &scratch),
+        Handshake::Reused
+    );
+}

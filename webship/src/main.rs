@@ -267,6 +267,13 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
         "  kernel   ktls={} bbr={} ebpf={}",
         config.kernel.ktls, config.kernel.bbr, config.kernel.ebpf
     );
+    match &config.ticket_keys {
+        Some(path) => println!(
+            "  tickets  keys from {} (shared by the hosts given it)",
+            path.display()
+        ),
+        None => println!("  tickets  keys generated per process"),
+    }
     if !config.accept_proxy_protocol.is_empty() {
         let sources: Vec<String> = config
             .accept_proxy_protocol

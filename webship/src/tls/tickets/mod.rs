@@ -195,6 +195,13 @@ impl Tickets {
     /// Re-reads the key file whenever its metadata changes, until shutdown. A file that
     /// is refused (or gone) is reported once per change; the keys in use stay.
     pub(crate) async fn watch(self: Arc<Self>, mut shutdown: Shutdown) {
+        // Started once the daemon runs as its service account: the file was read as
+        // root, and whether this account can read it decides whether reloads can.
+        if let Source::File { path, .. } = &self.read().source {
+            if let Err(e) = std::fs::File::open(path) {
+                tracing::warn!(path = %path.display(), error = %e, "the service account cannot read the ticket key file: reloads will be refused and changes not taken (make it readable by the account's group: chmod 0640, chgrp)");
+            }
+        }
         loop {
             tokio::select! {
                 () = shutdown.requested() => return,
