@@ -21,6 +21,7 @@ mod proc;
 mod report;
 mod servers;
 mod tcpclient;
+mod tickets;
 mod tlssource;
 mod wtbench;
 mod wtclient;
@@ -66,6 +67,10 @@ enum Command {
     /// mode and server; server RSS and kernel memory per connection, accept rate, a
     /// normal download's time while they are held.
     Connections(connections::ConnectionsArgs),
+    /// TLS 1.3 handshakes alternating between two daemons, with keys of their own and
+    /// with a shared `[tls] ticket_keys` file: the resumed share and server CPU per
+    /// 1,000 handshakes.
+    Tickets(tickets::TicketsArgs),
     /// Idle connections to a server started by hand, held for a while (profiling).
     #[command(hide = true)]
     Hold(connections::HoldArgs),
@@ -160,5 +165,6 @@ fn main() -> Result<()> {
         Command::Concurrency(args) => concurrency::run(&args),
         Command::Connections(args) => connections::run(&args),
         Command::Hold(args) => connections::hold(&args),
+        Command::Tickets(args) => tickets::run(&args),
     }
 }

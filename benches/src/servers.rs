@@ -250,6 +250,23 @@ pub(crate) fn start_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<
     launch_webship(spec, s, &serve)
 }
 
+/// [`start_webship`] with `[tls] ticket_keys` when `ticket_keys` is given (the
+/// `tickets` scenario).
+pub(crate) fn start_webship_tickets(
+    spec: &WebshipSpec<'_>,
+    s: &Settings<'_>,
+    ticket_keys: Option<&Path>,
+) -> Result<Server> {
+    let keys = ticket_keys.map_or_else(String::new, |p| format!("ticket_keys = {p:?}\n"));
+    let serve = format!(
+        "root = {root:?}\n\n[tls]\ncert = {cert:?}\nkey = {key:?}\n{keys}",
+        root = s.root,
+        cert = s.identity.cert,
+        key = s.identity.key,
+    );
+    launch_webship(spec, s, &serve)
+}
+
 /// Webship serving the fixture directly and the WebTransport diagnostic endpoint at
 /// `/wt` (origin `https://bench.webship`), with limits far above what a run moves.
 pub(crate) fn start_webship_webtransport(spec: &WebshipSpec<'_>, s: &Settings<'_>) -> Result<Server> {

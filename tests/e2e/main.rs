@@ -34,6 +34,7 @@ mod subsystem_metrics;
 mod support;
 mod systemd;
 mod tcp_health;
+mod tickets;
 mod tls;
 mod upgrade;
 mod watch;

@@ -36,5 +36,9 @@ mod service;
 mod shutdown;
 mod sys;
 mod tls;
+/// `webship ticket-keys new|rotate`: the shared ticket-key file (`[tls] ticket_keys`).
+pub mod ticket_keys {
+    pub use crate::tls::tickets::{new_file, rotate_file, TicketKeyError};
+}
 pub mod watch;
 pub mod webtransport;

@@ -107,6 +107,28 @@ enum Command {
         #[arg(long, requires = "watch", value_name = "N")]
         count: Option<u64>,
     },
+    /// The session-ticket key file that hosts behind one load balancer share
+    /// (`[tls] ticket_keys`; format and rotation: docs/operations.md).
+    TicketKeys {
+        #[command(subcommand)]
+        action: TicketKeysAction,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum TicketKeysAction {
+    /// Print a new file with one key, encrypting from now
+    /// (`webship ticket-keys new > FILE; chmod 0600 FILE`).
+    New,
+    /// Add a key that starts encrypting --activate-in seconds from now, drop the keys
+    /// no valid ticket needs any more, and replace FILE atomically (mode and owner kept).
+    /// Copy the result to every host before the new key's time comes.
+    Rotate {
+        file: PathBuf,
+        /// Seconds before the new key encrypts: long enough to reach every host.
+        #[arg(long, value_name = "SECS", default_value_t = 3600)]
+        activate_in: u64,
+    },
 }
 
 fn main() -> ExitCode {
@@ -137,6 +159,7 @@ fn main() -> ExitCode {
             count,
             ..
         } => watch(config.as_deref(), socket, interval, json, count),
+        Command::TicketKeys { action } => ticket_keys(action),
         Command::Stats {
             config,
             pin_dir,
@@ -151,6 +174,21 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn ticket_keys(action: TicketKeysAction) -> anyhow::Result<ExitCode> {
+    use webship::ticket_keys::{new_file, rotate_file};
+    match action {
+        TicketKeysAction::New => print!("{}", new_file()?),
+        TicketKeysAction::Rotate { file, activate_in } => {
+            let (newest, keys) = rotate_file(&file, activate_in)?;
+            println!(
+                "{}: {keys} keys; the new one encrypts from {newest} (unix seconds): copy the file to every host before then, and reload them or let them notice the change",
+                file.display()
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn load(path: Option<&Path>) -> anyhow::Result<Config> {
@@ -245,6 +283,13 @@ fn check(path: &Path) -> anyhow::Result<ExitCode> {
         "  kernel   ktls={} bbr={} ebpf={}",
         config.kernel.ktls, config.kernel.bbr, config.kernel.ebpf
     );
+    match &config.ticket_keys {
+        Some(path) => println!(
+            "  tickets  keys from {} (shared by the hosts given it)",
+            path.display()
+        ),
+        None => println!("  tickets  keys generated per process"),
+    }
     if !config.accept_proxy_protocol.is_empty() {
         let sources: Vec<String> = config
             .accept_proxy_protocol

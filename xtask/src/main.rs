@@ -230,7 +230,8 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         bench(&["download".into(), "--smoke".into(), "--scrape".into()])?;
         bench(&["webtransport", "--samples", "1", "--datagrams", "2000"].map(String::from))?;
         bench(&["concurrency", "--levels", "1,16", "--mib", "1"].map(String::from))?;
-        bench(&["connections", "--smoke"].map(String::from))
+        bench(&["connections", "--smoke"].map(String::from))?;
+        bench(&["tickets", "--handshakes", "40"].map(String::from))
     })
 }
 

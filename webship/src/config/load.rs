@@ -98,5 +98,6 @@ pub fn builtin_default(root: &Path) -> Result<Config, ConfigError> {
         accept_proxy_protocol: Vec::new(),
         user: None,
         group: None,
+        ticket_keys: None,
     })
 }

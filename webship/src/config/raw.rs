@@ -19,7 +19,7 @@ pub(super) struct RawConfig {
     pub root: Option<PathBuf>,
     /// The default of every file site, and the top-level `root` site's own.
     pub dotfiles: Option<super::Dotfiles>,
-    pub tls: Option<RawTls>,
+    pub tls: Option<RawTopTls>,
     pub protocols: Option<RawProtocols>,
     #[serde(default)]
     pub sites: Vec<RawSite>,
@@ -167,6 +167,19 @@ pub(super) struct RawProtocols {
     pub h1: Option<bool>,
     pub h2: Option<bool>,
     pub h3: Option<bool>,
+}
+
+/// The top-level `[tls]`: the certificate every site inherits (both or neither), and
+/// the process-wide ticket keys.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTopTls {
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// Staple the responder's OCSP answer in handshakes (on by default).
+    pub ocsp_stapling: Option<bool>,
+    /// The session-ticket key file shared by the hosts behind one load balancer.
+    pub ticket_keys: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -981,3 +981,26 @@ fn http01_needs_the_http_listener_on_another_port() {
     let keys: Vec<String> = f.problems(&same).into_iter().map(|p| p.key).collect();
     assert_eq!(keys, ["acme.http_listen"]);
 }
+
+#[test]
+fn tls_ticket_keys_stand_alone_and_cert_and_key_go_together() {
+    let f = Files::new();
+    let sites = "[[sites]]\ndomain = \"a.test\"\nroot = \"media\"\n[sites.tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n";
+    // Only ticket keys at the top: each site keeps its own certificate.
+    let config = f
+        .parse(&format!("[tls]\nticket_keys = \"ticket.keys\"\n\n{sites}"))
+        .unwrap();
+    assert_eq!(config.ticket_keys, Some(f.dir.path().join("ticket.keys")));
+    assert_eq!(f.parse(sites).unwrap().ticket_keys, None);
+    let problems = f.problems(&format!("[tls]\ncert = \"cert.pem\"\n\n{sites}"));
+    assert_eq!(problems.len(), 1, "{problems:?}");
+    assert_eq!(problems[0].key, "tls");
+    assert!(problems[0].problem.contains("without `key`"), "{problems:?}");
+    let problems = f.problems(&format!("[tls]\nticket_keys = \"\"\n\n{sites}"));
+    assert_eq!(problems[0].key, "tls.ticket_keys", "{problems:?}");
+    // A typo is refused, as everywhere.
+    assert!(f.parse(&format!("[tls]\nticket_key = \"k\"\n\n{sites}")).is_err());
+    // `ticket_keys` is process-wide: a site's [sites.tls] does not take it.
+    let site_keys = sites.replace("key = \"key.pem\"", "key = \"key.pem\"\nticket_keys = \"k\"");
+    assert!(f.parse(&site_keys).is_err());
+}

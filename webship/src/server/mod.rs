@@ -110,7 +110,9 @@ pub async fn run(
 ) -> Result<(), ServerError> {
     // The runtime's threads wait for the switch; whatever fails first releases them.
     let guard = privilege.guard();
-    let tls = Arc::new(crate::tls::Shared::new()?);
+    // The ticket-key file is read here, as root; reloads and the watcher re-read it
+    // as the service account.
+    let tls = Arc::new(crate::tls::Shared::new(config.ticket_keys.as_deref())?);
     let stack = Stack::build(&config, &tls)?;
     let mut inherited = match (takeover, &config.control_socket) {
         (true, Some(path)) => Some(handover::take(path, config.listen, &config.kernel.bpf_pin_dir).await?),
@@ -210,6 +212,7 @@ pub async fn run(
         tokio::spawn(admin.serve(metrics.clone()))
     });
 
+    let tickets_task = tokio::spawn(fixed.tls.tickets.clone().watch(shutdown.clone()));
     let current = Arc::new(Current::new(first));
     let limit = config.limits.max_connections;
     let permits = Arc::new(Semaphore::new(limit));
@@ -303,10 +306,16 @@ pub async fn run(
     let last = current.load();
     drain(&permits, limit, last.config.limits.shutdown_grace).await;
     crate::proxy_protocol::accept::log_counters(&last.config.accept_proxy_protocol);
-    for task in [h3_task, relay_task, admin_task, acme_http_task]
-        .into_iter()
-        .flatten()
-        .chain(cert_tasks)
+    for task in [
+        h3_task,
+        relay_task,
+        admin_task,
+        acme_http_task,
+        Some(tickets_task),
+    ]
+    .into_iter()
+    .flatten()
+    .chain(cert_tasks)
     {
         task.abort();
     }

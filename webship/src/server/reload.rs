@@ -60,7 +60,8 @@ pub(super) fn build(config: &Config, tls: &crate::tls::Shared) -> Result<Stack, 
 
 /// [`build`] with TLS state of its own (`webship check`: nothing is served).
 pub(super) fn check(config: &Config) -> Result<Stack, CheckError> {
-    let tls = crate::tls::Shared::new().map_err(|e| CheckError(format!("{}: {e}", config.source)))?;
+    let tls = crate::tls::Shared::new(config.ticket_keys.as_deref())
+        .map_err(|e| CheckError(format!("{}: {e}", config.source)))?;
     build(config, &tls)
 }
 
@@ -157,7 +158,11 @@ impl Reloader {
             account(&config)?;
             let notes = keep_running(&mut config, &running, h3_bound);
             let stack = build(&config, &tls)?;
-            Ok::<_, CheckError>((config, stack, notes))
+            let tickets = tls
+                .tickets
+                .prepare(config.ticket_keys.as_deref())
+                .map_err(|e| CheckError(format!("{}: {e}", config.source)))?;
+            Ok::<_, CheckError>((config, stack, notes, tickets))
         })
         .await;
         let built = match prepared {
@@ -165,7 +170,7 @@ impl Reloader {
             Ok(Err(refused)) => Err(refused.0),
             Err(e) => Err(format!("the reload task failed: {e}")),
         };
-        let (config, stack, notes) = match built {
+        let (config, stack, notes, tickets) = match built {
             Ok(built) => built,
             Err(text) => return self.refuse(text, current),
         };
@@ -181,6 +186,7 @@ impl Reloader {
         let sites = generation.config.sites.len();
         let slots = generation.stack.acceptor.slot_keys().to_vec();
         self.current.swap(generation);
+        self.fixed.tls.tickets.install(tickets);
         // Open connections keep the keys they shook hands with; the table forgets the
         // slots no site serves from any more.
         self.fixed.tls.certs.retain(&slots);

@@ -5,7 +5,8 @@
 //! certificate (the catch-all site from the top-level `root`, else the first
 //! `[[sites]]` entry), like nginx's `default_server`. Routing by `Host` is then the
 //! service's job. Session resumption works across sites: all configs share one
-//! session cache and one ticket key.
+//! session cache and one set of ticket keys ([`tickets`]: per process, or a file shared
+//! by the hosts behind one load balancer).
 //!
 //! Certificates live in process-wide slots ([`certs`]) that outlive a configuration
 //! generation; the resolvers read the slot at each handshake, so a certificate can be
@@ -14,9 +15,10 @@
 pub(crate) mod alpn_challenge;
 pub(crate) mod certs;
 pub(crate) mod ocsp;
+pub(crate) mod tickets;
 pub(crate) mod watch;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rustls::crypto::CryptoProvider;
@@ -48,6 +50,8 @@ pub enum TlsError {
     },
     #[error("could not generate a self-signed certificate: {0}")]
     SelfSigned(String),
+    #[error(transparent)]
+    TicketKeys(#[from] tickets::TicketKeyError),
     #[error("TLS setup failed: {0}")]
     Rustls(#[from] rustls::Error),
 }
@@ -125,18 +129,23 @@ pub(crate) struct Shared {
     pub(crate) provider: Arc<CryptoProvider>,
     pub(crate) certs: Certificates,
     pub(crate) cache: Arc<dyn rustls::server::StoresServerSessions>,
+    /// The ticket keys, to re-read at a reload; `ticketer` is the same object.
+    pub(crate) tickets: Arc<tickets::Tickets>,
     pub(crate) ticketer: Arc<dyn ProducesTickets>,
     /// Pending ACME `tls-alpn-01` answers, filled by `crate::acme`.
     pub(crate) challenges: Arc<AlpnChallenges>,
 }
 
 impl Shared {
-    pub(crate) fn new() -> Result<Self, TlsError> {
+    /// `ticket_keys`: the `[tls] ticket_keys` file, else keys generated here.
+    pub(crate) fn new(ticket_keys: Option<&Path>) -> Result<Self, TlsError> {
+        let tickets = Arc::new(tickets::Tickets::new(ticket_keys)?);
         Ok(Self {
             provider: Arc::new(provider()),
             certs: Certificates::default(),
             cache: ServerSessionMemoryCache::new(SESSION_CACHE_ENTRIES),
-            ticketer: rustls::crypto::aws_lc_rs::Ticketer::new()?,
+            ticketer: tickets.clone(),
+            tickets,
             challenges: Arc::default(),
         })
     }

@@ -93,6 +93,7 @@ impl Validator<'_> {
             .and_then(|a| a.http_listen.as_deref())
             .and_then(|text| self.acme_http_listen(text, listen));
         let top = self.top_level(&raw);
+        let ticket_keys = self.ticket_keys(&raw);
         let accept_proxy_protocol = self.address_blocks(
             "accept_proxy_protocol",
             raw.accept_proxy_protocol.as_deref().unwrap_or_default(),
@@ -139,6 +140,7 @@ impl Validator<'_> {
                 .as_deref()
                 .map_or_else(|| PathBuf::from(super::DEFAULT_OCSP_CACHE), |p| self.path(p)),
             acme_http_listen,
+            ticket_keys,
         }
     }
 

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use crate::config::raw::{RawConfig, RawSite, RawWebTransport};
+use crate::config::raw::{RawConfig, RawSite, RawTls, RawTopTls, RawWebTransport};
 use crate::config::{DomainPattern, Dotfiles, Protocols, Serve, Site, TlsSource};
 
 use super::Validator;
@@ -29,13 +29,61 @@ impl Validator<'_> {
     pub(super) fn top_level(&mut self, raw: &RawConfig) -> TopLevel {
         TopLevel {
             root: raw.root.as_ref().and_then(|r| self.root("root", r)),
-            tls: raw.tls.as_ref().map(|t| self.tls("tls", t)),
+            tls: raw.tls.as_ref().and_then(|t| self.top_tls(t)),
             protocols: self.protocols("protocols", raw.protocols),
             dotfiles: raw.dotfiles.unwrap_or_default(),
             acme_storage: raw.acme.as_ref().and_then(|a| self.acme_storage(a)),
             acme_table: raw.acme.is_some(),
             acme_http: raw.acme.as_ref().is_some_and(|a| a.http_listen.is_some()),
         }
+    }
+
+    /// The top-level certificate, when `[tls]` names one: `cert` and `key` go together
+    /// (a `[tls]` with only `ticket_keys` leaves each site its own certificate).
+    fn top_tls(&mut self, raw: &RawTopTls) -> Option<TlsSource> {
+        match (&raw.cert, &raw.key) {
+            (Some(cert), Some(key)) => Some(self.tls(
+                "tls",
+                &RawTls {
+                    cert: cert.clone(),
+                    key: key.clone(),
+                    ocsp_stapling: raw.ocsp_stapling,
+                },
+            )),
+            (None, None) => {
+                if raw.ocsp_stapling.is_some() {
+                    self.problem(
+                        "tls.ocsp_stapling",
+                        "stapling without a top-level certificate",
+                        "set it in each site's [sites.tls], or add `cert` and `key` here",
+                    );
+                }
+                None
+            }
+            (Some(_), None) | (None, Some(_)) => {
+                self.problem(
+                    "tls",
+                    "`cert` without `key`, or `key` without `cert`",
+                    "set both (PEM files), or neither",
+                );
+                None
+            }
+        }
+    }
+
+    /// `[tls] ticket_keys`: the file is read (and its mode checked) when TLS is set up,
+    /// as root at start and as the service account at a reload.
+    pub(super) fn ticket_keys(&mut self, raw: &RawConfig) -> Option<PathBuf> {
+        let path = raw.tls.as_ref()?.ticket_keys.as_ref()?;
+        if path.as_os_str().is_empty() {
+            self.problem(
+                "tls.ticket_keys",
+                "an empty path",
+                "name the file `webship ticket-keys new` wrote, or remove the key",
+            );
+            return None;
+        }
+        Some(self.path(path))
     }
 
     /// The `[[sites]]` entries in file order; `seen` records each one's domain.
