@@ -605,9 +605,6 @@ pub struct H3Settings {
     pub gso: bool,
     /// Body bytes after which a response switches its connection to BBR.
     pub bbr_switch_bytes: u64,
-    /// Packets a client may receive before it must acknowledge (the ACK frequency
-    /// extension, asked of clients that support it); 0: not asked.
-    pub ack_eliciting_threshold: u32,
     /// Address validation (Retry) for every new connection, not only under load.
     pub always_retry: bool,
 }

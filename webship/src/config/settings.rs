@@ -138,7 +138,6 @@ runtime_settings! {
         "h3_mtu_upper_bound_bytes" => mtu_upper_bound_bytes = 1452, 1200..=65_527;
         "h3_gso" => gso = true, 0..=1;
         "h3_bbr_switch_bytes" => bbr_switch_bytes = 1024 * 1024, 0..=1 << 40;
-        "h3_ack_eliciting_threshold" => ack_eliciting_threshold = 0, 0..=64;
         "h3_retry" => always_retry = false, 0..=1;
     }
     proxy_h2: ProxyH2Settings {

@@ -616,7 +616,7 @@ fn runtime_setting_messages_are_exact() {
         h2_tls_write_buffer_bytes, h2_initial_stream_window_bytes, h2_initial_connection_window_bytes, \
         h2_max_frame_size_bytes, h2_max_concurrent_streams, h2_max_send_buffer_bytes, h3_send_window_bytes, \
         h3_stream_receive_window_bytes, h3_receive_window_bytes, h3_max_concurrent_streams, \
-        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_ack_eliciting_threshold, h3_retry, proxy_h2_tls_max_send_buffer_bytes, \
+        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_retry, proxy_h2_tls_max_send_buffer_bytes, \
         proxy_h2_tls_connection_send_buffer_bytes)\n  \
         - `runtime.settings.h3_gso`: `2` is not a whole number from 0 to 1 \
         (fix: write it as a quoted number, e.g. \"1\")\n  \

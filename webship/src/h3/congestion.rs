@@ -226,6 +226,9 @@ mod tests {
             );
         }
         assert!(cubic.window() < before, "the losses must have cut CUBIC");
-        assert!(c.window() >= before, "BBR keeps the window CUBIC had at the switch");
+        assert!(
+            c.window() >= before,
+            "BBR keeps the window CUBIC had at the switch"
+        );
     }
 }

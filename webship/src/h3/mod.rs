@@ -47,9 +47,6 @@ const UDP_BUFFER_BYTES: usize = 8 * 1024 * 1024;
 const CLOSE_QUIET: Duration = Duration::from_secs(1);
 /// QUIC datagrams queued per connection each way (WebTransport only).
 const DATAGRAM_BUFFER_BYTES: usize = 2 * 1024 * 1024;
-/// The longest a client asked for fewer ACKs (`h3_ack_eliciting_threshold`) may hold
-/// one back: short next to any WAN RTT, above the 1 ms timer granularity.
-const ACK_DELAY: Duration = Duration::from_millis(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum H3Error {
@@ -312,15 +309,6 @@ fn transport(
         .max_idle_timeout(quinn::IdleTimeout::try_from(limits.idle_timeout).ok())
         .enable_segmentation_offload(settings.gso)
         .congestion_controller_factory(Arc::new(SwitchingFactory::new(signal)));
-    if settings.ack_eliciting_threshold > 0 {
-        // Fewer ACKs to receive and decrypt per byte sent; the delay bound keeps
-        // the tail of a response (fewer packets than the threshold) from waiting
-        // the client's default 25 ms for its ACK.
-        let mut ack = quinn::AckFrequencyConfig::default();
-        ack.ack_eliciting_threshold(settings.ack_eliciting_threshold.into())
-            .max_ack_delay(Some(ACK_DELAY));
-        t.ack_frequency_config(Some(ack));
-    }
     let mut mtud = quinn::MtuDiscoveryConfig::default();
     mtud.upper_bound(settings.mtu_upper_bound_bytes);
     t.mtu_discovery_config(Some(mtud));
