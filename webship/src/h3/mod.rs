@@ -3,8 +3,9 @@
 //! Requests go through the same [`Service`](crate::service::Service) as h1 and h2, so
 //! routing, headers, ranges, conditionals and path safety are identical. Transport:
 //! quinn's pacing, UDP GSO/GRO (quinn-udp), DPLPMTUD up to `h3_mtu_upper_bound_bytes`,
-//! and a per-connection congestion controller that starts on CUBIC and moves to BBR
-//! once a response proves bulk ([`congestion`]).
+//! GSO batches that fit one 64 KB send at any MTU bound (`generation::QuicSocket`),
+//! and a per-connection congestion controller that starts on CUBIC and adds BBR once
+//! a response proves bulk, using the larger window of the two ([`congestion`]).
 //!
 //! Memory per connection is bounded by `h3_send_window_bytes` (quinn buffers no more
 //! unsent stream data than that; `send_data` waits) plus two [`STREAM_CHUNK`]s per
