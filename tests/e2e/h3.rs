@@ -196,6 +196,32 @@ async fn bulk_responses_switch_their_connection_to_bbr() {
     assert!(!server.log().contains("switches to BBR"));
 }
 
+/// With GSO on (the default) and a DPLPMTUD ceiling of 9000 bytes, the bulk of a
+/// download arrives in datagrams of the discovered size. quinn batched ten of them
+/// into one 90 KB GSO send, which the kernel refuses whole (EMSGSIZE): before the
+/// fix only loss probes and short batches got through, averaging 1.3–5 KB.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gso_sends_at_the_large_mtu_dplpmtud_found() {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin").unwrap();
+    let server = env.start("[runtime.settings]\nh3_mtu_upper_bound_bytes = \"9000\"\n");
+    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::bulk())
+        .await
+        .unwrap();
+    let got = h3
+        .fetch("GET", "/fixture.bin", &[("range", "bytes=0-33554431")])
+        .await;
+    assert_eq!((got.status.as_u16(), got.len), (206, 32 * MIB));
+    let rx = h3.connection().stats().udp_rx;
+    let average = rx.bytes / rx.datagrams.max(1);
+    assert!(
+        average > 7000,
+        "{} datagrams averaging {average} bytes: the server did not send at the 9000-byte MTU",
+        rx.datagrams
+    );
+    h3.close().await;
+}
+
 #[tokio::test]
 async fn alt_svc_advertises_h3_only_for_h3_sites() {
     let env = Env::new();

@@ -42,6 +42,7 @@ use std::io::{self, IoSliceMut, Read};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -245,7 +246,16 @@ pub(crate) struct QuicSocket {
     /// The endpoint driver's waker, so a mode switch makes it poll the new source.
     waker: Mutex<Option<Waker>>,
     stats: Mutex<ForwardStats>,
+    /// The largest datagram any connection on this endpoint may send: the highest
+    /// `h3_mtu_upper_bound_bytes` a generation has used (only ever raised, since
+    /// connections keep the bound they started with).
+    largest_datagram: AtomicUsize,
 }
+
+/// The most UDP payload one `sendmsg` may carry, GSO batch included: the IP length
+/// field's 65,535 less an IPv6 header and the UDP header (IPv4 allows 20 bytes
+/// more). Beyond it the kernel answers EMSGSIZE and quinn-udp drops the whole batch.
+const GSO_BATCH_BYTES: usize = 65_535 - 40 - 8;
 
 impl QuicSocket {
     pub(crate) fn new(socket: std::net::UdpSocket) -> io::Result<Arc<Self>> {
@@ -255,6 +265,7 @@ impl QuicSocket {
             mode: Mutex::new(Mode::Direct),
             waker: Mutex::new(None),
             stats: Mutex::new(ForwardStats::default()),
+            largest_datagram: AtomicUsize::new(1200),
         }))
     }
 
@@ -273,6 +284,13 @@ impl QuicSocket {
     /// Forwards the predecessor's datagrams to it until it is gone.
     pub(crate) fn demux(&self, predecessor: Predecessor) {
         self.switch(Mode::Demux(predecessor));
+    }
+
+    /// Connections accepted from now on may send datagrams of up to `bytes`
+    /// (their DPLPMTUD upper bound); GSO batches shrink to fit.
+    pub(crate) fn allow_datagrams_up_to(&self, bytes: u16) {
+        self.largest_datagram
+            .fetch_max(usize::from(bytes), Ordering::Relaxed);
     }
 
     pub(crate) fn forward_stats(&self) -> ForwardStats {
@@ -467,8 +485,15 @@ impl AsyncUdpSocket for QuicSocket {
         self.udp.local_addr()
     }
 
+    /// quinn batches up to 10 datagrams of the connection's current MTU into one
+    /// GSO send; at a 9000-byte MTU that is 90 KB, which the kernel refuses whole
+    /// (EMSGSIZE): every full batch was lost and only the loss probes, clamped to
+    /// 1200 bytes, got through. A batch here never exceeds [`GSO_BATCH_BYTES`].
     fn max_transmit_segments(&self) -> usize {
-        self.udp.max_transmit_segments()
+        gso_segments(
+            self.udp.max_transmit_segments(),
+            self.largest_datagram.load(Ordering::Relaxed),
+        )
     }
 
     fn max_receive_segments(&self) -> usize {
@@ -480,6 +505,11 @@ impl AsyncUdpSocket for QuicSocket {
     }
 }
 
+/// How many datagrams of up to `datagram` bytes one send may batch.
+fn gso_segments(socket_max: usize, datagram: usize) -> usize {
+    socket_max.min(GSO_BATCH_BYTES / datagram.max(1)).max(1)
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -487,6 +517,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_gso_batch_fits_one_send() {
+        assert_eq!(gso_segments(64, 1452), 45);
+        assert_eq!(gso_segments(64, 9000), 7);
+        assert_eq!(gso_segments(10, 1200), 10);
+        assert_eq!(gso_segments(64, 65_527), 1);
+        assert_eq!(gso_segments(1, 9000), 1);
+    }
 
     #[test]
     fn a_generation_recognises_its_ids_and_no_other() {

@@ -3,8 +3,9 @@
 //! Requests go through the same [`Service`](crate::service::Service) as h1 and h2, so
 //! routing, headers, ranges, conditionals and path safety are identical. Transport:
 //! quinn's pacing, UDP GSO/GRO (quinn-udp), DPLPMTUD up to `h3_mtu_upper_bound_bytes`,
-//! and a per-connection congestion controller that starts on CUBIC and moves to BBR
-//! once a response proves bulk ([`congestion`]).
+//! GSO batches that fit one 64 KB send at any MTU bound (`generation::QuicSocket`),
+//! and a per-connection congestion controller that starts on CUBIC and adds BBR once
+//! a response proves bulk, using the larger window of the two ([`congestion`]).
 //!
 //! Memory per connection is bounded by `h3_send_window_bytes` (quinn buffers no more
 //! unsent stream data than that; `send_data` waits) plus two [`STREAM_CHUNK`]s per
@@ -144,6 +145,7 @@ impl H3Endpoint {
         let udp = Arc::new(socket.try_clone().map_err(bind_err)?);
         let key = GenerationKey::random().map_err(bind_err)?;
         let quic = QuicSocket::new(socket).map_err(bind_err)?;
+        quic.allow_datagrams_up_to(settings.mtu_upper_bound_bytes);
         let mut config = quinn::EndpointConfig::default();
         config.cid_generator(move || Box::new(CidGenerator::new(key)));
         let endpoint = quinn::Endpoint::new_with_abstract_socket(
@@ -233,6 +235,10 @@ impl H3Endpoint {
                 webtransport,
                 signal.clone(),
             )));
+            // Before the connection exists, so its first GSO batch already fits.
+            self.handover
+                .socket
+                .allow_datagrams_up_to(drivers.h3.mtu_upper_bound_bytes);
             let peer = incoming.remote_address();
             let cid = incoming.orig_dst_cid();
             match incoming.accept_with(Arc::new(config)) {
