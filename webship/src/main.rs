@@ -11,11 +11,9 @@ use webship::logging::{self, LogFormat};
 use webship::{preflight, server};
 
 /// The process's heap allocator, chosen at build time. The system's (glibc malloc)
-/// unless a feature picks another: glibc leaves the untouched part of a large
-/// allocation unbacked and returns freed memory to arenas the connection's next
-/// owner reuses, which is what an edge holding many idle connections needs; the
-/// others are kept buildable so the comparison (docs/benchmarks.md, "Allocator")
-/// can be rerun when the code or the crates change.
+/// unless a feature picks another: neither jemalloc nor mimalloc beat it on both
+/// memory per connection and CPU per byte (docs/benchmarks.md, "Allocator"); they
+/// stay buildable so the comparison can be rerun when the code or the crates change.
 mod allocator {
     #[cfg(all(feature = "allocator-jemalloc", feature = "allocator-mimalloc"))]
     compile_error!("choose at most one of the features allocator-jemalloc and allocator-mimalloc");
