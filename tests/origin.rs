@@ -11,6 +11,8 @@
 //! - `/echo`: the request's headers, method, path, body length and SHA-256 as text;
 //! - `/bytes/N`: N pattern bytes with `content-length` (a single `Range` gives 206);
 //! - `/slow/N/MS`: N pattern bytes, no length, 16 KiB frames MS milliseconds apart;
+//! - `/chunks/N/SIZE`: N pattern bytes, no length, in SIZE-byte frames (1 to 64 KiB)
+//!   all ready at once (h2: that many DATA frames; HTTP/1.1: chunks);
 //! - `/trailers`: `hello`, then trailers `x-checksum: 12345` and `x-origin: rust` (on
 //!   HTTP/1.1 hyper sends them only if the request carried `te: trailers`);
 //! - `/die/N`: promises 2N bytes, sends N, then fails the stream;
@@ -319,6 +321,12 @@ fn route(seen: &Seen, headers: &HeaderMap, shared: &Arc<Shared>) -> Response<Ori
                 body.pattern(0, n, SLOW_FRAME).every(Duration::from_millis(ms)),
             )
             .body_now(),
+            _ => bad_request(body),
+        },
+        ["chunks", n, size] => match (num(n), num(size)) {
+            (Some(n), Some(size)) if (1..=FRAME as u64).contains(&size) => {
+                reply(StatusCode::OK, body.pattern(0, n, size as usize)).body_now()
+            }
             _ => bad_request(body),
         },
         ["trailers"] => {

@@ -150,6 +150,11 @@ pub struct DownloadArgs {
     /// Webship's default when absent.
     #[arg(long, value_name = "BYTES", value_parser = clap::value_parser!(u16).range(1200..=65527))]
     pub h3_mtu: Option<u16>,
+    /// Another Webship build measured beside `--webship` in direct and proxy mode, as
+    /// `LABEL=PATH` (e.g. `jemalloc=target/alloc/webship-jemalloc`); repeatable, at
+    /// most 4. Each appears as a peer column "webship LABEL" in the same rounds.
+    #[arg(long, value_name = "LABEL=PATH", value_parser = measure::parse_compare)]
+    pub compare: Vec<measure::Compare>,
 }
 
 fn main() -> Result<()> {

@@ -139,6 +139,43 @@ pub(crate) fn cell_gap(server: &str, mode: Mode, protocol: Protocol, nginx_versi
     Some(reason.to_owned())
 }
 
+/// Another Webship build measured as a peer (`--compare LABEL=PATH`).
+#[derive(Debug, Clone)]
+pub struct Compare {
+    /// "webship LABEL": a server name, which the report keys cells by.
+    pub name: &'static str,
+    pub path: std::path::PathBuf,
+}
+
+/// How many `--compare` builds one run takes; each adds a server per mode.
+const MAX_COMPARE: usize = 4;
+
+pub(crate) fn parse_compare(arg: &str) -> Result<Compare, String> {
+    static COUNT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let (label, path) = arg
+        .split_once('=')
+        .filter(|(label, path)| !label.is_empty() && !path.is_empty())
+        .ok_or_else(|| {
+            format!("{arg:?}: expected LABEL=PATH, e.g. jemalloc=target/alloc/webship-jemalloc")
+        })?;
+    if !label
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    {
+        return Err(format!("{label:?}: a label is letters, digits, '-' and '_'"));
+    }
+    if COUNT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= MAX_COMPARE {
+        return Err(format!("at most {MAX_COMPARE} --compare builds per run"));
+    }
+    // Server names are `&'static str` throughout the report; a name per argument,
+    // at most MAX_COMPARE per process, is leaked once.
+    let name: &'static str = Box::leak(format!("webship {label}").into_boxed_str());
+    Ok(Compare {
+        name,
+        path: path.into(),
+    })
+}
+
 /// Whether `peer` takes part in `mode` at all.
 fn in_mode(peer: &str, mode: Mode) -> bool {
     Protocol::ALL
@@ -297,6 +334,26 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
             };
             ensure_h3(&scraped)?;
             started.push(scraped);
+        }
+        // Other builds (`--compare`), beside it in the same rounds.
+        if matches!(mode, Mode::Direct | Mode::Proxy) {
+            for build in &args.compare {
+                let build_dir = dir(&format!("{}-{}", build.name.replace(' ', "-"), mode.label()))?;
+                let spec = WebshipSpec {
+                    binary: &build.path,
+                    ..webship_spec(args, build.name, true)
+                };
+                let s = Settings {
+                    dir: &build_dir,
+                    ..base
+                };
+                let server = match origin_port {
+                    Some(port) => servers::start_webship_proxy(&spec, &s, port)?,
+                    None => servers::start_webship(&spec, &s)?,
+                };
+                ensure_h3(&server)?;
+                started.push(server);
+            }
         }
         // Passthrough: each engine by name too, beside the default (`auto`).
         if let (Mode::Passthrough, Some(port)) = (mode, origin_port) {

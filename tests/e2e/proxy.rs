@@ -501,3 +501,81 @@ fn h2_front_bounds_proxy_streams_by_the_connection_budget() {
     );
     drop(w);
 }
+
+/// An h2c origin that writes many small DATA frames at once: the proxy hands those
+/// its upstream connection already holds to the client in one go, so an h2 client
+/// sees full frames, not one per upstream piece (`exchange/coalesce.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn small_upstream_frames_reach_an_h2_client_coalesced() {
+    use webship_testkit::h2raw::{block, flag, frame, headers, kind, H2Raw};
+    const LEN: usize = 256 * 1024;
+    const PIECE: usize = 256;
+    let h2c = Origin::start().await;
+    let w = world(&format!(
+        "\n[[reverse_proxy.routes]]\ndomain = \"{HOST}\"\npath_prefix = \"/h2c/\"\nstrip_prefix = true\nupstream_protocol = \"h2c\"\nupstreams = [\"{}\"]\n",
+        h2c.addr
+    ))
+    .await;
+    let mut conn = H2Raw::connect(w.server.addr(), HOST, &w.env.client(b"h2"))
+        .await
+        .unwrap();
+    // The stream's window opens only once the origin has had time to write: its
+    // frames are then waiting in the proxy's upstream connection, as on a real
+    // network where the upstream is faster than the client (without this the proxy
+    // may keep up with the origin on loopback and see each piece alone). The
+    // connection's window is larger than the body.
+    const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
+    conn.handshake(&[(SETTINGS_INITIAL_WINDOW_SIZE, 0)], Duration::from_secs(5))
+        .await
+        .unwrap();
+    let grow = (1u32 << 20).to_be_bytes();
+    conn.send(&frame(kind::WINDOW_UPDATE, 0, 0, &grow)).await.unwrap();
+    let path = format!("/h2c/chunks/{LEN}/{PIECE}");
+    let request = block(&[
+        (":method", "GET"),
+        (":scheme", "https"),
+        (":authority", HOST),
+        (":path", &path),
+    ]);
+    conn.send(&headers(1, &request, true)).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match conn.read_frame(deadline).await {
+            Ok(Some(f)) if f.stream == 1 && f.kind == kind::HEADERS => break,
+            Ok(Some(_)) => {}
+            other => panic!("no response head: {other:?}\n{}", w.server.log()),
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    conn.send(&frame(kind::WINDOW_UPDATE, 0, 1, &grow)).await.unwrap();
+    assert!(
+        conn.until_stream_end(1, Duration::from_secs(20)).await,
+        "the response did not end; frames: {:?}\n{}",
+        conn.seen
+            .iter()
+            .map(|f| (f.kind, f.flags, f.payload.len()))
+            .collect::<Vec<_>>(),
+        w.server.log()
+    );
+    assert_eq!(conn.status(1), Some(200));
+    let data: Vec<&[u8]> = conn
+        .seen
+        .iter()
+        .filter(|f| f.stream == 1 && f.kind == kind::DATA)
+        .map(|f| f.payload.as_slice())
+        .collect();
+    assert!(conn
+        .seen
+        .iter()
+        .all(|f| f.kind != kind::DATA || f.flags & flag::PADDED == 0));
+    assert_eq!(data.concat(), pattern(LEN), "the relayed body differs");
+    // Relayed piece by piece it takes LEN / PIECE = 1024 frames; coalesced, 17 here:
+    // the piece hyper took before the window opened, then full 16 KiB frames.
+    let sizes: Vec<usize> = data.iter().map(|d| d.len()).collect();
+    assert!(
+        data.len() <= LEN / PIECE / 16,
+        "{} DATA frames for {LEN} bytes written as {PIECE}-byte frames: {sizes:?}",
+        data.len()
+    );
+    drop(h2c);
+}

@@ -10,6 +10,23 @@ use webship::config::{self, Config};
 use webship::logging::{self, LogFormat};
 use webship::{preflight, server};
 
+/// The process's heap allocator, chosen at build time. The system's (glibc malloc)
+/// unless a feature picks another: neither jemalloc nor mimalloc beat it on both
+/// memory per connection and CPU per byte (docs/benchmarks.md, "Allocator"); they
+/// stay buildable so the comparison can be rerun when the code or the crates change.
+mod allocator {
+    #[cfg(all(feature = "allocator-jemalloc", feature = "allocator-mimalloc"))]
+    compile_error!("choose at most one of the features allocator-jemalloc and allocator-mimalloc");
+
+    #[cfg(feature = "allocator-jemalloc")]
+    #[global_allocator]
+    static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+    #[cfg(all(feature = "allocator-mimalloc", not(feature = "allocator-jemalloc")))]
+    #[global_allocator]
+    static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "webship",

@@ -22,9 +22,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 
+use super::coalesce::Coalesced;
 use super::record::{Outcome, Record};
 use crate::files::cursor::{FileCursor, FileRange};
-use crate::message::{Body, BoxError, StreamBody};
+use crate::message::{Body, BoxError};
 
 /// The smallest read of a ramped file body (one default HTTP/2 frame).
 pub(crate) const RAMP_CHUNK_MIN: usize = 16 * 1024;
@@ -153,8 +154,9 @@ enum Kind {
     Empty,
     Bytes(Option<Bytes>),
     File(FileCursor),
-    /// From an upstream: data, trailers and errors pass through as they come.
-    Relay(StreamBody),
+    /// From an upstream: data, trailers and errors pass through in order, the data
+    /// chunks already there handed out together.
+    Relay(Coalesced),
 }
 
 impl std::fmt::Debug for Kind {
@@ -175,7 +177,7 @@ impl ResponseBody {
             Body::Empty => Kind::Empty,
             Body::Bytes(b) => Kind::Bytes(Some(b)),
             Body::File(file) => Kind::File(FileCursor::new(file, chunk)),
-            Body::Stream(stream) => Kind::Relay(stream),
+            Body::Stream(stream) => Kind::Relay(Coalesced::new(stream)),
         };
         Self {
             kind,

@@ -10,6 +10,7 @@
 
 pub(crate) mod access;
 mod body;
+mod coalesce;
 mod record;
 mod send;
 mod transfers;
