@@ -22,6 +22,7 @@ mod report;
 mod servers;
 mod tcpclient;
 mod tlssource;
+mod wan;
 mod wtbench;
 mod wtclient;
 
@@ -76,6 +77,13 @@ enum Command {
     /// or a run of datagrams, received and counted (the WebTransport cells' client).
     #[command(name = "wt-get", hide = true)]
     WtGet(wtclient::WtGetArgs),
+    /// Downloads across an emulated WAN link (two network namespaces joined by a
+    /// relay with rate, delay, jitter, loss and a bounded queue): h2 with kernel BBR
+    /// and CUBIC, h3 CUBIC, h3 with the BBR switch and Caddy's h3 (needs root).
+    Wan(wan::WanArgs),
+    /// The WAN scenario's plain-TCP self-test: one end of the stream.
+    #[command(name = "wan-tcp", hide = true)]
+    WanTcp(wan::WanTcpArgs),
 }
 
 #[derive(Debug, Args)]
@@ -147,6 +155,11 @@ pub struct DownloadArgs {
     pub h3_mtu: Option<u16>,
 }
 
+/// Whether this process runs as root (namespaces, TUN devices).
+pub(crate) fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command.unwrap_or(Command::Download(cli.download)) {
@@ -160,5 +173,7 @@ fn main() -> Result<()> {
         Command::Concurrency(args) => concurrency::run(&args),
         Command::Connections(args) => connections::run(&args),
         Command::Hold(args) => connections::hold(&args),
+        Command::Wan(args) => wan::run(&args),
+        Command::WanTcp(args) => wan::tcp(&args),
     }
 }
