@@ -9,6 +9,8 @@
 //! sendfile server and against a TLS server sending from memory). The hidden
 //! `get`, `h3-get` and `wt-get` are the clients `download` runs as child
 //! processes, and the hidden `tls-source` is the memory-to-memory TLS baseline.
+//! `wan` runs the same clients across an emulated WAN link (network namespaces
+//! joined by its own relay) to compare congestion controls.
 
 mod aead;
 mod clients;

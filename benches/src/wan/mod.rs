@@ -67,10 +67,10 @@ pub(crate) struct WanArgs {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=50))]
     pub fixture_samples: u32,
     /// Timed 1 MiB downloads per cell (p99 of few samples is their maximum).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=200))]
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=200))]
     pub samples: u32,
     /// A download not done within this many seconds counts as timed out.
-    #[arg(long, default_value_t = 15, value_parser = clap::value_parser!(u64).range(1..=600))]
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=600))]
     pub max_secs: u64,
     /// The loss and jitter generator's seed (the same seed drops the same packets).
     #[arg(long, default_value_t = 1)]
@@ -207,6 +207,7 @@ pub(crate) fn run(args: &WanArgs) -> Result<()> {
         args.fixture_mib = 0;
         args.samples = 1;
         args.selftest_secs = 1;
+        args.caddy = PathBuf::new();
     }
     for &loss in &args.losses {
         ensure!(
@@ -290,22 +291,24 @@ fn measure(args: &WanArgs) -> Result<Section> {
     let mut json_rows = Vec::new();
     let mut bars = Vec::new();
     let capacity = self_test(&wan, args, &mut markdown, &mut json_rows)?;
+    let bulk = match args.fixture_mib {
+        0 => String::new(),
+        mib => format!(
+            "{} timed download(s) of the fixture's first {mib} MiB and ",
+            args.fixture_samples
+        ),
+    };
+    let jitter = match args.jitter_ms {
+        0 => String::new(),
+        ms => format!(", jitter 0-{ms} ms one way"),
+    };
     let _ = writeln!(
         markdown,
-        "\nPer link, {} timed {} MiB download(s) and {} of 1 MiB per sender, in interleaved rounds; \
-         loss applies in each direction, the queue holds {} ms of the rate (tail drop){}. \
-         Goodput is the median of bytes / time to last byte (handshake included); \
-         p99 of a few samples is their maximum. A sample over {} s counts as timed out.\n",
-        args.fixture_samples,
-        args.fixture_mib,
-        args.samples,
-        args.queue_ms,
-        if args.jitter_ms > 0 {
-            format!(", jitter 0-{} ms one way", args.jitter_ms)
-        } else {
-            String::new()
-        },
-        args.max_secs,
+        "\nPer link and sender, {bulk}{} of 1 MiB, in interleaved rounds; loss applies in each \
+         direction, the queue holds {} ms of the rate (tail drop){jitter}. Goodput is the median of \
+         bytes / time to last byte (handshake included); p99 of a few samples is their maximum; a \
+         sample over {} s counts as failed. Link drops are the link's, shared by the cell's senders.\n",
+        args.samples, args.queue_ms, args.max_secs,
     );
     let _ = writeln!(
         markdown,
@@ -441,15 +444,7 @@ fn wait_logged(process: &mut Process, line: &str) -> Result<()> {
     )
 }
 
-fn fetch<'a>(
-    wan: &'a Wan,
-    client_ns: &'a Path,
-    sender: Sender,
-    file: &str,
-    len: u64,
-    max: Duration,
-) -> Fetch<'a> {
-    let _ = wan;
+fn fetch<'a>(client_ns: &'a Path, sender: Sender, file: &str, len: u64, max: Duration) -> Fetch<'a> {
     let port = sender.server().port();
     Fetch {
         what: format!("{} GET https://{SERVER_ADDR}:{port}/{file}", sender.label()),
@@ -476,7 +471,6 @@ fn warm_up(clients: &Clients, wan: &Wan, servers: &Servers, args: &WanArgs) -> R
         let mut tries = 0;
         loop {
             match clients.fetch(&fetch(
-                wan,
                 &client_ns,
                 sender,
                 SMALL_FILE,
@@ -556,7 +550,7 @@ fn measure_cell(
             }
             for (file, len) in jobs {
                 let before = cpu_ticks(pid);
-                let got = clients.fetch(&fetch(wan, &client_ns, r.sender, file, len, max));
+                let got = clients.fetch(&fetch(&client_ns, r.sender, file, len, max));
                 r.server_ticks += cpu_ticks(pid).saturating_sub(before);
                 match got {
                     Ok(sample) => {
