@@ -145,10 +145,18 @@ fn allow_default(algorithm: &str) -> Result<()> {
         return Ok(());
     }
     let mut saved = ALLOWED_BEFORE.lock().unwrap_or_else(|p| p.into_inner());
+    // Kept on disk too, so the next run can restore it if this one is killed.
+    let note = allowed_note(std::process::id());
+    std::fs::write(&note, &before).with_context(|| format!("writing {}", note.display()))?;
     std::fs::write(ALLOWED, format!("{before} {algorithm}"))
         .with_context(|| format!("adding {algorithm} to {ALLOWED}"))?;
     saved.get_or_insert(before);
     Ok(())
+}
+
+/// Where run `pid` keeps the host's allowed list as it found it.
+fn allowed_note(pid: u32) -> PathBuf {
+    PathBuf::from(format!("/run/{PREFIX}{pid}-allowed-congestion"))
 }
 
 /// Puts the host's allowed congestion controls back as they were, if changed.
@@ -157,7 +165,19 @@ fn restore_allowed() {
         if let Err(e) = std::fs::write(ALLOWED, &before) {
             eprintln!("wan: could not restore {ALLOWED} to {before:?}: {e}; write it back by hand");
         }
+        let _ = std::fs::remove_file(allowed_note(std::process::id()));
     }
+}
+
+/// Whether `pid` still runs (a zombie does not).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
+        .is_some_and(|zombie| !zombie)
 }
 
 fn netns_path(name: &str) -> PathBuf {
@@ -194,9 +214,15 @@ fn remove_stale() {
         else {
             continue;
         };
-        if !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+        if !running(pid) {
             eprintln!("wan: removing {name}, left by a run that was killed");
             remove(name);
+            let note = allowed_note(pid);
+            if let Ok(before) = std::fs::read_to_string(&note) {
+                eprintln!("wan: restoring {ALLOWED} to {before:?}, as that run found it");
+                let _ = std::fs::write(ALLOWED, before.trim());
+                let _ = std::fs::remove_file(&note);
+            }
         }
     }
 }
