@@ -82,7 +82,6 @@ impl Clients {
         protocol: Protocol,
         sha256: Option<&str>,
     ) -> Result<Sample> {
-        let addr = format!("127.0.0.1:{}", server.port);
         let path = format!("/{FIXTURE_NAME}");
         let scheme = if server.plain { "http" } else { "https" };
         let what = format!(
@@ -92,26 +91,56 @@ impl Clients {
             server.host,
             server.port
         );
-        let mut command = Command::new(&self.exe);
-        match protocol {
-            Protocol::H3 => {
-                // As before the `get` client existed: the proxies route `localhost`,
-                // and the direct servers take any name.
-                command.args(["h3-get", "--sni", "localhost"]);
+        self.fetch(&Fetch {
+            what,
+            protocol,
+            addr: format!("127.0.0.1:{}", server.port),
+            // As before the `get` client existed, h3 always says `localhost`: the
+            // proxies route `localhost`, and the direct servers take any name.
+            host: if protocol == Protocol::H3 {
+                "localhost"
+            } else {
+                server.host
+            },
+            path,
+            len: FIXTURE_LEN,
+            tls: !server.plain,
+            sha256,
+            max_time: MAX_TIME,
+            netns: None,
+        })
+    }
+
+    /// One download as `fetch` describes it, by a client child process.
+    pub(crate) fn fetch(&self, fetch: &Fetch<'_>) -> Result<Sample> {
+        let what = &fetch.what;
+        let mut command = match fetch.netns {
+            Some(netns) => {
+                let mut nsenter = Command::new("nsenter");
+                nsenter
+                    .arg(format!("--net={}", netns.display()))
+                    .arg("--")
+                    .arg(&self.exe);
+                nsenter
             }
+            None => Command::new(&self.exe),
+        };
+        match fetch.protocol {
+            Protocol::H3 => command.args(["h3-get", "--sni", fetch.host]),
             Protocol::H1 | Protocol::H2 => {
-                command.args(["get", "--host", server.host, "--http", protocol.label()]);
+                command.args(["get", "--host", fetch.host, "--http", fetch.protocol.label()])
             }
-        }
-        command.args(["--addr", &addr, "--path", &path]);
-        if !server.plain {
+        };
+        command.args(["--addr", &fetch.addr, "--path", &fetch.path]);
+        command.args(["--len", &fetch.len.to_string()]);
+        if fetch.tls {
             command.arg("--ca").arg(&self.ca);
         }
-        if sha256.is_some() {
+        if fetch.sha256.is_some() {
             command.arg("--sha256");
         }
         command
-            .args(["--max-time", &MAX_TIME.as_secs().to_string()])
+            .args(["--max-time", &fetch.max_time.as_secs().max(1).to_string()])
             // A failure is reported in the bail below; a backtrace would bury it.
             .env("RUST_BACKTRACE", "0");
         let (output, client_ticks) = run_child(&mut command).context("running the client")?;
@@ -131,8 +160,8 @@ impl Clients {
         let [size, seconds, code] = fields[..] else {
             bail!("{what}: unexpected client output {stdout:?}");
         };
-        let (size, seconds) = check(&what, size, seconds, code)?;
-        check_verdict(&what, verdict, sha256)?;
+        let (size, seconds) = check(what, size, seconds, code, fetch.len)?;
+        check_verdict(what, verdict, fetch.sha256)?;
         let notes = notes.unwrap_or("").trim();
         let client_drops = notes
             .split_whitespace()
@@ -142,7 +171,7 @@ impl Clients {
             size,
             seconds,
             client_ticks,
-            notes: if protocol == Protocol::H3 {
+            notes: if fetch.protocol == Protocol::H3 {
                 format!("TLSv1.3 QUIC; {notes}")
             } else {
                 notes.to_owned()
@@ -150,6 +179,28 @@ impl Clients {
             client_drops,
         })
     }
+}
+
+/// One client download: where, what, and what the body must be.
+#[derive(Debug)]
+pub(crate) struct Fetch<'a> {
+    /// How errors name this download.
+    pub what: String,
+    pub protocol: Protocol,
+    /// The server's address, `ip:port`.
+    pub addr: String,
+    /// The TLS server name and request authority.
+    pub host: &'a str,
+    pub path: String,
+    /// The body must be the fixture's first `len` bytes.
+    pub len: u64,
+    /// HTTPS (the bench CA as the only root); plain HTTP/1.1 otherwise.
+    pub tls: bool,
+    pub sha256: Option<&'a str>,
+    /// The client gives up after this long, handshake included.
+    pub max_time: Duration,
+    /// Runs the client in this network namespace (`nsenter --net`) instead of this one.
+    pub netns: Option<&'a Path>,
 }
 
 /// What a client subcommand (`get`, `h3-get`) reports for one download.
@@ -164,18 +215,19 @@ pub(crate) struct Download {
 }
 
 impl Download {
-    /// A download whose body went through `check`, expecting the whole fixture.
+    /// A download whose body went through `check`, expecting the fixture's first `len` bytes.
     pub(crate) fn checked(
         status: http::StatusCode,
         seconds: f64,
         check: FixtureCheck,
+        len: u64,
         notes: String,
     ) -> Self {
         Self {
             status: status.as_u16(),
             bytes: check.len(),
             seconds,
-            verdict: check.verdict(FIXTURE_LEN),
+            verdict: check.verdict(len),
             notes,
         }
     }
@@ -239,17 +291,14 @@ fn run_child(command: &mut Command) -> std::io::Result<(std::process::Output, u6
     Ok((output, waited_children_ticks().saturating_sub(before)))
 }
 
-/// The checks every sample must pass: status 200, the exact fixture size, a positive time.
-fn check(what: &str, size: &str, seconds: &str, code: &str) -> Result<(u64, f64)> {
+/// The checks every sample must pass: status 200, the expected size, a positive time.
+fn check(what: &str, size: &str, seconds: &str, code: &str, len: u64) -> Result<(u64, f64)> {
     let size: u64 = size.parse().with_context(|| format!("{what}: size {size:?}"))?;
     let seconds: f64 = seconds
         .parse()
         .with_context(|| format!("{what}: time {seconds:?}"))?;
     ensure!(code == "200", "{what}: status {code}, expected 200");
-    ensure!(
-        size == FIXTURE_LEN,
-        "{what}: received {size} bytes, expected {FIXTURE_LEN}"
-    );
+    ensure!(size == len, "{what}: received {size} bytes, expected {len}");
     ensure!(seconds > 0.0, "{what}: the client reported a time of {seconds} s");
     Ok((size, seconds))
 }

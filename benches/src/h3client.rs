@@ -29,6 +29,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 use webship_testkit::body::FixtureCheck;
+use webship_testkit::fixture::FIXTURE_LEN;
 use webship_testkit::h3::{endpoint, H3Client, H3Options};
 use webship_testkit::pki::{client_config, roots_from_pem};
 
@@ -55,6 +56,9 @@ pub(crate) struct H3GetArgs {
     /// Also hash the body and report its SHA-256 (the untimed download per cell).
     #[arg(long)]
     pub sha256: bool,
+    /// The body expected: the fixture's first LEN bytes (the whole fixture by default).
+    #[arg(long, default_value_t = FIXTURE_LEN)]
+    pub len: u64,
 }
 
 pub(crate) fn run(args: &H3GetArgs) -> Result<()> {
@@ -98,5 +102,5 @@ async fn get(args: &H3GetArgs) -> Result<Download> {
     );
     client.close().await;
 
-    Ok(Download::checked(head.status, seconds, check, notes))
+    Ok(Download::checked(head.status, seconds, check, args.len, notes))
 }

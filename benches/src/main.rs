@@ -9,6 +9,8 @@
 //! sendfile server and against a TLS server sending from memory). The hidden
 //! `get`, `h3-get` and `wt-get` are the clients `download` runs as child
 //! processes, and the hidden `tls-source` is the memory-to-memory TLS baseline.
+//! `wan` runs the same clients across an emulated WAN link (network namespaces
+//! joined by its own relay) to compare congestion controls.
 
 mod aead;
 mod clients;
@@ -23,6 +25,7 @@ mod servers;
 mod tcpclient;
 mod tickets;
 mod tlssource;
+mod wan;
 mod wtbench;
 mod wtclient;
 
@@ -81,6 +84,13 @@ enum Command {
     /// or a run of datagrams, received and counted (the WebTransport cells' client).
     #[command(name = "wt-get", hide = true)]
     WtGet(wtclient::WtGetArgs),
+    /// Downloads across an emulated WAN link (two network namespaces joined by a
+    /// relay with rate, delay, jitter, loss and a bounded queue): h2 with kernel BBR
+    /// and CUBIC, h3 CUBIC, h3 with the BBR switch and Caddy's h3 (needs root).
+    Wan(wan::WanArgs),
+    /// The WAN scenario's plain-TCP self-test: one end of the stream.
+    #[command(name = "wan-tcp", hide = true)]
+    WanTcp(wan::WanTcpArgs),
 }
 
 #[derive(Debug, Args)]
@@ -157,6 +167,11 @@ pub struct DownloadArgs {
     pub compare: Vec<measure::Compare>,
 }
 
+/// Whether this process runs as root (namespaces, TUN devices).
+pub(crate) fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
 fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command.unwrap_or(Command::Download(cli.download)) {
@@ -171,5 +186,7 @@ fn main() -> Result<()> {
         Command::Connections(args) => connections::run(&args),
         Command::Hold(args) => connections::hold(&args),
         Command::Tickets(args) => tickets::run(&args),
+        Command::Wan(args) => wan::run(&args),
+        Command::WanTcp(args) => wan::tcp(&args),
     }
 }

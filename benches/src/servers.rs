@@ -708,46 +708,56 @@ pub(crate) fn start_haproxy(binary: &Path, s: &Settings<'_>, origin_port: u16) -
 /// 2.6 enables HTTP/3 by default), `GOMAXPROCS` = workers, admin endpoint off
 /// and all its state inside `dir`.
 pub(crate) fn start_caddy(binary: &Path, s: &Settings<'_>, origin_port: Option<u16>) -> Result<Server> {
-    let mut server = spawn(
-        CADDY,
-        s.dir.join("caddy.log"),
-        Some("serving initial configuration"),
-        |port| {
-            let dir = s.dir.display();
-            let mut conf = String::new();
-            writeln!(
-                conf,
-                "{{\n  admin off\n  auto_https disable_redirects\n  storage file_system {dir}/data\n  \
-                 servers {{\n    protocols h1 h2 h3\n    timeouts {{\n      idle {idle}s\n    }}\n  }}\n}}",
-                idle = s.hold.map_or(300, |_| HOLD_TIMEOUT_SECS)
-            )?;
-            writeln!(conf, ":{port} {{\n  bind 127.0.0.1")?;
-            writeln!(
-                conf,
-                "  tls {} {}",
-                s.identity.cert.display(),
-                s.identity.key.display()
-            )?;
-            match origin_port {
-                Some(origin) => writeln!(conf, "  reverse_proxy 127.0.0.1:{origin}")?,
-                None => writeln!(conf, "  root * {}\n  file_server", s.root.display())?,
-            }
-            writeln!(conf, "}}")?;
-            let caddyfile = s.dir.join("Caddyfile");
-            let run = ["run", "--adapter", "caddyfile", "--config"];
-            let mut command = with_config(binary, caddyfile, &conf, &run)?;
-            command
-                .env("GOMAXPROCS", s.workers.to_string())
-                .env("HOME", s.dir)
-                .env("XDG_DATA_HOME", s.dir.join("xdg-data"))
-                .env("XDG_CONFIG_HOME", s.dir.join("xdg-config"));
-            Ok(command)
-        },
-    )?;
+    let mut server = spawn(CADDY, s.dir.join("caddy.log"), Some(CADDY_READY), |port| {
+        caddy_command(binary, s, "127.0.0.1", port, origin_port)
+    })?;
     if origin_port.is_some() {
         server.host = "localhost";
     }
     Ok(server)
+}
+
+/// What Caddy logs once it serves.
+pub(crate) const CADDY_READY: &str = "serving initial configuration";
+
+/// Caddy's command line, its Caddyfile written: bound to `bind`:`port`, serving
+/// `s.root`, or proxying to `origin_port` on loopback.
+pub(crate) fn caddy_command(
+    binary: &Path,
+    s: &Settings<'_>,
+    bind: &str,
+    port: u16,
+    origin_port: Option<u16>,
+) -> Result<Command> {
+    let dir = s.dir.display();
+    let mut conf = String::new();
+    writeln!(
+        conf,
+        "{{\n  admin off\n  auto_https disable_redirects\n  storage file_system {dir}/data\n  \
+         servers {{\n    protocols h1 h2 h3\n    timeouts {{\n      idle {idle}s\n    }}\n  }}\n}}",
+        idle = s.hold.map_or(300, |_| HOLD_TIMEOUT_SECS)
+    )?;
+    writeln!(conf, ":{port} {{\n  bind {bind}")?;
+    writeln!(
+        conf,
+        "  tls {} {}",
+        s.identity.cert.display(),
+        s.identity.key.display()
+    )?;
+    match origin_port {
+        Some(origin) => writeln!(conf, "  reverse_proxy 127.0.0.1:{origin}")?,
+        None => writeln!(conf, "  root * {}\n  file_server", s.root.display())?,
+    }
+    writeln!(conf, "}}")?;
+    let caddyfile = s.dir.join("Caddyfile");
+    let run = ["run", "--adapter", "caddyfile", "--config"];
+    let mut command = with_config(binary, caddyfile, &conf, &run)?;
+    command
+        .env("GOMAXPROCS", s.workers.to_string())
+        .env("HOME", s.dir)
+        .env("XDG_DATA_HOME", s.dir.join("xdg-data"))
+        .env("XDG_CONFIG_HOME", s.dir.join("xdg-config"));
+    Ok(command)
 }
 
 /// h2o serving `root` (`file.dir`) or proxying to the origin (`proxy.reverse.url`)

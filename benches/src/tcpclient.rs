@@ -28,6 +28,7 @@ use anyhow::{anyhow, ensure, Context, Result};
 use clap::{Args, ValueEnum};
 use tokio::net::TcpStream;
 use webship_testkit::body::FixtureCheck;
+use webship_testkit::fixture::FIXTURE_LEN;
 use webship_testkit::http::{tls, Conn, Proto, Tuning};
 use webship_testkit::pki::{client_config, roots_from_pem};
 
@@ -62,6 +63,9 @@ pub(crate) struct GetArgs {
     /// Also hash the body and report its SHA-256 (the untimed download per cell).
     #[arg(long)]
     pub sha256: bool,
+    /// The body expected: the fixture's first LEN bytes (the whole fixture by default).
+    #[arg(long, default_value_t = FIXTURE_LEN)]
+    pub len: u64,
 }
 
 pub(crate) fn run(args: &GetArgs) -> Result<()> {
@@ -118,7 +122,7 @@ async fn get(args: &GetArgs) -> Result<Download> {
         .with_context(|| format!("after {} bytes", check.len()))?;
     let seconds = start.elapsed().as_secs_f64();
     conn.close().await;
-    Ok(Download::checked(head.status, seconds, check, notes))
+    Ok(Download::checked(head.status, seconds, check, args.len, notes))
 }
 
 /// The TLS version, cipher suite and ALPN; an error if h2 was asked for and not

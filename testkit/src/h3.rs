@@ -86,10 +86,14 @@ pub fn endpoint(
     tls: &ClientConfig,
     options: &H3Options,
 ) -> Result<(quinn::Endpoint, usize)> {
-    let (domain, local) = if server.is_ipv4() {
-        (Domain::IPV4, SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))
-    } else {
-        (Domain::IPV6, SocketAddr::from((Ipv6Addr::LOCALHOST, 0)))
+    // Loopback servers get a loopback source; any other (the WAN bench's, in another
+    // network namespace) the kernel's choice, since a loopback source cannot leave.
+    let loopback = server.ip().is_loopback();
+    let (domain, local) = match (server.is_ipv4(), loopback) {
+        (true, true) => (Domain::IPV4, SocketAddr::from((Ipv4Addr::LOCALHOST, 0))),
+        (true, false) => (Domain::IPV4, SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0))),
+        (false, true) => (Domain::IPV6, SocketAddr::from((Ipv6Addr::LOCALHOST, 0))),
+        (false, false) => (Domain::IPV6, SocketAddr::from((Ipv6Addr::UNSPECIFIED, 0))),
     };
     let socket = Socket::new(domain, Type::DGRAM, Some(Protocol::UDP)).context("creating the UDP socket")?;
     if let Some((receive, send)) = options.socket_buffers {

@@ -8,7 +8,8 @@
 //!   test and a smoke run of the benchmark harness.
 //! - `cargo xtask vm-test [--release]`: the kTLS promotion path inside user-mode
 //!   Linux, whose kernel has kTLS (this host's does not); part of `test`.
-//! - `cargo xtask bench [ARGS]`: the benchmark runner in `benches/` (release build).
+//! - `cargo xtask bench [ARGS]`: the benchmark runner in `benches/` (release build);
+//!   `cargo xtask bench wan` is the emulated-WAN scenario (root: namespaces, TUN).
 //! - `cargo xtask deb [--binary PATH] [--out DIR] [--lintian]`: the Debian package
 //!   (`deb.rs`); the end-to-end test `package` builds it from the debug binary.
 //! - `cargo xtask build-ebpf`: the eBPF programs, embedded by the next daemon build.
@@ -60,6 +61,8 @@ const APT: &[(&str, &str)] = &[
     // answers its DNS queries on loopback.
     ("pebble", "pebble"),
     ("pebble-challtestsrv", "pebble"),
+    // The WAN bench starts its servers and clients inside network namespaces.
+    ("nsenter", "util-linux"),
     // A real log analyser reads the combined access log.
     ("goaccess", "goaccess"),
 ];
@@ -231,7 +234,9 @@ fn test(extra: &[String]) -> anyhow::Result<()> {
         bench(&["webtransport", "--samples", "1", "--datagrams", "2000"].map(String::from))?;
         bench(&["concurrency", "--levels", "1,16", "--mib", "1"].map(String::from))?;
         bench(&["connections", "--smoke"].map(String::from))?;
-        bench(&["tickets", "--handshakes", "40"].map(String::from))
+        bench(&["tickets", "--handshakes", "40"].map(String::from))?;
+        // One emulated WAN link (namespaces, TUN devices, the relay), h2 and h3.
+        bench(&["wan", "--smoke"].map(String::from))
     })
 }
 
