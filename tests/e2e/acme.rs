@@ -451,7 +451,26 @@ fn acme_site_added_by_a_reload_gets_its_certificate_and_goes_with_the_next() {
             String::from_utf8_lossy(&out.stderr)
         );
     };
-    reload(&format!("{}\n{files_site}", pebble.config(&env, port, &storage)));
+    // Refused after its certificates were looked at (the ticket-key file, mode 0644,
+    // is read last): the ACME site gets no slot, so nothing is ordered or listed.
+    let keys = env.dir.path().join("ticket.keys");
+    let made = webship(&["ticket-keys", "new"], Path::new("/"));
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    std::fs::write(&keys, &made.stdout).unwrap();
+    std::fs::set_permissions(&keys, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let acme = format!("{}\n{files_site}", pebble.config(&env, port, &storage));
+    std::fs::write(
+        &path,
+        format!("{acme}\n[tls]\nticket_keys = \"{}\"\n", keys.display()),
+    )
+    .unwrap();
+    let out = webship(&["reload", "--config", path.to_str().unwrap()], Path::new("/"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("mode 0644"), "{stderr}");
+    let (ok, list, _) = certs(&path, None);
+    assert!(ok);
+    assert_eq!(list, serde_json::json!([]), "the refused site is managed");
+    reload(&acme);
     let (serial, _) = first_certificate(&server, &pebble.root, Instant::now());
     let (ok, list, _) = certs(&path, None);
     assert!(ok);

@@ -3,6 +3,7 @@
 //! `openssl s_client -status` as a client sees it. Also the test CA and the
 //! handshake helper that `cert_files.rs` shares.
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -425,5 +426,100 @@ fn stapling_is_per_site_and_a_revoked_certificate_is_logged_not_stapled() {
             |l| l.starts_with("webship_tls_ocsp_responses_total{status=\"revoked\"} ") && !l.ends_with(" 0")
         ),
         "the revoked answer is not counted:\n{metrics}"
+    );
+}
+
+/// `webship reload` of the file `server` runs on: whether it applied, and its words.
+fn reload(dir: &Path) -> (bool, String) {
+    let file = dir.join("webship.toml");
+    let out = webship_tests::webship(&["reload", "--config", file.to_str().unwrap()], dir);
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    (out.status.success(), text)
+}
+
+/// A reload refused after the certificates were read (here by the ticket-key file,
+/// read last) changes nothing the running configuration serves: the staple stays on
+/// though the file turns stapling off, and a site the file adds gets no certificate
+/// slot (no OCSP state, nothing for the certificate tasks to act on). The same file
+/// without the bad key file then applies both.
+#[test]
+fn a_refused_reload_leaves_staples_and_certificate_slots_as_they_were() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let ca = TestCa::new(dir.path());
+    let port = free_port().unwrap();
+    let kept = ca.issue("kept", "kept.test", Some(port), None);
+    let added = ca.issue("added", "added.test", None, None);
+    let _responder = ca.responder(port, 60);
+    let admin = free_port().unwrap();
+    let config = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\nocsp_cache = \"{}\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n{}",
+        dir.path().join("ocsp-cache").display(),
+        site("kept.test", &kept, &root, ""),
+    );
+    let server = Server::start(dir.path(), &config);
+    assert!(
+        eventually(Duration::from_secs(15), || stapled_good(&s_client(
+            server.port,
+            "kept.test",
+            &ca.cert
+        ))),
+        "no staple for kept.test: {}",
+        server.log()
+    );
+
+    // Stapling off for kept.test, a new site, and a ticket-key file the daemon
+    // refuses (mode 0644), which it reads only after building the TLS configurations.
+    let keys = dir.path().join("ticket.keys");
+    let made = webship_tests::webship(&["ticket-keys", "new"], dir.path());
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    std::fs::write(&keys, &made.stdout).unwrap();
+    std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let file = dir.path().join("webship.toml");
+    let running = std::fs::read_to_string(&file).unwrap();
+    let kept_key = format!("key = \"{}\"\n", kept.key.display());
+    assert!(running.contains(&kept_key), "{running}");
+    let changed = running.replace(&kept_key, &format!("{kept_key}ocsp_stapling = false\n"))
+        + &site("added.test", &added, &root, "");
+    std::fs::write(
+        &file,
+        format!("{changed}\n[tls]\nticket_keys = \"{}\"\n", keys.display()),
+    )
+    .unwrap();
+    let (ok, text) = reload(dir.path());
+    assert!(
+        !ok && text.contains("mode 0644"),
+        "not refused for the key file: {text}"
+    );
+    let out = s_client(server.port, "kept.test", &ca.cert);
+    assert!(
+        stapled_good(&out),
+        "the refused reload took the staple off:\n{out}\n{}",
+        server.log()
+    );
+    let metrics = scrape(admin);
+    assert!(
+        metrics.contains("site=\"kept.test\"") && !metrics.contains("site=\"added.test\""),
+        "the refused reload's new site has a certificate slot:\n{metrics}"
+    );
+
+    // The same changes in a file the daemon accepts: both apply.
+    std::fs::write(&file, &changed).unwrap();
+    let (ok, text) = reload(dir.path());
+    assert!(ok, "{text}");
+    let out = s_client(server.port, "kept.test", &ca.cert);
+    assert!(
+        out.contains("OCSP response: no response sent"),
+        "stapling off is not applied:\n{out}"
+    );
+    assert_eq!(
+        first_pem(&s_client(server.port, "added.test", &ca.cert)),
+        first_pem(&std::fs::read_to_string(&added.chain).unwrap())
+    );
+    let metrics = scrape(admin);
+    assert!(
+        metrics.contains("webship_tls_ocsp_staple{site=\"added.test\",state=\"none\"} 1"),
+        "the new site has no certificate slot:\n{metrics}"
     );
 }

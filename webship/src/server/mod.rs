@@ -113,7 +113,10 @@ pub async fn run(
     // The ticket-key file is read here, as root; reloads and the watcher re-read it
     // as the service account.
     let tls = Arc::new(crate::tls::Shared::new(config.ticket_keys.as_deref())?);
-    let stack = Stack::build(&config, &tls)?;
+    let mut stack = Stack::build(&config, &tls)?;
+    // Nothing serves yet and the certificate tasks start later: the table is filled
+    // now, so a failure below leaves no slot a task would act on.
+    tls.certs.install(stack.acceptor.take_staged());
     let mut inherited = match (takeover, &config.control_socket) {
         (true, Some(path)) => Some(handover::take(path, config.listen, &config.kernel.bpf_pin_dir).await?),
         (true, None) => return Err(HandoverError::NoControlSocket.into()),

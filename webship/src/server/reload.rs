@@ -170,11 +170,14 @@ impl Reloader {
             Ok(Err(refused)) => Err(refused.0),
             Err(e) => Err(format!("the reload task failed: {e}")),
         };
-        let (config, stack, notes, tickets) = match built {
+        let (config, mut stack, notes, tickets) = match built {
             Ok(built) => built,
             Err(text) => return self.refuse(text, current),
         };
         let number = current + 1;
+        // Held back until the generation is current: a refusal below must leave the
+        // served certificates, their staples and the slot table as they are.
+        let certs = stack.acceptor.take_staged();
         let generation = match Generation::new(number, config, stack, &self.fixed) {
             Ok(g) => g,
             Err(e) => return self.refuse(format!("{}: {}", path.display(), chain(&e)), current),
@@ -184,12 +187,11 @@ impl Reloader {
         }
         let quic = generation.quic.clone();
         let sites = generation.config.sites.len();
-        let slots = generation.stack.acceptor.slot_keys().to_vec();
         self.current.swap(generation);
         self.fixed.tls.tickets.install(tickets);
         // Open connections keep the keys they shook hands with; the table forgets the
         // slots no site serves from any more.
-        self.fixed.tls.certs.retain(&slots);
+        self.fixed.tls.certs.install(certs);
         self.fixed.metrics.set_generation(number);
         self.fixed.metrics.reloaded(true);
         if let Some(h3) = &self.h3 {

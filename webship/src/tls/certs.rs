@@ -203,14 +203,37 @@ pub(crate) struct Certificates {
 }
 
 impl Certificates {
-    /// The slot for `key`, created empty the first time it is asked for.
-    pub(crate) fn slot(&self, key: SlotKey) -> Arc<CertSlot> {
-        self.slots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(key)
-            .or_default()
-            .clone()
+    /// The slot for `key` if the table has one (`false`), else a new empty slot that
+    /// is not in the table yet (`true`): only [`Certificates::install`] adds it, so a
+    /// configuration that is built and then refused leaves no trace here.
+    pub(crate) fn lookup(&self, key: &SlotKey) -> (Arc<CertSlot>, bool) {
+        match self.slots.lock().unwrap_or_else(|p| p.into_inner()).get(key) {
+            Some(slot) => (slot.clone(), false),
+            None => (Arc::default(), true),
+        }
+    }
+
+    /// Applies what a configuration build staged, once that configuration is current:
+    /// new slots join the table, kept slots take their new certificate and stapling
+    /// setting, and the slots it does not name are dropped (a reload that removes a
+    /// site or changes its source does not leave its old certificate behind).
+    pub(crate) fn install(&self, staged: Staged) {
+        let mut new = Vec::new();
+        for change in staged.changes {
+            if change.new {
+                // Filled when it was built: nothing else could see it until now.
+                new.push((change.key, change.slot));
+                continue;
+            }
+            change.slot.set_stapling(change.stapling);
+            match change.cert {
+                Some(cert) if !change.if_empty || change.slot.get().is_none() => change.slot.set(cert),
+                _ => {}
+            }
+        }
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        slots.extend(new);
+        slots.retain(|k, _| staged.keep.contains(k));
     }
 
     /// Every slot now, with its key (for the tasks that renew certificates: they walk
@@ -242,14 +265,57 @@ impl Certificates {
             .get(key)
             .is_some_and(|s| Arc::ptr_eq(s, slot))
     }
+}
 
-    /// Drops the slots no generation named in `keep`: a reload that removes a site or
-    /// changes its source does not leave its old certificate behind.
-    pub(crate) fn retain(&self, keep: &[SlotKey]) {
-        self.slots
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|k, _| keep.contains(k));
+/// The certificate changes of one configuration build, held back until it is current
+/// ([`Certificates::install`]).
+#[derive(Debug, Default)]
+pub(crate) struct Staged {
+    changes: Vec<Change>,
+    /// Every slot the configuration serves from.
+    keep: Vec<SlotKey>,
+}
+
+#[derive(Debug)]
+struct Change {
+    key: SlotKey,
+    slot: Arc<CertSlot>,
+    /// Not in the table yet (see [`Certificates::lookup`]); already filled.
+    new: bool,
+    stapling: bool,
+    cert: Option<Arc<CertifiedKey>>,
+    /// `cert` only fills an empty slot: a stored ACME certificate read at the build
+    /// must not replace one the ACME manager obtained since.
+    if_empty: bool,
+}
+
+impl Staged {
+    /// Stages `slot` (from [`Certificates::lookup`]) for `key` to serve `cert` with
+    /// `stapling` on or off. A new slot is filled at once (no handshake can reach it
+    /// before it is installed); a slot the table holds is changed at install.
+    pub(crate) fn stage(
+        &mut self,
+        key: SlotKey,
+        (slot, new): (Arc<CertSlot>, bool),
+        cert: Option<Arc<CertifiedKey>>,
+        stapling: bool,
+        if_empty: bool,
+    ) {
+        if new {
+            slot.set_stapling(stapling);
+            if let Some(cert) = &cert {
+                slot.set(cert.clone());
+            }
+        }
+        self.keep.push(key.clone());
+        self.changes.push(Change {
+            key,
+            slot,
+            new,
+            stapling,
+            cert,
+            if_empty,
+        });
     }
 }
 
@@ -326,26 +392,72 @@ mod tests {
         }
     }
 
+    /// Stages `cert` for `key` the way a configuration build does.
+    fn stage(
+        table: &Certificates,
+        staged: &mut Staged,
+        key: SlotKey,
+        cert: &Arc<CertifiedKey>,
+        stapling: bool,
+    ) {
+        staged.stage(
+            key.clone(),
+            table.lookup(&key),
+            Some(cert.clone()),
+            stapling,
+            false,
+        );
+    }
+
     #[test]
-    fn a_slot_is_kept_by_site_and_origin_and_swapped_whole() {
+    fn a_slot_is_kept_by_site_and_origin_and_changes_only_when_installed() {
         let provider = super::super::provider();
         let table = Certificates::default();
-        let a = table.slot(key("a.test"));
-        assert!(a.get().is_none(), "a new slot serves nothing");
-        a.set(Arc::new(self_signed(&provider, &["a.test".into()]).unwrap()));
-        let again = table.slot(key("a.test"));
-        assert!(Arc::ptr_eq(&a, &again));
-        assert!(again.get().is_some());
-        let files = table.slot(SlotKey {
+        let first = Arc::new(self_signed(&provider, &["a.test".into()]).unwrap());
+        let mut staged = Staged::default();
+        stage(&table, &mut staged, key("a.test"), &first, true);
+        assert!(
+            table.snapshot().is_empty(),
+            "a staged slot is not in the table yet"
+        );
+        table.install(staged);
+        let (a, new) = table.lookup(&key("a.test"));
+        assert!(!new);
+        assert_eq!(a.get().unwrap().cert, first.cert);
+
+        // A build that is never installed (a refused reload) changes nothing: not the
+        // certificate, not the stapling setting, not the table.
+        let second = Arc::new(self_signed(&provider, &["a.test".into()]).unwrap());
+        let files = SlotKey {
             site: "a.test".into(),
             origin: Origin::Files {
                 cert: "c.pem".into(),
                 key: "k.pem".into(),
             },
-        });
-        assert!(files.get().is_none(), "another origin is another slot");
-        table.retain(&[key("a.test")]);
-        assert!(Arc::ptr_eq(&table.slot(key("a.test")), &a));
+        };
+        let mut refused = Staged::default();
+        stage(&table, &mut refused, key("a.test"), &second, false);
+        stage(&table, &mut refused, files.clone(), &second, true);
+        drop(refused);
+        assert_eq!(a.get().unwrap().cert, first.cert);
+        assert!(a.stapling());
+        assert_eq!(table.snapshot().len(), 1);
+
+        // Installed: the same slot serves the new certificate; another origin is
+        // another slot, and a slot no longer named leaves the table.
+        let mut staged = Staged::default();
+        stage(&table, &mut staged, key("a.test"), &second, false);
+        table.install(staged);
+        let (again, _) = table.lookup(&key("a.test"));
+        assert!(Arc::ptr_eq(&a, &again));
+        assert_eq!(a.get().unwrap().cert, second.cert);
+        assert!(!a.stapling());
+        let mut staged = Staged::default();
+        stage(&table, &mut staged, files.clone(), &first, true);
+        table.install(staged);
+        let keys: Vec<_> = table.snapshot().into_iter().map(|(k, _)| k).collect();
+        assert_eq!(keys, vec![files]);
+        assert!(!table.holds(&key("a.test"), &a));
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::config::{Config, Protocols, TlsSource};
 use crate::ktls::{RecordBounded, RustlsStream};
 use crate::names::NameTable;
 use alpn_challenge::AlpnChallenges;
-use certs::{CertSlot, Certificates, Origin, SlotKey};
+use certs::{CertSlot, Certificates, Origin, SlotKey, Staged};
 
 /// Session-cache entries shared by all sites (rustls keeps them in memory).
 const SESSION_CACHE_ENTRIES: usize = 4096;
@@ -117,7 +117,9 @@ pub(crate) struct Acceptor {
     protocols: Vec<Protocols>,
     sites: SiteNames,
     quic: Option<Arc<ServerConfig>>,
-    slots: Vec<SlotKey>,
+    /// The certificate changes this configuration brings, until
+    /// [`Acceptor::take_staged`] hands them to whoever makes it current.
+    staged: Option<Staged>,
     provider: Arc<CryptoProvider>,
     challenges: Arc<AlpnChallenges>,
 }
@@ -173,14 +175,17 @@ impl Accepted {
 }
 
 impl Acceptor {
-    /// Loads every site's certificate and key (or generates the self-signed one),
-    /// checks that each key matches its certificate, and installs them in `shared`'s
-    /// slots.
+    /// Loads every site's certificate and key (or generates the self-signed one) and
+    /// checks that each key matches its certificate. Nothing in `shared` changes: the
+    /// resolvers point at the slots that will be current, and the changes wait in
+    /// [`Acceptor::take_staged`] for [`Certificates::install`] once this
+    /// configuration is (a reload refused later must leave the served certificates,
+    /// staples and the slot table as they were).
     pub(crate) fn build(config: &Config, sites: &SiteNames, shared: &Shared) -> Result<Self, TlsError> {
         let provider = shared.provider.clone();
         let mut configs = Vec::with_capacity(config.sites.len());
         let mut quic_slots = Vec::with_capacity(config.sites.len());
-        let mut keys = Vec::with_capacity(config.sites.len());
+        let mut staged = Staged::default();
         for site in &config.sites {
             let domain = site.domain.to_string();
             let (origin, certified, stapling) = match &site.tls {
@@ -210,24 +215,27 @@ impl Acceptor {
                 site: domain.clone(),
                 origin,
             };
-            let slot = shared.certs.slot(key.clone());
-            slot.set_stapling(stapling);
-            match (certified, &site.tls) {
-                (Some(certified), _) => slot.set(Arc::new(certified)),
+            let found = shared.certs.lookup(&key);
+            let slot = found.0.clone();
+            let (certified, if_empty) = match (certified, &site.tls) {
+                (Some(certified), _) => (Some(Arc::new(certified)), false),
                 (None, TlsSource::Acme(source)) if slot.get().is_none() => {
                     let (cert, key) = source.files();
-                    if cert.exists() {
-                        match certs::load_pair(&provider, &domain, &cert, &key) {
-                            Ok(stored) => slot.set(Arc::new(stored)),
+                    let stored = match cert.exists() {
+                        true => match certs::load_pair(&provider, &domain, &cert, &key) {
+                            Ok(stored) => Some(Arc::new(stored)),
                             Err(e) => {
-                                tracing::warn!(site = %domain, error = %e, "acme: the stored certificate cannot be used; a new one is ordered")
+                                tracing::warn!(site = %domain, error = %e, "acme: the stored certificate cannot be used; a new one is ordered");
+                                None
                             }
-                        }
-                    }
+                        },
+                        false => None,
+                    };
+                    (stored, true)
                 }
-                (None, _) => {}
-            }
-            keys.push(key);
+                (None, _) => (None, false),
+            };
+            staged.stage(key, found, certified, stapling, if_empty);
             quic_slots.push(site.protocols.h3.then(|| slot.clone()));
             let mut server = ServerConfig::builder_with_provider(provider.clone())
                 .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
@@ -264,16 +272,16 @@ impl Acceptor {
             protocols: config.sites.iter().map(|s| s.protocols).collect(),
             sites: sites.clone(),
             quic,
-            slots: keys,
+            staged: Some(staged),
             provider: shared.provider.clone(),
             challenges: shared.challenges.clone(),
         })
     }
 
-    /// The certificate slots this configuration serves from (for
-    /// [`Certificates::retain`] once it is current).
-    pub(crate) fn slot_keys(&self) -> &[SlotKey] {
-        &self.slots
+    /// The certificate changes of this configuration, for [`Certificates::install`]
+    /// once it is current; empty the second time.
+    pub(crate) fn take_staged(&mut self) -> Staged {
+        self.staged.take().unwrap_or_default()
     }
 
     /// Whether no site terminates TLS (a passthrough-only listener).
