@@ -191,7 +191,7 @@ pub async fn run(
             fixed.tls.clone(),
             config.ocsp_cache.clone(),
         )),
-        tokio::spawn(fixed.acme.clone().run(shutdown.clone())),
+        tokio::spawn(crate::acme::supervise(fixed.acme.clone(), shutdown.clone())),
     ];
     let acme_http_task = acme_http.map(|listener| {
         let tokens = fixed.acme.http01_tokens();
