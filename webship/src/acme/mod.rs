@@ -15,8 +15,10 @@
 //! another site's. The manager task is supervised: a panic restarts it.
 //! The new certificate is swapped into the slot: open connections keep theirs.
 //!
-//! `order` speaks the protocol (through instant-acme), `store` keeps the files.
+//! `order` speaks the protocol (through instant-acme, over `client`, which caps
+//! response bodies), `store` keeps the files.
 
+mod client;
 pub(crate) mod http01;
 mod order;
 mod store;

@@ -39,15 +39,20 @@ pub(super) struct Issued {
 /// The account for `source`'s directory: restored from storage, else registered
 /// now (agreeing to the server's terms) and stored.
 pub(super) async fn account(source: &AcmeSource) -> Result<Account, AcmeError> {
+    // Over a client that caps response bodies (instant-acme's own reads them whole).
     let builder = || match &source.directory_ca {
-        Some(ca) => Account::builder_with_root(ca).map_err(|e| AcmeError::Client {
-            step: "load directory_ca",
-            source: e,
-        }),
-        None => Account::builder().map_err(|e| AcmeError::Client {
-            step: "start the HTTP client",
-            source: e,
-        }),
+        Some(ca) => super::client::Capped::with_ca(ca)
+            .map(|c| Account::builder_with_http(Box::new(c)))
+            .map_err(|e| AcmeError::Client {
+                step: "load directory_ca",
+                source: e,
+            }),
+        None => super::client::Capped::platform()
+            .map(|c| Account::builder_with_http(Box::new(c)))
+            .map_err(|e| AcmeError::Client {
+                step: "start the HTTP client",
+                source: e,
+            }),
     };
     let file = store::account_file(source);
     if let Ok(text) = std::fs::read(&file) {
