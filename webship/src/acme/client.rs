@@ -27,7 +27,9 @@ impl Capped {
         let builder = hyper_rustls::HttpsConnectorBuilder::new()
             .try_with_platform_verifier()
             .map_err(|e| instant_acme::Error::Other(Box::new(e)))?;
-        Ok(Self::build(builder.https_only().enable_http1().enable_http2().build()))
+        Ok(Self::build(
+            builder.https_only().enable_http1().enable_http2().build(),
+        ))
     }
 
     /// Trusts only the certificates of the PEM file `ca` (`directory_ca`).
@@ -70,12 +72,12 @@ impl HttpClient for Capped {
     ) -> Pin<Box<dyn Future<Output = Result<BytesResponse, instant_acme::Error>> + Send>> {
         let sent = self.0.request(req);
         Box::pin(async move {
-            let response = sent
-                .await
-                .map_err(|e| instant_acme::Error::Other(Box::new(e)))?;
+            let response = sent.await.map_err(|e| instant_acme::Error::Other(Box::new(e)))?;
             // `Limited` fails the read once the body passes the cap; instant-acme
             // reports that as the request's error.
-            Ok(BytesResponse::from(response.map(|body| Limited::new(body, MAX_BODY))))
+            Ok(BytesResponse::from(
+                response.map(|body| Limited::new(body, MAX_BODY)),
+            ))
         })
     }
 }
@@ -112,7 +114,9 @@ mod tests {
             while let Ok((tcp, _)) = listener.accept().await {
                 let acceptor = acceptor.clone();
                 tokio::spawn(async move {
-                    let Ok(mut tls) = acceptor.accept(tcp).await else { return };
+                    let Ok(mut tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
                     let mut head = [0u8; 4096];
                     let _ = tls.read(&mut head).await;
                     let text = format!("HTTP/1.1 200 OK\r\nContent-Length: {len}\r\n\r\n");

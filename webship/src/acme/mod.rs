@@ -556,7 +556,10 @@ fn renewal_time(
     issued_at: Option<SystemTime>,
 ) -> SystemTime {
     let lifetime = facts.lifetime();
-    let latest = facts.not_after.checked_sub(lifetime / 10).unwrap_or(facts.not_before);
+    let latest = facts
+        .not_after
+        .checked_sub(lifetime / 10)
+        .unwrap_or(facts.not_before);
     let next = match window {
         Some((start, end)) => {
             let span = end.duration_since(start).unwrap_or_default();
@@ -723,7 +726,10 @@ mod tests {
         let now = SystemTime::UNIX_EPOCH + 2000 * DAY;
         let ten_years = Some(3650 * DAY);
         assert_eq!(retry_time(now, 1, 0.0, ten_years, None), now + BACKOFF_MAX);
-        assert_eq!(retry_time(now, 1, 0.0, Some(Duration::MAX), None), now + BACKOFF_MAX);
+        assert_eq!(
+            retry_time(now, 1, 0.0, Some(Duration::MAX), None),
+            now + BACKOFF_MAX
+        );
         // A short one is a floor above the first backoff.
         assert_eq!(
             retry_time(now, 1, 0.0, Some(Duration::from_secs(600)), None),

@@ -323,7 +323,11 @@ mod tests {
         let facts = CertFacts::of(&leaf).unwrap();
         let now = SystemTime::now();
         check_issued(&leaf, &facts, &names(&["b.example", "A.example"]), now).unwrap();
-        for wanted in [&["a.example"][..], &["a.example", "b.example", "c.example"], &["other.example"]] {
+        for wanted in [
+            &["a.example"][..],
+            &["a.example", "b.example", "c.example"],
+            &["other.example"],
+        ] {
             let err = check_issued(&leaf, &facts, &names(wanted), now).unwrap_err();
             assert!(err.to_string().contains("not the requested"), "{err}");
         }
