@@ -378,7 +378,7 @@ fn acme_certificate_is_reused_after_a_restart_and_a_failed_renewal_keeps_it() {
 }
 
 #[test]
-fn acme_http01_issues_through_the_http_listener_which_redirects_everything_else() {
+fn acme_http01_issues_through_the_http_listener_which_redirects_served_names_only() {
     let env = Env::new();
     let (port, http) = (free_port().unwrap(), free_port().unwrap());
     let pebble = Pebble::start(&env, port, http);
@@ -422,6 +422,37 @@ fn acme_http01_issues_through_the_http_listener_which_redirects_everything_else(
         .output()
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "404");
+    // A name this daemon does not serve is not redirected (no open redirector).
+    let status = |host: &str, from: &str| {
+        let out = Command::new("curl")
+            .args(["-sS", "-o", "/dev/null", "-w", "%{http_code} %{redirect_url}"])
+            .args(["--max-time", "10", "--interface", from])
+            .args(["-H", &format!("Host: {host}")])
+            .arg(format!("http://127.0.0.1:{http}/x"))
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    assert_eq!(status("evil.example", "127.0.0.1"), "404");
+    // One source address holds at most 8 connections: a ninth is closed at accept,
+    // while another address is still answered.
+    let held: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", http)).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        status(SITE, "127.0.0.1"),
+        "000",
+        "a ninth connection from one address must be refused"
+    );
+    assert_eq!(
+        status(SITE, "127.0.0.2"),
+        format!("308 https://{SITE}:{port}/x"),
+        "another address must still be served while one holds its 8 connections"
+    );
+    drop(held);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(status(SITE, "127.0.0.1"), format!("308 https://{SITE}:{port}/x"));
 }
 
 #[test]

@@ -148,6 +148,9 @@ enum TicketKeysAction {
     },
 }
 
+/// 9999-12-31T23:59:59Z, the last instant `httpdate` formats.
+const LAST_HTTP_DATE: u64 = 253_402_300_799;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match LogFormat::choose(cli.log_format) {
@@ -398,7 +401,12 @@ fn certs(path: Option<&Path>, renew: Option<String>, json: bool) -> anyhow::Resu
         let when = |t: Option<u64>| {
             t.map_or_else(
                 || "-".to_owned(),
-                |t| httpdate::fmt_http_date(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t)),
+                // httpdate panics from year 10000 on; the daemon's answer is not
+                // trusted to stay below it.
+                |t| {
+                    let t = t.min(LAST_HTTP_DATE);
+                    httpdate::fmt_http_date(std::time::UNIX_EPOCH + std::time::Duration::from_secs(t))
+                },
             )
         };
         for c in &list {

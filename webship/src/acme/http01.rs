@@ -1,11 +1,13 @@
 //! ACME `http-01` (RFC 8555 section 8.3): the plain-HTTP listener of
 //! `[acme] http_listen` (port 80). While an order is pending it answers
 //! `GET /.well-known/acme-challenge/<token>` with the key authorization; every other
-//! request is redirected to https on the same host. One request per connection,
-//! its head bounded in size and time; connections capped.
+//! request for a name this daemon serves is redirected to https on the same host,
+//! any other name gets 404 (no open redirector for foreign names). One request per
+//! connection, its head bounded in size and time; connections capped in all and
+//! per source address, so one client cannot hold every slot while the CA validates.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,9 +23,11 @@ const PREFIX: &str = "/.well-known/acme-challenge/";
 /// The longest request head read.
 const MAX_HEAD: usize = 8 * 1024;
 /// How long a client may take to send its head and read the answer.
-const TIMEOUT: Duration = Duration::from_secs(10);
+const TIMEOUT: Duration = Duration::from_secs(5);
 /// Connections served at once; more are closed at accept.
 const MAX_CONNECTIONS: usize = 256;
+/// Connections served at once from one source address; more are closed at accept.
+const MAX_PER_SOURCE: usize = 8;
 /// Tokens pending at once (one per name being validated).
 const MAX_TOKENS: usize = 1024;
 
@@ -75,20 +79,64 @@ pub(crate) fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::from_std(socket.into())
 }
 
-/// Serves until shutdown; `https_port` is where redirects point.
+/// Whether this daemon serves a host name now (the current generation's sites).
+pub(crate) type Serves = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// Open connections by source address; an entry lives while its connections do,
+/// so the table holds at most [`MAX_CONNECTIONS`] entries.
+#[derive(Debug, Default)]
+struct PerSource(Mutex<HashMap<IpAddr, usize>>);
+
+/// One connection's share of [`PerSource`], given back on drop.
+struct SourceSlot {
+    table: Arc<PerSource>,
+    ip: IpAddr,
+}
+
+impl PerSource {
+    fn take(self: &Arc<Self>, ip: IpAddr) -> Option<SourceSlot> {
+        let mut table = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let count = table.entry(ip).or_default();
+        if *count >= MAX_PER_SOURCE {
+            return None;
+        }
+        *count += 1;
+        Some(SourceSlot {
+            table: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut table = self.table.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(count) = table.get_mut(&self.ip) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                table.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Serves until shutdown; `https_port` is where redirects point, for the names
+/// `serves` accepts.
 pub(crate) async fn serve(
     listener: TcpListener,
     tokens: Arc<Tokens>,
     https_port: u16,
+    serves: Serves,
     mut shutdown: Shutdown,
 ) {
     let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let per_source = Arc::new(PerSource::default());
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
             _ = shutdown.requested() => return,
         };
-        let (tcp, _) = match accepted {
+        let (tcp, peer) = match accepted {
             Ok(a) => a,
             Err(e) => {
                 tracing::debug!(error = %e, "acme: http-01 accept failed");
@@ -96,18 +144,30 @@ pub(crate) async fn serve(
                 continue;
             }
         };
+        // An IPv4 client on a dual-stack socket is counted by its IPv4 address.
+        let ip = peer.ip().to_canonical();
+        let Some(source_slot) = per_source.take(ip) else {
+            tracing::debug!(%peer, "acme: http-01 connection refused: too many from this address");
+            continue;
+        };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
             continue;
         };
-        let tokens = tokens.clone();
+        let (tokens, serves) = (tokens.clone(), serves.clone());
         tokio::spawn(async move {
-            let _ = tokio::time::timeout(TIMEOUT, answer(tcp, &tokens, https_port)).await;
+            let _ = tokio::time::timeout(TIMEOUT, answer(tcp, &tokens, https_port, &*serves)).await;
             drop(permit);
+            drop(source_slot);
         });
     }
 }
 
-async fn answer(mut tcp: TcpStream, tokens: &Tokens, https_port: u16) -> std::io::Result<()> {
+async fn answer(
+    mut tcp: TcpStream,
+    tokens: &Tokens,
+    https_port: u16,
+    serves: &(dyn Fn(&str) -> bool + Send + Sync),
+) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(1024);
     let mut buf = [0u8; 1024];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -146,6 +206,9 @@ async fn answer(mut tcp: TcpStream, tokens: &Tokens, https_port: u16) -> std::io
     let Some(host) = host else {
         return respond(&mut tcp, "400 Bad Request", None, "").await;
     };
+    if !serves(host) {
+        return respond(&mut tcp, "404 Not Found", None, "").await;
+    }
     let port = if https_port == 443 {
         String::new()
     } else {

@@ -3,17 +3,22 @@
 //!
 //! It owns no list of sites: each pass walks the process's certificate table for
 //! slots of [`Origin::Acme`](crate::tls::certs::Origin), so a reload that adds or
-//! removes an ACME site is seen at the next pass. Sites with equal sources share
-//! one certificate and one order. A certificate is ordered when the slot is empty,
-//! and renewed ahead of expiry: when a third of its lifetime is left (less a random
-//! share, so a fleet does not renew at once), or inside the server's ARI window
-//! (RFC 9773) when it offers one. A failure keeps the old certificate serving, is
-//! logged and counted, and is retried with exponential backoff; a site with no
-//! certificate yet fails its handshakes rather than show another site's.
+//! removes an ACME site is seen at the next pass. A certificate is ordered when the
+//! slot is empty, and renewed ahead of expiry: when a third of its lifetime is left
+//! (less a random share, so a fleet does not renew at once), or inside the server's
+//! ARI window (RFC 9773) when it offers one, never later than a tenth of its
+//! lifetime before expiry and never sooner than [`SUCCESS_GAP`] after an issuance
+//! (a certificate issued near its end must not start an order loop). A failure
+//! keeps the old certificate serving, is logged and counted, and is retried with
+//! exponential backoff up to [`BACKOFF_MAX`], whatever `Retry-After` the server
+//! sends; a site with no certificate yet fails its handshakes rather than show
+//! another site's. The manager task is supervised: a panic restarts it.
 //! The new certificate is swapped into the slot: open connections keep theirs.
 //!
-//! `order` speaks the protocol (through instant-acme), `store` keeps the files.
+//! `order` speaks the protocol (through instant-acme, over `client`, which caps
+//! response bodies), `store` keeps the files.
 
+mod client;
 pub(crate) mod http01;
 mod order;
 mod store;
@@ -44,6 +49,14 @@ const PASS_INTERVAL: Duration = Duration::from_secs(2);
 /// The first retry after a failure; doubled per failure up to [`BACKOFF_MAX`].
 const BACKOFF_BASE: Duration = Duration::from_secs(60);
 const BACKOFF_MAX: Duration = Duration::from_secs(6 * 3600);
+/// The shortest pause between an issuance and the next order of the same
+/// certificate, whatever its dates or the ARI window say: a CA that issues
+/// certificates already due (or a clock ahead) must not get an order per pass.
+const SUCCESS_GAP: Duration = Duration::from_secs(10 * 60);
+/// Restarts of a panicked manager allowed per hour; more wait for the hour's end.
+const MAX_RESTARTS_PER_HOUR: usize = 10;
+/// The pause before a panicked manager is started again.
+const RESTART_PAUSE: Duration = Duration::from_secs(5);
 /// ARI is asked again at least this often, at most as often as its `Retry-After`.
 const ARI_RECHECK_MIN: Duration = Duration::from_secs(60);
 const ARI_RECHECK_MAX: Duration = Duration::from_secs(24 * 3600);
@@ -83,6 +96,8 @@ struct Status {
     /// When the next order is due (`None`: now).
     next: Option<SystemTime>,
     ari_recheck: Option<SystemTime>,
+    /// When this manager last installed a certificate for it.
+    issued_at: Option<SystemTime>,
     failures: u32,
     last_error: Option<String>,
     /// Callers of a forced renewal, told the outcome.
@@ -270,22 +285,15 @@ impl Manager {
         accounts: &mut HashMap<std::path::PathBuf, Account>,
     ) {
         let Ok(facts) = CertFacts::of(leaf) else { return };
-        let lifetime = facts.lifetime();
-        let jitter = lifetime.mul_f64(self.random_share() / 20.0);
-        let mut next = facts
-            .not_after
-            .checked_sub(lifetime / 3 + jitter)
-            .unwrap_or(facts.not_after);
         let now = SystemTime::now();
         let mut recheck = now + ARI_RECHECK_MAX;
+        let mut window = None;
         if let Ok(id) = CertificateIdentifier::try_from(leaf) {
             if let Some(account) = account_for(source, accounts).await {
                 match tokio::time::timeout(ARI_TIMEOUT, account.renewal_info(&id)).await {
                     Ok(Ok((info, retry))) => {
-                        let window = &info.suggested_window;
-                        let (start, end) = (SystemTime::from(window.start), SystemTime::from(window.end));
-                        let span = end.duration_since(start).unwrap_or_default();
-                        next = start + span.mul_f64(self.random_share());
+                        let suggested = &info.suggested_window;
+                        window = Some((SystemTime::from(suggested.start), SystemTime::from(suggested.end)));
                         recheck = now + retry.clamp(ARI_RECHECK_MIN, ARI_RECHECK_MAX);
                     }
                     Ok(Err(instant_acme::Error::Unsupported(_))) => {}
@@ -294,11 +302,12 @@ impl Manager {
                 }
             }
         }
+        let share = self.random_share();
         let mut status = self.status.lock().unwrap_or_else(|p| p.into_inner());
         let st = status.entry(source.clone()).or_default();
         // A failure's backoff stands until the next attempt.
         if st.failures == 0 {
-            st.next = Some(next);
+            st.next = Some(renewal_time(&facts, window, share, st.issued_at));
         }
         st.facts = Some(facts);
         st.ari_recheck = Some(recheck);
@@ -370,7 +379,11 @@ impl Manager {
                 st.facts = Some(issued.facts);
                 st.failures = 0;
                 st.last_error = None;
-                st.next = None;
+                // Until `schedule` reads the new certificate; whatever it finds, no
+                // order follows sooner than this.
+                let now = SystemTime::now();
+                st.issued_at = Some(now);
+                st.next = Some(now + SUCCESS_GAP);
                 st.ari_recheck = None;
                 Ok(serial)
             }
@@ -383,12 +396,16 @@ impl Manager {
                 }
                 self.failed.fetch_add(1, Ordering::Relaxed);
                 st.failures = st.failures.saturating_add(1);
-                let shift = st.failures.saturating_sub(1).min(16);
-                let backoff = BACKOFF_BASE.saturating_mul(1 << shift).min(BACKOFF_MAX);
-                let backoff = backoff + backoff.mul_f64(self.random_share() / 10.0);
-                // The server's own `Retry-After`, when the client saw one, is a floor.
-                let backoff = backoff.max(retry_after(&e).unwrap_or_default());
-                st.next = Some(SystemTime::now() + backoff);
+                let now = SystemTime::now();
+                let next = retry_time(
+                    now,
+                    st.failures,
+                    self.random_share(),
+                    retry_after(&e),
+                    st.facts.as_ref().map(|f| f.not_after),
+                );
+                let backoff = next.duration_since(now).unwrap_or_default();
+                st.next = Some(next);
                 st.last_error = Some(e.to_string());
                 tracing::warn!(
                     sites = ?sites,
@@ -453,6 +470,135 @@ async fn account_for(
         .ok()?;
     accounts.insert(file, account.clone());
     Some(account)
+}
+
+/// Runs the manager until shutdown and starts it again when it panics (a bug, or a
+/// library that panics on a server's answer): renewals must not stop silently for
+/// the rest of the process's life. At most [`MAX_RESTARTS_PER_HOUR`] restarts an
+/// hour; more wait until the oldest is an hour old.
+pub(crate) async fn supervise(manager: Arc<Manager>, shutdown: Shutdown) {
+    let run_shutdown = shutdown.clone();
+    supervised(
+        move || manager.clone().run(run_shutdown.clone()),
+        shutdown,
+        RESTART_PAUSE,
+    )
+    .await;
+}
+
+/// Aborts the supervised task when the supervisor is itself aborted (at the end
+/// of `server::run`), so no manager outlives it.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+async fn supervised<F, Fut>(start: F, mut shutdown: Shutdown, pause: Duration)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    const HOUR: Duration = Duration::from_secs(3600);
+    let mut restarts: std::collections::VecDeque<std::time::Instant> = std::collections::VecDeque::new();
+    loop {
+        let mut task = tokio::spawn(start());
+        let _guard = AbortOnDrop(task.abort_handle());
+        let reason = match (&mut task).await {
+            Ok(()) => return,
+            Err(e) if !e.is_panic() => return,
+            Err(e) => {
+                let payload = e.into_panic();
+                payload
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| payload.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "unknown panic".to_owned())
+            }
+        };
+        if shutdown.is_requested() {
+            return;
+        }
+        let now = std::time::Instant::now();
+        while restarts.front().is_some_and(|t| now.duration_since(*t) >= HOUR) {
+            restarts.pop_front();
+        }
+        let wait = match restarts.front() {
+            Some(oldest) if restarts.len() >= MAX_RESTARTS_PER_HOUR => {
+                (*oldest + HOUR).saturating_duration_since(now).max(pause)
+            }
+            _ => pause,
+        };
+        tracing::error!(
+            reason = %reason,
+            restart_in_secs = wait.as_secs(),
+            "acme: the certificate manager stopped unexpectedly; restarting"
+        );
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.requested() => return,
+        }
+        restarts.push_back(std::time::Instant::now());
+    }
+}
+
+/// When a served certificate (`facts`) is renewed: at `share` (uniform in [0, 1))
+/// of the ARI `window` when the server offers one, else when a third of its
+/// lifetime is left less up to a twentieth; never later than a tenth of its
+/// lifetime before expiry (an ARI window past it is the server's mistake), and
+/// never sooner than [`SUCCESS_GAP`] after the last issuance (`issued_at`).
+fn renewal_time(
+    facts: &CertFacts,
+    window: Option<(SystemTime, SystemTime)>,
+    share: f64,
+    issued_at: Option<SystemTime>,
+) -> SystemTime {
+    let lifetime = facts.lifetime();
+    let latest = facts
+        .not_after
+        .checked_sub(lifetime / 10)
+        .unwrap_or(facts.not_before);
+    let next = match window {
+        Some((start, end)) => {
+            let span = end.duration_since(start).unwrap_or_default();
+            start.checked_add(span.mul_f64(share)).unwrap_or(start)
+        }
+        None => facts
+            .not_after
+            .checked_sub(lifetime / 3 + lifetime.mul_f64(share / 20.0))
+            .unwrap_or(facts.not_before),
+    };
+    let next = next.min(latest);
+    match issued_at.and_then(|t| t.checked_add(SUCCESS_GAP)) {
+        Some(earliest) => next.max(earliest),
+        None => next,
+    }
+}
+
+/// When a failed order is tried again: after [`BACKOFF_BASE`] doubled per
+/// consecutive failure (plus up to a tenth, `share` in [0, 1)) up to
+/// [`BACKOFF_MAX`]; the server's `Retry-After` is a floor but clamped to the same
+/// maximum, so a server cannot stop retries for longer. When the served
+/// certificate ends (`not_after`) sooner, the retry comes a [`BACKOFF_BASE`] before
+/// its end rather than after it, though never sooner than a [`BACKOFF_BASE`] from now.
+fn retry_time(
+    now: SystemTime,
+    failures: u32,
+    share: f64,
+    retry_after: Option<Duration>,
+    not_after: Option<SystemTime>,
+) -> SystemTime {
+    let shift = failures.saturating_sub(1).min(16);
+    let backoff = BACKOFF_BASE.saturating_mul(1 << shift).min(BACKOFF_MAX);
+    let backoff = backoff + backoff.mul_f64(share.clamp(0.0, 1.0) / 10.0);
+    let backoff = backoff.max(retry_after.unwrap_or_default().min(BACKOFF_MAX));
+    let at = now + backoff;
+    match not_after.and_then(|t| t.checked_sub(BACKOFF_BASE)) {
+        Some(before_end) => at.min(before_end.max(now + BACKOFF_BASE)),
+        None => at,
+    }
 }
 
 /// How long the server asked to wait (`Retry-After` while polling an order).
@@ -527,5 +673,123 @@ impl Collector for Metrics {
         )
         .sample(&[("outcome", "issued")], self.0.issued.load(Ordering::Relaxed))
         .sample(&[("outcome", "failed")], self.0.failed.load(Ordering::Relaxed));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: Duration = Duration::from_secs(86_400);
+
+    fn facts(not_before: SystemTime, not_after: SystemTime) -> CertFacts {
+        CertFacts {
+            serial: "01".into(),
+            not_before,
+            not_after,
+        }
+    }
+
+    #[test]
+    fn renewal_without_ari_is_at_two_thirds_less_jitter() {
+        let start = SystemTime::UNIX_EPOCH + 1000 * DAY;
+        let f = facts(start, start + 90 * DAY);
+        assert_eq!(renewal_time(&f, None, 0.0, None), start + 60 * DAY);
+        let late = renewal_time(&f, None, 0.999, None);
+        assert!(late < start + 60 * DAY && late > start + 55 * DAY, "{late:?}");
+    }
+
+    #[test]
+    fn ari_window_past_expiry_is_clamped_to_a_tenth_before_it() {
+        let start = SystemTime::UNIX_EPOCH + 1000 * DAY;
+        let f = facts(start, start + 90 * DAY);
+        let far = (start + 3650 * DAY, start + 3651 * DAY);
+        assert_eq!(renewal_time(&f, Some(far), 0.5, None), start + 81 * DAY);
+        let inside = (start + 10 * DAY, start + 12 * DAY);
+        assert_eq!(renewal_time(&f, Some(inside), 0.5, None), start + 11 * DAY);
+    }
+
+    #[test]
+    fn a_certificate_issued_already_due_waits_the_success_gap() {
+        // Issued with a week left of 90 days: due at once by its dates, and an ARI
+        // window in the past says the same; the next order still waits.
+        let now = SystemTime::UNIX_EPOCH + 2000 * DAY;
+        let f = facts(now - 83 * DAY, now + 7 * DAY);
+        let past = (now - 2 * DAY, now - DAY);
+        for window in [None, Some(past)] {
+            assert_eq!(renewal_time(&f, window, 0.3, Some(now)), now + SUCCESS_GAP);
+        }
+    }
+
+    #[test]
+    fn retry_after_is_clamped_to_the_backoff_maximum() {
+        let now = SystemTime::UNIX_EPOCH + 2000 * DAY;
+        let ten_years = Some(3650 * DAY);
+        assert_eq!(retry_time(now, 1, 0.0, ten_years, None), now + BACKOFF_MAX);
+        assert_eq!(
+            retry_time(now, 1, 0.0, Some(Duration::MAX), None),
+            now + BACKOFF_MAX
+        );
+        // A short one is a floor above the first backoff.
+        assert_eq!(
+            retry_time(now, 1, 0.0, Some(Duration::from_secs(600)), None),
+            now + Duration::from_secs(600)
+        );
+    }
+
+    #[test]
+    fn backoff_doubles_to_the_maximum() {
+        let now = SystemTime::UNIX_EPOCH + 2000 * DAY;
+        assert_eq!(retry_time(now, 1, 0.0, None, None), now + BACKOFF_BASE);
+        assert_eq!(retry_time(now, 3, 0.0, None, None), now + 4 * BACKOFF_BASE);
+        assert_eq!(retry_time(now, 1000, 0.0, None, None), now + BACKOFF_MAX);
+        let jittered = retry_time(now, 1000, 0.999, None, None);
+        assert!(jittered <= now + BACKOFF_MAX + BACKOFF_MAX / 10);
+    }
+
+    #[test]
+    fn a_retry_comes_before_the_served_certificate_ends() {
+        let now = SystemTime::UNIX_EPOCH + 2000 * DAY;
+        let ends = now + Duration::from_secs(3600);
+        let at = retry_time(now, 20, 0.0, Some(3650 * DAY), Some(ends));
+        assert_eq!(at, ends - BACKOFF_BASE);
+        // Already (almost) expired: not sooner than the base backoff.
+        let at = retry_time(now, 20, 0.0, None, Some(now));
+        assert_eq!(at, now + BACKOFF_BASE);
+    }
+
+    #[tokio::test]
+    async fn a_panicking_manager_is_restarted() {
+        let (_trigger, shutdown) = crate::shutdown::channel();
+        let runs = Arc::new(AtomicU64::new(0));
+        let counted = runs.clone();
+        let start = move || {
+            let counted = counted.clone();
+            async move {
+                if counted.fetch_add(1, Ordering::SeqCst) < 2 {
+                    panic!("test panic");
+                }
+            }
+        };
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            supervised(start, shutdown, Duration::from_millis(1)),
+        )
+        .await
+        .expect("the supervisor returns once the manager ends normally");
+        assert_eq!(runs.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn shutdown_ends_the_supervisor_during_its_pause() {
+        let (trigger, shutdown) = crate::shutdown::channel();
+        let start = || async { panic!("test panic") };
+        let supervisor = tokio::spawn(supervised(start, shutdown, Duration::from_secs(3600)));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        trigger.request();
+        tokio::time::timeout(Duration::from_secs(10), supervisor)
+            .await
+            .expect("the supervisor ends at shutdown")
+            .expect("the supervisor itself does not panic");
     }
 }

@@ -39,15 +39,20 @@ pub(super) struct Issued {
 /// The account for `source`'s directory: restored from storage, else registered
 /// now (agreeing to the server's terms) and stored.
 pub(super) async fn account(source: &AcmeSource) -> Result<Account, AcmeError> {
+    // Over a client that caps response bodies (instant-acme's own reads them whole).
     let builder = || match &source.directory_ca {
-        Some(ca) => Account::builder_with_root(ca).map_err(|e| AcmeError::Client {
-            step: "load directory_ca",
-            source: e,
-        }),
-        None => Account::builder().map_err(|e| AcmeError::Client {
-            step: "start the HTTP client",
-            source: e,
-        }),
+        Some(ca) => super::client::Capped::with_ca(ca)
+            .map(|c| Account::builder_with_http(Box::new(c)))
+            .map_err(|e| AcmeError::Client {
+                step: "load directory_ca",
+                source: e,
+            }),
+        None => super::client::Capped::platform()
+            .map(|c| Account::builder_with_http(Box::new(c)))
+            .map_err(|e| AcmeError::Client {
+                step: "start the HTTP client",
+                source: e,
+            }),
     };
     let file = store::account_file(source);
     if let Ok(text) = std::fs::read(&file) {
@@ -115,7 +120,10 @@ pub(super) async fn obtain(
         let mut challenge = authz.challenge(kind.clone()).ok_or_else(|| {
             AcmeError::Refused(format!("the server offers no {} challenge", source.challenge))
         })?;
+        // The server names what is validated; an identifier we did not ask for
+        // would put a challenge answer (a certificate) up for any name.
         let name = challenge.identifier().to_string();
+        requested(&source.names, &name)?;
         let put = match source.challenge {
             AcmeChallenge::TlsAlpn01 => {
                 let answer =
@@ -168,6 +176,7 @@ pub(super) async fn obtain(
         .first()
         .ok_or_else(|| AcmeError::Certificate("the issued chain is empty".into()))?;
     let facts = CertFacts::of(leaf)?;
+    check_issued(leaf, &facts, &source.names, std::time::SystemTime::now())?;
     let der = PrivatePkcs8KeyDer::from(key.serialize_der());
     let signer = provider
         .key_provider
@@ -186,6 +195,67 @@ pub(super) async fn obtain(
         key: certified,
         facts,
     })
+}
+
+/// Refuses an authorization for `name` when the order did not ask for it.
+fn requested(names: &[String], name: &str) -> Result<(), AcmeError> {
+    if names.iter().any(|n| n.eq_ignore_ascii_case(name)) {
+        Ok(())
+    } else {
+        Err(AcmeError::Refused(format!(
+            "the server asks to validate `{name}`, which this order did not request ({names:?})"
+        )))
+    }
+}
+
+/// Refuses an issued leaf that is not valid `now` or does not name exactly the
+/// requested `names` (as DNS subject alternative names, nothing else): a server
+/// must not get a certificate served that it was not asked for.
+fn check_issued(
+    leaf: &CertificateDer<'_>,
+    facts: &CertFacts,
+    names: &[String],
+    now: std::time::SystemTime,
+) -> Result<(), AcmeError> {
+    if now < facts.not_before || now > facts.not_after {
+        return Err(AcmeError::Certificate(format!(
+            "the issued certificate is not valid now (valid from {} to {} s after the epoch)",
+            epoch_secs(facts.not_before),
+            epoch_secs(facts.not_after)
+        )));
+    }
+    let (_, cert) = x509_parser::parse_x509_certificate(leaf.as_ref())
+        .map_err(|e| AcmeError::Certificate(format!("the issued certificate cannot be read: {e}")))?;
+    let san = cert
+        .subject_alternative_name()
+        .map_err(|e| AcmeError::Certificate(format!("the issued certificate's names cannot be read: {e}")))?
+        .ok_or_else(|| AcmeError::Certificate("the issued certificate names no host".into()))?;
+    let mut issued = Vec::new();
+    for name in &san.value.general_names {
+        match name {
+            x509_parser::extensions::GeneralName::DNSName(n) => issued.push(n.to_ascii_lowercase()),
+            other => {
+                return Err(AcmeError::Certificate(format!(
+                    "the issued certificate names `{other}`, which was not requested"
+                )))
+            }
+        }
+    }
+    let mut wanted: Vec<String> = names.iter().map(|n| n.to_ascii_lowercase()).collect();
+    issued.sort();
+    issued.dedup();
+    wanted.sort();
+    wanted.dedup();
+    if issued != wanted {
+        return Err(AcmeError::Certificate(format!(
+            "the issued certificate names {issued:?}, not the requested {wanted:?}"
+        )));
+    }
+    Ok(())
+}
+
+fn epoch_secs(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
 /// Names the protocol step an instant-acme error happened in.
@@ -228,5 +298,58 @@ impl Drop for Answered<'_> {
         for token in &self.token_list {
             self.tokens.remove(token);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    fn cert(names: &[&str]) -> CertificateDer<'static> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params =
+            rcgen::CertificateParams::new(names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>()).unwrap();
+        params.self_signed(&key).unwrap().der().clone()
+    }
+
+    fn names(list: &[&str]) -> Vec<String> {
+        list.iter().map(|n| (*n).to_owned()).collect()
+    }
+
+    #[test]
+    fn an_issued_certificate_must_name_exactly_the_requested_names() {
+        let leaf = cert(&["a.example", "b.example"]);
+        let facts = CertFacts::of(&leaf).unwrap();
+        let now = SystemTime::now();
+        check_issued(&leaf, &facts, &names(&["b.example", "A.example"]), now).unwrap();
+        for wanted in [
+            &["a.example"][..],
+            &["a.example", "b.example", "c.example"],
+            &["other.example"],
+        ] {
+            let err = check_issued(&leaf, &facts, &names(wanted), now).unwrap_err();
+            assert!(err.to_string().contains("not the requested"), "{err}");
+        }
+    }
+
+    #[test]
+    fn an_issued_certificate_must_be_valid_now() {
+        let leaf = cert(&["a.example"]);
+        let facts = CertFacts::of(&leaf).unwrap();
+        let wanted = names(&["a.example"]);
+        let long_after = facts.not_after + Duration::from_secs(1);
+        let err = check_issued(&leaf, &facts, &wanted, long_after).unwrap_err();
+        assert!(err.to_string().contains("not valid now"), "{err}");
+        let before = facts.not_before - Duration::from_secs(1);
+        assert!(check_issued(&leaf, &facts, &wanted, before).is_err());
+    }
+
+    #[test]
+    fn an_identifier_not_requested_is_refused() {
+        let wanted = names(&["a.example"]);
+        requested(&wanted, "A.Example").unwrap();
+        let err = requested(&wanted, "victim.example").unwrap_err();
+        assert!(err.to_string().contains("did not request"), "{err}");
     }
 }

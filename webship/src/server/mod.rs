@@ -194,17 +194,8 @@ pub async fn run(
             fixed.tls.clone(),
             config.ocsp_cache.clone(),
         )),
-        tokio::spawn(fixed.acme.clone().run(shutdown.clone())),
+        tokio::spawn(crate::acme::supervise(fixed.acme.clone(), shutdown.clone())),
     ];
-    let acme_http_task = acme_http.map(|listener| {
-        let tokens = fixed.acme.http01_tokens();
-        tokio::spawn(crate::acme::http01::serve(
-            listener,
-            tokens,
-            bound.local.port(),
-            shutdown.clone(),
-        ))
-    });
     // Started by a switched thread: the writer runs as the service account.
     access_writer.start()?;
     announce(&config, &report, &bound);
@@ -217,6 +208,20 @@ pub async fn run(
 
     let tickets_task = tokio::spawn(fixed.tls.tickets.clone().watch(shutdown.clone()));
     let current = Arc::new(Current::new(first));
+    let acme_http_task = acme_http.map(|listener| {
+        let tokens = fixed.acme.http01_tokens();
+        // Redirects follow reloads: the names are the current generation's.
+        let sites = current.clone();
+        let serves: crate::acme::http01::Serves =
+            Arc::new(move |host: &str| sites.load().stack.service.sites().lookup(host).is_some());
+        tokio::spawn(crate::acme::http01::serve(
+            listener,
+            tokens,
+            bound.local.port(),
+            serves,
+            shutdown.clone(),
+        ))
+    });
     let limit = config.limits.max_connections;
     let permits = Arc::new(Semaphore::new(limit));
     let relay_task = plan.start_relay(bound.relay, shutdown);
