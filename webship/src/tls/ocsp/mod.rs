@@ -155,7 +155,7 @@ impl Stapler {
         if self.leaf.as_ref() != Some(leaf) || stapling != self.stapling {
             if let Some(old) = self.leaf.as_ref().filter(|old| *old != leaf) {
                 // The renewed certificate's predecessor will not be served again.
-                let _ = std::fs::remove_file(self.cache_file(old));
+                remove_cached(self.cache_file(old)).await;
             }
             self.leaf = Some(leaf.clone().into_owned());
             self.stapling = stapling;
@@ -205,7 +205,7 @@ impl Stapler {
             }
             // Stale or otherwise unusable: the responder is asked at once.
             _ => {
-                let _ = std::fs::remove_file(self.cache_file(&chain[0]));
+                remove_cached(self.cache_file(&chain[0])).await;
             }
         }
     }
@@ -222,17 +222,18 @@ impl Stapler {
         };
         match answer {
             Ok((answer, body)) if answer.status == Status::Good => {
+                // Stapled first: handshakes need not wait for the disk.
+                self.accept(&leaf, body.clone(), &answer);
                 GOOD.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(site = %self.key.site, serial = %target.serial, "OCSP response fetched and stapled");
-                self.write_cache(&leaf, body.clone()).await;
-                self.accept(&leaf, body, &answer);
+                self.write_cache(&leaf, body).await;
             }
             Ok((answer, _)) if answer.status == Status::Revoked => {
                 REVOKED.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(site = %self.key.site, serial = %target.serial, "OCSP: the certificate is REVOKED according to its responder; no staple is sent (replace the certificate)");
                 self.staple_expires = None;
                 self.slot.staple(&leaf, None, StapleState::Revoked);
-                let _ = std::fs::remove_file(self.cache_file(&leaf));
+                remove_cached(self.cache_file(&leaf)).await;
                 self.next_fetch = Instant::now() + refresh_after(&answer);
                 self.backoff = MIN_BACKOFF;
             }
@@ -291,6 +292,11 @@ fn refresh_after(answer: &Answer) -> Duration {
     };
     let left = next.duration_since(SystemTime::now()).unwrap_or_default();
     (left / 2).clamp(MIN_REFRESH, MAX_REFRESH)
+}
+
+/// Forgets a cached answer, off the async workers; one already gone is fine.
+async fn remove_cached(path: PathBuf) {
+    let _ = tokio::task::spawn_blocking(move || std::fs::remove_file(path)).await;
 }
 
 /// A cached response, if the file exists and is no larger than a response may be.

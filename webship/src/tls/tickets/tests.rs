@@ -263,6 +263,21 @@ fn create_file_writes_0600_and_never_overwrites() {
 }
 
 #[test]
+fn rotate_file_through_a_symlink_replaces_its_target_and_keeps_the_link() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("real.keys");
+    create_file(&real).unwrap();
+    let link = dir.path().join("ticket.keys");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    rotate_file(&link, 3600).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert_eq!(file::read(&real, unix_now()).unwrap().len(), 2);
+    let mode = std::fs::metadata(&real).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o600);
+}
+
+#[test]
 fn debug_output_names_no_key_material() {
     let k = key(5, 0xab);
     let text = format!("{k:?} {:?}", from_keys(std::slice::from_ref(&k)));
