@@ -523,3 +523,51 @@ fn a_refused_reload_leaves_staples_and_certificate_slots_as_they_were() {
         "the new site has no certificate slot:\n{metrics}"
     );
 }
+
+#[test]
+fn a_symlinked_cache_folder_is_not_handed_to_the_service_account() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    // The service account must reach the files after the switch.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let ca = TestCa::new(dir.path());
+    let port = free_port().unwrap();
+    let leaf = ca.issue("good", "good.test", Some(port), None);
+    let _responder = ca.responder(port, 1);
+    // What the account owning the folder above could plant: a link to a root folder.
+    let victim = dir.path().join("victim");
+    std::fs::create_dir(&victim).unwrap();
+    let owner_before = std::fs::metadata(&victim).unwrap().uid();
+    let cache = dir.path().join("ocsp-cache");
+    std::os::unix::fs::symlink(&victim, &cache).unwrap();
+    let config = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\nuser = \"nobody\"\ngroup = \"nogroup\"\nocsp_cache = \"{}\"\n{}",
+        cache.display(),
+        site("good.test", &leaf, &root, "")
+    );
+    let server = Server::start(dir.path(), &config);
+    assert!(
+        eventually(Duration::from_secs(10), || server
+            .log()
+            .contains("the OCSP cache folder is a symlink")),
+        "the symlinked cache was not refused: {}",
+        server.log()
+    );
+    assert_eq!(
+        std::fs::metadata(&victim).unwrap().uid(),
+        owner_before,
+        "root chowned the symlink's target"
+    );
+    // Stapling itself goes on; only the cache is lost.
+    let mut out = String::new();
+    assert!(
+        eventually(Duration::from_secs(15), || {
+            out = s_client(server.port, "good.test", &ca.cert);
+            stapled_good(&out)
+        }),
+        "no staple:\n{out}\n{}",
+        server.log()
+    );
+}

@@ -256,6 +256,74 @@ fn bad_files(good: &str) -> Vec<(&'static str, String, u32, &'static str)> {
     ]
 }
 
+/// Starts a daemon that should refuse `extra` at start: its exit code and stderr.
+fn start_refused(env: &Env, extra: &str) -> (Option<i32>, String) {
+    let config = env.dir.path().join("start.toml");
+    std::fs::write(&config, env.config(extra).replace("{port}", "1")).unwrap();
+    // `timeout`: a daemon that wrongly starts is stopped, and the test fails.
+    let out = Command::new("timeout")
+        .args([
+            "20",
+            binary().to_str().unwrap(),
+            "serve",
+            "--config",
+            config.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn new_file_is_private_from_the_start_never_overwritten_and_only_trusted_owners_serve() {
+    use std::os::unix::fs::MetadataExt;
+    let env = Env::new();
+    for dir in [env.dir.path(), env.root.as_path()] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    env.write("hello.txt", b"hello");
+    let keys = env.dir.path().join("ticket.keys");
+    let arg = keys.to_str().unwrap();
+    let out = webship(&["ticket-keys", "new", arg], env.dir.path());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let meta = std::fs::metadata(&keys).unwrap();
+    assert_eq!(meta.mode() & 0o7777, 0o600, "not created 0600");
+    let first = std::fs::read(&keys).unwrap();
+    let again = webship(&["ticket-keys", "new", arg], env.dir.path());
+    let stderr = String::from_utf8_lossy(&again.stderr);
+    assert!(
+        !again.status.success() && stderr.contains("already exists") && stderr.contains("fix:"),
+        "an existing file was not refused: {stderr}"
+    );
+    assert_eq!(std::fs::read(&keys).unwrap(), first, "the existing file changed");
+
+    // Owned by the service account: trusted like root's, and it serves.
+    let chown = Command::new("chown")
+        .arg("nobody:nogroup")
+        .arg(&keys)
+        .status()
+        .unwrap();
+    assert!(chown.success());
+    let extra = format!("user = \"nobody\"\ngroup = \"nogroup\"\n{}", keys_toml(&keys));
+    let (server, _dir) = start_in(&env, "a", &extra);
+    let session = env.dir.path().join("a.session");
+    assert_eq!(s_client(&env, &server, None, &session), Handshake::New);
+    drop(server);
+
+    // Owned by anyone else: whoever it is could swap the keys, so it is refused.
+    let chown = Command::new("chown").arg("4242").arg(&keys).status().unwrap();
+    assert!(chown.success());
+    let (code, stderr) = start_refused(&env, &keys_toml(&keys));
+    assert_eq!(code, Some(1), "a foreign-owned file was not refused: {stderr}");
+    assert!(
+        stderr.contains("owned by uid 4242") && stderr.contains("fix: `chown root FILE`"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn a_bad_key_file_is_refused_at_start_and_at_reload_where_the_keys_in_use_stay() {
     let env = Env::new();
@@ -267,25 +335,8 @@ fn a_bad_key_file_is_refused_at_start_and_at_reload_where_the_keys_in_use_stay()
     for (what, text, mode, words) in bad_files(&good) {
         std::fs::write(&keys, &text).unwrap();
         std::fs::set_permissions(&keys, std::fs::Permissions::from_mode(mode)).unwrap();
-        let config = env.dir.path().join("start.toml");
-        std::fs::write(&config, env.config(&keys_toml(&keys)).replace("{port}", "1")).unwrap();
-        // `timeout`: a daemon that wrongly starts is stopped, and the test fails.
-        let out = Command::new("timeout")
-            .args([
-                "20",
-                binary().to_str().unwrap(),
-                "serve",
-                "--config",
-                config.to_str().unwrap(),
-            ])
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(
-            out.status.code(),
-            Some(1),
-            "{what}: not refused at start: {stderr}"
-        );
+        let (code, stderr) = start_refused(&env, &keys_toml(&keys));
+        assert_eq!(code, Some(1), "{what}: not refused at start: {stderr}");
         assert!(
             stderr.contains(words) && stderr.contains("fix:"),
             "{what}: {stderr}"

@@ -19,6 +19,7 @@ pub mod control;
 pub mod ebpf;
 mod exchange;
 mod files;
+mod fsutil;
 mod h3;
 mod http;
 mod ktls;
@@ -38,7 +39,7 @@ mod sys;
 mod tls;
 /// `webship ticket-keys new|rotate`: the shared ticket-key file (`[tls] ticket_keys`).
 pub mod ticket_keys {
-    pub use crate::tls::tickets::{new_file, rotate_file, TicketKeyError};
+    pub use crate::tls::tickets::{create_file, new_file, rotate_file, TicketKeyError};
 }
 pub mod watch;
 pub mod webtransport;

@@ -134,9 +134,9 @@ enum Command {
 
 #[derive(Debug, Subcommand)]
 enum TicketKeysAction {
-    /// Print a new file with one key, encrypting from now
-    /// (`webship ticket-keys new > FILE; chmod 0600 FILE`).
-    New,
+    /// Write a new file with one key, encrypting from now: FILE is created with mode
+    /// 0600 and never overwritten; without FILE the text goes to standard output.
+    New { file: Option<PathBuf> },
     /// Add a key that starts encrypting --activate-in seconds from now, drop the keys
     /// no valid ticket needs any more, and replace FILE atomically (mode and owner kept).
     /// Copy the result to every host before the new key's time comes.
@@ -197,9 +197,13 @@ fn main() -> ExitCode {
 }
 
 fn ticket_keys(action: TicketKeysAction) -> anyhow::Result<ExitCode> {
-    use webship::ticket_keys::{new_file, rotate_file};
+    use webship::ticket_keys::{create_file, new_file, rotate_file};
     match action {
-        TicketKeysAction::New => print!("{}", new_file()?),
+        TicketKeysAction::New { file: None } => print!("{}", new_file()?),
+        TicketKeysAction::New { file: Some(file) } => {
+            create_file(&file)?;
+            println!("{}: a new ticket key file (mode 0600)", file.display());
+        }
         TicketKeysAction::Rotate { file, activate_in } => {
             let (newest, keys) = rotate_file(&file, activate_in)?;
             println!(

@@ -82,7 +82,7 @@ pub(super) async fn account(source: &AcmeSource) -> Result<Account, AcmeError> {
             source: e,
         })?;
     let text = serde_json::to_vec(&credentials).map_err(|e| AcmeError::Certificate(e.to_string()))?;
-    store::write_atomic(&file, &text, 0o600)?;
+    store::write_atomic_async(&file, text, 0o600).await?;
     Ok(account)
 }
 
@@ -189,8 +189,8 @@ pub(super) async fn obtain(
     // The key first: a crash between the two leaves a new key beside the old
     // certificate, which fails to load and is ordered again, never a mismatch served.
     let (cert_file, key_file) = source.files();
-    store::write_atomic(&key_file, key.serialize_pem().as_bytes(), 0o600)?;
-    store::write_atomic(&cert_file, chain_pem.as_bytes(), 0o644)?;
+    store::write_atomic_async(&key_file, key.serialize_pem().into_bytes(), 0o600).await?;
+    store::write_atomic_async(&cert_file, chain_pem.into_bytes(), 0o644).await?;
     Ok(Issued {
         key: certified,
         facts,

@@ -6,7 +6,6 @@
 //! Layout: `accounts/<tag>.json` (instant-acme's credentials for one directory URL)
 //! and `certs/<names>-<tag>/{cert.pem,key.pem}` (see `AcmeSource::folder`).
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
@@ -38,27 +37,20 @@ pub(super) fn write_atomic(path: &Path, data: &[u8], mode: u32) -> Result<(), Ac
         .parent()
         .ok_or_else(|| err(std::io::ErrorKind::InvalidInput.into()))?;
     create_private_dir(folder).map_err(err)?;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
-    let write = || -> std::io::Result<()> {
-        use std::os::unix::fs::OpenOptionsExt;
-        let _ = std::fs::remove_file(&tmp);
-        let mut file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .open(&tmp)?;
-        file.write_all(data)?;
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)?;
-        // The rename itself survives a crash once the folder is synced.
-        std::fs::File::open(folder)?.sync_all()
-    };
-    write().map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        err(e)
-    })
+    crate::fsutil::write_atomic(path, data, mode, None).map_err(err)
+}
+
+/// [`write_atomic`] for async code: its two disk syncs run off the async workers.
+pub(super) async fn write_atomic_async(path: &Path, data: Vec<u8>, mode: u32) -> Result<(), AcmeError> {
+    let owned = path.to_owned();
+    tokio::task::spawn_blocking(move || write_atomic(&owned, &data, mode))
+        .await
+        .unwrap_or_else(|e| {
+            Err(AcmeError::Storage {
+                path: path.to_owned(),
+                source: std::io::Error::other(e),
+            })
+        })
 }
 
 /// Creates `dir` and its missing parents, each new one `0700`.

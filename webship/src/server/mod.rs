@@ -112,6 +112,9 @@ pub async fn run(
     let guard = privilege.guard();
     // The ticket-key file is read here, as root; reloads and the watcher re-read it
     // as the service account.
+    if let Some((uid, _)) = privilege.ids() {
+        crate::tls::tickets::allow_owner(uid);
+    }
     let tls = Arc::new(crate::tls::Shared::new(config.ticket_keys.as_deref())?);
     let mut stack = Stack::build(&config, &tls)?;
     // Nothing serves yet and the certificate tasks start later: the table is filled

@@ -11,7 +11,6 @@
 //! stays. A refused pair is tried again when either file changes again.
 
 use std::collections::HashMap;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -22,6 +21,7 @@ use x509_cert::der::Decode;
 
 use super::certs::{self, Origin, SlotKey};
 use super::{Shared, TlsError};
+use crate::fsutil::Stamp;
 use crate::metrics::{Collector, Encoder, Kind};
 
 /// How often the files are looked at: a renewal is served within about two polls.
@@ -39,28 +39,6 @@ pub(crate) enum WatchError {
     Unreadable { path: PathBuf, reason: String },
     #[error("certificate `{path}`: {problem} (fix: install a certificate valid now; the one served stays until then)")]
     NotValidNow { path: PathBuf, problem: String },
-}
-
-/// What `stat` says of one file, following symlinks; a change in any field is a new
-/// file (a rename over it, a rewrite, a symlink moved to a new target).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime: i64,
-    mtime_nsec: i64,
-}
-
-fn stamp(path: &Path) -> Option<Stamp> {
-    let m = std::fs::metadata(path).ok()?;
-    Some(Stamp {
-        dev: m.dev(),
-        ino: m.ino(),
-        size: m.size(),
-        mtime: m.mtime(),
-        mtime_nsec: m.mtime_nsec(),
-    })
 }
 
 /// What the watcher knows of one slot's files.
@@ -86,7 +64,7 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             let Origin::Files { cert, key: key_path } = &key.origin else {
                 continue;
             };
-            let (Some(c), Some(k)) = (stamp(cert), stamp(key_path)) else {
+            let (Some(c), Some(k)) = (Stamp::of(cert), Stamp::of(key_path)) else {
                 // Missing for a moment (a rename in progress): looked at next poll.
                 continue;
             };
@@ -105,8 +83,17 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             }
             entry.settled = now;
             entry.pending = None;
-            // Two small local files: read in place, as a reload reads them.
-            match load(&shared, &key.site, cert, key_path) {
+            // Off the async workers: a slow disk must not stall handshakes.
+            let loaded = {
+                let (shared, site) = (shared.clone(), key.site.clone());
+                let (cert, key_path) = (cert.clone(), key_path.clone());
+                tokio::task::spawn_blocking(move || load(&shared, &site, &cert, &key_path)).await
+            };
+            let Ok(loaded) = loaded else {
+                // The runtime is ending (or the read panicked): tried again on a change.
+                continue;
+            };
+            match loaded {
                 // A reload already read these files: nothing new to serve.
                 Ok(certified) if slot.get().is_some_and(|c| c.cert == certified.cert) => {}
                 Ok(certified) => {

@@ -90,8 +90,15 @@ pub(crate) fn prepare_cache(shared: &Shared, cache: &Path, owner: Option<(u32, u
     if !wanted {
         return;
     }
+    // The folder above may belong to the service account, which could plant a
+    // symlink here for root to chown its target: a symlink is refused, and the chown
+    // goes through a descriptor that is not opened through one.
+    if std::fs::symlink_metadata(cache).is_ok_and(|m| m.file_type().is_symlink()) {
+        tracing::warn!(dir = %cache.display(), "the OCSP cache folder is a symlink and is left as it is, not handed to the service account (fix: make `ocsp_cache` a real folder)");
+        return;
+    }
     let made = std::fs::create_dir_all(cache).and_then(|()| match owner {
-        Some((uid, gid)) => std::os::unix::fs::chown(cache, Some(uid), Some(gid)),
+        Some((uid, gid)) => crate::fsutil::chown_dir_nofollow(cache, uid, gid),
         None => Ok(()),
     });
     if let Err(e) = made {
@@ -148,11 +155,11 @@ impl Stapler {
         if self.leaf.as_ref() != Some(leaf) || stapling != self.stapling {
             if let Some(old) = self.leaf.as_ref().filter(|old| *old != leaf) {
                 // The renewed certificate's predecessor will not be served again.
-                let _ = std::fs::remove_file(self.cache_file(old));
+                remove_cached(self.cache_file(old)).await;
             }
             self.leaf = Some(leaf.clone().into_owned());
             self.stapling = stapling;
-            self.start(&current.cert);
+            self.start(&current.cert).await;
         }
         if !self.stapling || self.target.is_none() {
             return;
@@ -168,7 +175,7 @@ impl Stapler {
     }
 
     /// A new leaf (or stapling just turned on): what to ask, and the cached answer.
-    fn start(&mut self, chain: &[CertificateDer<'static>]) {
+    async fn start(&mut self, chain: &[CertificateDer<'static>]) {
         self.target = None;
         self.staple_expires = None;
         self.backoff = MIN_BACKOFF;
@@ -186,7 +193,9 @@ impl Stapler {
         let Some(target) = &self.target else {
             return;
         };
-        let Some(cached) = read_capped(&self.cache_file(&chain[0])) else {
+        let file = self.cache_file(&chain[0]);
+        let read = tokio::task::spawn_blocking(move || read_capped(&file)).await;
+        let Ok(Some(cached)) = read else {
             return;
         };
         match check::verify(target, &cached, &self.algs(), SystemTime::now()) {
@@ -196,7 +205,7 @@ impl Stapler {
             }
             // Stale or otherwise unusable: the responder is asked at once.
             _ => {
-                let _ = std::fs::remove_file(self.cache_file(&chain[0]));
+                remove_cached(self.cache_file(&chain[0])).await;
             }
         }
     }
@@ -213,17 +222,18 @@ impl Stapler {
         };
         match answer {
             Ok((answer, body)) if answer.status == Status::Good => {
+                // Stapled first: handshakes need not wait for the disk.
+                self.accept(&leaf, body.clone(), &answer);
                 GOOD.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(site = %self.key.site, serial = %target.serial, "OCSP response fetched and stapled");
-                self.write_cache(&leaf, &body);
-                self.accept(&leaf, body, &answer);
+                self.write_cache(&leaf, body).await;
             }
             Ok((answer, _)) if answer.status == Status::Revoked => {
                 REVOKED.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(site = %self.key.site, serial = %target.serial, "OCSP: the certificate is REVOKED according to its responder; no staple is sent (replace the certificate)");
                 self.staple_expires = None;
                 self.slot.staple(&leaf, None, StapleState::Revoked);
-                let _ = std::fs::remove_file(self.cache_file(&leaf));
+                remove_cached(self.cache_file(&leaf)).await;
                 self.next_fetch = Instant::now() + refresh_after(&answer);
                 self.backoff = MIN_BACKOFF;
             }
@@ -258,16 +268,18 @@ impl Stapler {
         self.cache.join(format!("{}.der", check::hex(digest.as_ref())))
     }
 
-    /// Writes the answer whole or not at all (a temporary file renamed over).
-    fn write_cache(&self, leaf: &CertificateDer<'_>, response: &[u8]) {
+    /// Writes the answer whole or not at all, off the async workers.
+    async fn write_cache(&self, leaf: &CertificateDer<'_>, response: Vec<u8>) {
         let path = self.cache_file(leaf);
-        // Per process: during a takeover the old and the new daemon both write.
-        let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
-        let written = std::fs::create_dir_all(&self.cache)
-            .and_then(|()| std::fs::write(&tmp, response))
-            .and_then(|()| std::fs::rename(&tmp, &path));
+        let (cache, file) = (self.cache.clone(), path.clone());
+        let written = tokio::task::spawn_blocking(move || {
+            std::fs::create_dir_all(&cache)?;
+            // Public data (every handshake carries it), like the certificate.
+            crate::fsutil::write_atomic(&file, &response, 0o644, None)
+        })
+        .await
+        .unwrap_or_else(|e| Err(std::io::Error::other(e)));
         if let Err(e) = written {
-            let _ = std::fs::remove_file(&tmp);
             tracing::warn!(site = %self.key.site, file = %path.display(), error = %e, "cannot write the OCSP cache; the answer is stapled but a restart will ask again");
         }
     }
@@ -280,6 +292,11 @@ fn refresh_after(answer: &Answer) -> Duration {
     };
     let left = next.duration_since(SystemTime::now()).unwrap_or_default();
     (left / 2).clamp(MIN_REFRESH, MAX_REFRESH)
+}
+
+/// Forgets a cached answer, off the async workers; one already gone is fine.
+async fn remove_cached(path: PathBuf) {
+    let _ = tokio::task::spawn_blocking(move || std::fs::remove_file(path)).await;
 }
 
 /// A cached response, if the file exists and is no larger than a response may be.

@@ -16,12 +16,18 @@
 use std::fmt;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use crate::fsutil;
 
 /// The first line of every file: the format and its version.
 pub(crate) const HEADER: &str = "webship-ticket-keys v1";
 /// The most keys one file may hold (each costs a trial on no lookup, but the set is
 /// scanned when it is installed).
 pub(crate) const MAX_KEYS: usize = 16;
+/// The service account's uid, which may own the file besides root (set before the
+/// file is first read, when the daemon runs with `user`).
+static SERVICE_UID: OnceLock<u32> = OnceLock::new();
 /// A file is read up to this size; anything larger is not a key file.
 const MAX_FILE_BYTES: u64 = 16 * 1024;
 /// AES-256-GCM's key length.
@@ -51,9 +57,9 @@ pub enum TicketKeyError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("ticket key file `{path}`: mode {mode:04o} lets other users read or change it, and its keys decrypt every resumed session (fix: `chmod 0600` it, or 0640 with the service account's group so reloads can read it)")]
     Mode { path: PathBuf, mode: u32 },
-    #[error("ticket key file `{path}` is larger than {MAX_FILE_BYTES} bytes: not a key file (fix: generate one with `webship ticket-keys new > FILE`)")]
+    #[error("ticket key file `{path}` is larger than {MAX_FILE_BYTES} bytes: not a key file (fix: generate one with `webship ticket-keys new FILE`)")]
     TooLarge { path: PathBuf },
-    #[error("ticket key file `{path}`, line {line}: {reason} (fix: generate the file with `webship ticket-keys new > FILE` and change it with `webship ticket-keys rotate FILE`)")]
+    #[error("ticket key file `{path}`, line {line}: {reason} (fix: generate the file with `webship ticket-keys new FILE` and change it with `webship ticket-keys rotate FILE`)")]
     Syntax {
         path: PathBuf,
         line: usize,
@@ -65,6 +71,10 @@ pub enum TicketKeyError {
         "cannot write ticket key file `{path}`: {source} (fix: run as an account that may write its folder)"
     )]
     Write { path: PathBuf, source: std::io::Error },
+    #[error("ticket key file `{path}` is owned by uid {uid}, neither root nor the daemon's service account: that user could replace the keys that decrypt every resumed session (fix: `chown root FILE`, or the service account, keeping mode 0600 or 0640)")]
+    Owner { path: PathBuf, uid: u32 },
+    #[error("ticket key file `{path}` already exists and is not overwritten (fix: change it with `webship ticket-keys rotate FILE`, or remove it first)")]
+    Exists { path: PathBuf },
     #[error("cannot generate a ticket key: the system's random source failed")]
     Random,
 }
@@ -78,6 +88,7 @@ pub(crate) fn read(path: &Path, now: u64) -> Result<Vec<FileKey>, TicketKeyError
     };
     let file = std::fs::File::open(path).map_err(read_error)?;
     check_mode(path, &file)?;
+    check_owner(path, &file, &allowed_owners())?;
     let mut text = String::new();
     file.take(MAX_FILE_BYTES + 1)
         .read_to_string(&mut text)
@@ -129,6 +140,38 @@ fn check_mode(path: &Path, file: &std::fs::File) -> Result<(), TicketKeyError> {
 
 #[cfg(not(unix))]
 fn check_mode(_path: &Path, _file: &std::fs::File) -> Result<(), TicketKeyError> {
+    Ok(())
+}
+
+/// Records the daemon's service account, whose files are trusted like root's.
+pub(crate) fn allow_owner(uid: u32) {
+    let _ = SERVICE_UID.set(uid);
+}
+
+/// Root, whoever runs this process (an operator's own file for `rotate`) and the
+/// service account.
+fn allowed_owners() -> Vec<u32> {
+    let mut uids = vec![0, rustix::process::geteuid().as_raw()];
+    uids.extend(SERVICE_UID.get().copied());
+    uids
+}
+
+/// Whoever owns the file can rewrite it with keys of their choosing, whatever its mode.
+pub(crate) fn check_owner(path: &Path, file: &std::fs::File, allowed: &[u32]) -> Result<(), TicketKeyError> {
+    use std::os::unix::fs::MetadataExt;
+    let uid = file
+        .metadata()
+        .map_err(|source| TicketKeyError::Read {
+            path: path.to_owned(),
+            source,
+        })?
+        .uid();
+    if !allowed.contains(&uid) {
+        return Err(TicketKeyError::Owner {
+            path: path.to_owned(),
+            uid,
+        });
+    }
     Ok(())
 }
 
@@ -264,39 +307,36 @@ pub(crate) fn rotate(
     Ok(keys)
 }
 
-/// Replaces `path` with `text` atomically (a file beside it, then a rename), keeping
-/// the old file's mode and owner so the service account can still read it.
+/// Replaces `path` with `text` atomically, keeping the old file's mode and owner so
+/// the service account can still read it. Through a symlink the link stays and its
+/// target is replaced (the link is the operator's layout).
 pub(crate) fn replace(path: &Path, text: &str) -> Result<(), TicketKeyError> {
-    use std::io::Write;
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+    use std::os::unix::fs::MetadataExt;
     let write_error = |source| TicketKeyError::Write {
         path: path.to_owned(),
         source,
     };
-    let old = std::fs::metadata(path).map_err(write_error)?;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".new");
-    let tmp = PathBuf::from(tmp);
-    let written = (|| {
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        f.sync_all()?;
-        std::os::unix::fs::fchown(&f, Some(old.uid()), Some(old.gid())).or_else(|e| {
-            if e.kind() == std::io::ErrorKind::PermissionDenied {
-                Ok(())
-            } else {
-                Err(e)
+    let target = std::fs::canonicalize(path).map_err(write_error)?;
+    let old = std::fs::metadata(&target).map_err(write_error)?;
+    // Only root can give a file away; anyone else keeps owning what they write.
+    let owner = rustix::process::geteuid()
+        .is_root()
+        .then(|| (old.uid(), old.gid()));
+    fsutil::write_atomic(&target, text.as_bytes(), old.mode() & 0o640, owner).map_err(write_error)
+}
+
+/// Creates `path` with `text`, mode 0600 from the start, refusing to overwrite.
+pub(crate) fn create(path: &Path, text: &str) -> Result<(), TicketKeyError> {
+    fsutil::write_new(path, text.as_bytes(), 0o600).map_err(|source| {
+        if source.kind() == std::io::ErrorKind::AlreadyExists {
+            TicketKeyError::Exists {
+                path: path.to_owned(),
             }
-        })?;
-        f.set_permissions(std::fs::Permissions::from_mode(old.mode() & 0o640))?;
-        std::fs::rename(&tmp, path)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written.map_err(write_error)
+        } else {
+            TicketKeyError::Write {
+                path: path.to_owned(),
+                source,
+            }
+        }
+    })
 }

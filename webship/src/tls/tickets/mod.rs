@@ -19,6 +19,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM, NONCE_LEN};
 
+use crate::fsutil::Stamp;
 use crate::shutdown::Shutdown;
 use file::FileKey;
 pub use file::TicketKeyError;
@@ -98,26 +99,6 @@ impl KeySet {
 enum Source {
     Generated,
     File { path: PathBuf, stamp: Option<Stamp> },
-}
-
-/// What tells a changed file from the one read: inode, size and modification time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    dev: u64,
-    ino: u64,
-    len: u64,
-    mtime: (i64, i64),
-}
-
-fn stamp(path: &Path) -> Option<Stamp> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(path).ok()?;
-    Some(Stamp {
-        dev: m.dev(),
-        ino: m.ino(),
-        len: m.len(),
-        mtime: (m.mtime(), m.mtime_nsec()),
-    })
 }
 
 struct State {
@@ -210,7 +191,7 @@ impl Tickets {
             let Source::File { path, stamp: seen } = self.read().source.clone() else {
                 continue;
             };
-            let now_stamp = stamp(&path);
+            let now_stamp = Stamp::of(&path);
             if now_stamp == seen {
                 continue;
             }
@@ -314,7 +295,7 @@ impl Tickets {
 
 fn read_source(path: &Path, now: u64) -> Result<(KeySet, Source), TicketKeyError> {
     // The stamp is taken before the read: a change racing the read is seen next poll.
-    let seen = stamp(path);
+    let seen = Stamp::of(path);
     let keys = file::read(path, now)?;
     Ok((
         KeySet::from_file(&keys),
@@ -346,6 +327,17 @@ impl rustls::server::ProducesTickets for Tickets {
 /// `webship ticket-keys new`: a file with one key, encrypting from now.
 pub fn new_file() -> Result<String, TicketKeyError> {
     Ok(file::render(&[file::fresh(unix_now())?]))
+}
+
+/// `webship ticket-keys new FILE`: writes a new file with one key, mode 0600 from the
+/// start (no moment when others may read it), never over an existing file.
+pub fn create_file(path: &Path) -> Result<(), TicketKeyError> {
+    file::create(path, &new_file()?)
+}
+
+/// Trusts key files owned by the service account `uid` (besides root's).
+pub(crate) fn allow_owner(uid: u32) {
+    file::allow_owner(uid);
 }
 
 /// `webship ticket-keys rotate FILE`: adds a key that starts encrypting in

@@ -212,6 +212,72 @@ fn rotate_file_keeps_the_mode_and_the_old_keys_readable() {
 }
 
 #[test]
+fn rotate_file_is_not_blocked_by_a_crashed_runs_leftover() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys");
+    std::fs::write(&path, new_file().unwrap()).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    // What an interrupted rotation used to leave beside the file.
+    std::fs::write(dir.path().join("keys.new"), b"half a file").unwrap();
+    let rotated = rotate_file(&path, 3600);
+    assert!(
+        rotated.is_ok(),
+        "a leftover temporary file blocked the rotation: {rotated:?}"
+    );
+    assert_eq!(file::read(&path, unix_now()).unwrap().len(), 2);
+}
+
+#[test]
+fn a_key_file_owned_by_another_user_is_refused() {
+    use std::os::unix::fs::MetadataExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys");
+    create_file(&path).unwrap();
+    let f = std::fs::File::open(&path).unwrap();
+    let uid = f.metadata().unwrap().uid();
+    file::check_owner(&path, &f, &[0, uid]).unwrap();
+    let err = file::check_owner(&path, &f, &[uid.wrapping_add(1)])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("owned by uid {uid}")) && err.contains("fix: `chown root FILE`"),
+        "{err}"
+    );
+    // What this process writes it owns, so it reads it back.
+    assert_eq!(file::read(&path, unix_now()).unwrap().len(), 1);
+}
+
+#[test]
+fn create_file_writes_0600_and_never_overwrites() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys");
+    create_file(&path).unwrap();
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o600);
+    let before = std::fs::read(&path).unwrap();
+    let err = create_file(&path).unwrap_err();
+    assert!(matches!(err, TicketKeyError::Exists { .. }), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+}
+
+#[test]
+fn rotate_file_through_a_symlink_replaces_its_target_and_keeps_the_link() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("real.keys");
+    create_file(&real).unwrap();
+    let link = dir.path().join("ticket.keys");
+    std::os::unix::fs::symlink(&real, &link).unwrap();
+    rotate_file(&link, 3600).unwrap();
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+    assert_eq!(file::read(&real, unix_now()).unwrap().len(), 2);
+    let mode = std::fs::metadata(&real).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(mode, 0o600);
+}
+
+#[test]
 fn debug_output_names_no_key_material() {
     let k = key(5, 0xab);
     let text = format!("{k:?} {:?}", from_keys(std::slice::from_ref(&k)));
