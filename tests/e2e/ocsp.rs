@@ -271,6 +271,28 @@ fn site(domain: &str, issued: &Issued, root: &Path, extra: &str) -> String {
     )
 }
 
+/// A daemon config on a free port with an OCSP cache in `dir` and an admin listener
+/// on `admin`, serving `sites`.
+fn with_admin(dir: &Path, admin: u16, sites: &str) -> String {
+    format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\nocsp_cache = \"{}\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n{sites}",
+        dir.join("ocsp-cache").display(),
+    )
+}
+
+/// Waits (bounded) until a handshake for `name` carries a good staple.
+fn wait_for_staple(server: &Server, name: &str, ca: &TestCa) {
+    assert!(
+        eventually(Duration::from_secs(15), || stapled_good(&s_client(
+            server.port,
+            name,
+            &ca.cert
+        ))),
+        "no staple for {name}: {}",
+        server.log()
+    );
+}
+
 fn count(log: &str, line: &str) -> usize {
     log.matches(line).count()
 }
@@ -370,23 +392,15 @@ fn stapling_is_per_site_and_a_revoked_certificate_is_logged_not_stapled() {
     ca.revoke(&revoked);
     let _responder = ca.responder(port, 60);
     let admin = free_port().unwrap();
-    let config = format!(
-        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\nocsp_cache = \"{}\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n{}{}{}",
-        dir.path().join("ocsp-cache").display(),
-        site("on.test", &on, &root, ""),
-        site("off.test", &off, &root, "ocsp_stapling = false"),
-        site("revoked.test", &revoked, &root, ""),
+    let config = with_admin(
+        dir.path(),
+        admin,
+        &(site("on.test", &on, &root, "")
+            + &site("off.test", &off, &root, "ocsp_stapling = false")
+            + &site("revoked.test", &revoked, &root, "")),
     );
     let server = Server::start(dir.path(), &config);
-    assert!(
-        eventually(Duration::from_secs(15), || stapled_good(&s_client(
-            server.port,
-            "on.test",
-            &ca.cert
-        ))),
-        "no staple for on.test: {}",
-        server.log()
-    );
+    wait_for_staple(&server, "on.test", &ca);
     assert!(
         eventually(Duration::from_secs(15), || server.log().contains("is REVOKED")),
         "the revocation is not logged: {}",
@@ -453,21 +467,9 @@ fn a_refused_reload_leaves_staples_and_certificate_slots_as_they_were() {
     let added = ca.issue("added", "added.test", None, None);
     let _responder = ca.responder(port, 60);
     let admin = free_port().unwrap();
-    let config = format!(
-        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\nocsp_cache = \"{}\"\n[admin]\nlisten = \"127.0.0.1:{admin}\"\n{}",
-        dir.path().join("ocsp-cache").display(),
-        site("kept.test", &kept, &root, ""),
-    );
+    let config = with_admin(dir.path(), admin, &site("kept.test", &kept, &root, ""));
     let server = Server::start(dir.path(), &config);
-    assert!(
-        eventually(Duration::from_secs(15), || stapled_good(&s_client(
-            server.port,
-            "kept.test",
-            &ca.cert
-        ))),
-        "no staple for kept.test: {}",
-        server.log()
-    );
+    wait_for_staple(&server, "kept.test", &ca);
 
     // Stapling off for kept.test, a new site, and a ticket-key file the daemon
     // refuses (mode 0644), which it reads only after building the TLS configurations.
