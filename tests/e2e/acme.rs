@@ -385,7 +385,7 @@ fn acme_http01_issues_through_the_http_listener_which_redirects_served_names_onl
     let storage = env.dir.path().join("acme");
     let acme = format!("http_listen = \"127.0.0.1:{http}\"");
     let started = Instant::now();
-    let (server, _) = start(
+    let (server, config) = start(
         &env,
         port,
         &pebble.config_with(&env, port, &storage, &acme, "http-01"),
@@ -444,6 +444,11 @@ fn acme_http01_issues_through_the_http_listener_which_redirects_served_names_onl
         status(SITE, "127.0.0.1"),
         "000",
         "a ninth connection from one address must be refused"
+    );
+    assert_eq!(
+        metric(&config, "webship_acme_http01_refused_connections_total "),
+        Some(1),
+        "the refusal is counted"
     );
     assert_eq!(
         status(SITE, "127.0.0.2"),

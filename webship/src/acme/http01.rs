@@ -8,6 +8,7 @@
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -30,6 +31,11 @@ const MAX_CONNECTIONS: usize = 256;
 const MAX_PER_SOURCE: usize = 8;
 /// Tokens pending at once (one per name being validated).
 const MAX_TOKENS: usize = 1024;
+
+/// Connections closed at accept since start: their address already held
+/// [`MAX_PER_SOURCE`], or the listener [`MAX_CONNECTIONS`]
+/// (`webship_acme_http01_refused_connections_total`).
+pub(crate) static REFUSED: AtomicU64 = AtomicU64::new(0);
 
 /// Pending challenge answers: token → key authorization.
 #[derive(Debug, Default)]
@@ -147,10 +153,12 @@ pub(crate) async fn serve(
         // An IPv4 client on a dual-stack socket is counted by its IPv4 address.
         let ip = peer.ip().to_canonical();
         let Some(source_slot) = per_source.take(ip) else {
+            REFUSED.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(%peer, "acme: http-01 connection refused: too many from this address");
             continue;
         };
         let Ok(permit) = permits.clone().try_acquire_owned() else {
+            REFUSED.fetch_add(1, Ordering::Relaxed);
             continue;
         };
         let (tokens, serves) = (tokens.clone(), serves.clone());

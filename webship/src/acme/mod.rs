@@ -673,6 +673,12 @@ impl Collector for Metrics {
         )
         .sample(&[("outcome", "issued")], self.0.issued.load(Ordering::Relaxed))
         .sample(&[("outcome", "failed")], self.0.failed.load(Ordering::Relaxed));
+        out.family(
+            "webship_acme_http01_refused_connections",
+            Kind::Counter,
+            "Connections the http-01 listener closed at accept: their address held 8 already, or the listener 256",
+        )
+        .sample(&[], http01::REFUSED.load(Ordering::Relaxed));
     }
 }
 
