@@ -1,7 +1,7 @@
 //! The daemon's few file-system guarantees, written once: telling a changed file from
 //! the one read ([`Stamp`]), replacing a file whole ([`write_atomic`]) and handing a
 //! folder to the service account without following a planted symlink
-//! ([`chown_dir_nofollow`]). Certificates, OCSP answers, ticket keys and ACME state
+//! ([`chown_dir_nofollow`], [`give_tree_nofollow`]). Certificates, OCSP answers, ticket keys and ACME state
 //! all go through here, so they share one set of crash and symlink rules.
 //!
 //! Everything here blocks on the disk: async callers run it under
@@ -142,9 +142,56 @@ pub(crate) fn chown_dir_nofollow(dir: &Path, uid: u32, gid: u32) -> io::Result<(
     std::os::unix::fs::fchown(&fd, Some(uid), Some(gid))
 }
 
+/// Gives `dir`, and what lies up to `levels` folders below it, to `uid:gid`, walking
+/// by descriptor. The account that will own the tree may already own it (a restart)
+/// and swap any folder in it for a symlink while root walks: so every entry is opened
+/// with `O_NOFOLLOW` through its folder's descriptor (`/proc/self/fd/N` names the
+/// folder the descriptor holds, whatever its old path names by now) and chowned
+/// through its own descriptor. Symlinks are left as they are, never followed;
+/// entries that vanish meanwhile, and sockets, are skipped.
+pub(crate) fn give_tree_nofollow(dir: &Path, uid: u32, gid: u32, levels: usize) -> io::Result<()> {
+    give_below(open_nofollow(dir, true)?, uid, gid, levels)
+}
+
+fn open_nofollow(path: &Path, dir: bool) -> io::Result<std::fs::File> {
+    let mut flags = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY;
+    if dir {
+        flags |= libc::O_DIRECTORY;
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(flags)
+        .open(path)
+}
+
+fn give_below(folder: std::fs::File, uid: u32, gid: u32, levels: usize) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    std::os::unix::fs::fchown(&folder, Some(uid), Some(gid))?;
+    if levels == 0 {
+        return Ok(());
+    }
+    let through = PathBuf::from(format!("/proc/self/fd/{}", folder.as_raw_fd()));
+    for entry in std::fs::read_dir(&through)? {
+        let child = match open_nofollow(&through.join(entry?.file_name()), false) {
+            Ok(child) => child,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOENT | libc::ENXIO)) => continue,
+            Err(e) => return Err(e),
+        };
+        if child.metadata()?.is_dir() {
+            give_below(child, uid, gid, levels - 1)?;
+        } else {
+            std::os::unix::fs::fchown(&child, Some(uid), Some(gid))?;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
 
     #[test]
     fn write_atomic_replaces_whole_with_the_exact_mode() {
@@ -215,5 +262,90 @@ mod tests {
         let first = Stamp::of(&path).unwrap();
         write_atomic(&path, b"bb", 0o600, None).unwrap();
         assert_ne!(Stamp::of(&path), Some(first));
+    }
+
+    #[test]
+    fn give_tree_nofollow_gives_the_levels_asked_and_leaves_links() {
+        let tmp = tempfile::tempdir().unwrap();
+        let me = std::fs::metadata(tmp.path()).unwrap();
+        if me.uid() != 0 {
+            eprintln!("skipped: needs root to chown");
+            return;
+        }
+        let root = tmp.path().join("store");
+        std::fs::create_dir_all(root.join("a/b/c")).unwrap();
+        std::fs::write(root.join("a/key"), b"k").unwrap();
+        std::fs::write(root.join("a/b/c/deep"), b"d").unwrap();
+        std::fs::write(tmp.path().join("target"), b"t").unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("target"), root.join("a/link")).unwrap();
+        give_tree_nofollow(&root, 65534, 65534, 2).unwrap();
+        let owner = |p: &str| std::fs::symlink_metadata(root.join(p)).unwrap().uid();
+        assert_eq!(owner(""), 65534);
+        assert_eq!(owner("a"), 65534);
+        assert_eq!(owner("a/key"), 65534);
+        assert_eq!(owner("a/b"), 65534, "the second level is given");
+        assert_eq!(owner("a/b/c"), 0, "nothing below the levels asked");
+        assert_eq!(owner("a/link"), 0, "a link is left as it is");
+        assert_eq!(std::fs::metadata(tmp.path().join("target")).unwrap().uid(), 0);
+        let link = tmp.path().join("linked-store");
+        std::os::unix::fs::symlink(&root, &link).unwrap();
+        assert!(
+            give_tree_nofollow(&link, 65534, 65534, 1).is_err(),
+            "the top folder may not be a link"
+        );
+    }
+
+    /// The service account owns the storage folder, so while root hands it over at
+    /// start the account may swap a subfolder for a symlink to any folder of root's.
+    /// Root must never chown what such a link points at.
+    #[test]
+    fn handing_over_storage_never_chowns_through_a_swapped_symlink() {
+        let tmp = tempfile::tempdir().unwrap();
+        if std::fs::metadata(tmp.path()).unwrap().uid() != 0 {
+            eprintln!("skipped: needs root to chown");
+            return;
+        }
+        let storage = tmp.path().join("storage");
+        let outside = tmp.path().join("outside");
+        std::fs::create_dir_all(storage.join("real")).unwrap();
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("secret"), b"root's").unwrap();
+        std::fs::write(storage.join("real").join("secret"), b"decoy").unwrap();
+        std::os::unix::fs::symlink(&outside, storage.join("link")).unwrap();
+        std::fs::rename(storage.join("real"), storage.join("sub")).unwrap();
+        let (uid, gid) = (65534, 65534);
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let attacker = {
+            let (stop, storage) = (stop.clone(), storage.clone());
+            std::thread::spawn(move || {
+                let (sub, real, link) = (storage.join("sub"), storage.join("real"), storage.join("link"));
+                let mut flips = 0u64;
+                while !stop.load(Ordering::Relaxed) && flips < 50_000_000 {
+                    // sub is the real folder, then the link, then the folder again.
+                    let _ = std::fs::rename(&sub, &real);
+                    let _ = std::fs::rename(&link, &sub);
+                    let _ = std::fs::rename(&sub, &link);
+                    let _ = std::fs::rename(&real, &sub);
+                    flips += 1;
+                }
+            })
+        };
+        let started = Instant::now();
+        let mut walks = 0;
+        while started.elapsed() < Duration::from_secs(3) && walks < 200_000 {
+            let _ = give_tree_nofollow(&storage, uid, gid, 3);
+            walks += 1;
+            if std::fs::metadata(outside.join("secret")).unwrap().uid() == uid {
+                break;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        attacker.join().unwrap();
+        let owner = std::fs::metadata(outside.join("secret")).unwrap().uid();
+        assert_eq!(
+            owner, 0,
+            "root chowned a file outside the storage folder after {walks} walks"
+        );
     }
 }

@@ -623,7 +623,8 @@ fn slot_facts(slot: &CertSlot) -> Option<CertFacts> {
 
 /// Creates every ACME storage folder of `config` (0700) and, when the daemon
 /// switches to a service account, hands it the folder and what is in it, so the
-/// manager (which runs as that account) can write there. Links are not followed.
+/// manager (which runs as that account) can write there. Links are not followed,
+/// even one the account swaps in during the walk (`fsutil::give_tree_nofollow`).
 pub(crate) fn prepare_storage(config: &crate::config::Config, ids: Option<(u32, u32)>) {
     let mut folders: Vec<&std::path::Path> = config
         .sites
@@ -637,7 +638,7 @@ pub(crate) fn prepare_storage(config: &crate::config::Config, ids: Option<(u32, 
     folders.dedup();
     for folder in folders {
         let result = store::create_private_dir(folder).and_then(|()| match ids {
-            Some((uid, gid)) => give(folder, uid, gid, 0),
+            Some((uid, gid)) => crate::fsutil::give_tree_nofollow(folder, uid, gid, STORAGE_LEVELS),
             None => Ok(()),
         });
         if let Err(e) = result {
@@ -646,19 +647,8 @@ pub(crate) fn prepare_storage(config: &crate::config::Config, ids: Option<(u32, 
     }
 }
 
-/// How deep `give` walks: the layout is two levels below the storage folder.
-const MAX_DEPTH: usize = 3;
-
-fn give(path: &std::path::Path, uid: u32, gid: u32, depth: usize) -> std::io::Result<()> {
-    std::os::unix::fs::lchown(path, Some(uid), Some(gid))?;
-    let meta = std::fs::symlink_metadata(path)?;
-    if meta.is_dir() && depth < MAX_DEPTH {
-        for entry in std::fs::read_dir(path)? {
-            give(&entry?.path(), uid, gid, depth + 1)?;
-        }
-    }
-    Ok(())
-}
+/// How deep the handover walks: the layout is two levels below the storage folder.
+const STORAGE_LEVELS: usize = 3;
 
 /// `webship_acme_*`: orders that succeeded and failed since start.
 #[derive(Debug)]
