@@ -210,7 +210,10 @@ async fn h3_bodies_reach_quinn_without_a_copy() {
     let s = Scrape::take(admin);
     let (zero_copy, copied) = (s.value(ZERO_COPY), s.value(COPIED));
     println!("file: {zero_copy} bytes handed to quinn without a copy, {copied} copied");
-    assert_eq!(zero_copy, len as f64, "every body byte of the file goes without a copy");
+    assert_eq!(
+        zero_copy, len as f64,
+        "every body byte of the file goes without a copy"
+    );
     // Each DATA frame header is at most 9 bytes; the body took more than 24 chunks
     // of at most 128 KiB, and the header section and control streams a few hundred.
     assert!(
@@ -218,9 +221,14 @@ async fn h3_bodies_reach_quinn_without_a_copy() {
         "{copied} bytes copied for a {len}-byte file: the body was copied"
     );
 
-    let mut h3 = H3Client::connect(server.addr(), proxy_host, &env.client(b"h3"), &H3Options::default())
-        .await
-        .unwrap();
+    let mut h3 = H3Client::connect(
+        server.addr(),
+        proxy_host,
+        &env.client(b"h3"),
+        &H3Options::default(),
+    )
+    .await
+    .unwrap();
     let got = h3.fetch("GET", "/up.bin", &[]).await;
     assert_eq!((got.status.as_u16(), got.len), (200, relayed.len() as u64));
     assert!(got.body == relayed, "the relayed body arrived altered");

@@ -125,8 +125,13 @@ impl SendStream {
 impl quic::SendStream<Bytes> for SendStream {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), StreamErrorIncoming>> {
         while let Some(frame) = self.writing.as_mut().filter(|f| f.has_remaining()) {
-            let written = ready!(Self::poll_write_frame(&mut self.stream, &mut self.payload, frame, cx))
-                .map_err(write_error)?;
+            let written = ready!(Self::poll_write_frame(
+                &mut self.stream,
+                &mut self.payload,
+                frame,
+                cx
+            ))
+            .map_err(write_error)?;
             frame.advance(written);
         }
         self.writing = None;

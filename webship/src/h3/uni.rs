@@ -58,7 +58,10 @@ impl quic::Connection<Bytes> for Connection {
         })
     }
 
-    fn poll_accept_bidi(&mut self, cx: &mut Context<'_>) -> Poll<Result<BidiStream, ConnectionErrorIncoming>> {
+    fn poll_accept_bidi(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<BidiStream, ConnectionErrorIncoming>> {
         let quic = &self.quic;
         let accepted = poll_waiting(
             &mut self.bidi,
