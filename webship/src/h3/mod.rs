@@ -7,8 +7,10 @@
 //! and a per-connection congestion controller that starts on CUBIC and adds BBR once
 //! a response proves bulk, using the larger window of the two ([`congestion`]).
 //!
-//! Memory per connection is bounded by `h3_send_window_bytes` (quinn buffers no more
-//! unsent stream data than that; `send_data` waits) plus two [`STREAM_CHUNK`]s per
+//! Response chunks reach quinn without a copy ([`backend`]: quinn holds the chunk
+//! itself until its bytes are acknowledged). Memory per connection is bounded by
+//! `h3_send_window_bytes` (quinn holds no more unacknowledged stream data than that;
+//! `send_data` waits) plus two [`STREAM_CHUNK`]s per
 //! active stream, two 16 KiB reads on a stream whose client grants no credit (file
 //! reads ramp up with the credit the client gives: `exchange::body`). A write that
 //! waits for credit longer than `send_timeout` resets the stream; a request head must
