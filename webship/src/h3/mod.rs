@@ -7,14 +7,17 @@
 //! and a per-connection congestion controller that starts on CUBIC and adds BBR once
 //! a response proves bulk, using the larger window of the two ([`congestion`]).
 //!
-//! Memory per connection is bounded by `h3_send_window_bytes` (quinn buffers no more
-//! unsent stream data than that; `send_data` waits) plus two [`STREAM_CHUNK`]s per
+//! Response chunks reach quinn without a copy ([`backend`]: quinn holds the chunk
+//! itself until its bytes are acknowledged). Memory per connection is bounded by
+//! `h3_send_window_bytes` (quinn holds no more unacknowledged stream data than that;
+//! `send_data` waits) plus two [`STREAM_CHUNK`]s per
 //! active stream, two 16 KiB reads on a stream whose client grants no credit (file
 //! reads ramp up with the credit the client gives: `exchange::body`). A write that
 //! waits for credit longer than `send_timeout` resets the stream; a request head must
 //! arrive within `header_read_timeout`; a connection without a request for
 //! `idle_timeout` closes, whatever PINGs keep QUIC alive.
 
+pub(crate) mod backend;
 pub(crate) mod congestion;
 mod fields;
 pub(crate) mod generation;
@@ -406,7 +409,11 @@ async fn connection(
             polled
         });
         let accepted = tokio::select! {
-            accepted = accept => accepted.map(|s| s.map(|s| h3.create_resolver(h3::frame::FrameStream::new(h3::stream::BufRecvStream::new(s))))),
+            accepted = accept => accepted.map(|s| s.map(|s| {
+                // The offer is taken before h3 wraps the stream, which hides it.
+                let offer = s.offer();
+                (h3.create_resolver(h3::frame::FrameStream::new(h3::stream::BufRecvStream::new(s))), offer)
+            })),
             () = shutdown.requested(), if !closing => {
                 closing = true;
                 // GOAWAY: no new requests; those in flight finish.
@@ -447,7 +454,7 @@ async fn connection(
             }
         };
         match accepted {
-            Ok(Some(resolver)) => {
+            Ok(Some((resolver, offer))) => {
                 // A request that comes and goes between two checks is activity too.
                 idle_since = tokio::time::Instant::now();
                 let ctx = ctx.clone();
@@ -456,7 +463,7 @@ async fn connection(
                 let permit = permit.clone();
                 let wt = wt.clone();
                 tokio::spawn(async move {
-                    request(resolver, &ctx, &signal, wt).await;
+                    request(resolver, offer, &ctx, &signal, wt).await;
                     drop(permit);
                 });
             }
@@ -518,8 +525,8 @@ async fn drain_request(mut recv: RecvHalf) {
 const DRAIN_TIME: Duration = Duration::from_secs(2);
 const DRAIN_BYTES: usize = 64 * 1024;
 
-type SendHalf = h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>;
-type RecvHalf = h3::server::RequestStream<h3_quinn::RecvStream, Bytes>;
+type SendHalf = h3::server::RequestStream<backend::SendStream, Bytes>;
+type RecvHalf = h3::server::RequestStream<backend::RecvStream, Bytes>;
 
 /// A request body read from an h3 stream's receive half, trailers included.
 ///
@@ -600,7 +607,13 @@ fn release(mut resolver: Resolver, code: h3::error::Code) {
     drop(resolver.accept_with_frame(Ok(Some(empty))));
 }
 
-async fn request(mut resolver: Resolver, ctx: &ConnContext, signal: &BulkSignal, wt: Option<Arc<WtConn>>) {
+async fn request(
+    mut resolver: Resolver,
+    offer: Option<Arc<backend::Offer>>,
+    ctx: &ConnContext,
+    signal: &BulkSignal,
+    wt: Option<Arc<WtConn>>,
+) {
     use h3::frame::FrameStreamError;
     let peer = ctx.peer();
     // The request's HEADERS frame must arrive whole within the header timeout, as an
@@ -658,7 +671,13 @@ async fn request(mut resolver: Resolver, ctx: &ConnContext, signal: &BulkSignal,
         done: false,
     });
     let (resp, record) = ctx.handle(&head, body).await;
-    let result = respond(&mut stream, resp, record, ctx, signal).await;
+    let writer = Writer {
+        stream: &mut stream,
+        offer: offer.as_deref(),
+        ctx,
+        signal,
+    };
+    let result = respond(writer, resp, record).await;
     // The response is complete. A request whose end has not arrived yet (its FIN can
     // trail a fast response) gets a moment to finish before the receive half goes:
     // closing it early would send STOP_SENDING, which clients report as an error.
@@ -705,13 +724,8 @@ async fn webtransport_connect(
     crate::webtransport::h3::run(wt, admission, stream, resp, on_bulk, ctx.shutdown.clone()).await;
 }
 
-async fn respond(
-    stream: &mut SendHalf,
-    resp: Response,
-    record: Record,
-    ctx: &ConnContext,
-    signal: &BulkSignal,
-) -> Result<(), SendError> {
+async fn respond(mut writer: Writer<'_>, resp: Response, record: Record) -> Result<(), SendError> {
+    let (stream, ctx) = (&mut *writer.stream, writer.ctx);
     let (head, body) = resp.into_http();
     let mut body = ResponseBody::ramped(body, STREAM_CHUNK).recorded(record);
     // The head waits for the client's stream credit like any data.
@@ -726,19 +740,29 @@ async fn respond(
         body.settle(e.outcome());
         return Err(e);
     }
-    send_body(body, &mut Writer { stream, ctx, signal }, ctx.limits.send_timeout).await
+    send_body(body, &mut writer, ctx.limits.send_timeout).await
 }
 
 /// One response stream, as the shared send loop writes it.
 struct Writer<'a> {
     stream: &'a mut SendHalf,
+    /// Where each chunk is offered to the stream's backend, which then hands it to
+    /// quinn without copying it ([`backend`]).
+    offer: Option<&'a backend::Offer>,
     ctx: &'a ConnContext,
     signal: &'a BulkSignal,
 }
 
 impl BodyWriter for Writer<'_> {
     async fn data(&mut self, data: Bytes) -> Result<(), SendError> {
-        self.stream.send_data(data).await.map_err(SendError::peer)
+        let Some(offer) = self.offer else {
+            return self.stream.send_data(data).await.map_err(SendError::peer);
+        };
+        // A refcount, not a copy; the backend takes it with the frame.
+        offer.put(data.clone());
+        let sent = self.stream.send_data(data).await;
+        offer.clear();
+        sent.map_err(SendError::peer)
     }
 
     async fn trailers(&mut self, trailers: http::HeaderMap) -> Result<(), SendError> {

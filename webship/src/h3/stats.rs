@@ -2,6 +2,8 @@
 //! read once when the connection ends (its task returns or is dropped by the
 //! drain) and added to process-wide counters and histograms. Nothing is measured
 //! per packet; a long connection shows in these families only once it closes.
+//! One family is live: the HTTP/3 stream bytes by how they reached quinn, which
+//! [`super::backend`] counts as it writes them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -171,6 +173,14 @@ impl Collector for Metrics {
             "QUIC connections switched from CUBIC to BBR (a bulk response or a WebTransport session).",
         )
         .sample(&[], BBR_SWITCHES.load(Ordering::Relaxed));
+        let (zero_copy, copied) = super::backend::written_bytes();
+        out.family(
+            "webship_h3_stream_write_bytes",
+            Kind::Counter,
+            "Bytes written to HTTP/3 streams, by how they reached quinn: zero_copy (a response chunk's own buffer) or copied (frame headers, header sections, control streams, WebTransport).",
+        )
+        .sample(&[("path", "zero_copy")], zero_copy)
+        .sample(&[("path", "copied")], copied);
         let histograms: [(&str, &str, &Values); 4] = [
             (
                 "webship_quic_rtt_seconds",

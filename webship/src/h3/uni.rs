@@ -1,4 +1,5 @@
-//! The QUIC connection as h3 sees it, with one check h3 0.0.8 lacks: a push stream
+//! The QUIC connection as h3 sees it: its streams are [`super::backend`]'s, and
+//! it makes one check h3 0.0.8 lacks: a push stream
 //! (unidirectional stream type 0x01) from a client is a connection error
 //! H3_STREAM_CREATION_ERROR (RFC 9114 §6.2.2: only servers push). h3 reads the type
 //! of each unidirectional stream itself and drops a push stream silently, so the
@@ -10,34 +11,49 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use h3::quic::{self, ConnectionErrorIncoming, StreamErrorIncoming, StreamId};
 
+use super::backend::{poll_waiting, BidiStream, Opener, RecvStream, SendStream, Waiting};
+
 /// Unidirectional stream type of a push stream (RFC 9114 §6.2.2).
 const PUSH_STREAM: u64 = 0x01;
 /// H3_STREAM_CREATION_ERROR (RFC 9114 §8.1).
 const H3_STREAM_CREATION_ERROR: u32 = 0x0103;
 
-/// h3-quinn's connection, whose unidirectional streams are [`UniStream`]s.
+/// The QUIC connection h3 runs on: streams of [`super::backend`], and client
+/// unidirectional streams as [`UniStream`]s.
 pub(crate) struct Connection {
-    inner: h3_quinn::Connection,
     quic: quinn::Connection,
+    bidi: Option<Waiting<(quinn::SendStream, quinn::RecvStream)>>,
+    uni: Option<Waiting<quinn::RecvStream>>,
+    opener: Opener,
 }
 
 impl Connection {
     pub(crate) fn new(quic: quinn::Connection) -> Self {
         Self {
-            inner: h3_quinn::Connection::new(quic.clone()),
+            opener: Opener::new(quic.clone()),
             quic,
+            bidi: None,
+            uni: None,
         }
     }
 }
 
 impl quic::Connection<Bytes> for Connection {
     type RecvStream = UniStream;
-    type OpenStreams = h3_quinn::OpenStreams;
+    type OpenStreams = Opener;
 
     fn poll_accept_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<UniStream, ConnectionErrorIncoming>> {
-        let accepted = quic::Connection::<Bytes>::poll_accept_recv(&mut self.inner, cx);
-        accepted.map_ok(|inner| UniStream {
-            inner,
+        let quic = &self.quic;
+        let accepted = poll_waiting(
+            &mut self.uni,
+            || {
+                let quic = quic.clone();
+                Box::pin(async move { quic.accept_uni().await })
+            },
+            cx,
+        );
+        accepted.map_ok(|recv| UniStream {
+            inner: RecvStream::new(recv),
             watch: Some((StreamType::default(), self.quic.clone())),
         })
     }
@@ -45,41 +61,44 @@ impl quic::Connection<Bytes> for Connection {
     fn poll_accept_bidi(
         &mut self,
         cx: &mut Context<'_>,
-    ) -> Poll<Result<Self::BidiStream, ConnectionErrorIncoming>> {
-        quic::Connection::<Bytes>::poll_accept_bidi(&mut self.inner, cx)
+    ) -> Poll<Result<BidiStream, ConnectionErrorIncoming>> {
+        let quic = &self.quic;
+        let accepted = poll_waiting(
+            &mut self.bidi,
+            || {
+                let quic = quic.clone();
+                Box::pin(async move { quic.accept_bi().await })
+            },
+            cx,
+        );
+        accepted.map_ok(|(send, recv)| BidiStream::accepted(send, recv))
     }
 
-    fn opener(&self) -> h3_quinn::OpenStreams {
-        quic::Connection::<Bytes>::opener(&self.inner)
+    fn opener(&self) -> Opener {
+        Opener::new(self.quic.clone())
     }
 }
 
 impl quic::OpenStreams<Bytes> for Connection {
-    type BidiStream = h3_quinn::BidiStream<Bytes>;
-    type SendStream = h3_quinn::SendStream<Bytes>;
+    type BidiStream = BidiStream;
+    type SendStream = SendStream;
 
-    fn poll_open_bidi(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<Result<Self::BidiStream, StreamErrorIncoming>> {
-        self.inner.poll_open_bidi(cx)
+    fn poll_open_bidi(&mut self, cx: &mut Context<'_>) -> Poll<Result<BidiStream, StreamErrorIncoming>> {
+        self.opener.poll_open_bidi(cx)
     }
 
-    fn poll_open_send(
-        &mut self,
-        cx: &mut Context<'_>,
-    ) -> Poll<Result<Self::SendStream, StreamErrorIncoming>> {
-        self.inner.poll_open_send(cx)
+    fn poll_open_send(&mut self, cx: &mut Context<'_>) -> Poll<Result<SendStream, StreamErrorIncoming>> {
+        self.opener.poll_open_send(cx)
     }
 
     fn close(&mut self, code: h3::error::Code, reason: &[u8]) {
-        quic::OpenStreams::<Bytes>::close(&mut self.inner, code, reason);
+        self.opener.close(code, reason);
     }
 }
 
 /// A client's unidirectional stream; its type is read as it passes.
 pub(crate) struct UniStream {
-    inner: h3_quinn::RecvStream,
+    inner: RecvStream,
     /// Until the type is known: the type so far, and the connection to close if it
     /// is a push stream.
     watch: Option<(StreamType, quinn::Connection)>,

@@ -23,11 +23,11 @@ use super::{capsule, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionStat
 use crate::shutdown::Shutdown;
 
 /// A client bidirectional stream after its WEBTRANSPORT_STREAM header.
-pub(crate) type WtBidi = BufRecvStream<h3_quinn::BidiStream<Bytes>, Bytes>;
+pub(crate) type WtBidi = BufRecvStream<crate::h3::backend::BidiStream, Bytes>;
 /// A client unidirectional stream after its type and session id.
 pub(crate) type WtUni = BufRecvStream<crate::h3::uni::UniStream, Bytes>;
 /// The CONNECT request's stream.
-pub(crate) type ConnectStream = h3::server::RequestStream<h3_quinn::BidiStream<Bytes>, Bytes>;
+pub(crate) type ConnectStream = h3::server::RequestStream<crate::h3::backend::BidiStream, Bytes>;
 
 /// Unidirectional stream type of WebTransport (draft-02 §4.1).
 const UNI_STREAM_TYPE: u64 = 0x54;
@@ -237,16 +237,16 @@ impl SendHalf for quinn::SendStream {
     }
 }
 
-impl SendHalf for BufRecvStream<h3_quinn::SendStream<Bytes>, Bytes> {
+impl SendHalf for BufRecvStream<crate::h3::backend::SendStream, Bytes> {
     fn reset(&mut self, code: u32) {
         h3::quic::SendStream::<Bytes>::reset(self, super::stream_error_code(code));
     }
 }
 
 impl<S: h3::quic::RecvStream + Send + Unpin> RecvHalf for BufRecvStream<S, Bytes> {
-    /// Left to the drop, which stops the stream (code 0): h3-quinn's `stop_sending`
-    /// panics when a cancelled read still holds the stream, which is exactly when a
-    /// session end stops one.
+    /// Left to the drop, which stops the stream (code 0), as it was when h3-quinn's
+    /// `stop_sending` could panic while a cancelled read held the stream (the
+    /// backend's, `h3/backend.rs`, cannot).
     fn stop(&mut self, _code: u32) {}
 }
 
@@ -362,7 +362,7 @@ fn connect_data(
 async fn close(
     state: &SessionState,
     streams: &mut mpsc::Receiver<Incoming>,
-    send: &mut h3::server::RequestStream<h3_quinn::SendStream<Bytes>, Bytes>,
+    send: &mut h3::server::RequestStream<crate::h3::backend::SendStream, Bytes>,
     work: &mut Dispatch<()>,
 ) {
     streams.close();
