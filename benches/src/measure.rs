@@ -31,11 +31,11 @@ use webship_testkit::fixture::hex;
 use crate::clients::{Clients, Protocol};
 use crate::concurrency::ConcurrencyArgs;
 use crate::connections::ConnectionsArgs;
+use crate::peers;
 use crate::proc::{
     clock_ticks_per_second, cpu_ticks, host_busy_ticks, major_faults, udp_socket_drops, Loss, RssWatch,
 };
 use crate::report::{Gap, Report, Section, Series};
-use crate::peers;
 use crate::servers::{self, Server, Settings, Stage, WebshipSpec};
 use crate::wtbench::WtBenchArgs;
 use crate::DownloadArgs;
@@ -865,5 +865,26 @@ mod tests {
                    y INFO listening on https://127.0.0.1:1 (workers 1; preflight: ktls=missing bbr=yes; h3 off)\n";
         assert_eq!(kernel_summary(log), "ktls=missing bbr=yes");
         assert_eq!(kernel_summary(""), "unknown");
+    }
+
+    /// The cells a peer has: (mode, protocol) pairs without a gap.
+    fn cells(peer: &str) -> Vec<(Mode, Protocol)> {
+        [Mode::Direct, Mode::Proxy, Mode::Passthrough]
+            .into_iter()
+            .flat_map(|mode| Protocol::ALL.into_iter().map(move |p| (mode, p)))
+            .filter(|&(mode, protocol)| cell_gap(peer, mode, protocol, "nginx 1.22").is_none())
+            .collect()
+    }
+
+    #[test]
+    fn built_peers_play_where_they_can() {
+        use Protocol::{H1, H2, H3};
+        assert_eq!(cells(PINGORA), [(Mode::Proxy, H1), (Mode::Proxy, H2)]);
+        assert_eq!(cells(BUN), [(Mode::Direct, H1), (Mode::Direct, H3)]);
+        assert_eq!(cells(BUN_H2), [(Mode::Direct, H2)]);
+        // `--peers bun` runs both Bun servers; neither is selected by the other names.
+        let wanted = ["nginx".to_owned(), "bun".to_owned()];
+        assert!(selected(BUN, &wanted) && selected(BUN_H2, &wanted));
+        assert!(!selected(PINGORA, &wanted));
     }
 }

@@ -45,11 +45,14 @@ impl Wanted {
         if !download || args.iter().any(|a| a == "--smoke") {
             return Wanted::default();
         }
-        let list = args.iter().enumerate().find_map(|(i, arg)| match arg.strip_prefix("--peers") {
-            Some("") => args.get(i + 1).cloned(),
-            Some(rest) => rest.strip_prefix('=').map(str::to_owned),
-            None => None,
-        });
+        let list = args
+            .iter()
+            .enumerate()
+            .find_map(|(i, arg)| match arg.strip_prefix("--peers") {
+                Some("") => args.get(i + 1).cloned(),
+                Some(rest) => rest.strip_prefix('=').map(str::to_owned),
+                None => None,
+            });
         match list {
             None => Wanted::ALL,
             Some(list) => Wanted {
