@@ -3,7 +3,7 @@
 //! Absolute numbers depend on the host, so every comparison here is made
 //! within one run: `aead` picks the rustls crypto provider by measuring both
 //! on this CPU, and `download` (the default) serves one fixture from Webship
-//! and from its peers (nginx, lighttpd, HAProxy, Caddy, h2o) side by side,
+//! and from its peers (nginx, lighttpd, HAProxy, Caddy, h2o, Pingora, Bun) side by side,
 //! directly and through each as a TLS-terminating reverse proxy, and reports
 //! the ratios, beside the limit of the machine (the client against a plain-HTTP
 //! sendfile server and against a TLS server sending from memory). The hidden
@@ -19,6 +19,7 @@ mod connections;
 mod h3client;
 mod idleclient;
 mod measure;
+mod peers;
 mod proc;
 mod report;
 mod servers;
@@ -50,7 +51,7 @@ enum Command {
     /// AES-GCM seal throughput and in-memory rustls throughput, aws-lc-rs vs ring.
     Aead,
     /// Download a ~100 MB fixture over h1, h2 and h3 from Webship and its peers
-    /// (nginx, lighttpd, HAProxy, Caddy, h2o), directly and through each as a
+    /// (nginx, lighttpd, HAProxy, Caddy, h2o, Pingora, Bun), directly and through each as a
     /// TLS-terminating proxy (default).
     Download(DownloadArgs),
     /// One HTTP/1.1 or HTTP/2 GET, body hashed and dropped: the h1/h2 cells' client.
@@ -116,11 +117,19 @@ pub struct DownloadArgs {
     /// The h2o binary (a peer for files and as a proxy; skipped if missing).
     #[arg(long, default_value = "/usr/bin/h2o")]
     pub h2o: PathBuf,
+    /// The Pingora proxy (a peer in proxy mode; skipped if missing). Built from
+    /// `benches/peers/pingora-proxy` by `cargo xtask build-peers`.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/peers/pingora/release/pingora-proxy"))]
+    pub pingora: PathBuf,
+    /// The Bun binary (a peer in direct mode; skipped if missing). The npm package
+    /// `bun`, installed by `cargo xtask build-peers`.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/peers/bun/node_modules/bun/bin/bun.exe"))]
+    pub bun: PathBuf,
     /// Which peers to run, comma-separated (each is skipped if its binary is missing).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "nginx,lighttpd,haproxy,caddy,h2o"
+        default_value = "nginx,lighttpd,haproxy,caddy,h2o,pingora,bun"
     )]
     pub peers: Vec<String>,
     /// CI's check that the harness works: one accepted sample per Webship cell,

@@ -31,6 +31,7 @@ use webship_testkit::fixture::hex;
 use crate::clients::{Clients, Protocol};
 use crate::concurrency::ConcurrencyArgs;
 use crate::connections::ConnectionsArgs;
+use crate::peers;
 use crate::proc::{
     clock_ticks_per_second, cpu_ticks, host_busy_ticks, major_faults, udp_socket_drops, Loss, RssWatch,
 };
@@ -60,6 +61,12 @@ pub(crate) const LIGHTTPD: &str = "lighttpd";
 pub(crate) const HAPROXY: &str = "haproxy";
 pub(crate) const CADDY: &str = "caddy";
 pub(crate) const H2O: &str = "h2o";
+/// Built from `benches/peers/pingora-proxy` (`cargo xtask build-peers`).
+pub(crate) const PINGORA: &str = "pingora";
+/// The npm package's binary: `Bun.serve` (h1, h3) ...
+pub(crate) const BUN: &str = "bun";
+/// ... and `node:http2`'s secure server (h2), one peer as `--peers` names it.
+pub(crate) const BUN_H2: &str = "bun node:http2";
 
 /// What the servers under test do with a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, clap::ValueEnum)]
@@ -111,7 +118,13 @@ struct ModeServers {
 }
 
 /// The peers this runner knows, in table order.
-pub(crate) const PEERS: [&str; 5] = [NGINX, LIGHTTPD, HAPROXY, CADDY, H2O];
+pub(crate) const PEERS: [&str; 8] = [NGINX, LIGHTTPD, HAPROXY, CADDY, H2O, PINGORA, BUN, BUN_H2];
+
+/// Whether `--peers` selects `peer`: by its name; `bun` selects both Bun servers.
+fn selected(peer: &str, wanted: &[String]) -> bool {
+    let name = if peer == BUN_H2 { BUN } else { peer };
+    wanted.iter().any(|w| w == name)
+}
 
 /// Why `server` has no cell for (`mode`, `protocol`); None where it has one.
 /// `nginx_version` is e.g. "nginx 1.22" (Debian's build has no HTTP/3 module).
@@ -134,6 +147,14 @@ pub(crate) fn cell_gap(server: &str, mode: Mode, protocol: Protocol, nginx_versi
         (LIGHTTPD, _, Protocol::H3) => "lighttpd has no HTTP/3",
         (HAPROXY, Mode::Direct, _) => "HAProxy serves no files (proxy only)",
         (HAPROXY, _, Protocol::H3) => "Debian's HAProxy 2.6 is built without QUIC",
+        (PINGORA, Mode::Direct, _) => "Pingora serves no files (a proxy framework)",
+        (PINGORA, Mode::Passthrough, _) => "the Pingora peer terminates TLS (no SNI passthrough built in)",
+        (PINGORA, _, Protocol::H3) => "Pingora 0.9 has no HTTP/3",
+        (BUN | BUN_H2, Mode::Proxy, _) => "Bun is measured as a file server only",
+        (BUN | BUN_H2, Mode::Passthrough, _) => "Bun has no TLS passthrough",
+        (BUN, _, Protocol::H2) => "Bun.serve has no HTTP/2 (bun node:http2 has the h2 cell)",
+        (BUN_H2, _, Protocol::H2) => return None,
+        (BUN_H2, _, _) => "node:http2 measured for h2 only (bun, through Bun.serve, has h1 and h3)",
         _ => return None,
     };
     Some(reason.to_owned())
@@ -233,7 +254,7 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
     } else {
         PEERS
             .into_iter()
-            .filter(|peer| args.peers.iter().any(|p| p == peer))
+            .filter(|peer| selected(peer, &args.peers))
             .collect()
     };
     let mut peers: Vec<&'static str> = Vec::new();
@@ -244,6 +265,8 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 NGINX => nginx_version.clone(),
                 HAPROXY => servers::version_line(binary, &["-v"]),
                 CADDY => format!("caddy {}", servers::version_line(binary, &["version"])),
+                PINGORA => servers::version_line(binary, &["--version"]),
+                BUN | BUN_H2 => format!("bun {}", servers::version_line(binary, &["--version"])),
                 _ => servers::version_line(binary, &["-v"]),
             };
             eprintln!("peer {peer}: {} ({version})", binary.display());
@@ -257,7 +280,10 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 }
             }
         } else {
-            let reason = format!("{} not found (install the Debian package)", binary.display());
+            let reason = match peer {
+                PINGORA | BUN | BUN_H2 => format!("{} not found ({})", binary.display(), peers::BUILD_HINT),
+                _ => format!("{} not found (install the Debian package)", binary.display()),
+            };
             eprintln!("peer {peer} skipped: {reason}");
             for &mode in &modes {
                 add_gaps(&mut gaps, peer, mode, &reason);
@@ -406,6 +432,9 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 (HAPROXY, Some(port)) => servers::start_haproxy(binary, &s, port),
                 (CADDY, port) => servers::start_caddy(binary, &s, port),
                 (H2O, port) => servers::start_h2o(binary, &s, port),
+                (PINGORA, Some(port)) => peers::start_pingora(binary, &s, port),
+                (BUN, None) => peers::start_bun(binary, &s, false),
+                (BUN_H2, None) => peers::start_bun(binary, &s, true),
                 _ => continue,
             };
             match server {
@@ -685,6 +714,8 @@ fn peer_binary<'a>(args: &'a DownloadArgs, peer: &str) -> &'a Path {
         HAPROXY => &args.haproxy,
         CADDY => &args.caddy,
         H2O => &args.h2o,
+        PINGORA => &args.pingora,
+        BUN | BUN_H2 => &args.bun,
         _ => &args.nginx,
     }
 }
@@ -834,5 +865,26 @@ mod tests {
                    y INFO listening on https://127.0.0.1:1 (workers 1; preflight: ktls=missing bbr=yes; h3 off)\n";
         assert_eq!(kernel_summary(log), "ktls=missing bbr=yes");
         assert_eq!(kernel_summary(""), "unknown");
+    }
+
+    /// The cells a peer has: (mode, protocol) pairs without a gap.
+    fn cells(peer: &str) -> Vec<(Mode, Protocol)> {
+        [Mode::Direct, Mode::Proxy, Mode::Passthrough]
+            .into_iter()
+            .flat_map(|mode| Protocol::ALL.into_iter().map(move |p| (mode, p)))
+            .filter(|&(mode, protocol)| cell_gap(peer, mode, protocol, "nginx 1.22").is_none())
+            .collect()
+    }
+
+    #[test]
+    fn built_peers_play_where_they_can() {
+        use Protocol::{H1, H2, H3};
+        assert_eq!(cells(PINGORA), [(Mode::Proxy, H1), (Mode::Proxy, H2)]);
+        assert_eq!(cells(BUN), [(Mode::Direct, H1), (Mode::Direct, H3)]);
+        assert_eq!(cells(BUN_H2), [(Mode::Direct, H2)]);
+        // `--peers bun` runs both Bun servers; neither is selected by the other names.
+        let wanted = ["nginx".to_owned(), "bun".to_owned()];
+        assert!(selected(BUN, &wanted) && selected(BUN_H2, &wanted));
+        assert!(!selected(PINGORA, &wanted));
     }
 }

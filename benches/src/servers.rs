@@ -56,7 +56,7 @@ impl Server {
 /// returns the command line; ready once the port accepts TCP connections and, with
 /// `ready_line`, once that fragment is logged (Webship binds UDP for h3 after TCP,
 /// so an accepting TCP port is not enough).
-fn spawn(
+pub(crate) fn spawn(
     name: &'static str,
     log: PathBuf,
     ready_line: Option<&'static str>,

@@ -13,6 +13,9 @@
 //! - `cargo xtask deb [--binary PATH] [--out DIR] [--lintian]`: the Debian package
 //!   (`deb.rs`); the end-to-end test `package` builds it from the debug binary.
 //! - `cargo xtask build-ebpf`: the eBPF programs, embedded by the next daemon build.
+//! - `cargo xtask build-peers`: the benchmark peers that are not Debian packages
+//!   (Pingora built from `benches/peers/pingora-proxy`, Bun from npm) under
+//!   `target/peers/` (`peers.rs`); `bench` runs it when a download run selects them.
 //! - `cargo xtask run [ARGS]`: builds everything (eBPF included) in release mode and
 //!   starts the daemon with the privileges eBPF and port binding need.
 //! - `cargo xtask fuzz [SECONDS]`: libFuzzer (cargo-fuzz, rustup's nightly) on the
@@ -26,6 +29,7 @@ use anyhow::{bail, Context};
 
 mod deb;
 mod ebpf;
+mod peers;
 mod vm;
 
 /// Debian packages the tests or benchmarks drive: (command that proves it, package).
@@ -74,13 +78,14 @@ fn main() -> ExitCode {
         Some("bench") => bench(&args[1..]),
         Some("deps") => install_deps(),
         Some("build-ebpf") => ebpf::build_ebpf().map(drop),
+        Some("build-peers") => peers::build(peers::Wanted::ALL, true),
         Some("run") => run_daemon(&args[1..]),
         Some("fuzz") => fuzz(args.get(1).map(String::as_str)),
         Some("vm-test") => vm::vm_test(args.iter().any(|a| a == "--release")),
         Some("deb") => deb::deb(&args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <test [-- CARGO TEST ARGS] | build-ebpf | run [SERVE ARGS] | fuzz [SECONDS] | vm-test [--release] | bench [ARGS] | deb [--binary PATH] [--out DIR] [--lintian] | deps>"
+                "usage: cargo xtask <test [-- CARGO TEST ARGS] | build-ebpf | build-peers | run [SERVE ARGS] | fuzz [SECONDS] | vm-test [--release] | bench [ARGS] | deb [--binary PATH] [--out DIR] [--lintian] | deps>"
             );
             return ExitCode::from(2);
         }
@@ -377,6 +382,7 @@ fn bench(extra: &[String]) -> anyhow::Result<()> {
     if !extra.iter().any(|a| a == "--smoke") {
         install_apt(BENCH_APT)?;
     }
+    peers::build(peers::Wanted::from_bench_args(extra), false)?;
     ebpf::build_ebpf()?;
     run(cargo().args(["build", "--release", "-p", "webship", "--bin", "webship"]))?;
     run(cargo()
