@@ -3,11 +3,13 @@
 //! (the per-socket counters of `/metrics`), and a client that changes its port mid
 //! connection (its datagrams now hashed to whichever socket) keeps downloading.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Buf;
 use sha2::{Digest, Sha256};
-use webship_tests::client::{recv_body, Collect, H3Client, H3Options, Sink};
+use webship_testkit::body::Sink;
+use webship_tests::client::{fetch_h3, recv_body, Collect, H3Client, H3Options};
+use webship_tests::Server;
 
 use crate::subsystem_metrics::{admin, Scrape};
 use crate::support::{pattern, Env, HOST, MIB};
@@ -103,7 +105,9 @@ async fn a_client_that_changes_its_port_keeps_its_connection() {
     while misrouted() == 0.0 && moves < 24 {
         rebind(&h3);
         moves += 1;
-        let got = h3.fetch("GET", "/small.bin", &[]).await;
+        let got = tokio::time::timeout(Duration::from_secs(20), h3.fetch("GET", "/small.bin", &[]))
+            .await
+            .unwrap_or_else(|_| panic!("no response within 20 s after move {moves}"));
         assert_eq!(got.body, small, "after move {moves}");
     }
     assert!(
@@ -119,9 +123,12 @@ async fn a_client_that_changes_its_port_keeps_its_connection() {
         .expect("no body within 10 s")
         .unwrap()
         .expect("the body ended at once");
-    sink.update(&first.copy_to_bytes(first.remaining()));
+    Sink::update(&mut sink, &first.copy_to_bytes(first.remaining()));
     rebind(&h3);
-    recv_body(&mut stream, &mut sink).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), recv_body(&mut stream, &mut sink))
+        .await
+        .expect("the download stalled after the move")
+        .unwrap();
     let got = sink.into_fetched(parts);
     assert_eq!(got.len, big.len() as u64);
     assert_eq!(got.sha256, <[u8; 32]>::from(Sha256::digest(&big)));
@@ -132,4 +139,116 @@ async fn a_client_that_changes_its_port_keeps_its_connection() {
         "misrouted datagrams were dropped"
     );
     h3.close().await;
+}
+
+/// A takeover between processes with several sockets each: `old` sockets before,
+/// `new` asked for after (the successor serves on every inherited socket, and binds
+/// more if asked). Downloads under way on eight connections from before finish
+/// byte-exact from the old process (the new one forwards their datagrams to it, and
+/// the old one's pair reader hands each to the socket that owns it); a new
+/// connection reaches the new process.
+async fn takeover(old: u16, new: u16) {
+    let env = Env::new();
+    env.write("which.txt", b"old");
+    let big = pattern(4 * MIB as usize + 3);
+    env.write("big.bin", &big);
+    let control = env.dir.path().join("control.sock");
+    let mut old_server = env.start(&format!(
+        "control_socket = \"{}\"\n[limits]\nshutdown_grace_secs = 30\nidle_timeout_secs = 5\n\
+         [runtime.settings]\nh3_sockets = \"{old}\"\n",
+        control.display()
+    ));
+    let port = old_server.port;
+    let tls = env.client(b"h3");
+    let mut before = Vec::new();
+    for _ in 0..8 {
+        let mut h3 = H3Client::connect(old_server.addr(), HOST, &tls, &H3Options::default())
+            .await
+            .unwrap();
+        // The first bytes only: the rest waits on the client's flow control.
+        let (parts, mut stream) = h3.send("GET", "/big.bin", &[]).await.unwrap();
+        assert_eq!(parts.status, 200);
+        let mut sink = Collect::default();
+        let mut first = tokio::time::timeout(Duration::from_secs(10), stream.recv_data())
+            .await
+            .expect("no body within 10 s")
+            .unwrap()
+            .expect("the body ended at once");
+        Sink::update(&mut sink, &first.copy_to_bytes(first.remaining()));
+        before.push((h3, parts, stream, sink));
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::write(root.join("which.txt"), b"new").unwrap();
+    let config = dir.path().join("webship.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n\n[limits]\nshutdown_grace_secs = 30\n\
+             [runtime.settings]\nh3_sockets = \"{new}\"\n\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n\
+             [sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            control.display(),
+            root.display(),
+            env.cert.display(),
+            env.key.display()
+        ),
+    )
+    .unwrap();
+    let mut new_server = Server::spawn(
+        dir.path(),
+        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new_server.wait_listening();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let fresh = fetch_h3(old_server.addr(), HOST, tls.clone(), "GET", "/which.txt", &[]).await;
+        if fresh.body == b"new" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no new h3 connection reached the new process; its log:\n{}",
+            new_server.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let digest = <[u8; 32]>::from(Sha256::digest(&big));
+    for (i, (h3, parts, mut stream, mut sink)) in before.into_iter().enumerate() {
+        tokio::time::timeout(Duration::from_secs(30), recv_body(&mut stream, &mut sink))
+            .await
+            .unwrap_or_else(|_| panic!("download {i} from before the takeover stalled"))
+            .unwrap();
+        let got = sink.into_fetched(parts);
+        assert_eq!((got.len, got.sha256), (big.len() as u64, digest), "download {i}");
+        drop(stream);
+        h3.close().await;
+    }
+    let exit = old_server.wait_exit(Duration::from_secs(30));
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "the old process did not drain and exit ({exit:?}):\n{}",
+        old_server.log()
+    );
+    let log = new_server.log();
+    let sockets = format!("sockets={}", old.max(new));
+    assert!(
+        log.contains("h3: one quinn endpoint per UDP socket") && log.contains(&sockets),
+        "the new process does not serve on {sockets}:\n{log}"
+    );
+    assert!(log.contains("takeover: the previous process has exited"), "{log}");
+    new_server.terminate();
+    assert!(new_server.wait_exit(Duration::from_secs(30)).is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_hands_over_every_socket_and_may_add_some() {
+    takeover(2, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_asking_for_fewer_sockets_still_reads_every_inherited_one() {
+    takeover(2, 1).await;
 }
