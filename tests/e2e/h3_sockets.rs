@@ -28,7 +28,11 @@ fn two_sockets(env: &Env) -> (webship_tests::Server, std::net::SocketAddr) {
 
 /// (received, misrouted, dropped) for socket `i`.
 fn socket(s: &Scrape, i: usize) -> (f64, f64, f64) {
-    let v = |family: &str| s.value(&format!("webship_quic_socket_{family}_datagrams_total{{socket=\"{i}\"}}"));
+    let v = |family: &str| {
+        s.value(&format!(
+            "webship_quic_socket_{family}_datagrams_total{{socket=\"{i}\"}}"
+        ))
+    };
     (v("received"), v("misrouted"), v("misrouted_dropped"))
 }
 
@@ -73,7 +77,9 @@ async fn connections_spread_over_the_sockets_and_stay_on_theirs() {
         (0.0, 0.0),
         "datagrams reached a socket other than their connection's"
     );
-    assert!(s.get("webship_quic_socket_received_datagrams_total{socket=\"2\"}").is_none());
+    assert!(s
+        .get("webship_quic_socket_received_datagrams_total{socket=\"2\"}")
+        .is_none());
 }
 
 /// One connection whose client moves to a new port again and again: between

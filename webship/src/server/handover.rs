@@ -284,8 +284,7 @@ async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<(u32, bool)
         Some(h3) => {
             let (ours, theirs) = fdpass::seqpacket_pair().map_err(|e| format!("datagram pair: {e}"))?;
             // From here this endpoint reads only what the successor forwards.
-            h3.forwarded(ours)
-                .map_err(|e| format!("datagram pair: {e}"))?;
+            h3.forwarded(ours).map_err(|e| format!("datagram pair: {e}"))?;
             let handshakes = h3
                 .handshakes
                 .snapshot()
