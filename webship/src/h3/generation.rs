@@ -705,9 +705,12 @@ impl AsyncUdpSocket for QuicSocket {
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
         self.remember(cx.waker());
-        let parked = self.take_parked(bufs, meta);
-        if parked > 0 {
-            return Poll::Ready(Ok(parked));
+        // A lone socket has no sibling to park anything for it.
+        if self.group.inboxes.len() > 1 {
+            let parked = self.take_parked(bufs, meta);
+            if parked > 0 {
+                return Poll::Ready(Ok(parked));
+            }
         }
         let read = {
             let mode = lock(&self.mode);

@@ -205,9 +205,11 @@ impl Collector for Metrics {
 /// those that named another socket's connection (handed to it in-process), and
 /// those dropped because that socket's inbox was full.
 fn sockets(out: &mut Encoder) {
+    use super::generation::SocketCounts;
     let counts = super::generation::socket_counts();
     let names: Vec<String> = (0..counts.len()).map(|i| i.to_string()).collect();
-    let families: [(&str, &str, fn(&super::generation::SocketCounts) -> u64); 3] = [
+    type Family = (&'static str, &'static str, fn(&SocketCounts) -> u64);
+    let families: [Family; 3] = [
         (
             "webship_quic_socket_received_datagrams",
             "UDP datagrams each HTTP/3 socket read, by socket index.",

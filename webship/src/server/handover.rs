@@ -83,7 +83,7 @@ pub enum HandoverError {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum Message {
-    Offer(Offer),
+    Offer(Box<Offer>),
     Refused {
         message: String,
     },
@@ -314,7 +314,7 @@ async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<(u32, bool)
         fds.push(p.pin_lock());
         fds.len() - 1
     });
-    let offer = Message::Offer(Offer {
+    let offer = Message::Offer(Box::new(Offer {
         pid: std::process::id(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
         listen: sockets.listen,
@@ -325,7 +325,7 @@ async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<(u32, bool)
         pin_lock,
         pin_dir: sockets.programs.as_deref().map(|p| p.pin_dir().to_owned()),
         counters: super::plan::Plan::totals(sockets.programs.as_deref()).to_vec(),
-    });
+    }));
     wire.send(&offer, &fds).await?;
     drop(pair);
     let mut wire = wire;
