@@ -166,9 +166,16 @@ async fn takeover(old: u16, new: u16) {
     ));
     let port = old_server.port;
     let tls = env.client(b"h3");
+    // Small windows: most of each body must be sent (and acknowledged) after the
+    // takeover, through the new process.
+    let small_windows = H3Options {
+        stream_window: 256 << 10,
+        window: 1 << 20,
+        ..H3Options::default()
+    };
     let mut before = Vec::new();
     for _ in 0..8 {
-        let mut h3 = H3Client::connect(old_server.addr(), HOST, &tls, &H3Options::default())
+        let mut h3 = H3Client::connect(old_server.addr(), HOST, &tls, &small_windows)
             .await
             .unwrap();
         // The first bytes only: the rest waits on the client's flow control.
