@@ -3,8 +3,13 @@
 //! 256 HTTP/1.1 connections — giving aggregate throughput, p50/p99 time to last
 //! byte and the server's peak RSS: the figures behind the `runtime.settings` advice.
 //!
+//! `--protocols h3conns` adds HTTP/3 with a connection (and a client UDP port) per
+//! download, and `--h3-sockets` sets the server's `h3_sockets`: with `--workers`,
+//! how HTTP/3 spreads over cores.
+//!
 //! The client (the test kit's, sized for bulk downloads) runs in this process on a
-//! current-thread runtime (one core, like the server's one worker by default).
+//! current-thread runtime (one core, like the server's one worker by default), or
+//! on `--client-threads` threads.
 //! Every body is compared with the fixture byte for byte as it arrives; a run
 //! counts only when every download was exact.
 
@@ -41,6 +46,16 @@ pub(crate) struct ConcurrencyArgs {
     pub levels: Vec<usize>,
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     pub workers: u32,
+    /// Rows to run, comma-separated: h1, h2, h3 (one connection), h3conns (a
+    /// connection each).
+    #[arg(long, value_delimiter = ',', default_value = "h1,h2,h3")]
+    pub protocols: Vec<String>,
+    /// The server's `h3_sockets` (UDP sockets, one quinn endpoint each).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(0..=32))]
+    pub h3_sockets: u16,
+    /// Client runtime threads (1: a current-thread runtime).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub client_threads: u16,
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
 }
@@ -52,6 +67,8 @@ enum Proto {
     /// All downloads on one connection.
     H2,
     H3,
+    /// One connection (and client UDP port) per download.
+    H3Conns,
 }
 
 impl Proto {
@@ -60,6 +77,7 @@ impl Proto {
             Self::H1 => "h1 (a connection each)",
             Self::H2 => "h2 (one connection)",
             Self::H3 => "h3 (one connection)",
+            Self::H3Conns => "h3 (a connection each)",
         }
     }
 
@@ -68,7 +86,15 @@ impl Proto {
             Self::H1 => "h1",
             Self::H2 => "h2",
             Self::H3 => "h3",
+            Self::H3Conns => "h3conns",
         }
+    }
+
+    fn parse(name: &str) -> Result<Self> {
+        [Self::H1, Self::H2, Self::H3, Self::H3Conns]
+            .into_iter()
+            .find(|p| p.short() == name)
+            .ok_or_else(|| anyhow!("unknown protocol {name:?} (h1, h2, h3, h3conns)"))
     }
 }
 
@@ -94,7 +120,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
         name: "webship",
         binary: &args.webship,
         ktls: "auto",
-        runtime: Vec::new(),
+        runtime: vec![("h3_sockets", args.h3_sockets.to_string())],
         scraped: false,
     };
     let server = servers::start_webship(
@@ -113,31 +139,44 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
         rustls::DEFAULT_VERSIONS,
         &[],
     )?;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    let runtime = match args.client_threads {
+        1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?,
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n.into())
+            .enable_all()
+            .build()?,
+    };
+    let protocols = args
+        .protocols
+        .iter()
+        .map(|p| Proto::parse(p))
+        .collect::<Result<Vec<_>>>()?;
 
     let mut report = String::new();
     let mut json = Vec::new();
     let mut bars = Vec::new();
     let _ = writeln!(
         report,
-        "{} concurrent downloads of {} MiB each from Webship ({} worker), one client core; \
-         every body checked byte for byte.\n",
+        "{} concurrent downloads of {} MiB each from Webship ({} worker, h3_sockets {}), \
+         {} client thread(s); every body checked byte for byte.\n",
         args.levels
             .iter()
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(" / "),
         args.mib,
-        args.workers
+        args.workers,
+        args.h3_sockets,
+        args.client_threads
     );
     let _ = writeln!(
         report,
         "| protocol | concurrent | aggregate MiB/s | p50 TTLB ms | p99 TTLB ms | server peak RSS MiB |"
     );
     let _ = writeln!(report, "|---|---:|---:|---:|---:|---:|");
-    for proto in [Proto::H1, Proto::H2, Proto::H3] {
+    for proto in protocols {
         for &n in &args.levels {
             if proto == Proto::H1 && n > 256 {
                 continue;
@@ -231,6 +270,22 @@ async fn downloads(
                 });
             }
             h3 = Some(client);
+        }
+        Proto::H3Conns => {
+            for _ in 0..n {
+                let (tls, path) = (tls.clone(), path.clone());
+                set.spawn(async move {
+                    let mut client = H3Client::connect(addr, "localhost", &tls, &H3Options::bulk()).await?;
+                    let origin = client.origin();
+                    let (head, mut stream) = request(&mut client.send, &origin, "GET", &path, &[]).await?;
+                    ensure!(head.status == 200, "h3 status {}", head.status);
+                    let mut check = FixtureCheck::default();
+                    recv_body(&mut stream, &mut check).await?;
+                    drop(stream);
+                    client.close().await;
+                    Ok(check)
+                });
+            }
         }
     }
     let mut times = Vec::with_capacity(n);

@@ -627,6 +627,9 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 mib: 8,
                 levels: vec![1, 16, 256],
                 workers: args.workers,
+                protocols: ["h1", "h2", "h3"].map(String::from).to_vec(),
+                h3_sockets: 1,
+                client_threads: 1,
                 cache_dir: Some(cache.join("root")),
             }),
             Scenario::Connections => crate::connections::measure(&ConnectionsArgs {

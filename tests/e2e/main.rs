@@ -14,6 +14,7 @@ mod h2_conformance;
 mod h2_floods;
 mod h3;
 mod h3_conformance;
+mod h3_sockets;
 mod lifecycle;
 mod metrics;
 mod ocsp;

@@ -18,16 +18,16 @@ use crate::support::{aioquic_fetch, origin_server, passthrough_config, pattern, 
 use crate::webtransport::wt;
 
 /// `[admin]` on a free loopback port: the TOML and the address.
-fn admin() -> (String, SocketAddr) {
+pub(crate) fn admin() -> (String, SocketAddr) {
     let addr = SocketAddr::from(([127, 0, 0, 1], free_port().unwrap()));
     (format!("[admin]\nlisten = \"{addr}\"\n"), addr)
 }
 
 /// One scrape of `GET /metrics` (Prometheus text).
-struct Scrape(String);
+pub(crate) struct Scrape(String);
 
 impl Scrape {
-    fn take(admin: SocketAddr) -> Scrape {
+    pub(crate) fn take(admin: SocketAddr) -> Scrape {
         let out = Command::new("curl")
             .args(["--silent", "--fail", "--max-time", "10"])
             .arg(format!("http://{admin}/metrics"))
@@ -42,7 +42,7 @@ impl Scrape {
     }
 
     /// The value of exactly `series` (`name{labels}` as the daemon writes it).
-    fn get(&self, series: &str) -> Option<f64> {
+    pub(crate) fn get(&self, series: &str) -> Option<f64> {
         self.0
             .lines()
             .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
@@ -54,7 +54,7 @@ impl Scrape {
     }
 
     /// Like [`Scrape::get`], and the series must be there.
-    fn value(&self, series: &str) -> f64 {
+    pub(crate) fn value(&self, series: &str) -> f64 {
         self.get(series)
             .unwrap_or_else(|| panic!("no series {series} in the scrape:\n{}", self.0))
     }

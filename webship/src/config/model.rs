@@ -680,6 +680,10 @@ pub struct H3Settings {
     pub bbr_switch_bytes: u64,
     /// Address validation (Retry) for every new connection, not only under load.
     pub always_retry: bool,
+    /// UDP sockets (quinn endpoints) the listener serves on, `SO_REUSEPORT` group;
+    /// 0 is one per worker thread. Read at start (and by a takeover's successor),
+    /// not on reload: the sockets stay bound.
+    pub sockets: u16,
 }
 
 /// Process-wide HTTP/2 settings for proxied streams, validated now, used by the proxy

@@ -185,6 +185,31 @@ fn h3_settings() {
     );
 }
 
+/// `h3_sockets`: today's one socket by default, "0" for one per worker thread, at
+/// most 32 (the index byte and the descriptors a takeover carries).
+#[test]
+fn h3_sockets_setting() {
+    let f = Files::new();
+    let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n";
+    let config = f.parse(base).unwrap();
+    assert_eq!(config.h3.sockets, 1);
+    let with = |v: &str| format!("workers = 4\n{base}[runtime.settings]\nh3_sockets = \"{v}\"\n");
+    let config = f.parse(&with("0")).unwrap();
+    assert_eq!(crate::h3::sockets_wanted(config.h3.sockets, config.workers), 4);
+    let config = f.parse(&with("32")).unwrap();
+    assert_eq!(crate::h3::sockets_wanted(config.h3.sockets, config.workers), 32);
+    for bad in ["33", "-1", "auto", ""] {
+        let problems = f.problems(&with(bad));
+        let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
+        assert_eq!(keys, ["runtime.settings.h3_sockets"], "{bad:?}");
+        assert!(
+            problems[0].to_string().contains("from 0 to 32"),
+            "{bad:?}: {}",
+            problems[0]
+        );
+    }
+}
+
 const PROXY_BASE: &str = r#"
 listen = "127.0.0.1:8443"
 [reverse_proxy]
@@ -616,7 +641,7 @@ fn runtime_setting_messages_are_exact() {
         h2_tls_write_buffer_bytes, h2_initial_stream_window_bytes, h2_initial_connection_window_bytes, \
         h2_max_frame_size_bytes, h2_max_concurrent_streams, h2_max_send_buffer_bytes, h3_send_window_bytes, \
         h3_stream_receive_window_bytes, h3_receive_window_bytes, h3_max_concurrent_streams, \
-        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_retry, proxy_h2_tls_max_send_buffer_bytes, \
+        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_retry, h3_sockets, proxy_h2_tls_max_send_buffer_bytes, \
         proxy_h2_tls_connection_send_buffer_bytes)\n  \
         - `runtime.settings.h3_gso`: `2` is not a whole number from 0 to 1 \
         (fix: write it as a quoted number, e.g. \"1\")\n  \

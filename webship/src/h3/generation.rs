@@ -36,13 +36,35 @@
 //! * **Undo.** If the successor fails before it serves, the predecessor goes back to
 //!   reading the UDP socket itself ([`QuicSocket::direct`]); datagrams that queued in
 //!   the socket meanwhile are read then.
+//!
+//! **Several sockets per process** (`h3_sockets`): one quinn endpoint per UDP socket,
+//! all bound to the listen address with `SO_REUSEPORT`, so the kernel spreads
+//! datagrams over them by a hash of the 4-tuple and each endpoint's driver can run
+//! on its own worker thread. The sockets of one process form a [`Group`]. The first
+//! byte of every connection ID names the socket whose endpoint owns the connection
+//! (in plaintext, as QUIC-LB's plaintext mode does: an observer learns which of the
+//! process's sockets serves a connection, and so a lower bound on how many there
+//! are; nothing links two IDs of one connection). The tag covers that byte, so the
+//! layout is the same 12 bytes and any generation recognises another's IDs by its
+//! key as before. A connection's datagrams keep their 4-tuple and so their socket;
+//! when the 4-tuple changes (the client migrates or rebinds its port) or the group
+//! grows (a takeover adds sockets), a datagram can land on another socket: that
+//! socket hands it to the owner's [`Inbox`] (counted as misrouted; a full inbox
+//! drops it, counted, and QUIC retransmits). A socket's endpoint accepts only IDs
+//! carrying its own index (`validate`), so a misrouted datagram never makes it
+//! send a stateless reset for a sibling's connection. Steering in the kernel (an
+//! SK_REUSEPORT eBPF program reading the index byte) would spare the hop; without
+//! it, this in-process forwarding works with `[kernel] ebpf = "off"` too. During a
+//! takeover the draining process's first socket reads the pair and hands each
+//! datagram to the owning sibling the same way; the others read nothing but their
+//! inbox.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::io::{self, IoSliceMut, Read};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
@@ -53,9 +75,14 @@ use tokio::io::unix::AsyncFd;
 
 use crate::sys::fdpass;
 
-/// Length of the connection IDs every generation issues (8 bytes of nonce, 4 of tag).
+/// Length of the connection IDs every generation issues (8 bytes of nonce, the first
+/// of them the owning socket's index, then 4 of tag).
 pub(crate) const CID_LEN: usize = 12;
 const NONCE_LEN: usize = 8;
+/// The most UDP sockets (endpoints) one process serves HTTP/3 on (`h3_sockets`).
+pub(crate) const MAX_SOCKETS: usize = 32;
+/// Datagrams waiting in one socket's [`Inbox`], at most (about 1.5 MB at 1452 bytes).
+const INBOX_DATAGRAMS: usize = 1024;
 /// Handshakes in progress whose client-chosen IDs travel in a takeover, at most.
 pub(crate) const MAX_HANDSHAKES: usize = 4096;
 /// Bytes before each forwarded datagram: source family, ECN, port, source address,
@@ -137,30 +164,39 @@ pub(crate) fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Issues this generation's connection IDs (one per endpoint, made by quinn's factory).
+/// Issues this generation's connection IDs for the endpoint on socket `index` (one per
+/// endpoint, made by quinn's factory).
 pub(crate) struct CidGenerator {
     key: GenerationKey,
+    index: u8,
     counter: u64,
 }
 
 impl CidGenerator {
-    pub(crate) fn new(key: GenerationKey) -> Self {
-        Self { key, counter: 0 }
+    pub(crate) fn new(key: GenerationKey, index: u8) -> Self {
+        Self {
+            key,
+            index,
+            counter: 0,
+        }
     }
 }
 
 impl ConnectionIdGenerator for CidGenerator {
     fn generate_cid(&mut self) -> ConnectionId {
         self.counter = self.counter.wrapping_add(1);
-        let nonce = siphash(self.key.nonce, &self.counter.to_le_bytes()).to_le_bytes();
+        let mut nonce = siphash(self.key.nonce, &self.counter.to_le_bytes()).to_le_bytes();
+        nonce[0] = self.index;
         let mut cid = [0u8; CID_LEN];
         cid[..NONCE_LEN].copy_from_slice(&nonce);
         cid[NONCE_LEN..].copy_from_slice(&self.key.tag_of(&nonce));
         ConnectionId::new(&cid)
     }
 
+    /// Only this socket's IDs: a sibling's (misrouted, or its inbox full) are dropped,
+    /// never answered with a stateless reset.
     fn validate(&self, cid: &ConnectionId) -> Result<(), quinn_proto::InvalidCid> {
-        if self.key.issued(cid) {
+        if self.key.issued(cid) && cid[0] == self.index {
             Ok(())
         } else {
             Err(quinn_proto::InvalidCid)
@@ -176,15 +212,16 @@ impl ConnectionIdGenerator for CidGenerator {
     }
 }
 
-/// The client-chosen IDs of handshakes this endpoint started and has not finished.
+/// The client-chosen IDs of handshakes this process's endpoints started and have not
+/// finished, each with the index of the socket whose endpoint started it.
 #[derive(Debug, Default)]
-pub(crate) struct Handshakes(Mutex<HashSet<Vec<u8>>>);
+pub(crate) struct Handshakes(Mutex<HashMap<Vec<u8>, u8>>);
 
 impl Handshakes {
-    pub(crate) fn started(&self, cid: &[u8]) {
-        let mut set = lock(&self.0);
-        if set.len() < MAX_HANDSHAKES {
-            set.insert(cid.to_vec());
+    pub(crate) fn started(&self, cid: &[u8], socket: u8) {
+        let mut map = lock(&self.0);
+        if map.len() < MAX_HANDSHAKES {
+            map.insert(cid.to_vec(), socket);
         }
     }
 
@@ -192,9 +229,107 @@ impl Handshakes {
         lock(&self.0).remove(cid);
     }
 
-    pub(crate) fn snapshot(&self) -> Vec<Vec<u8>> {
-        lock(&self.0).iter().cloned().collect()
+    fn owner(&self, cid: &[u8]) -> Option<u8> {
+        lock(&self.0).get(cid).copied()
     }
+
+    pub(crate) fn snapshot(&self) -> Vec<Vec<u8>> {
+        lock(&self.0).keys().cloned().collect()
+    }
+}
+
+/// The destination connection ID of datagram `d`, and whether its header is long.
+fn dcid(d: &[u8]) -> Option<(&[u8], bool)> {
+    let &first = d.first()?;
+    if first & 0x80 == 0 {
+        return Some((d.get(1..1 + CID_LEN)?, false));
+    }
+    // Long header: flags, version (4), DCID length, DCID.
+    let len = usize::from(*d.get(5)?);
+    Some((d.get(6..6 + len)?, true))
+}
+
+/// A datagram read by one socket for a sibling's connection.
+#[derive(Debug)]
+struct Parked {
+    addr: SocketAddr,
+    ecn: Option<EcnCodepoint>,
+    dst_ip: Option<IpAddr>,
+    /// Its own allocation: misrouting is rare (a migration, a group that grew).
+    data: Vec<u8>,
+}
+
+/// Where a socket's misrouted datagrams wait for its endpoint driver, which the
+/// waker wakes (also after a mode switch).
+#[derive(Debug, Default)]
+struct Inbox {
+    queue: Mutex<VecDeque<Parked>>,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Inbox {
+    fn wake(&self) {
+        if let Some(w) = lock(&self.waker).as_ref() {
+            w.wake_by_ref();
+        }
+    }
+}
+
+/// The UDP sockets one process serves HTTP/3 on (one quinn endpoint each): the key
+/// their IDs are tagged with, each socket's inbox, the handshakes they started.
+#[derive(Debug)]
+pub(crate) struct Group {
+    key: GenerationKey,
+    inboxes: Vec<Inbox>,
+    handshakes: Arc<Handshakes>,
+}
+
+impl Group {
+    /// A group of `sockets` sockets (at most [`MAX_SOCKETS`]).
+    pub(crate) fn new(key: GenerationKey, sockets: usize, handshakes: Arc<Handshakes>) -> Arc<Self> {
+        let sockets = sockets.clamp(1, MAX_SOCKETS);
+        SOCKETS_SEEN.fetch_max(sockets, Ordering::Relaxed);
+        Arc::new(Self {
+            key,
+            inboxes: (0..sockets).map(|_| Inbox::default()).collect(),
+            handshakes,
+        })
+    }
+}
+
+/// Per socket index: datagrams read from the UDP socket, those among them handed to
+/// a sibling (misrouted), and those dropped because the sibling's inbox was full.
+static SOCKET_COUNTS: [[AtomicU64; 3]; MAX_SOCKETS] =
+    [const { [const { AtomicU64::new(0) }; 3] }; MAX_SOCKETS];
+/// The most sockets a group of this process has had (the counters' extent).
+static SOCKETS_SEEN: AtomicUsize = AtomicUsize::new(0);
+
+/// One socket's counters (see [`SOCKET_COUNTS`]).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SocketCounts {
+    pub(crate) received: u64,
+    pub(crate) misrouted: u64,
+    pub(crate) dropped: u64,
+}
+
+/// Every socket's counters since the process started, by socket index.
+pub(crate) fn socket_counts() -> Vec<SocketCounts> {
+    SOCKET_COUNTS
+        .iter()
+        .take(SOCKETS_SEEN.load(Ordering::Relaxed))
+        .map(|c| SocketCounts {
+            received: c[0].load(Ordering::Relaxed),
+            misrouted: c[1].load(Ordering::Relaxed),
+            dropped: c[2].load(Ordering::Relaxed),
+        })
+        .collect()
+}
+
+/// Where a datagram a socket read goes.
+enum Route {
+    Keep,
+    Predecessor,
+    Sibling(usize),
 }
 
 /// What a successor needs to send a draining predecessor its datagrams.
@@ -208,16 +343,11 @@ pub(crate) struct Predecessor {
 impl Predecessor {
     /// Whether the datagram `d` belongs to the predecessor's connections.
     fn owns(&self, d: &[u8]) -> bool {
-        let Some(&first) = d.first() else { return false };
-        if first & 0x80 == 0 {
-            return d.get(1..1 + CID_LEN).is_some_and(|cid| self.key.issued(cid));
+        match dcid(d) {
+            Some((cid, false)) => self.key.issued(cid),
+            Some((cid, true)) => self.key.issued(cid) || self.handshakes.contains(cid),
+            None => false,
         }
-        // Long header: flags, version (4), DCID length, DCID.
-        let Some(&len) = d.get(5) else { return false };
-        let Some(cid) = d.get(6..6 + usize::from(len)) else {
-            return false;
-        };
-        self.key.issued(cid) || self.handshakes.contains(cid)
     }
 }
 
@@ -231,10 +361,11 @@ pub(crate) struct ForwardStats {
 enum Mode {
     /// Reads the UDP socket: the normal state.
     Direct,
-    /// A successor reads the UDP socket; this endpoint's datagrams come through the pair.
-    Forwarded(AsyncFd<OwnedFd>),
+    /// A successor reads the UDP socket; this endpoint's datagrams come through the
+    /// pair (the group's first socket reads it) or the inbox (the others).
+    Forwarded(Option<AsyncFd<OwnedFd>>),
     /// A predecessor is draining: its datagrams go to it.
-    Demux(Predecessor),
+    Demux(Arc<Predecessor>),
 }
 
 /// The UDP socket under a quinn endpoint, able to switch between the three modes
@@ -242,9 +373,10 @@ enum Mode {
 #[derive(Debug)]
 pub(crate) struct QuicSocket {
     udp: Arc<dyn AsyncUdpSocket>,
+    /// This socket's place in its group (the first byte of its connections' IDs).
+    index: u8,
+    group: Arc<Group>,
     mode: Mutex<Mode>,
-    /// The endpoint driver's waker, so a mode switch makes it poll the new source.
-    waker: Mutex<Option<Waker>>,
     stats: Mutex<ForwardStats>,
     /// The largest datagram any connection on this endpoint may send: the highest
     /// `h3_mtu_upper_bound_bytes` a generation has used (only ever raised, since
@@ -258,20 +390,29 @@ pub(crate) struct QuicSocket {
 const GSO_BATCH_BYTES: usize = 65_535 - 40 - 8;
 
 impl QuicSocket {
-    pub(crate) fn new(socket: std::net::UdpSocket) -> io::Result<Arc<Self>> {
+    /// Socket `index` of `group` (the index must be below the group's size).
+    pub(crate) fn new(socket: std::net::UdpSocket, index: u8, group: Arc<Group>) -> io::Result<Arc<Self>> {
         use quinn::Runtime;
+        if usize::from(index) >= group.inboxes.len() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "socket index outside its group",
+            ));
+        }
         Ok(Arc::new(Self {
             udp: quinn::TokioRuntime.wrap_udp_socket(socket)?,
+            index,
+            group,
             mode: Mutex::new(Mode::Direct),
-            waker: Mutex::new(None),
             stats: Mutex::new(ForwardStats::default()),
             largest_datagram: AtomicUsize::new(1200),
         }))
     }
 
-    /// Stops reading the UDP socket: datagrams arrive on `pair` from now on.
-    pub(crate) fn forwarded(&self, pair: OwnedFd) -> io::Result<()> {
-        let fd = fdpass::packet_reader(pair)?;
+    /// Stops reading the UDP socket: datagrams arrive on `pair` from now on, or only
+    /// in the inbox (from the sibling that reads the pair) without one.
+    pub(crate) fn forwarded(&self, pair: Option<OwnedFd>) -> io::Result<()> {
+        let fd = pair.map(fdpass::packet_reader).transpose()?;
         self.switch(Mode::Forwarded(fd));
         Ok(())
     }
@@ -282,7 +423,7 @@ impl QuicSocket {
     }
 
     /// Forwards the predecessor's datagrams to it until it is gone.
-    pub(crate) fn demux(&self, predecessor: Predecessor) {
+    pub(crate) fn demux(&self, predecessor: Arc<Predecessor>) {
         self.switch(Mode::Demux(predecessor));
     }
 
@@ -299,52 +440,153 @@ impl QuicSocket {
 
     fn switch(&self, mode: Mode) {
         *lock(&self.mode) = mode;
-        if let Some(w) = lock(&self.waker).as_ref() {
-            w.wake_by_ref();
-        }
+        self.inbox().wake();
+    }
+
+    fn inbox(&self) -> &Inbox {
+        &self.group.inboxes[usize::from(self.index)]
     }
 
     fn remember(&self, waker: &Waker) {
-        let mut slot = lock(&self.waker);
+        let mut slot = lock(&self.inbox().waker);
         if !slot.as_ref().is_some_and(|w| w.will_wake(waker)) {
             *slot = Some(waker.clone());
         }
     }
 
-    /// Takes the predecessor's datagrams out of what `udp` returned.
+    fn count(&self, which: usize, n: u64) {
+        if n > 0 {
+            SOCKET_COUNTS[usize::from(self.index)][which].fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Where datagram `d` goes: to a draining predecessor, to the sibling socket whose
+    /// endpoint owns its connection, or to this socket's endpoint.
+    fn route(&self, pred: Option<&Predecessor>, d: &[u8]) -> Route {
+        if pred.is_some_and(|p| p.owns(d)) {
+            return Route::Predecessor;
+        }
+        let sockets = self.group.inboxes.len();
+        if sockets < 2 {
+            return Route::Keep;
+        }
+        let Some((cid, long)) = dcid(d) else {
+            return Route::Keep;
+        };
+        if cid.len() == CID_LEN {
+            let owner = usize::from(cid[0]);
+            if owner == usize::from(self.index) {
+                // Ours by its index byte (a forged one is dropped by `validate`).
+                return Route::Keep;
+            }
+            if owner < sockets && self.group.key.issued(cid) {
+                return Route::Sibling(owner);
+            }
+        }
+        match long.then(|| self.group.handshakes.owner(cid)).flatten() {
+            Some(owner) if owner != self.index && usize::from(owner) < sockets => {
+                Route::Sibling(usize::from(owner))
+            }
+            _ => Route::Keep,
+        }
+    }
+
+    /// Parks datagram `d` in sibling `owner`'s inbox; false when it is full.
+    fn hand_to(&self, owner: usize, m: &RecvMeta, d: &[u8]) -> bool {
+        let inbox = &self.group.inboxes[owner];
+        {
+            let mut queue = lock(&inbox.queue);
+            if queue.len() >= INBOX_DATAGRAMS {
+                return false;
+            }
+            queue.push_back(Parked {
+                addr: m.addr,
+                ecn: m.ecn,
+                dst_ip: m.dst_ip,
+                data: d.to_vec(),
+            });
+        }
+        inbox.wake();
+        true
+    }
+
+    /// Moves datagrams parked for this socket into `bufs`; how many.
+    fn take_parked(&self, bufs: &mut [IoSliceMut<'_>], meta: &mut [RecvMeta]) -> usize {
+        let mut queue = lock(&self.inbox().queue);
+        let mut filled = 0;
+        while filled < bufs.len().min(meta.len()) {
+            let Some(p) = queue.pop_front() else { break };
+            let Some(dst) = bufs[filled].get_mut(..p.data.len()) else {
+                continue;
+            };
+            dst.copy_from_slice(&p.data);
+            meta[filled] = RecvMeta {
+                addr: p.addr,
+                len: p.data.len(),
+                stride: p.data.len(),
+                ecn: p.ecn,
+                dst_ip: p.dst_ip,
+            };
+            filled += 1;
+        }
+        filled
+    }
+
+    /// Takes the datagrams that are not this endpoint's out of what was read: the
+    /// predecessor's (to it) and the siblings' (to their inboxes).
     fn filter(&self, bufs: &mut [IoSliceMut<'_>], meta: &mut [RecvMeta], msgs: usize) {
-        let mut mode = lock(&self.mode);
-        let Mode::Demux(pred) = &*mode else { return };
+        let pred = match &*lock(&self.mode) {
+            Mode::Demux(pred) => Some(pred.clone()),
+            _ => None,
+        };
+        if pred.is_none() && self.group.inboxes.len() < 2 {
+            return;
+        }
         let mut stats = ForwardStats::default();
+        let (mut misrouted, mut dropped) = (0, 0);
         let mut gone = false;
         for (m, buf) in meta.iter_mut().zip(bufs.iter_mut()).take(msgs) {
             let stride = m.stride.max(1);
             let (mut read, mut write) = (0, 0);
             while read < m.len {
                 let end = (read + stride).min(m.len);
-                if !gone && pred.owns(&buf[read..end]) {
-                    match forward(pred, m, &buf[read..end]) {
-                        Ok(()) => stats.forwarded += 1,
-                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => stats.dropped += 1,
-                        Err(_) => gone = true,
+                let d = &buf[read..end];
+                match self.route(pred.as_deref().filter(|_| !gone), d) {
+                    Route::Predecessor => match pred.as_deref().map(|p| forward(p, m, d)) {
+                        Some(Ok(())) => stats.forwarded += 1,
+                        Some(Err(e)) if e.kind() == io::ErrorKind::WouldBlock => stats.dropped += 1,
+                        _ => gone = true,
+                    },
+                    Route::Sibling(owner) => {
+                        misrouted += 1;
+                        if !self.hand_to(owner, m, d) {
+                            dropped += 1;
+                        }
                     }
-                } else {
-                    buf.copy_within(read..end, write);
-                    write += end - read;
+                    Route::Keep => {
+                        buf.copy_within(read..end, write);
+                        write += end - read;
+                    }
                 }
                 read = end;
             }
             // Kept segments stay in order: all full-size but the batch's last.
             m.len = write;
         }
+        self.count(1, misrouted);
+        self.count(2, dropped);
         if gone {
-            tracing::info!("h3: the previous process is gone; its datagrams are no longer forwarded");
-            *mode = Mode::Direct;
+            let mut mode = lock(&self.mode);
+            if matches!(&*mode, Mode::Demux(_)) {
+                tracing::info!("h3: the previous process is gone; its datagrams are no longer forwarded");
+                *mode = Mode::Direct;
+            }
         }
-        drop(mode);
-        let mut total = lock(&self.stats);
-        total.forwarded += stats.forwarded;
-        total.dropped += stats.dropped;
+        if pred.is_some() {
+            let mut total = lock(&self.stats);
+            total.forwarded += stats.forwarded;
+            total.dropped += stats.dropped;
+        }
     }
 }
 
@@ -463,21 +705,38 @@ impl AsyncUdpSocket for QuicSocket {
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
         self.remember(cx.waker());
-        let demux = {
+        // A lone socket has no sibling to park anything for it.
+        if self.group.inboxes.len() > 1 {
+            let parked = self.take_parked(bufs, meta);
+            if parked > 0 {
+                return Poll::Ready(Ok(parked));
+            }
+        }
+        let read = {
             let mode = lock(&self.mode);
             match &*mode {
-                Mode::Forwarded(pair) => return poll_pair(pair, cx, bufs, meta),
-                Mode::Direct => false,
-                Mode::Demux(_) => true,
+                // Only the group's first socket reads the pair; it sorts for the rest.
+                Mode::Forwarded(Some(pair)) => poll_pair(pair, cx, bufs, meta),
+                Mode::Forwarded(None) => return Poll::Pending,
+                Mode::Direct | Mode::Demux(_) => {
+                    drop(mode);
+                    let read = self.udp.poll_recv(cx, bufs, meta);
+                    if let Poll::Ready(Ok(n)) = read {
+                        let datagrams = meta[..n]
+                            .iter()
+                            .map(|m| m.len.div_ceil(m.stride.max(1)) as u64)
+                            .sum();
+                        self.count(0, datagrams);
+                    }
+                    read
+                }
             }
         };
-        let msgs = match self.udp.poll_recv(cx, bufs, meta) {
+        let msgs = match read {
             Poll::Ready(Ok(n)) => n,
             other => return other,
         };
-        if demux {
-            self.filter(bufs, meta, msgs);
-        }
+        self.filter(bufs, meta, msgs);
         Poll::Ready(Ok(msgs))
     }
 
@@ -532,7 +791,7 @@ mod tests {
         let a = GenerationKey::random().unwrap();
         let b = GenerationKey::random().unwrap();
         assert_eq!(GenerationKey::from_hex(&a.to_hex()), Some(a));
-        let mut gen = CidGenerator::new(a);
+        let mut gen = CidGenerator::new(a, 3);
         let ids: Vec<ConnectionId> = (0..1000).map(|_| gen.generate_cid()).collect();
         assert!(ids.iter().all(|c| a.issued(c) && !b.issued(c)));
         let distinct: HashSet<&[u8]> = ids.iter().map(|c| &c[..]).collect();
@@ -559,8 +818,8 @@ mod tests {
             handshakes: [client_initial.clone()].into_iter().collect(),
             pair,
         };
-        let old_cid = CidGenerator::new(old).generate_cid();
-        let new_cid = CidGenerator::new(new).generate_cid();
+        let old_cid = CidGenerator::new(old, 0).generate_cid();
+        let new_cid = CidGenerator::new(new, 0).generate_cid();
         let short = |cid: &[u8]| [&[0x40][..], cid, &[1, 2, 3]].concat();
         let long = |cid: &[u8]| [&[0xc0, 0, 0, 0, 1, cid.len() as u8][..], cid, &[0, 1]].concat();
         assert!(pred.owns(&short(&old_cid)));
@@ -570,6 +829,65 @@ mod tests {
         assert!(!pred.owns(&long(&[7u8; 8])));
         assert!(!pred.owns(&[0xc0, 0, 0]));
         assert!(!pred.owns(&[]));
+    }
+
+    /// Socket 1 of a group of three keeps its own connections' datagrams and hands
+    /// the others' to their sockets: short headers by the ID's index byte, long
+    /// headers of a handshake by the table; anything else (another generation's
+    /// IDs, a new client's Initial) stays where the kernel put it.
+    #[test]
+    fn a_socket_hands_its_siblings_their_datagrams() {
+        let key = GenerationKey::random().unwrap();
+        let handshakes = Arc::<Handshakes>::default();
+        let group = Group::new(key, 3, handshakes.clone());
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        udp.set_nonblocking(true).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _guard = rt.enter();
+        let socket = QuicSocket::new(udp, 1, group.clone()).unwrap();
+        let ours = CidGenerator::new(key, 1).generate_cid();
+        let theirs = CidGenerator::new(key, 2).generate_cid();
+        let stranger = CidGenerator::new(GenerationKey::random().unwrap(), 2).generate_cid();
+        let short = |cid: &[u8]| [&[0x40][..], cid, &[1, 2, 3]].concat();
+        let long = |cid: &[u8]| [&[0xc0, 0, 0, 0, 1, cid.len() as u8][..], cid, &[0, 1]].concat();
+        let initial = [5u8; 8];
+        handshakes.started(&[6u8; 8], 0);
+        let route = |d: &[u8]| match socket.route(None, d) {
+            Route::Keep => None,
+            Route::Sibling(i) => Some(i),
+            Route::Predecessor => Some(99),
+        };
+        assert_eq!(route(&short(&ours)), None);
+        assert_eq!(route(&short(&theirs)), Some(2));
+        assert_eq!(route(&long(&theirs)), Some(2));
+        assert_eq!(route(&short(&stranger)), None);
+        assert_eq!(route(&long(&initial)), None);
+        assert_eq!(route(&long(&[6u8; 8])), Some(0));
+        assert_eq!(route(&[0x40, 2]), None);
+        // An endpoint takes only its own socket's IDs: a sibling's are dropped, not reset.
+        assert!(CidGenerator::new(key, 1).validate(&ours).is_ok());
+        assert!(CidGenerator::new(key, 1).validate(&theirs).is_err());
+
+        // Filtering a GRO batch of three: the sibling's segment goes to its inbox.
+        let mut raw = [short(&ours), short(&theirs), short(&ours)].concat();
+        let stride = short(&ours).len();
+        let mut bufs = [IoSliceMut::new(&mut raw)];
+        let mut meta = [RecvMeta {
+            addr: "127.0.0.1:4433".parse().unwrap(),
+            len: 3 * stride,
+            stride,
+            ecn: None,
+            dst_ip: None,
+        }];
+        socket.filter(&mut bufs, &mut meta, 1);
+        assert_eq!(meta[0].len, 2 * stride);
+        assert_eq!(&bufs[0][..2 * stride], &[short(&ours), short(&ours)].concat()[..]);
+        let parked = lock(&group.inboxes[2].queue).pop_front().unwrap();
+        assert_eq!(parked.data, short(&theirs));
+        assert_eq!(parked.addr, meta[0].addr);
     }
 
     #[test]

@@ -19,6 +19,7 @@
 
 pub(crate) mod backend;
 pub(crate) mod congestion;
+mod endpoint;
 mod fields;
 pub(crate) mod generation;
 pub(crate) mod stats;
@@ -30,7 +31,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use quinn::crypto::rustls::QuicServerConfig;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::OwnedSemaphorePermit;
 
 use crate::config::{H3Settings, Limits};
 use crate::exchange::{
@@ -41,11 +42,9 @@ use crate::message::{BoxError, Response};
 use crate::metrics::{Close, Protocol, Tracked, Transport};
 use crate::webtransport::h3::WtConn;
 use congestion::{BulkSignal, SwitchingFactory};
-use generation::{CidGenerator, GenerationKey, Handshakes, QuicSocket};
+pub(crate) use endpoint::{sockets_wanted, H3Endpoint, H3Switch, Handover};
+use generation::Handshakes;
 
-/// Kernel socket buffers for the UDP socket; bulk QUIC needs far more than the
-/// defaults to absorb bursts (best effort: capped by net.core.{r,w}mem_max).
-const UDP_BUFFER_BYTES: usize = 8 * 1024 * 1024;
 /// How long a draining connection with nothing left to do must have sent nothing
 /// before it closes.
 const CLOSE_QUIET: Duration = Duration::from_secs(1);
@@ -66,24 +65,6 @@ pub enum H3Error {
     Crypto(String),
 }
 
-/// The bound HTTP/3 endpoint.
-#[derive(Debug)]
-pub(crate) struct H3Endpoint {
-    endpoint: quinn::Endpoint,
-    base: quinn::ServerConfig,
-    handover: Handover,
-}
-
-/// What a binary upgrade needs of the endpoint: its socket (to switch reading modes),
-/// the key its connection IDs are tagged with, and the handshakes it has started.
-#[derive(Debug, Clone)]
-pub(crate) struct Handover {
-    pub(crate) socket: Arc<QuicSocket>,
-    pub(crate) key: GenerationKey,
-    pub(crate) handshakes: Arc<Handshakes>,
-    pub(crate) udp: Arc<std::net::UdpSocket>,
-}
-
 /// What the endpoint serves a new connection with: the drivers and the QUIC TLS
 /// configuration of the generation current when it arrives (a reload replaces
 /// both; connections keep the ones they started with). `quic` is `None` when no
@@ -98,194 +79,6 @@ pub(crate) fn quic_crypto(tls: Arc<rustls::ServerConfig>) -> Result<Arc<QuicServ
     QuicServerConfig::try_from(tls)
         .map(Arc::new)
         .map_err(|e| H3Error::Crypto(e.to_string()))
-}
-
-/// Replaces the endpoint's server configuration on reload, keeping its Retry token
-/// key (a client answering a Retry sent before the reload is still let in).
-#[derive(Debug, Clone)]
-pub(crate) struct H3Switch {
-    endpoint: quinn::Endpoint,
-    base: quinn::ServerConfig,
-}
-
-impl H3Switch {
-    pub(crate) fn set(&self, crypto: Option<&Arc<QuicServerConfig>>) {
-        self.endpoint
-            .set_server_config(crypto.map(|c| with_crypto(&self.base, c)));
-    }
-}
-
-fn with_crypto(base: &quinn::ServerConfig, crypto: &Arc<QuicServerConfig>) -> quinn::ServerConfig {
-    let mut config = base.clone();
-    config.crypto = crypto.clone();
-    config
-}
-
-impl H3Endpoint {
-    /// Binds UDP `addr` for the sites that serve HTTP/3, or serves on `inherited`,
-    /// the bound socket a previous process handed over.
-    pub(crate) fn bind(
-        addr: SocketAddr,
-        inherited: Option<std::net::UdpSocket>,
-        tls: Arc<rustls::ServerConfig>,
-        settings: &H3Settings,
-        limits: &Limits,
-    ) -> Result<Self, H3Error> {
-        let crypto = quic_crypto(tls)?;
-        let mut base = quinn::ServerConfig::with_crypto(crypto);
-        base.transport_config(Arc::new(transport(
-            settings,
-            limits,
-            false,
-            BulkSignal::default(),
-        )));
-        let bind_err = |source| H3Error::Bind { addr, source };
-        let socket = match inherited {
-            Some(socket) => socket,
-            None => udp_socket(addr).map_err(bind_err)?,
-        };
-        socket.set_nonblocking(true).map_err(bind_err)?;
-        let udp = Arc::new(socket.try_clone().map_err(bind_err)?);
-        let key = GenerationKey::random().map_err(bind_err)?;
-        let quic = QuicSocket::new(socket).map_err(bind_err)?;
-        quic.allow_datagrams_up_to(settings.mtu_upper_bound_bytes);
-        let mut config = quinn::EndpointConfig::default();
-        config.cid_generator(move || Box::new(CidGenerator::new(key)));
-        let endpoint = quinn::Endpoint::new_with_abstract_socket(
-            config,
-            Some(base.clone()),
-            quic.clone(),
-            Arc::new(quinn::TokioRuntime),
-        )
-        .map_err(bind_err)?;
-        let handover = Handover {
-            socket: quic,
-            key,
-            handshakes: Arc::default(),
-            udp,
-        };
-        Ok(Self {
-            endpoint,
-            base,
-            handover,
-        })
-    }
-
-    /// What a binary upgrade hands over or switches (see [`Handover`]).
-    pub(crate) fn handover(&self) -> &Handover {
-        &self.handover
-    }
-
-    /// The handle a reload replaces the server configuration through.
-    pub(crate) fn switch(&self) -> H3Switch {
-        H3Switch {
-            endpoint: self.endpoint.clone(),
-            base: self.base.clone(),
-        }
-    }
-
-    /// Accepts connections until shutdown, each holding one of `permits` (shared with
-    /// TCP) for its whole life, and served by the generation `current` returns when
-    /// it arrives. Under load (more than half the permits taken), or always with
-    /// `h3_retry`, new clients must prove their address first (Retry).
-    pub(crate) async fn serve<S: Serving>(
-        self,
-        current: impl Fn() -> Arc<S> + Send,
-        permits: Arc<Semaphore>,
-        max_connections: usize,
-    ) {
-        let mut shutdown = current().drivers().shutdown.clone();
-        loop {
-            let incoming = tokio::select! {
-                incoming = self.endpoint.accept() => match incoming {
-                    Some(incoming) => incoming,
-                    None => break,
-                },
-                () = shutdown.requested() => break,
-            };
-            // One load per connection: the generation it keeps for its whole life.
-            let generation = current();
-            let drivers = generation.drivers();
-            let Some(crypto) = generation.quic() else {
-                drivers.metrics.connections().refused(Transport::Quic);
-                incoming.refuse();
-                continue;
-            };
-            let busy = permits.available_permits() < max_connections / 2;
-            if (drivers.h3.always_retry || busy)
-                && !incoming.remote_address_validated()
-                && incoming.may_retry()
-            {
-                let peer = incoming.remote_address();
-                match incoming.retry() {
-                    Ok(()) => tracing::debug!(%peer, "h3: address validation (Retry) sent"),
-                    Err(e) => tracing::debug!(%peer, error = %e, "h3: retry failed"),
-                }
-                continue;
-            }
-            let Ok(permit) = permits.clone().try_acquire_owned() else {
-                drivers.metrics.connections().refused(Transport::Quic);
-                incoming.refuse();
-                continue;
-            };
-            // One controller factory per connection carries that connection's signal.
-            let signal = BulkSignal::default();
-            let mut config = with_crypto(&self.base, crypto);
-            let webtransport = drivers.webtransport_sessions > 0;
-            config.transport_config(Arc::new(transport(
-                &drivers.h3,
-                &drivers.limits,
-                webtransport,
-                signal.clone(),
-            )));
-            // Before the connection exists, so its first GSO batch already fits.
-            self.handover
-                .socket
-                .allow_datagrams_up_to(drivers.h3.mtu_upper_bound_bytes);
-            let peer = incoming.remote_address();
-            let cid = incoming.orig_dst_cid();
-            match incoming.accept_with(Arc::new(config)) {
-                Ok(connecting) => {
-                    let handshake = Handshake {
-                        cid,
-                        table: self.handover.handshakes.clone(),
-                    };
-                    handshake.table.started(&handshake.cid);
-                    tokio::spawn(connection(
-                        connecting,
-                        drivers.clone(),
-                        signal,
-                        peer,
-                        permit,
-                        handshake,
-                    ));
-                }
-                Err(e) => tracing::debug!(%peer, error = %e, "h3: accept failed"),
-            }
-        }
-        // New connections are refused from here on; open ones drain through `shutdown`.
-        self.endpoint.set_server_config(None);
-        let endpoint = self.endpoint.clone();
-        drop(self);
-        // Once the last QUIC connection has gone (its close sent and drained), the
-        // endpoint closes. Not by waiting for every permit: a waiter holds the
-        // permits it has collected so far, and the server's drain would count them
-        // as open connections. The server aborts this task when its drain ends.
-        endpoint.wait_idle().await;
-        endpoint.close(quinn::VarInt::from_u32(0), b"shutdown");
-    }
-}
-
-fn udp_socket(addr: SocketAddr) -> std::io::Result<std::net::UdpSocket> {
-    use socket2::{Domain, Protocol, Socket, Type};
-    let socket = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
-    if addr.is_ipv6() {
-        socket.set_only_v6(false)?;
-    }
-    let _ = socket.set_recv_buffer_size(UDP_BUFFER_BYTES);
-    let _ = socket.set_send_buffer_size(UDP_BUFFER_BYTES);
-    socket.bind(&addr.into())?;
-    Ok(socket.into())
 }
 
 fn transport(

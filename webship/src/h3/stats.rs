@@ -181,6 +181,7 @@ impl Collector for Metrics {
         )
         .sample(&[("path", "zero_copy")], zero_copy)
         .sample(&[("path", "copied")], copied);
+        sockets(out);
         let histograms: [(&str, &str, &Values); 4] = [
             (
                 "webship_quic_rtt_seconds",
@@ -206,6 +207,39 @@ impl Collector for Metrics {
         for (name, help, values) in histograms {
             out.family(name, Kind::Histogram, help);
             values.write(out, &[]);
+        }
+    }
+}
+
+/// Per UDP socket of the HTTP/3 endpoints (`h3_sockets`), by index: datagrams read,
+/// those that named another socket's connection (handed to it in-process), and
+/// those dropped because that socket's inbox was full.
+fn sockets(out: &mut Encoder) {
+    use super::generation::SocketCounts;
+    let counts = super::generation::socket_counts();
+    let names: Vec<String> = (0..counts.len()).map(|i| i.to_string()).collect();
+    type Family = (&'static str, &'static str, fn(&SocketCounts) -> u64);
+    let families: [Family; 3] = [
+        (
+            "webship_quic_socket_received_datagrams",
+            "UDP datagrams each HTTP/3 socket read, by socket index.",
+            |c| c.received,
+        ),
+        (
+            "webship_quic_socket_misrouted_datagrams",
+            "Datagrams a socket read for a connection another socket's endpoint owns (handed to it), by the socket that read them.",
+            |c| c.misrouted,
+        ),
+        (
+            "webship_quic_socket_misrouted_dropped_datagrams",
+            "Misrouted datagrams dropped because the owning socket's inbox was full, by the socket that read them.",
+            |c| c.dropped,
+        ),
+    ];
+    for (name, help, value) in families {
+        out.family(name, Kind::Counter, help);
+        for (count, socket) in counts.iter().zip(&names) {
+            out.sample(&[("socket", socket.as_str())], value(count));
         }
     }
 }

@@ -83,7 +83,7 @@ pub enum HandoverError {
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 enum Message {
-    Offer(Offer),
+    Offer(Box<Offer>),
     Refused {
         message: String,
     },
@@ -110,6 +110,11 @@ struct Offer {
     listen: SocketAddr,
     tcp: usize,
     udp: Option<usize>,
+    /// The HTTP/3 endpoint's other UDP sockets (`h3_sockets`), same port and
+    /// `SO_REUSEPORT` group; a binary from before ignores them (and the datagrams
+    /// the kernel hashes to them wait until this process drains).
+    #[serde(default)]
+    udp_more: Vec<usize>,
     quic: Option<QuicOffer>,
     pin_lock: Option<usize>,
     /// The folder the lock is for: a successor configured with another one does not
@@ -246,7 +251,7 @@ pub(super) async fn give(incoming: Incoming, sockets: Sockets<'_>) -> Option<Suc
         }
         Err(reason) => {
             if let Some(h3) = sockets.h3 {
-                h3.socket.direct();
+                h3.direct();
             }
             tracing::warn!(%reason, "takeover failed; this process keeps serving");
             refuse(incoming, &reason).await;
@@ -261,18 +266,25 @@ async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<(u32, bool)
     }
     let wire = Wire::new(incoming.stream());
     let mut fds = vec![sockets.tcp];
-    let udp = sockets.h3.map(|h3| h3.udp.as_fd()).or(sockets.relay);
+    let udp = sockets
+        .h3
+        .and_then(|h3| h3.udp.first())
+        .map(|u| u.as_fd())
+        .or(sockets.relay);
     let udp_index = udp.map(|fd| {
         fds.push(fd);
         fds.len() - 1
     });
+    let mut udp_more = Vec::new();
+    for more in sockets.h3.iter().flat_map(|h3| h3.udp.iter().skip(1)) {
+        fds.push(more.as_fd());
+        udp_more.push(fds.len() - 1);
+    }
     let (pair, quic) = match sockets.h3 {
         Some(h3) => {
             let (ours, theirs) = fdpass::seqpacket_pair().map_err(|e| format!("datagram pair: {e}"))?;
             // From here this endpoint reads only what the successor forwards.
-            h3.socket
-                .forwarded(ours)
-                .map_err(|e| format!("datagram pair: {e}"))?;
+            h3.forwarded(ours).map_err(|e| format!("datagram pair: {e}"))?;
             let handshakes = h3
                 .handshakes
                 .snapshot()
@@ -302,17 +314,18 @@ async fn offer(incoming: &Incoming, sockets: &Sockets<'_>) -> Result<(u32, bool)
         fds.push(p.pin_lock());
         fds.len() - 1
     });
-    let offer = Message::Offer(Offer {
+    let offer = Message::Offer(Box::new(Offer {
         pid: std::process::id(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
         listen: sockets.listen,
         tcp: 0,
         udp: udp_index,
+        udp_more,
         quic,
         pin_lock,
         pin_dir: sockets.programs.as_deref().map(|p| p.pin_dir().to_owned()),
         counters: super::plan::Plan::totals(sockets.programs.as_deref()).to_vec(),
-    });
+    }));
     wire.send(&offer, &fds).await?;
     drop(pair);
     let mut wire = wire;
@@ -385,6 +398,8 @@ fn same_folder(lock: &OwnedFd, path: &Path) -> bool {
 pub(super) struct Inherited {
     pub(super) tcp: Option<std::net::TcpListener>,
     pub(super) udp: Option<std::net::UdpSocket>,
+    /// The HTTP/3 endpoint's other sockets, if it had more than one.
+    pub(super) udp_more: Vec<std::net::UdpSocket>,
     pub(super) predecessor: Option<Predecessor>,
     pub(super) pin_lock: Option<OwnedFd>,
     pub(super) pid: u32,
@@ -423,6 +438,12 @@ pub(super) async fn take(
         Some(i) => Some(std::net::UdpSocket::from(wire.take(i).map_err(exchange)?)),
         None => None,
     };
+    let udp_more = offer
+        .udp_more
+        .iter()
+        .map(|&i| wire.take(i).map(std::net::UdpSocket::from))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(exchange)?;
     let predecessor = match offer.quic {
         Some(q) => {
             let key = GenerationKey::from_hex(&q.key).ok_or_else(|| exchange("a bad QUIC key".into()))?;
@@ -476,6 +497,7 @@ pub(super) async fn take(
     Ok(Inherited {
         tcp,
         udp,
+        udp_more,
         predecessor,
         pin_lock,
         pid: offer.pid,

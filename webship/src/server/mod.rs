@@ -241,8 +241,8 @@ pub async fn run(
         let gone = move || {
             alive.store(false, Ordering::SeqCst);
             if let Some(q) = quic {
-                q.socket.direct();
-                let stats = q.socket.forward_stats();
+                q.direct();
+                let stats = q.forward_stats();
                 tracing::info!(
                     forwarded = stats.forwarded,
                     dropped = stats.dropped,
@@ -480,18 +480,23 @@ impl Bound {
         let local = listener.local_addr().unwrap_or(config.listen);
         let mut udp = inherited.as_mut().and_then(|i| i.udp.take());
         let h3 = match stack.acceptor.quic_config() {
-            Some(tls) => Some(H3Endpoint::bind(
-                local,
-                udp.take(),
-                tls,
-                &config.h3,
-                &config.limits,
-            )?),
+            Some(tls) => {
+                let more = inherited.as_mut().map(|i| std::mem::take(&mut i.udp_more));
+                let sockets = udp.take().into_iter().chain(more.into_iter().flatten()).collect();
+                Some(H3Endpoint::bind(
+                    local,
+                    sockets,
+                    crate::h3::sockets_wanted(config.h3.sockets, config.workers),
+                    tls,
+                    &config.h3,
+                    &config.limits,
+                )?)
+            }
             None => None,
         };
         let predecessor = inherited.as_mut().and_then(|i| i.predecessor.take());
         match (&h3, predecessor) {
-            (Some(h3), Some(pred)) => h3.handover().socket.demux(pred),
+            (Some(h3), Some(pred)) => h3.handover().demux(pred),
             (None, Some(_)) => tracing::warn!(
                 "takeover: this configuration serves no HTTP/3; the previous process's QUIC connections end"
             ),
@@ -677,6 +682,15 @@ fn announce(config: &Config, report: &Report, bound: &Bound) {
         sites.join(", "),
         report.summary(),
     );
+    if let Some(h3) = bound.h3.as_ref().filter(|h3| h3.sockets() > 1) {
+        tracing::info!(
+            sockets = h3.sockets(),
+            steering = "userspace",
+            "h3: one quinn endpoint per UDP socket (SO_REUSEPORT group); the kernel spreads \
+             datagrams by 4-tuple, and one that names another socket's connection is handed \
+             to it in-process (no SK_REUSEPORT program)"
+        );
+    }
     if config
         .sites
         .iter()

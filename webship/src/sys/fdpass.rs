@@ -19,9 +19,9 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use tokio::io::Interest;
 use tokio::net::UnixStream;
 
-/// The most descriptors one message may carry (listener, UDP socket, datagram pair,
-/// pin-folder lock, with room to spare).
-pub(crate) const MAX_FDS: usize = 8;
+/// The most descriptors one message may carry (listener, up to 32 UDP sockets of an
+/// HTTP/3 endpoint (`h3_sockets`), datagram pair, pin-folder lock, with room to spare).
+pub(crate) const MAX_FDS: usize = 40;
 
 /// Sends `bytes` on `stream` with `fds` attached to the first byte, then the rest of
 /// `bytes` if the first write was short. Fails with `InvalidInput` for more than
@@ -30,7 +30,7 @@ pub(crate) async fn send(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_
     if fds.len() > MAX_FDS || (bytes.is_empty() && !fds.is_empty()) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
-            "at most 8 descriptors, on at least one byte",
+            "at most 40 descriptors, on at least one byte",
         ));
     }
     let mut sent = 0;

@@ -1,0 +1,267 @@
+//! HTTP/3 on several UDP sockets (`h3_sockets`): connections spread over the
+//! sockets' endpoints, every datagram reaches the endpoint that owns its connection
+//! (the per-socket counters of `/metrics`), and a client that changes its port mid
+//! connection (its datagrams now hashed to whichever socket) keeps downloading.
+
+use std::time::{Duration, Instant};
+
+use bytes::Buf;
+use sha2::{Digest, Sha256};
+use webship_testkit::body::Sink;
+use webship_tests::client::{fetch_h3, recv_body, Collect, H3Client, H3Options};
+use webship_tests::Server;
+
+use crate::subsystem_metrics::{admin, Scrape};
+use crate::support::{pattern, Env, HOST, MIB};
+
+/// Two workers, two sockets, and the admin listener for the counters.
+fn two_sockets(env: &Env) -> (webship_tests::Server, std::net::SocketAddr) {
+    let (toml, admin) = admin();
+    let server = env.start(&format!("{toml}[runtime.settings]\nh3_sockets = \"2\"\n"));
+    assert!(
+        server.log().contains("h3: one quinn endpoint per UDP socket"),
+        "the server did not report its two sockets:\n{}",
+        server.log()
+    );
+    (server, admin)
+}
+
+/// (received, misrouted, dropped) for socket `i`.
+fn socket(s: &Scrape, i: usize) -> (f64, f64, f64) {
+    let v = |family: &str| {
+        s.value(&format!(
+            "webship_quic_socket_{family}_datagrams_total{{socket=\"{i}\"}}"
+        ))
+    };
+    (v("received"), v("misrouted"), v("misrouted_dropped"))
+}
+
+/// Sixteen connections, each from its own client port, download at once, byte-exact;
+/// both sockets carried some (all sixteen on one has odds of 2 in 65,536), and no
+/// datagram reached a socket other than its connection's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_spread_over_the_sockets_and_stay_on_theirs() {
+    let env = Env::new();
+    let body = pattern(512 * 1024 + 7);
+    env.write("half.bin", &body);
+    let digest: [u8; 32] = Sha256::digest(&body).into();
+    let (server, admin) = two_sockets(&env);
+    let tls = env.client(b"h3");
+    let downloads: Vec<_> = (0..16)
+        .map(|_| {
+            let tls = tls.clone();
+            let addr = server.addr();
+            tokio::spawn(async move {
+                let mut h3 = H3Client::connect(addr, HOST, &tls, &H3Options::default())
+                    .await
+                    .unwrap();
+                let got = h3.fetch("GET", "/half.bin", &[]).await;
+                h3.close().await;
+                got
+            })
+        })
+        .collect();
+    for download in downloads {
+        let got = download.await.unwrap();
+        assert_eq!((got.status.as_u16(), got.len), (200, body.len() as u64));
+        assert_eq!(got.sha256, digest, "a body differs from the file");
+    }
+    let s = Scrape::take(admin);
+    let (a, b) = (socket(&s, 0), socket(&s, 1));
+    assert!(
+        a.0 > 0.0 && b.0 > 0.0,
+        "one socket read nothing (socket 0: {a:?}, socket 1: {b:?}): the kernel did not spread the connections"
+    );
+    assert_eq!(
+        (a.1, b.1),
+        (0.0, 0.0),
+        "datagrams reached a socket other than their connection's"
+    );
+    assert!(s
+        .get("webship_quic_socket_received_datagrams_total{socket=\"2\"}")
+        .is_none());
+}
+
+/// One connection whose client moves to a new port again and again: between
+/// requests until a move lands its datagrams on the other socket (counted as
+/// misrouted and handed over, none dropped), then once more in the middle of a
+/// download. Every response arrives byte-exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_changes_its_port_keeps_its_connection() {
+    let env = Env::new();
+    let small = pattern(64 * 1024);
+    let big = pattern(8 * MIB as usize);
+    env.write("small.bin", &small);
+    env.write("big.bin", &big);
+    let (server, admin) = two_sockets(&env);
+    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap();
+    let misrouted = || {
+        let s = Scrape::take(admin);
+        socket(&s, 0).1 + socket(&s, 1).1
+    };
+    let rebind = |h3: &H3Client| {
+        let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        h3.endpoint().rebind(socket).unwrap();
+    };
+    let mut moves = 0;
+    // Each move lands on the other socket with odds of one in two: 24 misses in a
+    // row have odds of one in sixteen million.
+    while misrouted() == 0.0 && moves < 24 {
+        rebind(&h3);
+        moves += 1;
+        let got = tokio::time::timeout(Duration::from_secs(20), h3.fetch("GET", "/small.bin", &[]))
+            .await
+            .unwrap_or_else(|_| panic!("no response within 20 s after move {moves}"));
+        assert_eq!(got.body, small, "after move {moves}");
+    }
+    assert!(
+        misrouted() > 0.0,
+        "{moves} port changes and no datagram ever reached the other socket"
+    );
+
+    let (parts, mut stream) = h3.send("GET", "/big.bin", &[]).await.unwrap();
+    assert_eq!(parts.status, 200);
+    let mut sink = Collect::default();
+    let mut first = tokio::time::timeout(Duration::from_secs(10), stream.recv_data())
+        .await
+        .expect("no body within 10 s")
+        .unwrap()
+        .expect("the body ended at once");
+    Sink::update(&mut sink, &first.copy_to_bytes(first.remaining()));
+    rebind(&h3);
+    tokio::time::timeout(Duration::from_secs(60), recv_body(&mut stream, &mut sink))
+        .await
+        .expect("the download stalled after the move")
+        .unwrap();
+    let got = sink.into_fetched(parts);
+    assert_eq!(got.len, big.len() as u64);
+    assert_eq!(got.sha256, <[u8; 32]>::from(Sha256::digest(&big)));
+    let s = Scrape::take(admin);
+    assert_eq!(
+        (socket(&s, 0).2, socket(&s, 1).2),
+        (0.0, 0.0),
+        "misrouted datagrams were dropped"
+    );
+    h3.close().await;
+}
+
+/// A takeover between processes with several sockets each: `old` sockets before,
+/// `new` asked for after (the successor serves on every inherited socket, and binds
+/// more if asked). Downloads under way on eight connections from before finish
+/// byte-exact from the old process (the new one forwards their datagrams to it, and
+/// the old one's pair reader hands each to the socket that owns it); a new
+/// connection reaches the new process.
+async fn takeover(old: u16, new: u16) {
+    let env = Env::new();
+    env.write("which.txt", b"old");
+    let big = pattern(4 * MIB as usize + 3);
+    env.write("big.bin", &big);
+    let control = env.dir.path().join("control.sock");
+    let mut old_server = env.start(&format!(
+        "control_socket = \"{}\"\n[limits]\nshutdown_grace_secs = 30\nidle_timeout_secs = 5\n\
+         [runtime.settings]\nh3_sockets = \"{old}\"\n",
+        control.display()
+    ));
+    let port = old_server.port;
+    let tls = env.client(b"h3");
+    // Small windows: most of each body must be sent (and acknowledged) after the
+    // takeover, through the new process.
+    let small_windows = H3Options {
+        stream_window: 256 << 10,
+        window: 1 << 20,
+        ..H3Options::default()
+    };
+    let mut before = Vec::new();
+    for _ in 0..8 {
+        let mut h3 = H3Client::connect(old_server.addr(), HOST, &tls, &small_windows)
+            .await
+            .unwrap();
+        // The first bytes only: the rest waits on the client's flow control.
+        let (parts, mut stream) = h3.send("GET", "/big.bin", &[]).await.unwrap();
+        assert_eq!(parts.status, 200);
+        let mut sink = Collect::default();
+        let mut first = tokio::time::timeout(Duration::from_secs(10), stream.recv_data())
+            .await
+            .expect("no body within 10 s")
+            .unwrap()
+            .expect("the body ended at once");
+        Sink::update(&mut sink, &first.copy_to_bytes(first.remaining()));
+        before.push((h3, parts, stream, sink));
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::write(root.join("which.txt"), b"new").unwrap();
+    let config = dir.path().join("webship.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n\n[limits]\nshutdown_grace_secs = 30\n\
+             [runtime.settings]\nh3_sockets = \"{new}\"\n\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n\
+             [sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            control.display(),
+            root.display(),
+            env.cert.display(),
+            env.key.display()
+        ),
+    )
+    .unwrap();
+    let mut new_server = Server::spawn(
+        dir.path(),
+        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new_server.wait_listening();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let fresh = fetch_h3(old_server.addr(), HOST, tls.clone(), "GET", "/which.txt", &[]).await;
+        if fresh.body == b"new" {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no new h3 connection reached the new process; its log:\n{}",
+            new_server.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let digest = <[u8; 32]>::from(Sha256::digest(&big));
+    for (i, (h3, parts, mut stream, mut sink)) in before.into_iter().enumerate() {
+        tokio::time::timeout(Duration::from_secs(30), recv_body(&mut stream, &mut sink))
+            .await
+            .unwrap_or_else(|_| panic!("download {i} from before the takeover stalled"))
+            .unwrap();
+        let got = sink.into_fetched(parts);
+        assert_eq!((got.len, got.sha256), (big.len() as u64, digest), "download {i}");
+        drop(stream);
+        h3.close().await;
+    }
+    let exit = old_server.wait_exit(Duration::from_secs(30));
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "the old process did not drain and exit ({exit:?}):\n{}",
+        old_server.log()
+    );
+    let log = new_server.log();
+    let sockets = format!("sockets={}", old.max(new));
+    assert!(
+        log.contains("h3: one quinn endpoint per UDP socket") && log.contains(&sockets),
+        "the new process does not serve on {sockets}:\n{log}"
+    );
+    assert!(log.contains("takeover: the previous process has exited"), "{log}");
+    new_server.terminate();
+    assert!(new_server.wait_exit(Duration::from_secs(30)).is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_hands_over_every_socket_and_may_add_some() {
+    takeover(2, 3).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_asking_for_fewer_sockets_still_reads_every_inherited_one() {
+    takeover(2, 1).await;
+}
