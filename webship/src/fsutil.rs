@@ -8,6 +8,7 @@
 //! `tokio::task::spawn_blocking`.
 
 use std::io::{self, Write};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -142,48 +143,94 @@ pub(crate) fn chown_dir_nofollow(dir: &Path, uid: u32, gid: u32) -> io::Result<(
     std::os::unix::fs::fchown(&fd, Some(uid), Some(gid))
 }
 
-/// Gives `dir`, and what lies up to `levels` folders below it, to `uid:gid`, walking
-/// by descriptor. The account that will own the tree may already own it (a restart)
-/// and swap any folder in it for a symlink while root walks: so every entry is opened
-/// with `O_NOFOLLOW` through its folder's descriptor (`/proc/self/fd/N` names the
-/// folder the descriptor holds, whatever its old path names by now) and chowned
-/// through its own descriptor. Symlinks are left as they are, never followed;
-/// entries that vanish meanwhile, and sockets, are skipped.
+/// Gives `dir`, and what lies up to `levels` folders below it, to `uid:gid`.
+///
+/// The account may already own the tree (any restart after the first) and act
+/// while root walks it: swap a folder for a symlink, or plant a hard link to a file
+/// of root's. So the walk is by descriptor (each entry opened `O_PATH | O_NOFOLLOW`
+/// in its folder's descriptor, a folder re-opened through its own, every chown
+/// through the entry's descriptor: no path is resolved twice), and ownership decides
+/// what is touched: in a folder only root can write (root's, no group or other
+/// write), every folder and regular file is given; in a folder the account can
+/// write, only what already is the account's (a file owned by anyone else there may
+/// be a planted link: it is left as it is, with a warning). Symlinks, FIFOs,
+/// sockets and devices are never given. Children go before their folder, so a
+/// folder of root's is still root's while its entries are given.
 pub(crate) fn give_tree_nofollow(dir: &Path, uid: u32, gid: u32, levels: usize) -> io::Result<()> {
-    give_below(open_nofollow(dir, true)?, uid, gid, levels)
+    use rustix::fs::{Mode, OFlags};
+    let top = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    // The configured folder itself is the operator's choice: trusted.
+    Heir { uid, gid }.give(&top, dir, true, levels)
 }
 
-fn open_nofollow(path: &Path, dir: bool) -> io::Result<std::fs::File> {
-    let mut flags = libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY;
-    if dir {
-        flags |= libc::O_DIRECTORY;
-    }
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(flags)
-        .open(path)
+/// Who [`give_tree_nofollow`] hands a tree to.
+struct Heir {
+    uid: u32,
+    gid: u32,
 }
 
-fn give_below(folder: std::fs::File, uid: u32, gid: u32, levels: usize) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    std::os::unix::fs::fchown(&folder, Some(uid), Some(gid))?;
-    if levels == 0 {
-        return Ok(());
-    }
-    let through = PathBuf::from(format!("/proc/self/fd/{}", folder.as_raw_fd()));
-    for entry in std::fs::read_dir(&through)? {
-        let child = match open_nofollow(&through.join(entry?.file_name()), false) {
-            Ok(child) => child,
-            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOENT | libc::ENXIO)) => continue,
-            Err(e) => return Err(e),
-        };
-        if child.metadata()?.is_dir() {
-            give_below(child, uid, gid, levels - 1)?;
-        } else {
-            std::os::unix::fs::fchown(&child, Some(uid), Some(gid))?;
+impl Heir {
+    /// Gives `entry` (found in a folder only root can write when `trusted`) and, if
+    /// it is a folder, what it holds `levels` deep.
+    fn give(
+        &self,
+        entry: &std::os::fd::OwnedFd,
+        path: &Path,
+        trusted: bool,
+        levels: usize,
+    ) -> io::Result<()> {
+        use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+        let st = rustix::fs::fstat(entry)?;
+        if !trusted && st.st_uid != self.uid {
+            tracing::warn!(
+                path = %path.display(),
+                owner = st.st_uid,
+                "not handed to the service account: owned by another user in a folder that account can write (a link it planted?); left as it is"
+            );
+            return Ok(());
         }
+        match FileType::from_raw_mode(st.st_mode) {
+            FileType::Directory if levels > 0 => {
+                let root_only = st.st_uid == 0 && st.st_mode & 0o022 == 0;
+                let folder = rustix::fs::openat(
+                    entry,
+                    c".",
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )?;
+                for item in rustix::fs::Dir::read_from(&folder)? {
+                    let item = item?;
+                    let name = item.file_name();
+                    if name == c"." || name == c".." {
+                        continue;
+                    }
+                    let flags = OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+                    let child = match rustix::fs::openat(&folder, name, flags, Mode::empty()) {
+                        Ok(child) => child,
+                        // Gone meanwhile.
+                        Err(rustix::io::Errno::NOENT) => continue,
+                        Err(e) => return Err(e.into()),
+                    };
+                    let name = std::ffi::OsStr::from_bytes(name.to_bytes());
+                    self.give(&child, &path.join(name), root_only, levels - 1)?;
+                }
+            }
+            FileType::Directory | FileType::RegularFile => {}
+            _ => return Ok(()),
+        }
+        if st.st_uid != self.uid || st.st_gid != self.gid {
+            let (uid, gid) = (
+                rustix::fs::Uid::from_raw(self.uid),
+                rustix::fs::Gid::from_raw(self.gid),
+            );
+            rustix::fs::chownat(entry, c"", Some(uid), Some(gid), AtFlags::EMPTY_PATH)?;
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -347,5 +394,30 @@ mod tests {
             owner, 0,
             "root chowned a file outside the storage folder after {walks} walks"
         );
+    }
+
+    /// A hard link the account plants to a file of root's (possible for any file with
+    /// `fs.protected_hardlinks = 0`) is not chowned: in a folder the account can
+    /// write, only what is already the account's is touched.
+    #[test]
+    fn a_hard_link_to_roots_file_in_the_accounts_folder_is_left_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        if std::fs::metadata(tmp.path()).unwrap().uid() != 0 {
+            eprintln!("skipped: needs root to chown");
+            return;
+        }
+        let (uid, gid) = (65534, 65534);
+        let storage = tmp.path().join("storage");
+        std::fs::create_dir_all(storage.join("acct")).unwrap();
+        std::fs::write(storage.join("acct/key"), b"k").unwrap();
+        // The first start: root made all of it, and hands it over whole.
+        give_tree_nofollow(&storage, uid, gid, 3).unwrap();
+        assert_eq!(std::fs::metadata(storage.join("acct/key")).unwrap().uid(), uid);
+        // Then the account links a file of root's into its folder.
+        std::fs::write(tmp.path().join("secret"), b"root's").unwrap();
+        std::fs::hard_link(tmp.path().join("secret"), storage.join("acct/x")).unwrap();
+        std::fs::hard_link(tmp.path().join("secret"), storage.join("y")).unwrap();
+        let _ = give_tree_nofollow(&storage, uid, gid, 3);
+        assert_eq!(std::fs::metadata(tmp.path().join("secret")).unwrap().uid(), 0);
     }
 }

@@ -624,7 +624,8 @@ fn slot_facts(slot: &CertSlot) -> Option<CertFacts> {
 /// Creates every ACME storage folder of `config` (0700) and, when the daemon
 /// switches to a service account, hands it the folder and what is in it, so the
 /// manager (which runs as that account) can write there. Links are not followed,
-/// even one the account swaps in during the walk (`fsutil::give_tree_nofollow`).
+/// even one the account swaps in during the walk, and what the account could have
+/// planted is left alone (`fsutil::give_tree_nofollow`).
 pub(crate) fn prepare_storage(config: &crate::config::Config, ids: Option<(u32, u32)>) {
     let mut folders: Vec<&std::path::Path> = config
         .sites
@@ -647,7 +648,8 @@ pub(crate) fn prepare_storage(config: &crate::config::Config, ids: Option<(u32, 
     }
 }
 
-/// How deep the handover walks: the layout is two levels below the storage folder.
+/// How deep the handover walks: the deepest files, `certs/<names>-<tag>/key.pem`,
+/// are three levels below the storage folder.
 const STORAGE_LEVELS: usize = 3;
 
 /// `webship_acme_*`: orders that succeeded and failed since start.
