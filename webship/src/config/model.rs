@@ -680,6 +680,9 @@ pub struct H3Settings {
     pub bbr_switch_bytes: u64,
     /// Address validation (Retry) for every new connection, not only under load.
     pub always_retry: bool,
+    /// Cross-connection send batching: the longest a QUIC packet waits in the
+    /// socket's send queue, in microseconds (0: off, each connection sends itself).
+    pub send_batch_delay_us: u64,
 }
 
 /// Process-wide HTTP/2 settings for proxied streams, validated now, used by the proxy

@@ -15,6 +15,7 @@
 //! arrive within `header_read_timeout`; a connection without a request for
 //! `idle_timeout` closes, whatever PINGs keep QUIC alive.
 
+pub(crate) mod batch;
 pub(crate) mod congestion;
 mod fields;
 pub(crate) mod generation;
@@ -146,6 +147,7 @@ impl H3Endpoint {
         let key = GenerationKey::random().map_err(bind_err)?;
         let quic = QuicSocket::new(socket).map_err(bind_err)?;
         quic.allow_datagrams_up_to(settings.mtu_upper_bound_bytes);
+        quic.batch_sends(settings.send_batch_delay_us).map_err(bind_err)?;
         let mut config = quinn::EndpointConfig::default();
         config.cid_generator(move || Box::new(CidGenerator::new(key)));
         let endpoint = quinn::Endpoint::new_with_abstract_socket(
@@ -239,6 +241,10 @@ impl H3Endpoint {
             self.handover
                 .socket
                 .allow_datagrams_up_to(drivers.h3.mtu_upper_bound_bytes);
+            // A reload may turn batching on or off; what is queued still leaves.
+            if let Err(e) = self.handover.socket.batch_sends(drivers.h3.send_batch_delay_us) {
+                tracing::warn!(error = %e, "h3: cannot batch sends; sending per connection");
+            }
             let peer = incoming.remote_address();
             let cid = incoming.orig_dst_cid();
             match incoming.accept_with(Arc::new(config)) {

@@ -197,5 +197,6 @@ impl Collector for Metrics {
             out.family(name, Kind::Histogram, help);
             values.write(out, &[]);
         }
+        super::batch::write_metrics(out);
     }
 }
