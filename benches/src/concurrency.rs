@@ -1,7 +1,9 @@
 //! `concurrency`: many downloads at once — 1, 16 and 256 concurrent GETs of one
 //! file over a single HTTP/2 connection and a single HTTP/3 connection, and over
-//! 256 HTTP/1.1 connections — giving aggregate throughput, p50/p99 time to last
-//! byte and the server's peak RSS: the figures behind the `runtime.settings` advice.
+//! as many HTTP/1.1 and HTTP/3 connections — giving aggregate throughput, p50/p99
+//! time to last byte, the server's CPU per GB and peak RSS: the figures behind the
+//! `runtime.settings` advice. With `--h3-batch-delays`, one Webship per
+//! `h3_send_batch_delay_us` value serves the h3 rows, interleaved in one run.
 //!
 //! The client (the test kit's, sized for bulk downloads) runs in this process on a
 //! current-thread runtime (one core, like the server's one worker by default).
@@ -43,6 +45,14 @@ pub(crate) struct ConcurrencyArgs {
     pub workers: u32,
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
+    /// `h3_send_batch_delay_us` values, comma-separated: one Webship each, every h3
+    /// row run against each (h1 and h2 rows against the first).
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub h3_batch_delays: Vec<u64>,
+    /// Protocols to run, comma-separated, of h1, h2, h3 (one connection), h3n (a
+    /// connection each).
+    #[arg(long, value_delimiter = ',', default_value = "h1,h2,h3,h3n")]
+    pub protos: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +62,8 @@ enum Proto {
     /// All downloads on one connection.
     H2,
     H3,
+    /// One h3 connection per download (cross-connection batching acts here).
+    H3Each,
 }
 
 impl Proto {
@@ -60,6 +72,7 @@ impl Proto {
             Self::H1 => "h1 (a connection each)",
             Self::H2 => "h2 (one connection)",
             Self::H3 => "h3 (one connection)",
+            Self::H3Each => "h3 (a connection each)",
         }
     }
 
@@ -68,6 +81,7 @@ impl Proto {
             Self::H1 => "h1",
             Self::H2 => "h2",
             Self::H3 => "h3",
+            Self::H3Each => "h3n",
         }
     }
 }
@@ -90,24 +104,29 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     data.truncate(usize::try_from(size)?);
     fs::write(root.join(FILE), &data)?;
     drop(data);
-    let spec = WebshipSpec {
-        name: "webship",
-        binary: &args.webship,
-        ktls: "auto",
-        runtime: Vec::new(),
-        scraped: false,
-    };
-    let server = servers::start_webship(
-        &spec,
-        &Settings {
+    let mut servers = Vec::new();
+    for &delay in &args.h3_batch_delays {
+        let name: &'static str = Box::leak(format!("webship-batch{delay}").into_boxed_str());
+        let spec = WebshipSpec {
+            name,
+            binary: &args.webship,
+            ktls: "auto",
+            runtime: vec![("h3_send_batch_delay_us", delay.to_string())],
+            scraped: false,
+        };
+        let settings = Settings {
             root,
             identity,
             workers: args.workers,
-            dir: &stage.dir("webship")?,
+            dir: &stage.dir(name)?,
             hold: None,
-        },
-    )?;
-    let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
+        };
+        servers.push((delay, servers::start_webship(&spec, &settings)?));
+    }
+    let protos: Vec<Proto> = [Proto::H1, Proto::H2, Proto::H3, Proto::H3Each]
+        .into_iter()
+        .filter(|p| args.protos.iter().any(|a| a == p.short()))
+        .collect();
     let tls = client_config(
         webship_testkit::pki::roots_from_pem(&identity.ca)?,
         rustls::DEFAULT_VERSIONS,
@@ -134,43 +153,54 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     );
     let _ = writeln!(
         report,
-        "| protocol | concurrent | aggregate MiB/s | p50 TTLB ms | p99 TTLB ms | server peak RSS MiB |"
+        "| protocol | h3 batch µs | concurrent | aggregate MiB/s | p50 TTLB ms | p99 TTLB ms | server CPU-s/GB | server peak RSS MiB |"
     );
-    let _ = writeln!(report, "|---|---:|---:|---:|---:|---:|");
-    for proto in [Proto::H1, Proto::H2, Proto::H3] {
-        for &n in &args.levels {
+    let _ = writeln!(report, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    let ticks = crate::proc::clock_ticks_per_second();
+    for &n in &args.levels {
+        for proto in protos.iter().copied() {
             if proto == Proto::H1 && n > 256 {
                 continue;
             }
-            let rss = RssWatch::start(server.pid());
-            let start = Instant::now();
-            let times = runtime
-                .block_on(async {
-                    tokio::time::timeout(DEADLINE, downloads(proto, n, addr, &tls, size)).await
-                })
-                .map_err(|_| anyhow!("{} × {n}: not done within {DEADLINE:?}", proto.label()))??;
-            let total = start.elapsed().as_secs_f64();
-            let peak = rss.finish();
-            let mut ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
-            ms.sort_by(f64::total_cmp);
-            let pct = |p: f64| ms[((ms.len() as f64 * p).ceil() as usize).clamp(1, ms.len()) - 1];
-            let mibs = (n as u64 * size) as f64 / total / 1_048_576.0;
-            let (p50, p99, rss_mib) = (pct(0.50), pct(0.99), peak as f64 / 1024.0);
-            let line = format!(
-                "| {} | {n} | {mibs:.1} | {p50:.0} | {p99:.0} | {rss_mib:.1} |",
-                proto.label()
-            );
-            eprintln!("concurrency: {line}");
-            let _ = writeln!(report, "{line}");
-            json.push(json!({
-                "protocol": proto.label(),
-                "concurrent": n,
-                "aggregate_mib_s": fixed(mibs, 3),
-                "p50_ttlb_ms": fixed(p50, 1),
-                "p99_ttlb_ms": fixed(p99, 1),
-                "server_peak_rss_mib": fixed(rss_mib, 1),
-            }));
-            bars.push((format!("concurrency {} × {n}", proto.short()), mibs));
+            let h3 = matches!(proto, Proto::H3 | Proto::H3Each);
+            for (delay, server) in servers.iter().take(if h3 { usize::MAX } else { 1 }) {
+                let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
+                let rss = RssWatch::start(server.pid());
+                let cpu = crate::proc::cpu_ticks(server.pid());
+                let start = Instant::now();
+                let times = runtime
+                    .block_on(async {
+                        tokio::time::timeout(DEADLINE, downloads(proto, n, addr, &tls, size)).await
+                    })
+                    .map_err(|_| anyhow!("{} × {n}: not done within {DEADLINE:?}", proto.label()))??;
+                let total = start.elapsed().as_secs_f64();
+                let cpu_s = (crate::proc::cpu_ticks(server.pid()) - cpu) as f64 / ticks;
+                let peak = rss.finish();
+                let mut ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+                ms.sort_by(f64::total_cmp);
+                let pct = |p: f64| ms[((ms.len() as f64 * p).ceil() as usize).clamp(1, ms.len()) - 1];
+                let mibs = (n as u64 * size) as f64 / total / 1_048_576.0;
+                let (p50, p99, rss_mib) = (pct(0.50), pct(0.99), peak as f64 / 1024.0);
+                let cpu_gb = cpu_s / ((n as u64 * size) as f64 / 1e9);
+                let batch = if h3 { delay.to_string() } else { "—".to_owned() };
+                let line = format!(
+                    "| {} | {batch} | {n} | {mibs:.1} | {p50:.1} | {p99:.1} | {cpu_gb:.2} | {rss_mib:.1} |",
+                    proto.label()
+                );
+                eprintln!("concurrency: {line}");
+                let _ = writeln!(report, "{line}");
+                json.push(json!({
+                    "protocol": proto.label(),
+                    "concurrent": n,
+                    "h3_send_batch_delay_us": h3.then_some(*delay),
+                    "server_cpu_s_per_gb": fixed(cpu_gb, 3),
+                    "aggregate_mib_s": fixed(mibs, 3),
+                    "p50_ttlb_ms": fixed(p50, 1),
+                    "p99_ttlb_ms": fixed(p99, 1),
+                    "server_peak_rss_mib": fixed(rss_mib, 1),
+                }));
+                bars.push((format!("concurrency {} × {n} batch {batch}", proto.short()), mibs));
+            }
         }
     }
     // The client's connections close before the server is asked to stop.
@@ -217,6 +247,21 @@ async fn downloads(
                 set.spawn(async move { get(&mut conn, &path).await });
             }
             h2 = Some(conn);
+        }
+        Proto::H3Each => {
+            for _ in 0..n {
+                let (tls, path) = (tls.clone(), path.clone());
+                set.spawn(async move {
+                    let client = H3Client::connect(addr, "localhost", &tls, &H3Options::bulk()).await?;
+                    let (head, mut stream) =
+                        request(&mut client.send.clone(), &client.origin(), "GET", &path, &[]).await?;
+                    ensure!(head.status == 200, "h3 status {}", head.status);
+                    let mut check = FixtureCheck::default();
+                    recv_body(&mut stream, &mut check).await?;
+                    client.close().await;
+                    Ok(check)
+                });
+            }
         }
         Proto::H3 => {
             let client = H3Client::connect(addr, "localhost", tls, &H3Options::bulk()).await?;

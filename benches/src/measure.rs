@@ -599,6 +599,8 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 levels: vec![1, 16, 256],
                 workers: args.workers,
                 cache_dir: Some(cache.join("root")),
+                h3_batch_delays: vec![0],
+                protos: ["h1", "h2", "h3", "h3n"].map(String::from).to_vec(),
             }),
             Scenario::Connections => crate::connections::measure(&ConnectionsArgs {
                 webship: args.webship.clone(),
