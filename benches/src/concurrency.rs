@@ -6,7 +6,8 @@
 //! `h3_send_batch_delay_us` value serves the h3 rows, interleaved in one run.
 //!
 //! The client (the test kit's, sized for bulk downloads) runs in this process on a
-//! current-thread runtime (one core, like the server's one worker by default).
+//! current-thread runtime (one core, like the server's one worker by default); its
+//! CPU per GB is in the table, so a row the client limits shows as one.
 //! Every body is compared with the fixture byte for byte as it arrives; a run
 //! counts only when every download was exact.
 
@@ -153,9 +154,9 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     );
     let _ = writeln!(
         report,
-        "| protocol | h3 batch µs | concurrent | aggregate MiB/s | p50 TTLB ms | p99 TTLB ms | server CPU-s/GB | server peak RSS MiB |"
+        "| protocol | h3 batch µs | concurrent | aggregate MiB/s | p50 TTLB ms | p99 TTLB ms | server CPU-s/GB | client CPU-s/GB | server peak RSS MiB |"
     );
-    let _ = writeln!(report, "|---|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(report, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let ticks = crate::proc::clock_ticks_per_second();
     for &n in &args.levels {
         for proto in protos.iter().copied() {
@@ -167,6 +168,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
                 let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
                 let rss = RssWatch::start(server.pid());
                 let cpu = crate::proc::cpu_ticks(server.pid());
+            let client_cpu = crate::proc::cpu_ticks(std::process::id());
                 let start = Instant::now();
                 let times = runtime
                     .block_on(async {
@@ -175,16 +177,19 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
                     .map_err(|_| anyhow!("{} × {n}: not done within {DEADLINE:?}", proto.label()))??;
                 let total = start.elapsed().as_secs_f64();
                 let cpu_s = (crate::proc::cpu_ticks(server.pid()) - cpu) as f64 / ticks;
+            let client_s =
+                (crate::proc::cpu_ticks(std::process::id()) - client_cpu) as f64 / ticks;
                 let peak = rss.finish();
                 let mut ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
                 ms.sort_by(f64::total_cmp);
                 let pct = |p: f64| ms[((ms.len() as f64 * p).ceil() as usize).clamp(1, ms.len()) - 1];
                 let mibs = (n as u64 * size) as f64 / total / 1_048_576.0;
                 let (p50, p99, rss_mib) = (pct(0.50), pct(0.99), peak as f64 / 1024.0);
-                let cpu_gb = cpu_s / ((n as u64 * size) as f64 / 1e9);
+                let gb = (n as u64 * size) as f64 / 1e9;
+            let (cpu_gb, client_gb) = (cpu_s / gb, client_s / gb);
                 let batch = if h3 { delay.to_string() } else { "—".to_owned() };
                 let line = format!(
-                    "| {} | {batch} | {n} | {mibs:.1} | {p50:.1} | {p99:.1} | {cpu_gb:.2} | {rss_mib:.1} |",
+                    "| {} | {batch} | {n} | {mibs:.1} | {p50:.1} | {p99:.1} | {cpu_gb:.2} | {client_gb:.2} | {rss_mib:.1} |",
                     proto.label()
                 );
                 eprintln!("concurrency: {line}");
@@ -194,6 +199,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
                     "concurrent": n,
                     "h3_send_batch_delay_us": h3.then_some(*delay),
                     "server_cpu_s_per_gb": fixed(cpu_gb, 3),
+                "client_cpu_s_per_gb": fixed(client_gb, 3),
                     "aggregate_mib_s": fixed(mibs, 3),
                     "p50_ttlb_ms": fixed(p50, 1),
                     "p99_ttlb_ms": fixed(p99, 1),

@@ -168,7 +168,7 @@ fn h3_settings() {
         ))
         .unwrap();
     assert_eq!(config.h3.send_batch_delay_us, 250);
-    assert_eq!(f.parse(&format!("{base}")).unwrap().h3.send_batch_delay_us, 0);
+    assert_eq!(f.parse(base).unwrap().h3.send_batch_delay_us, 0);
     assert!(!config.h3.gso);
     assert!(config.h3.always_retry);
     assert_eq!(config.h3.mtu_upper_bound_bytes, 9000);
