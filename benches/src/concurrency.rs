@@ -180,7 +180,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
                 let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
                 let rss = RssWatch::start(server.pid());
                 let cpu = crate::proc::cpu_ticks(server.pid());
-            let client_cpu = crate::proc::cpu_ticks(std::process::id());
+                let client_cpu = crate::proc::cpu_ticks(std::process::id());
                 let start = Instant::now();
                 let times = runtime
                     .block_on(async {
@@ -188,10 +188,9 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
                     })
                     .map_err(|_| anyhow!("{} × {n}: not done within {DEADLINE:?}", proto.label()))??;
                 // Up to the last byte: closing the connections afterwards is not counted.
-            let total = times.iter().max().map_or(start.elapsed(), |t| *t).as_secs_f64();
+                let total = times.iter().max().map_or(start.elapsed(), |t| *t).as_secs_f64();
                 let cpu_s = (crate::proc::cpu_ticks(server.pid()) - cpu) as f64 / ticks;
-            let client_s =
-                (crate::proc::cpu_ticks(std::process::id()) - client_cpu) as f64 / ticks;
+                let client_s = (crate::proc::cpu_ticks(std::process::id()) - client_cpu) as f64 / ticks;
                 let peak = rss.finish();
                 let mut ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
                 ms.sort_by(f64::total_cmp);
@@ -199,7 +198,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
                 let mibs = (n as u64 * size) as f64 / total / 1_048_576.0;
                 let (p50, p99, rss_mib) = (pct(0.50), pct(0.99), peak as f64 / 1024.0);
                 let gb = (n as u64 * size) as f64 / 1e9;
-            let (cpu_gb, client_gb) = (cpu_s / gb, client_s / gb);
+                let (cpu_gb, client_gb) = (cpu_s / gb, client_s / gb);
                 let batch = if h3 { delay.to_string() } else { "—".to_owned() };
                 let line = format!(
                     "| {} | {batch} | {n} | {mibs:.1} | {p50:.1} | {p99:.1} | {cpu_gb:.2} | {client_gb:.2} | {rss_mib:.1} |",
