@@ -153,6 +153,17 @@ impl Batcher {
         t: &Transmit<'_>,
         direct: impl FnOnce(&Transmit<'_>) -> io::Result<()>,
     ) -> io::Result<()> {
+        let fd = self.fd.get_ref().as_fd();
+        self.send_with(t, direct, |q| udp::sendmmsg(fd, &q.bytes, q.pending()))
+    }
+
+    /// [`Batcher::send`] with the system call given (tests give a full socket).
+    fn send_with(
+        &self,
+        t: &Transmit<'_>,
+        direct: impl FnOnce(&Transmit<'_>) -> io::Result<()>,
+        mut sendmmsg: impl FnMut(&Queue) -> io::Result<usize>,
+    ) -> io::Result<()> {
         if !self.active() {
             return direct(t);
         }
@@ -162,7 +173,7 @@ impl Batcher {
         }
         let mut q = lock(&self.queue);
         if !q.fits(t.contents.len()) {
-            if let Err(e) = self.flush(&mut q) {
+            if let Err(e) = self.flush_with(&mut q, &mut sendmmsg) {
                 self.blocked.store(true, Ordering::Relaxed);
                 REFUSED.fetch_add(1, Ordering::Relaxed);
                 return Err(e);
@@ -175,7 +186,7 @@ impl Batcher {
         }
         if q.msgs.len() == MAX_MESSAGES {
             // Sent now if the socket takes it; otherwise the task sends it later.
-            let _ = self.flush(&mut q);
+            let _ = self.flush_with(&mut q, &mut sendmmsg);
         }
         self.queued.store(q.pending().len(), Ordering::Release);
         if first {
@@ -435,6 +446,40 @@ mod tests {
         let odds: Vec<u32> = (1..MAX_MESSAGES as u32).step_by(2).collect();
         assert_eq!(received(&ra), evens);
         assert_eq!(received(&rb), odds);
+    }
+
+    /// Queue full and socket full: the next transmit is refused (quinn keeps it), the
+    /// drivers' poller waits, and once the task has sent the queue they may go on.
+    #[tokio::test]
+    async fn a_full_queue_on_a_full_socket_refuses_until_the_queue_has_left() {
+        let b = batcher(1000);
+        let (r, a) = receiver();
+        let full = |_: &Queue| -> io::Result<usize> { Err(io::ErrorKind::WouldBlock.into()) };
+        for i in 0..MAX_MESSAGES as u32 {
+            b.send_with(&transmit(a, &i.to_be_bytes()), |_| panic!("direct"), full)
+                .unwrap();
+        }
+        assert_eq!(b.queued.load(Ordering::Relaxed), MAX_MESSAGES);
+        let refused = b
+            .send_with(&transmit(a, &99u32.to_be_bytes()), |_| panic!("direct"), full)
+            .unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::WouldBlock);
+        let mut poller = b.poller();
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(
+            poller.poll_writable(&mut cx).is_pending(),
+            "a refused driver must wait"
+        );
+        // The flushing task (the socket is really writable) sends the queue.
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            std::future::poll_fn(|cx| poller.poll_writable(cx)),
+        )
+        .await
+        .expect("the poller was not woken when the queue left")
+        .unwrap();
+        assert_eq!(b.queued.load(Ordering::Relaxed), 0);
+        assert_eq!(received(&r), (0..MAX_MESSAGES as u32).collect::<Vec<_>>());
     }
 
     #[tokio::test]
