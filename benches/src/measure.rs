@@ -627,10 +627,11 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 mib: 8,
                 levels: vec![1, 16, 256],
                 workers: args.workers,
-                protocols: ["h1", "h2", "h3"].map(String::from).to_vec(),
                 h3_sockets: 1,
                 client_threads: 1,
                 cache_dir: Some(cache.join("root")),
+                h3_batch_delays: vec![0],
+                protos: ["h1", "h2", "h3", "h3n"].map(String::from).to_vec(),
             }),
             Scenario::Connections => crate::connections::measure(&ConnectionsArgs {
                 webship: args.webship.clone(),

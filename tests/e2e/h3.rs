@@ -11,11 +11,24 @@ use webship_tests::{fixture, Server, FIXTURE_LEN};
 
 use crate::support::{aioquic_fetch, assert_rss_within, pattern, Env, HOST, MIB};
 
+/// Cross-connection send batching on (`h3_send_batch_delay_us`): the `_batched`
+/// twins below run the same clients against it.
+const BATCHED: &str = "[runtime.settings]\nh3_send_batch_delay_us = \"1000\"\n";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fixture_with_quinn_h3_client() {
+    quinn_fixture("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fixture_with_quinn_h3_client_batched() {
+    quinn_fixture(BATCHED).await;
+}
+
+async fn quinn_fixture(config: &str) {
     let env = Env::new();
     fixture().place(&env.root, "fixture.bin").unwrap();
-    let server = env.start("");
+    let server = env.start(config);
     let got = fetch_h3(server.addr(), HOST, env.client(b"h3"), "GET", "/fixture.bin", &[]).await;
     assert_eq!(got.status, 200);
     assert_eq!(got.header("content-length"), FIXTURE_LEN.to_string());
@@ -25,10 +38,19 @@ async fn fixture_with_quinn_h3_client() {
 
 #[test]
 fn fixture_with_aioquic() {
+    aioquic_fixture("");
+}
+
+#[test]
+fn fixture_with_aioquic_batched() {
+    aioquic_fixture(BATCHED);
+}
+
+fn aioquic_fixture(config: &str) {
     let env = Env::new();
     fixture().place(&env.root, "fixture.bin").unwrap();
     env.write("data.bin", &pattern(10_000));
-    let server = env.start("");
+    let server = env.start(config);
     let ca = env.ca_file();
     let (full, line) = aioquic_fetch(server.port, HOST, "/fixture.bin", &ca, &[]);
     assert_eq!(full["status"], 200, "{line}");
@@ -82,10 +104,19 @@ async fn files_semantics_match_h1_and_h2() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thirty_two_concurrent_streams_on_one_connection() {
+    thirty_two_streams("").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_concurrent_streams_on_one_connection_batched() {
+    thirty_two_streams(BATCHED).await;
+}
+
+async fn thirty_two_streams(config: &str) {
     let env = Env::new();
     let data = pattern(2 * 1024 * 1024);
     env.write("data.bin", &data);
-    let server = env.start("");
+    let server = env.start(config);
     let h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::default())
         .await
         .unwrap();
@@ -271,9 +302,18 @@ async fn retry_validates_addresses_when_configured() {
 
 #[test]
 fn fixture_with_ngtcp2_client() {
+    ngtcp2_fixture("");
+}
+
+#[test]
+fn fixture_with_ngtcp2_client_batched() {
+    ngtcp2_fixture(BATCHED);
+}
+
+fn ngtcp2_fixture(config: &str) {
     let env = Env::new();
     fixture().place(&env.root, "fixture.bin").unwrap();
-    let server = env.start("");
+    let server = env.start(config);
     let download = env.dir.path().join("ngtcp2");
     std::fs::create_dir(&download).unwrap();
     let out = Command::new("timeout")

@@ -577,3 +577,59 @@ fn passthrough_figures(engine: &str, front: &Server, admin: SocketAddr, len: f64
     );
     println!("{engine}: /metrics and webship stats agree: {compared:?}");
 }
+
+/// With `h3_send_batch_delay_us` on, sixteen h3 connections downloading at once get
+/// byte-exact bodies and their packets leave together: the batching `sendmmsg` calls
+/// carry more than one message (connection GSO batch) on average.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_send_batching_puts_many_connections_in_one_sendmmsg() {
+    use webship_tests::client::{hex, H3Client, H3Options};
+    use webship_tests::fixture::sha256_file;
+
+    const CONNECTIONS: usize = 16;
+    let env = Env::new();
+    env.write("one.bin", &pattern(MIB as usize));
+    let want = hex(&sha256_file(&env.root.join("one.bin")).unwrap());
+    let (toml, admin) = admin();
+    let server = env.start(&format!(
+        "{toml}[runtime.settings]\nh3_send_batch_delay_us = \"1000\"\n"
+    ));
+    let tls = env.client(b"h3");
+    let downloads = (0..CONNECTIONS).map(|i| {
+        let tls = tls.clone();
+        let addr = server.addr();
+        tokio::spawn(async move {
+            let mut h3 = H3Client::connect(addr, HOST, &tls, &H3Options::bulk())
+                .await
+                .unwrap_or_else(|e| panic!("connection {i}: {e:#}"));
+            let got = h3.fetch("GET", "/one.bin", &[]).await;
+            h3.close().await;
+            got
+        })
+    });
+    for (i, d) in downloads.collect::<Vec<_>>().into_iter().enumerate() {
+        let got = tokio::time::timeout(Duration::from_secs(60), d)
+            .await
+            .unwrap_or_else(|_| panic!("download {i} did not finish in 60 s"))
+            .unwrap();
+        assert_eq!((got.status.as_u16(), got.len), (200, MIB), "download {i}");
+        assert_eq!(hex(&got.sha256), want, "download {i}: body digest");
+    }
+    let s = Scrape::take(admin);
+    let calls = s.value("webship_quic_send_batch_messages_count");
+    let messages = s.value("webship_quic_send_batch_messages_sum");
+    let datagrams = s.value("webship_quic_send_batch_datagrams_total");
+    println!(
+        "{messages} messages, {datagrams} datagrams in {calls} sendmmsg calls, refused {}, dropped {}",
+        s.value("webship_quic_send_batch_refused_total"),
+        s.value("webship_quic_send_batch_dropped_total")
+    );
+    assert!(
+        datagrams * 1452.0 > (CONNECTIONS as u64 * MIB) as f64,
+        "{datagrams} batched datagrams cannot carry {CONNECTIONS} MiB: sends bypassed the batcher"
+    );
+    assert!(
+        messages / calls > 1.0,
+        "{messages} messages in {calls} sendmmsg calls: no call carried more than one"
+    );
+}

@@ -684,6 +684,9 @@ pub struct H3Settings {
     /// 0 is one per worker thread. Read at start (and by a takeover's successor),
     /// not on reload: the sockets stay bound.
     pub sockets: u16,
+    /// Cross-connection send batching: the longest a QUIC packet waits in the
+    /// socket's send queue, in microseconds (0: off, each connection sends itself).
+    pub send_batch_delay_us: u64,
 }
 
 /// Process-wide HTTP/2 settings for proxied streams, validated now, used by the proxy

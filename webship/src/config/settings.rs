@@ -140,6 +140,7 @@ runtime_settings! {
         "h3_bbr_switch_bytes" => bbr_switch_bytes = 1024 * 1024, 0..=1 << 40;
         "h3_retry" => always_retry = false, 0..=1;
         "h3_sockets" => sockets = 1, 0..=32;
+        "h3_send_batch_delay_us" => send_batch_delay_us = 0, 0..=1000;
     }
     proxy_h2: ProxyH2Settings {
         "proxy_h2_tls_max_send_buffer_bytes" =>

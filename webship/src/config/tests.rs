@@ -164,23 +164,26 @@ fn h3_settings() {
     let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[runtime.settings]\n";
     let config = f
         .parse(&format!(
-            "{base}h3_gso = \"0\"\nh3_mtu_upper_bound_bytes = \"9000\"\nh3_send_window_bytes = \"1048576\"\nh3_retry = \"1\"\nh3_bbr_switch_bytes = \"0\"\n"
+            "{base}h3_gso = \"0\"\nh3_mtu_upper_bound_bytes = \"9000\"\nh3_send_window_bytes = \"1048576\"\nh3_retry = \"1\"\nh3_bbr_switch_bytes = \"0\"\nh3_send_batch_delay_us = \"250\"\n"
         ))
         .unwrap();
+    assert_eq!(config.h3.send_batch_delay_us, 250);
+    assert_eq!(f.parse(base).unwrap().h3.send_batch_delay_us, 0);
     assert!(!config.h3.gso);
     assert!(config.h3.always_retry);
     assert_eq!(config.h3.mtu_upper_bound_bytes, 9000);
     assert_eq!(config.h3.send_window_bytes, 1 << 20);
     assert_eq!(config.h3.bbr_switch_bytes, 0);
     let problems = f.problems(&format!(
-        "{base}h3_gso = \"2\"\nh3_mtu_upper_bound_bytes = \"70000\"\n"
+        "{base}h3_gso = \"2\"\nh3_mtu_upper_bound_bytes = \"70000\"\nh3_send_batch_delay_us = \"1001\"\n"
     ));
     let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
     assert_eq!(
         keys,
         [
             "runtime.settings.h3_gso",
-            "runtime.settings.h3_mtu_upper_bound_bytes"
+            "runtime.settings.h3_mtu_upper_bound_bytes",
+            "runtime.settings.h3_send_batch_delay_us"
         ]
     );
 }
@@ -641,7 +644,7 @@ fn runtime_setting_messages_are_exact() {
         h2_tls_write_buffer_bytes, h2_initial_stream_window_bytes, h2_initial_connection_window_bytes, \
         h2_max_frame_size_bytes, h2_max_concurrent_streams, h2_max_send_buffer_bytes, h3_send_window_bytes, \
         h3_stream_receive_window_bytes, h3_receive_window_bytes, h3_max_concurrent_streams, \
-        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_retry, h3_sockets, proxy_h2_tls_max_send_buffer_bytes, \
+        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_retry, h3_sockets, h3_send_batch_delay_us, proxy_h2_tls_max_send_buffer_bytes, \
         proxy_h2_tls_connection_send_buffer_bytes)\n  \
         - `runtime.settings.h3_gso`: `2` is not a whole number from 0 to 1 \
         (fix: write it as a quoted number, e.g. \"1\")\n  \

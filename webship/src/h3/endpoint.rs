@@ -143,6 +143,9 @@ impl H3Endpoint {
             udp.push(Arc::new(socket.try_clone().map_err(bind_err)?));
             let socket = QuicSocket::new(socket, index, group.clone()).map_err(bind_err)?;
             socket.allow_datagrams_up_to(settings.mtu_upper_bound_bytes);
+            socket
+                .batch_sends(settings.send_batch_delay_us)
+                .map_err(bind_err)?;
             let mut config = quinn::EndpointConfig::default();
             config.cid_generator(move || Box::new(CidGenerator::new(key, index)));
             let endpoint = quinn::Endpoint::new_with_abstract_socket(
@@ -292,6 +295,10 @@ impl Intake {
             // Before the connection exists, so its first GSO batch already fits.
             self.socket
                 .allow_datagrams_up_to(drivers.h3.mtu_upper_bound_bytes);
+            // A reload may turn batching on or off; what is queued still leaves.
+            if let Err(e) = self.socket.batch_sends(drivers.h3.send_batch_delay_us) {
+                tracing::warn!(error = %e, "h3: cannot batch sends; sending per connection");
+            }
             let peer = incoming.remote_address();
             let cid = incoming.orig_dst_cid();
             match incoming.accept_with(Arc::new(config)) {

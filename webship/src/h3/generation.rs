@@ -73,6 +73,7 @@ use quinn::udp::{EcnCodepoint, RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, ConnectionId, ConnectionIdGenerator, UdpPoller};
 use tokio::io::unix::AsyncFd;
 
+use super::batch::{Batcher, Writable};
 use crate::sys::fdpass;
 
 /// Length of the connection IDs every generation issues (8 bytes of nonce, the first
@@ -382,6 +383,11 @@ pub(crate) struct QuicSocket {
     /// `h3_mtu_upper_bound_bytes` a generation has used (only ever raised, since
     /// connections keep the bound they started with).
     largest_datagram: AtomicUsize,
+    /// Cross-connection send batching (`h3_send_batch_delay_us`), built the first
+    /// time it is turned on; see [`Batcher`].
+    batch: std::sync::OnceLock<Arc<Batcher>>,
+    /// A duplicate of the UDP socket for the batcher.
+    raw: std::net::UdpSocket,
 }
 
 /// The most UDP payload one `sendmsg` may carry, GSO batch included: the IP length
@@ -400,6 +406,8 @@ impl QuicSocket {
             ));
         }
         Ok(Arc::new(Self {
+            raw: socket.try_clone()?,
+            batch: std::sync::OnceLock::new(),
             udp: quinn::TokioRuntime.wrap_udp_socket(socket)?,
             index,
             group,
@@ -432,6 +440,24 @@ impl QuicSocket {
     pub(crate) fn allow_datagrams_up_to(&self, bytes: u16) {
         self.largest_datagram
             .fetch_max(usize::from(bytes), Ordering::Relaxed);
+    }
+
+    /// Batches sends across connections with at most `delay_us` of delay (0: off;
+    /// what is queued still leaves). Must run inside the tokio runtime.
+    pub(crate) fn batch_sends(&self, delay_us: u64) -> io::Result<()> {
+        if let Some(b) = self.batch.get() {
+            b.set_delay(delay_us);
+        } else if delay_us > 0 && cfg!(target_os = "linux") {
+            let b = Batcher::new(self.raw.try_clone()?, delay_us)?;
+            if let Err(b) = self.batch.set(b) {
+                // Another caller won the race; use its batcher.
+                drop(b);
+                if let Some(b) = self.batch.get() {
+                    b.set_delay(delay_us);
+                }
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn forward_stats(&self) -> ForwardStats {
@@ -691,11 +717,18 @@ fn poll_pair(
 
 impl AsyncUdpSocket for QuicSocket {
     fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
-        self.udp.clone().create_io_poller()
+        Box::pin(Poller {
+            direct: self.udp.clone().create_io_poller(),
+            batched: self.batch.get().map(Batcher::poller),
+            socket: self,
+        })
     }
 
     fn try_send(&self, transmit: &Transmit<'_>) -> io::Result<()> {
-        self.udp.try_send(transmit)
+        match self.batch.get() {
+            Some(b) => b.send(transmit, |t| self.udp.try_send(t)),
+            None => self.udp.try_send(transmit),
+        }
     }
 
     fn poll_recv(
@@ -761,6 +794,25 @@ impl AsyncUdpSocket for QuicSocket {
 
     fn may_fragment(&self) -> bool {
         self.udp.may_fragment()
+    }
+}
+
+/// Whether a connection driver may send: the UDP socket's readiness, or the send
+/// queue's while batching is on.
+#[derive(Debug)]
+struct Poller {
+    socket: Arc<QuicSocket>,
+    direct: Pin<Box<dyn UdpPoller>>,
+    batched: Option<Writable>,
+}
+
+impl UdpPoller for Poller {
+    fn poll_writable(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if let Some(b) = this.socket.batch.get().filter(|b| b.active()) {
+            return this.batched.get_or_insert_with(|| b.poller()).poll_writable(cx);
+        }
+        this.direct.as_mut().poll_writable(cx)
     }
 }
 

@@ -18,6 +18,7 @@
 //! `idle_timeout` closes, whatever PINGs keep QUIC alive.
 
 pub(crate) mod backend;
+pub(crate) mod batch;
 pub(crate) mod congestion;
 mod endpoint;
 mod fields;

@@ -208,6 +208,7 @@ impl Collector for Metrics {
             out.family(name, Kind::Histogram, help);
             values.write(out, &[]);
         }
+        super::batch::write_metrics(out);
     }
 }
 

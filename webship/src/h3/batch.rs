@@ -1,0 +1,547 @@
+//! Micro-batching of QUIC sends: the datagrams of many connections leave together.
+//!
+//! Every quinn connection driver hands its packets to the socket on its own
+//! (`try_send`: one GSO batch to one peer, one `sendmsg`). With
+//! `h3_send_batch_delay_us` set, [`Batcher`] copies each of them into one bounded
+//! per-socket queue instead, and one `sendmmsg` sends the whole queue:
+//!
+//! * **When.** A task woken by the first queued transmit lets the worker run every
+//!   task that is already ready (one `yield_now`: their transmits join the batch),
+//!   then waits out what is left of the delay since the oldest queued transmit (tokio's
+//!   timer rounds a wait up to its 1 ms tick) and sends. A full queue is sent at once
+//!   by the transmit that fills it, so the delay bounds only a queue that stays small.
+//! * **Bounded.** [`QUEUE_BYTES`] of payload and [`MAX_MESSAGES`] transmits. A
+//!   transmit that does not fit first sends the queue synchronously; if the socket's
+//!   buffer is full too, it is refused with `WouldBlock` (counted) and quinn retries it
+//!   once the socket is writable: back-pressure, never an unbounded queue.
+//! * **Order.** One FIFO queue, sent in order (a partial `sendmmsg` resumes where the
+//!   kernel stopped), so each connection's packets leave in the order it made them.
+//! * **Errors.** As quinn-udp does: a message the kernel refuses (not `EAGAIN`) is
+//!   dropped and counted, and QUIC's loss recovery resends what it carried.
+//! * **End.** When the socket goes, what is still queued is sent once without waiting
+//!   and anything the kernel does not take is dropped and counted; the task ends.
+//!
+//! The cost is one copy of each packet into the queue (`try_send` only borrows it).
+
+use std::io;
+use std::os::fd::AsFd;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use quinn::udp::Transmit;
+use tokio::io::unix::AsyncFd;
+use tokio::sync::Notify;
+
+use crate::metrics::{Encoder, Kind, Values};
+pub(crate) use crate::sys::udp::MAX_MESSAGES;
+use crate::sys::udp::{self, Message};
+
+/// Payload bytes queued per socket, at most: about 18 full GSO batches at the
+/// default MTU, small enough to stay in cache between the copy and the send.
+pub(crate) const QUEUE_BYTES: usize = 256 * 1024;
+/// How long the flushing task waits for a full socket buffer to drain before it drops
+/// what is queued (counted).
+const WRITABLE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// `sendmmsg` calls, by the messages (transmits) each carried.
+static MESSAGES_PER_CALL: Values = Values::new(&[1, 2, 4, 8, 16, 32, 64], 1.0);
+/// UDP datagrams those calls carried (a GSO message is several).
+static DATAGRAMS: AtomicU64 = AtomicU64::new(0);
+/// Transmits refused with `WouldBlock`: queue full and socket buffer full.
+static REFUSED: AtomicU64 = AtomicU64::new(0);
+/// Messages dropped: refused by the kernel, or left when the socket went.
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// The send queue of one UDP socket; see the module documentation.
+#[derive(Debug)]
+pub(crate) struct Batcher {
+    /// A duplicate of the endpoint's socket, registered with tokio for writability.
+    fd: AsyncFd<std::net::UdpSocket>,
+    queue: Mutex<Queue>,
+    /// 0: batching off (transmits go straight to the socket once the queue is empty).
+    delay_us: AtomicU64,
+    /// Transmits queued now, so the path with batching off need not lock.
+    queued: AtomicUsize,
+    /// A transmit was refused: drivers wait until the queue is sent.
+    blocked: AtomicBool,
+    /// Signalled when a refused queue has been sent (or dropped).
+    drained: Notify,
+    wake: Arc<Notify>,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    bytes: Vec<u8>,
+    msgs: Vec<Message>,
+    /// Messages already sent from the front of `msgs` (a partial `sendmmsg`).
+    sent: usize,
+    /// When the oldest queued transmit arrived.
+    since: Option<Instant>,
+}
+
+impl Queue {
+    fn fits(&self, len: usize) -> bool {
+        self.msgs.len() < MAX_MESSAGES && self.bytes.len() + len <= QUEUE_BYTES
+    }
+
+    fn push(&mut self, t: &Transmit<'_>) {
+        let start = self.bytes.len();
+        self.bytes.extend_from_slice(t.contents);
+        self.msgs.push(Message {
+            dest: t.destination,
+            src_ip: t.src_ip,
+            ecn: t.ecn.map_or(0, |e| e as u8),
+            segment_size: t.segment_size.and_then(|s| u16::try_from(s).ok()),
+            range: start..self.bytes.len(),
+        });
+    }
+
+    fn pending(&self) -> &[Message] {
+        &self.msgs[self.sent..]
+    }
+
+    fn advance(&mut self, n: usize) {
+        self.sent += n;
+        if self.sent >= self.msgs.len() {
+            self.bytes.clear();
+            self.msgs.clear();
+            self.sent = 0;
+            self.since = None;
+        }
+    }
+}
+
+impl Batcher {
+    /// Batches sends on `socket` (a duplicate of the endpoint's), starting with
+    /// `delay_us` (0: off). Needs a tokio runtime: it registers the socket and spawns
+    /// the flushing task.
+    pub(crate) fn new(socket: std::net::UdpSocket, delay_us: u64) -> io::Result<Arc<Self>> {
+        let wake = Arc::new(Notify::new());
+        let batcher = Arc::new(Self {
+            fd: udp::writable_socket(socket)?,
+            queue: Mutex::new(Queue {
+                bytes: Vec::with_capacity(QUEUE_BYTES),
+                msgs: Vec::with_capacity(MAX_MESSAGES),
+                ..Queue::default()
+            }),
+            delay_us: AtomicU64::new(delay_us),
+            queued: AtomicUsize::new(0),
+            blocked: AtomicBool::new(false),
+            drained: Notify::new(),
+            wake: wake.clone(),
+        });
+        tokio::spawn(flusher(Arc::downgrade(&batcher), wake));
+        Ok(batcher)
+    }
+
+    pub(crate) fn set_delay(&self, delay_us: u64) {
+        self.delay_us.store(delay_us, Ordering::Relaxed);
+    }
+
+    /// Whether transmits go through the queue now.
+    pub(crate) fn active(&self) -> bool {
+        self.delay_us.load(Ordering::Relaxed) > 0 || self.queued.load(Ordering::Acquire) > 0
+    }
+
+    /// Queues `t` (sending the queue first if `t` does not fit), or sends it with
+    /// `direct` when batching is off and nothing is queued.
+    pub(crate) fn send(
+        &self,
+        t: &Transmit<'_>,
+        direct: impl FnOnce(&Transmit<'_>) -> io::Result<()>,
+    ) -> io::Result<()> {
+        let fd = self.fd.get_ref().as_fd();
+        self.send_with(t, direct, |q| udp::sendmmsg(fd, &q.bytes, q.pending()))
+    }
+
+    /// [`Batcher::send`] with the system call given (tests give a full socket).
+    fn send_with(
+        &self,
+        t: &Transmit<'_>,
+        direct: impl FnOnce(&Transmit<'_>) -> io::Result<()>,
+        mut sendmmsg: impl FnMut(&Queue) -> io::Result<usize>,
+    ) -> io::Result<()> {
+        if !self.active() {
+            return direct(t);
+        }
+        if t.contents.len() > QUEUE_BYTES {
+            // Larger than any GSO batch can be; never queued, so never stuck.
+            return direct(t);
+        }
+        let mut q = lock(&self.queue);
+        if !q.fits(t.contents.len()) {
+            if let Err(e) = self.flush_with(&mut q, &mut sendmmsg) {
+                self.blocked.store(true, Ordering::Relaxed);
+                REFUSED.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
+            }
+        }
+        let first = q.msgs.is_empty();
+        q.push(t);
+        if first {
+            q.since = Some(Instant::now());
+        }
+        if q.msgs.len() == MAX_MESSAGES {
+            // Sent now if the socket takes it; otherwise the task sends it later.
+            let _ = self.flush_with(&mut q, &mut sendmmsg);
+        }
+        self.queued.store(q.pending().len(), Ordering::Release);
+        if first {
+            self.wake.notify_one();
+        }
+        Ok(())
+    }
+
+    /// Sends everything queued; `WouldBlock` when the socket's buffer is full (what
+    /// is left stays queued).
+    fn flush(&self, q: &mut Queue) -> io::Result<()> {
+        let fd = self.fd.get_ref().as_fd();
+        self.flush_with(q, |q| udp::sendmmsg(fd, &q.bytes, q.pending()))
+    }
+
+    fn flush_with(&self, q: &mut Queue, mut send: impl FnMut(&Queue) -> io::Result<usize>) -> io::Result<()> {
+        while !q.pending().is_empty() {
+            match send(q) {
+                Ok(n) => {
+                    MESSAGES_PER_CALL.observe(n as u64);
+                    let datagrams: usize = q.pending()[..n].iter().map(Message::datagrams).sum();
+                    DATAGRAMS.fetch_add(datagrams as u64, Ordering::Relaxed);
+                    q.advance(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.queued.store(q.pending().len(), Ordering::Release);
+                    return Err(e);
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "h3: a batched UDP message was refused, dropped");
+                    DROPPED.fetch_add(1, Ordering::Relaxed);
+                    q.advance(1);
+                }
+            }
+        }
+        self.unblock();
+        Ok(())
+    }
+
+    /// The queue is empty: drivers refused a transmit may send again.
+    fn unblock(&self) {
+        self.queued.store(0, Ordering::Release);
+        if self.blocked.swap(false, Ordering::AcqRel) {
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// How long the oldest queued transmit may still wait.
+    fn due(&self) -> Option<Instant> {
+        let since = lock(&self.queue).since?;
+        Some(since + Duration::from_micros(self.delay_us.load(Ordering::Relaxed)))
+    }
+
+    /// Sends the queue, waiting (bounded) for the socket to take it.
+    async fn flush_when_writable(&self) {
+        if self.flush(&mut lock(&self.queue)).is_ok() {
+            return;
+        }
+        let deadline = tokio::time::Instant::now() + WRITABLE_TIMEOUT;
+        loop {
+            let mut ready = match tokio::time::timeout_at(deadline, self.fd.writable()).await {
+                Ok(Ok(ready)) => ready,
+                Ok(Err(_)) | Err(_) => {
+                    self.drop_queued("the socket stayed full");
+                    return;
+                }
+            };
+            // Through the readiness guard, so `EAGAIN` clears tokio's stale readiness.
+            let sent = self.flush_with(&mut lock(&self.queue), |q| {
+                ready
+                    .try_io(|s| udp::sendmmsg(s.get_ref().as_fd(), &q.bytes, q.pending()))
+                    .unwrap_or_else(|_| Err(io::ErrorKind::WouldBlock.into()))
+            });
+            if sent.is_ok() {
+                return;
+            }
+        }
+    }
+
+    fn drop_queued(&self, why: &str) {
+        let mut q = lock(&self.queue);
+        let n = q.pending().len();
+        if n > 0 {
+            tracing::debug!(messages = n, why, "h3: batched UDP messages dropped");
+            DROPPED.fetch_add(n as u64, Ordering::Relaxed);
+            q.advance(n);
+        }
+        drop(q);
+        self.unblock();
+    }
+
+    /// What a connection driver polls before sending: ready unless a transmit was
+    /// refused, then once the queue has been sent.
+    pub(crate) fn poller(self: &Arc<Self>) -> Writable {
+        Writable {
+            batcher: self.clone(),
+            wait: None,
+        }
+    }
+}
+
+impl Drop for Batcher {
+    fn drop(&mut self) {
+        let sent = self.flush(&mut lock(&self.queue));
+        if sent.is_err() {
+            self.drop_queued("the socket closed");
+        }
+        // The task sees the batcher gone and ends.
+        self.wake.notify_one();
+    }
+}
+
+type WaitFuture = Pin<Box<dyn std::future::Future<Output = ()> + Send + Sync>>;
+
+/// A connection driver's view of [`Batcher::blocked`].
+pub(crate) struct Writable {
+    batcher: Arc<Batcher>,
+    wait: Option<WaitFuture>,
+}
+
+impl std::fmt::Debug for Writable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Writable").finish_non_exhaustive()
+    }
+}
+
+impl Writable {
+    pub(crate) fn poll_writable(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.batcher.blocked.load(Ordering::Relaxed) {
+            self.wait = None;
+            return Poll::Ready(Ok(()));
+        }
+        let batcher = self.batcher.clone();
+        let wait = self.wait.get_or_insert_with(|| {
+            Box::pin(async move {
+                let drained = batcher.drained.notified();
+                tokio::pin!(drained);
+                // Registered before the check, so a drain in between is not missed.
+                drained.as_mut().enable();
+                if batcher.blocked.load(Ordering::Acquire) {
+                    drained.await;
+                }
+            })
+        });
+        let ready = wait.as_mut().poll(cx);
+        if ready.is_ready() {
+            self.wait = None;
+        }
+        ready.map(Ok)
+    }
+}
+
+/// Sends each batch once the worker's ready tasks have run and the delay is over.
+async fn flusher(batcher: Weak<Batcher>, wake: Arc<Notify>) {
+    loop {
+        wake.notified().await;
+        // The other tasks this worker has ready run first: their transmits join.
+        tokio::task::yield_now().await;
+        let Some(b) = batcher.upgrade() else { return };
+        if let Some(due) = b.due() {
+            if due > Instant::now() {
+                tokio::time::sleep_until(due.into()).await;
+            }
+        }
+        b.flush_when_writable().await;
+    }
+}
+
+/// Writes the batching counters (called by the QUIC collector).
+pub(crate) fn write_metrics(out: &mut Encoder) {
+    out.family(
+        "webship_quic_send_batch_messages",
+        Kind::Histogram,
+        "sendmmsg calls of batched QUIC sends, by the messages (connection GSO batches) each carried.",
+    );
+    MESSAGES_PER_CALL.write(out, &[]);
+    out.family(
+        "webship_quic_send_batch_datagrams",
+        Kind::Counter,
+        "UDP datagrams sent by batched sendmmsg calls.",
+    )
+    .sample(&[], DATAGRAMS.load(Ordering::Relaxed));
+    out.family(
+        "webship_quic_send_batch_refused",
+        Kind::Counter,
+        "QUIC transmits refused because the batch queue and the socket buffer were full (quinn retries them).",
+    )
+    .sample(&[], REFUSED.load(Ordering::Relaxed));
+    out.family(
+        "webship_quic_send_batch_dropped",
+        Kind::Counter,
+        "Batched UDP messages dropped: refused by the kernel, or queued when the socket closed.",
+    )
+    .sample(&[], DROPPED.load(Ordering::Relaxed));
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::{SocketAddr, UdpSocket};
+
+    fn receiver() -> (UdpSocket, SocketAddr) {
+        let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+        s.set_nonblocking(true).unwrap();
+        let addr = s.local_addr().unwrap();
+        (s, addr)
+    }
+
+    fn batcher(delay_us: u64) -> Arc<Batcher> {
+        Batcher::new(UdpSocket::bind("127.0.0.1:0").unwrap(), delay_us).unwrap()
+    }
+
+    fn transmit(dest: SocketAddr, contents: &[u8]) -> Transmit<'_> {
+        Transmit {
+            destination: dest,
+            ecn: None,
+            contents,
+            segment_size: None,
+            src_ip: None,
+        }
+    }
+
+    fn queue(b: &Batcher, dest: SocketAddr, contents: &[u8]) {
+        b.send(&transmit(dest, contents), |_| {
+            panic!("sent directly while batching")
+        })
+        .unwrap();
+    }
+
+    /// Everything `s` has received now, as numbers (each datagram a big-endian u32).
+    fn received(s: &UdpSocket) -> Vec<u32> {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 64];
+        while let Ok(n) = s.recv(&mut buf) {
+            got.push(u32::from_be_bytes(buf[..n].try_into().unwrap()));
+        }
+        got
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_leaves_at_once_in_order_per_destination() {
+        let b = batcher(1000);
+        let ((ra, a), (rb, bb)) = (receiver(), receiver());
+        for i in 0..MAX_MESSAGES as u32 - 1 {
+            queue(&b, if i % 2 == 0 { a } else { bb }, &i.to_be_bytes());
+        }
+        assert_eq!(b.queued.load(Ordering::Relaxed), MAX_MESSAGES - 1);
+        assert!(received(&ra).is_empty(), "sent before the queue was full or due");
+        // The transmit that fills the queue sends it, without waiting for the tick.
+        queue(&b, bb, &(MAX_MESSAGES as u32 - 1).to_be_bytes());
+        assert_eq!(b.queued.load(Ordering::Relaxed), 0);
+        let evens: Vec<u32> = (0..MAX_MESSAGES as u32).step_by(2).collect();
+        let odds: Vec<u32> = (1..MAX_MESSAGES as u32).step_by(2).collect();
+        assert_eq!(received(&ra), evens);
+        assert_eq!(received(&rb), odds);
+    }
+
+    /// Queue full and socket full: the next transmit is refused (quinn keeps it), the
+    /// drivers' poller waits, and once the task has sent the queue they may go on.
+    #[tokio::test]
+    async fn a_full_queue_on_a_full_socket_refuses_until_the_queue_has_left() {
+        let b = batcher(1000);
+        let (r, a) = receiver();
+        let full = |_: &Queue| -> io::Result<usize> { Err(io::ErrorKind::WouldBlock.into()) };
+        for i in 0..MAX_MESSAGES as u32 {
+            b.send_with(&transmit(a, &i.to_be_bytes()), |_| panic!("direct"), full)
+                .unwrap();
+        }
+        assert_eq!(b.queued.load(Ordering::Relaxed), MAX_MESSAGES);
+        let refused = b
+            .send_with(&transmit(a, &99u32.to_be_bytes()), |_| panic!("direct"), full)
+            .unwrap_err();
+        assert_eq!(refused.kind(), io::ErrorKind::WouldBlock);
+        let mut poller = b.poller();
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(
+            poller.poll_writable(&mut cx).is_pending(),
+            "a refused driver must wait"
+        );
+        // The flushing task (the socket is really writable) sends the queue.
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            std::future::poll_fn(|cx| poller.poll_writable(cx)),
+        )
+        .await
+        .expect("the poller was not woken when the queue left")
+        .unwrap();
+        assert_eq!(b.queued.load(Ordering::Relaxed), 0);
+        assert_eq!(received(&r), (0..MAX_MESSAGES as u32).collect::<Vec<_>>());
+    }
+
+    #[tokio::test]
+    async fn the_byte_cap_is_respected() {
+        let b = batcher(1000);
+        let (_r, a) = receiver();
+        let big = vec![7u8; 60_000];
+        for round in 1..=9 {
+            b.send(
+                &Transmit {
+                    segment_size: Some(1200),
+                    ..transmit(a, &big)
+                },
+                |_| panic!("sent directly"),
+            )
+            .unwrap();
+            let q = lock(&b.queue);
+            assert!(
+                q.bytes.len() <= QUEUE_BYTES,
+                "round {round}: {} bytes queued",
+                q.bytes.len()
+            );
+            // Four fit in 256 KiB; the fifth sends them first and starts a new batch.
+            assert_eq!(q.pending().len(), (round - 1) % 4 + 1, "round {round}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_small_queue_leaves_on_the_tick() {
+        let b = batcher(1000);
+        let (r, a) = receiver();
+        for i in 0..3u32 {
+            queue(&b, a, &i.to_be_bytes());
+        }
+        assert!(received(&r).is_empty(), "sent before the tick");
+        let start = Instant::now();
+        let mut got = Vec::new();
+        while got.len() < 3 && start.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            got.extend(received(&r));
+        }
+        assert_eq!(got, [0, 1, 2]);
+        assert_eq!(b.queued.load(Ordering::Relaxed), 0);
+    }
+
+    #[tokio::test]
+    async fn off_sends_directly_and_a_dropped_socket_sends_its_queue() {
+        let b = batcher(0);
+        let (r, a) = receiver();
+        let mut direct = 0;
+        b.send(&transmit(a, &[0; 4]), |_| {
+            direct += 1;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(direct, 1);
+        b.set_delay(1000);
+        queue(&b, a, &5u32.to_be_bytes());
+        // Turned off with a transmit queued: the next one queues behind it (order).
+        b.set_delay(0);
+        queue(&b, a, &6u32.to_be_bytes());
+        drop(b);
+        assert_eq!(received(&r), [5, 6]);
+    }
+}

@@ -1,0 +1,255 @@
+//! `sendmmsg(2)` for QUIC: several UDP messages, each to its own destination, in one
+//! system call.
+//!
+//! Each message carries the control messages quinn-udp sets on its own `sendmsg`: the
+//! ECN codepoint (`IP_TOS`, or `IPV6_TCLASS` for an IPv6 destination that is not
+//! IPv4-mapped), `UDP_SEGMENT` when the message is a GSO batch of several datagrams,
+//! and the source address (`IP_PKTINFO` / `IPV6_PKTINFO`) when the socket is bound to
+//! a wildcard address and the connection arrived on a specific one. Everything else
+//! (the socket's options, its buffers) is the socket's own.
+
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::ops::Range;
+use std::os::fd::BorrowedFd;
+
+/// The most messages one call sends (the rest wait for the next call). Linux accepts
+/// up to `UIO_MAXIOV` (1024); 64 already spreads one call over many connections.
+pub(crate) const MAX_MESSAGES: usize = 64;
+
+/// One message: `range` of the caller's buffer to `dest`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Message {
+    pub(crate) dest: SocketAddr,
+    /// The source address to send from (`None`: the kernel chooses).
+    pub(crate) src_ip: Option<IpAddr>,
+    /// The two ECN bits.
+    pub(crate) ecn: u8,
+    /// The size of each datagram when the message holds several (GSO); `None`, or a
+    /// size not below the message's length, sends one datagram.
+    pub(crate) segment_size: Option<u16>,
+    pub(crate) range: Range<usize>,
+}
+
+impl Message {
+    /// The datagrams this message becomes on the wire.
+    pub(crate) fn datagrams(&self) -> usize {
+        let len = self.range.len();
+        match self.segment_size {
+            Some(s) if s > 0 && usize::from(s) < len => len.div_ceil(usize::from(s)),
+            _ => 1,
+        }
+    }
+}
+
+/// Registers a UDP socket with the tokio reactor for writability, for
+/// [`sendmmsg`] on it. Fails outside a tokio runtime.
+pub(crate) fn writable_socket(
+    socket: std::net::UdpSocket,
+) -> io::Result<tokio::io::unix::AsyncFd<std::net::UdpSocket>> {
+    tokio::runtime::Handle::try_current().map_err(io::Error::other)?;
+    socket.set_nonblocking(true)?;
+    // SAFETY: a `UdpSocket` owns an open descriptor that only it closes, and its
+    // `as_raw_fd` always returns that descriptor; the `AsyncFd` owns the socket (and
+    // so keeps it open) for as long as the registration lives.
+    unsafe { tokio::io::unix::AsyncFd::register_with_interest(socket, tokio::io::Interest::WRITABLE) }
+        .map_err(|e| e.into())
+}
+
+/// Sends up to [`MAX_MESSAGES`] of `msgs`, whose bytes are in `buf`, and returns how
+/// many left. An error means the first message did not (`WouldBlock` when the
+/// socket's send buffer is full; any other error is that message's own).
+pub(crate) fn sendmmsg(fd: BorrowedFd<'_>, buf: &[u8], msgs: &[Message]) -> io::Result<usize> {
+    if msgs.iter().any(|m| buf.get(m.range.clone()).is_none()) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a message lies outside its buffer",
+        ));
+    }
+    imp::sendmmsg(fd, buf, &msgs[..msgs.len().min(MAX_MESSAGES)])
+}
+
+#[cfg(target_os = "linux")]
+mod imp {
+    use std::io;
+    use std::mem::{size_of, zeroed};
+    use std::net::{IpAddr, SocketAddr};
+    use std::os::fd::{AsRawFd, BorrowedFd};
+
+    use super::{Message, MAX_MESSAGES};
+
+    /// Room for the three control messages (TOS/TCLASS, UDP_SEGMENT, PKTINFO), each
+    /// `CMSG_SPACE` of its payload: 16 + 16 + 40 bytes at most on 64-bit Linux.
+    const CONTROL_BYTES: usize = 96;
+
+    /// A control buffer aligned for `cmsghdr`.
+    #[derive(Clone, Copy)]
+    #[repr(C, align(8))]
+    struct Control([u8; CONTROL_BYTES]);
+
+    /// Writes control messages one after another into a [`Control`].
+    struct Cmsgs<'a> {
+        buf: &'a mut Control,
+        used: usize,
+    }
+
+    impl Cmsgs<'_> {
+        fn push<T: Copy>(&mut self, level: libc::c_int, kind: libc::c_int, value: T) {
+            let payload = u32::try_from(size_of::<T>()).unwrap_or(u32::MAX);
+            // SAFETY: CMSG_SPACE and CMSG_LEN are pure arithmetic on the length.
+            let (space, len) = unsafe { (libc::CMSG_SPACE(payload), libc::CMSG_LEN(payload)) };
+            let space = space as usize;
+            // The three payloads are fixed-size types; CONTROL_BYTES holds all of them.
+            assert!(self.used + space <= CONTROL_BYTES, "control buffer too small");
+            // SAFETY: `used` is a multiple of the cmsghdr alignment (each step is a
+            // CMSG_SPACE) and the buffer is 8-aligned, so `hdr` is aligned; the assert
+            // above keeps the header and its payload inside the buffer. The payload is
+            // written unaligned-safe.
+            unsafe {
+                let hdr = self.buf.0.as_mut_ptr().add(self.used).cast::<libc::cmsghdr>();
+                (*hdr).cmsg_level = level;
+                (*hdr).cmsg_type = kind;
+                (*hdr).cmsg_len = len as _;
+                std::ptr::write_unaligned(libc::CMSG_DATA(hdr).cast::<T>(), value);
+            }
+            self.used += space;
+        }
+    }
+
+    fn controls(m: &Message, buf: &mut Control) -> usize {
+        let mut c = Cmsgs { buf, used: 0 };
+        let ecn = libc::c_int::from(m.ecn & 0b11);
+        let v4 = match m.dest.ip() {
+            IpAddr::V4(_) => true,
+            IpAddr::V6(a) => a.to_ipv4_mapped().is_some(),
+        };
+        if v4 {
+            c.push(libc::IPPROTO_IP, libc::IP_TOS, ecn);
+        } else {
+            c.push(libc::IPPROTO_IPV6, libc::IPV6_TCLASS, ecn);
+        }
+        if let Some(s) = m.segment_size.filter(|&s| usize::from(s) < m.range.len()) {
+            c.push(libc::SOL_UDP, libc::UDP_SEGMENT, s);
+        }
+        match m.src_ip {
+            Some(IpAddr::V4(ip)) => c.push(
+                libc::IPPROTO_IP,
+                libc::IP_PKTINFO,
+                libc::in_pktinfo {
+                    ipi_ifindex: 0,
+                    ipi_spec_dst: libc::in_addr {
+                        s_addr: u32::from_ne_bytes(ip.octets()),
+                    },
+                    ipi_addr: libc::in_addr { s_addr: 0 },
+                },
+            ),
+            Some(IpAddr::V6(ip)) => c.push(
+                libc::IPPROTO_IPV6,
+                libc::IPV6_PKTINFO,
+                libc::in6_pktinfo {
+                    ipi6_addr: libc::in6_addr { s6_addr: ip.octets() },
+                    ipi6_ifindex: 0,
+                },
+            ),
+            None => {}
+        }
+        c.used
+    }
+
+    pub(super) fn sendmmsg(fd: BorrowedFd<'_>, buf: &[u8], msgs: &[Message]) -> io::Result<usize> {
+        let n = msgs.len().min(MAX_MESSAGES);
+        if n == 0 {
+            return Ok(0);
+        }
+        let mut names: [socket2::SockAddr; MAX_MESSAGES] =
+            std::array::from_fn(|_| socket2::SockAddr::from(SocketAddr::from(([0, 0, 0, 0], 0))));
+        let mut control = [Control([0; CONTROL_BYTES]); MAX_MESSAGES];
+        // SAFETY: iovec and mmsghdr are plain C structs for which all-zero is valid
+        // (null pointers, zero lengths).
+        let mut iovs: [libc::iovec; MAX_MESSAGES] = unsafe { zeroed() };
+        // SAFETY: as above.
+        let mut hdrs: [libc::mmsghdr; MAX_MESSAGES] = unsafe { zeroed() };
+        for (i, m) in msgs.iter().take(n).enumerate() {
+            let bytes = &buf[m.range.clone()];
+            names[i] = socket2::SockAddr::from(m.dest);
+            iovs[i] = libc::iovec {
+                iov_base: bytes.as_ptr().cast_mut().cast(),
+                iov_len: bytes.len(),
+            };
+            let controllen = controls(m, &mut control[i]);
+            let h = &mut hdrs[i].msg_hdr;
+            // sendmmsg only reads the name, the iovec and the control data, so the
+            // mutable pointers the C struct wants are never written through.
+            h.msg_name = names[i].as_ptr().cast_mut().cast();
+            h.msg_namelen = names[i].len();
+            h.msg_iov = &mut iovs[i];
+            h.msg_iovlen = 1;
+            h.msg_control = control[i].0.as_mut_ptr().cast();
+            h.msg_controllen = controllen as _;
+        }
+        loop {
+            // SAFETY: `hdrs[..n]` point into `names`, `iovs` and `control`, which
+            // outlive the call, and each iovec into `buf` within its bounds (checked by
+            // the caller); `n` ≤ MAX_MESSAGES fits the array and a c_uint.
+            let sent = unsafe { libc::sendmmsg(fd.as_raw_fd(), hdrs.as_mut_ptr(), n as _, 0) };
+            if sent >= 0 {
+                return Ok(sent as usize);
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+mod imp {
+    use std::io;
+    use std::os::fd::BorrowedFd;
+
+    use super::Message;
+
+    pub(super) fn sendmmsg(_: BorrowedFd<'_>, _: &[u8], _: &[Message]) -> io::Result<usize> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn one_call_reaches_two_destinations_and_splits_gso_batches() {
+        let a = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let b = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let tx = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let buf = b"aaaaabbbbbcc0123456789";
+        let msg = |dest, range, segment_size| Message {
+            dest,
+            src_ip: Some("127.0.0.1".parse().unwrap()),
+            ecn: 2,
+            segment_size,
+            range,
+        };
+        let msgs = [
+            msg(a.local_addr().unwrap(), 0..12, Some(5)),
+            msg(b.local_addr().unwrap(), 12..22, None),
+        ];
+        assert_eq!(msgs[0].datagrams(), 3);
+        assert_eq!(sendmmsg(tx.as_fd(), buf, &msgs).unwrap(), 2);
+        let mut got = [0u8; 64];
+        for want in [&b"aaaaa"[..], b"bbbbb", b"cc"] {
+            let n = a.recv(&mut got).unwrap();
+            assert_eq!(&got[..n], want);
+        }
+        let n = b.recv(&mut got).unwrap();
+        assert_eq!(&got[..n], b"0123456789");
+        let outside = [msg(a.local_addr().unwrap(), 20..30, None)];
+        assert_eq!(
+            sendmmsg(tx.as_fd(), buf, &outside).unwrap_err().kind(),
+            io::ErrorKind::InvalidInput
+        );
+    }
+}
