@@ -11,6 +11,7 @@
 //! - `/echo`: the request's headers, method, path, body length and SHA-256 as text;
 //! - `/bytes/N`: N pattern bytes with `content-length` (a single `Range` gives 206);
 //! - `/slow/N/MS`: N pattern bytes, no length, 16 KiB frames MS milliseconds apart;
+//!   `/slow/N/MS/SIZE`: the same in SIZE-byte frames (1 to 64 KiB);
 //! - `/chunks/N/SIZE`: N pattern bytes, no length, in SIZE-byte frames (1 to 64 KiB)
 //!   all ready at once (h2: that many DATA frames; HTTP/1.1: chunks);
 //! - `/trailers`: `hello`, then trailers `x-checksum: 12345` and `x-origin: rust` (on
@@ -319,6 +320,14 @@ fn route(seen: &Seen, headers: &HeaderMap, shared: &Arc<Shared>) -> Response<Ori
             (Some(n), Some(ms)) => reply(
                 StatusCode::OK,
                 body.pattern(0, n, SLOW_FRAME).every(Duration::from_millis(ms)),
+            )
+            .body_now(),
+            _ => bad_request(body),
+        },
+        ["slow", n, ms, size] => match (num(n), num(ms), num(size)) {
+            (Some(n), Some(ms), Some(size)) if (1..=FRAME as u64).contains(&size) => reply(
+                StatusCode::OK,
+                body.pattern(0, n, size as usize).every(Duration::from_millis(ms)),
             )
             .body_now(),
             _ => bad_request(body),

@@ -10,7 +10,7 @@
 
 pub(crate) mod access;
 mod body;
-mod coalesce;
+pub(crate) mod coalesce;
 mod record;
 mod send;
 mod transfers;

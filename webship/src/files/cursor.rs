@@ -2,10 +2,12 @@
 //! driver (h1 writes each chunk through rustls, h2 and h3 hand it to their framing).
 //!
 //! One buffer per response: each chunk is split off it and frozen, and once the
-//! driver drops the chunk (written, or framed and encrypted) the next chunk reuses the
-//! same allocation. A driver that still holds a chunk makes the next one allocate, so
-//! the bound is the driver's: one chunk for h1 (written before the next is read), and
-//! for h2 and h3 what their flow control lets wait per stream plus one chunk.
+//! driver drops the chunk the next chunk reuses the same allocation: h1 once it is
+//! written, h2 once it is framed and encrypted, h3 only once the client acknowledged
+//! it (quinn holds the chunk until then). A driver that still holds a chunk makes the
+//! next one allocate, so the bound is the driver's: one chunk for h1 (written before
+//! the next is read), for h2 what its flow control lets wait per stream plus one
+//! chunk, and for h3 the unacknowledged chunks (the send window) plus one.
 //!
 //! Bytes already in the page cache are read on the reactor thread without blocking
 //! (`RWF_NOWAIT`); only a miss goes to the blocking pool, so a slow disk never stalls

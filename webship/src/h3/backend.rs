@@ -14,13 +14,16 @@
 //! mismatch costs a copy, never correctness. `webship_h3_stream_write_bytes_total`
 //! counts both ways.
 //!
-//! Flow control and memory are quinn's, as with h3-quinn: a write waits while the
-//! stream's credit or the connection's send window (`h3_send_window_bytes`, which
-//! counts bytes sent and not yet acknowledged) is used up.
+//! Flow control is quinn's, as with h3-quinn: a write waits while the stream's credit
+//! or the connection's send window (`h3_send_window_bytes`, which counts bytes sent
+//! and not yet acknowledged) is used up. Memory is not the window alone: an offered
+//! chunk keeps its whole allocation alive until quinn has its bytes acknowledged,
+//! and the window counts only the chunk. So the request task offers only chunks of
+//! at least [`OFFER_MIN`] (`h3/mod.rs`, `Writer`); smaller ones are copied.
 
 use std::future::Future;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
 
@@ -28,34 +31,51 @@ use bytes::{Buf, Bytes};
 use h3::quic::{self, ConnectionErrorIncoming, StreamErrorIncoming, StreamId, WriteBuf};
 use quinn::VarInt;
 
-/// Stream bytes handed to quinn as the sender's own buffer.
-static ZERO_COPY_BYTES: AtomicU64 = AtomicU64::new(0);
-/// Stream bytes copied into quinn's send buffer.
-static COPIED_BYTES: AtomicU64 = AtomicU64::new(0);
+use super::stats::{STREAM_COPIED_BYTES, STREAM_ZERO_COPY_BYTES};
 
-/// Bytes written to HTTP/3 streams so far: (handed over without a copy, copied).
-pub(crate) fn written_bytes() -> (u64, u64) {
-    (
-        ZERO_COPY_BYTES.load(Ordering::Relaxed),
-        COPIED_BYTES.load(Ordering::Relaxed),
-    )
-}
+/// The smallest chunk worth offering: one full frame
+/// ([`FULL_FRAME`](crate::exchange::coalesce::FULL_FRAME), 16 KiB). A relayed chunk
+/// can be a slice of an upstream's read buffer (8 to 64 KiB, more for hyper's
+/// adaptive reads), and quinn would keep that whole buffer until the client
+/// acknowledges the slice: a trickling origin's 1-byte chunks held by a client that
+/// never acknowledges them would pin a buffer each while the send window counts one
+/// byte, so writes never wait and `send_timeout` never fires. With at least 16 KiB
+/// per chunk, what quinn pins stays within the window times the buffer's size over
+/// 16 KiB (4 for a 64 KiB read buffer); a smaller chunk costs a copy of under 16 KiB.
+/// File chunks need no exception: only a file's tail and the first reads of a
+/// client granting little credit are that small.
+pub(crate) const OFFER_MIN: usize = crate::exchange::coalesce::FULL_FRAME;
 
 /// The chunk a request task is about to send on a stream, shared with the stream's
-/// [`SendStream`]. Holds at most one chunk, and only between `put` and the moment
-/// the stream takes it (the first poll of `send_data`).
+/// [`SendStream`]. Holds at most one chunk: from [`Offer::lend`] until the stream
+/// takes it with its frame (the first poll of `send_data`) or the returned
+/// [`Offered`] goes, whichever comes first (a `send_data` that times out, or is
+/// cancelled before h3 hands the frame down, leaves nothing behind).
 #[derive(Debug, Default)]
 pub(crate) struct Offer(Mutex<Option<Bytes>>);
 
+/// An offer in force; dropping it withdraws the chunk if the stream did not take it.
+#[must_use = "the offer is withdrawn when this drops"]
+#[derive(Debug)]
+pub(crate) struct Offered<'a>(&'a Offer);
+
+impl Drop for Offered<'_> {
+    fn drop(&mut self) {
+        self.0.slot().take();
+    }
+}
+
 impl Offer {
-    /// Offers `chunk` for the next frame the stream is given.
-    pub(crate) fn put(&self, chunk: Bytes) {
+    /// Offers `chunk` for the next frame the stream is given, while the guard lives.
+    pub(crate) fn lend(&self, chunk: Bytes) -> Offered<'_> {
         *self.slot() = Some(chunk);
+        Offered(self)
     }
 
-    /// Withdraws an offer the stream did not take.
-    pub(crate) fn clear(&self) {
-        self.slot().take();
+    /// Whether a chunk is offered and not yet taken.
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
+        self.slot().is_none()
     }
 
     fn take(&self) -> Option<Bytes> {
@@ -74,8 +94,10 @@ pub(crate) struct SendStream {
     writing: Option<WriteBuf<Bytes>>,
     /// The offered chunk taken with that frame: its not-yet-written part.
     payload: Option<Bytes>,
-    /// Where the request task offers chunks (request streams only).
-    offer: Option<Arc<Offer>>,
+    /// Where the request task offers chunks (only request streams' are ever filled;
+    /// the server's own streams carry an empty one, which costs an allocation per
+    /// stream opened, a few per connection).
+    offer: Arc<Offer>,
 }
 
 impl std::fmt::Debug for SendStream {
@@ -88,12 +110,12 @@ impl std::fmt::Debug for SendStream {
 }
 
 impl SendStream {
-    fn new(stream: quinn::SendStream, offer: Option<Arc<Offer>>) -> Self {
+    fn new(stream: quinn::SendStream) -> Self {
         Self {
             stream,
             writing: None,
             payload: None,
-            offer,
+            offer: Arc::default(),
         }
     }
 
@@ -110,12 +132,12 @@ impl SendStream {
             // rest of it in `payload` (it splits a partly written chunk).
             Some(offered) if offered.as_ptr() == next.as_ptr() && offered.len() == next.len() => {
                 let written = ready!(pin!(stream.write_chunks(std::slice::from_mut(offered))).poll(cx))?;
-                ZERO_COPY_BYTES.fetch_add(written.bytes as u64, Ordering::Relaxed);
+                STREAM_ZERO_COPY_BYTES.fetch_add(written.bytes as u64, Ordering::Relaxed);
                 Poll::Ready(Ok(written.bytes))
             }
             _ => {
                 let written = ready!(Pin::new(stream).poll_write(cx, next))?;
-                COPIED_BYTES.fetch_add(written as u64, Ordering::Relaxed);
+                STREAM_COPIED_BYTES.fetch_add(written as u64, Ordering::Relaxed);
                 Poll::Ready(Ok(written))
             }
         }
@@ -145,7 +167,7 @@ impl quic::SendStream<Bytes> for SendStream {
             return Err(internal("h3 sent a frame before the last one was written"));
         }
         self.writing = Some(data.into());
-        self.payload = self.offer.as_deref().and_then(Offer::take);
+        self.payload = self.offer.take();
         Ok(())
     }
 
@@ -177,7 +199,7 @@ impl quic::SendStreamUnframed<Bytes> for SendStream {
             return Poll::Ready(Err(internal("a raw write while a frame is being written")));
         }
         let written = ready!(Pin::new(&mut self.stream).poll_write(cx, buf.chunk())).map_err(write_error)?;
-        COPIED_BYTES.fetch_add(written as u64, Ordering::Relaxed);
+        STREAM_COPIED_BYTES.fetch_add(written as u64, Ordering::Relaxed);
         buf.advance(written);
         Poll::Ready(Ok(written))
     }
@@ -229,23 +251,17 @@ pub(crate) struct BidiStream {
 }
 
 impl BidiStream {
-    /// A client's stream; its send half takes chunks offered through [`Self::offer`].
-    pub(crate) fn accepted(send: quinn::SendStream, recv: quinn::RecvStream) -> Self {
+    /// A stream of either side; its send half takes the chunks offered through
+    /// [`Self::offer_slot`].
+    pub(crate) fn new(send: quinn::SendStream, recv: quinn::RecvStream) -> Self {
         Self {
-            send: SendStream::new(send, Some(Arc::default())),
-            recv: RecvStream::new(recv),
-        }
-    }
-
-    fn opened(send: quinn::SendStream, recv: quinn::RecvStream) -> Self {
-        Self {
-            send: SendStream::new(send, None),
+            send: SendStream::new(send),
             recv: RecvStream::new(recv),
         }
     }
 
     /// Where a request task offers the chunks it sends on this stream.
-    pub(crate) fn offer(&self) -> Option<Arc<Offer>> {
+    pub(crate) fn offer_slot(&self) -> Arc<Offer> {
         self.send.offer.clone()
     }
 }
@@ -363,7 +379,7 @@ impl quic::OpenStreams<Bytes> for Opener {
             cx,
         );
         opened
-            .map_ok(|(send, recv)| BidiStream::opened(send, recv))
+            .map_ok(|(send, recv)| BidiStream::new(send, recv))
             .map_err(|connection_error| StreamErrorIncoming::ConnectionErrorIncoming { connection_error })
     }
 
@@ -378,7 +394,7 @@ impl quic::OpenStreams<Bytes> for Opener {
             cx,
         );
         opened
-            .map_ok(|send| SendStream::new(send, None))
+            .map_ok(SendStream::new)
             .map_err(|connection_error| StreamErrorIncoming::ConnectionErrorIncoming { connection_error })
     }
 
@@ -436,5 +452,160 @@ fn read_error(e: quinn::ReadError) -> StreamErrorIncoming {
         },
         // Ordered reads only, so never IllegalOrderedRead; the rest is unexpected.
         other => StreamErrorIncoming::Unknown(Box::new(other)),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::future::poll_fn;
+    use std::net::{Ipv4Addr, SocketAddr};
+
+    use h3::proto::frame::Frame;
+    use h3::quic::SendStream as _;
+
+    use super::*;
+
+    /// Two quinn endpoints on loopback and the connection between them. The client
+    /// grants `stream_window` bytes of credit per stream, so a server write longer
+    /// than that is taken in parts as the client reads.
+    pub(crate) struct Pair {
+        pub(crate) server: quinn::Connection,
+        pub(crate) client: quinn::Connection,
+        _endpoints: (quinn::Endpoint, quinn::Endpoint),
+    }
+
+    pub(crate) async fn quic_pair(stream_window: u32) -> Pair {
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
+        let key = rustls::pki_types::PrivatePkcs8KeyDer::from(cert.key_pair.serialize_der());
+        let server_config =
+            quinn::ServerConfig::with_single_cert(vec![cert.cert.der().clone()], key.into()).unwrap();
+        let loopback = SocketAddr::from((Ipv4Addr::LOCALHOST, 0));
+        let server_end = quinn::Endpoint::server(server_config, loopback).unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(cert.cert.der().clone()).unwrap();
+        let mut client_config = quinn::ClientConfig::with_root_certificates(Arc::new(roots)).unwrap();
+        let mut transport = quinn::TransportConfig::default();
+        transport.stream_receive_window(stream_window.into());
+        client_config.transport_config(Arc::new(transport));
+        let mut client_end = quinn::Endpoint::client(loopback).unwrap();
+        client_end.set_default_client_config(client_config);
+        let connecting = client_end
+            .connect(server_end.local_addr().unwrap(), "localhost")
+            .unwrap();
+        let (server, client) = tokio::join!(
+            async { server_end.accept().await.unwrap().await.unwrap() },
+            async { connecting.await.unwrap() }
+        );
+        Pair {
+            server,
+            client,
+            _endpoints: (server_end, client_end),
+        }
+    }
+
+    fn counters() -> (u64, u64) {
+        (
+            STREAM_ZERO_COPY_BYTES.load(Ordering::Relaxed),
+            STREAM_COPIED_BYTES.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Hands `frame` to the stream as h3 does and waits until it is written: returns
+    /// how many bytes went (without a copy, copied), by the counters.
+    async fn write(stream: &mut SendStream, frame: Frame<Bytes>) -> (u64, u64) {
+        let before = counters();
+        stream.send_data(frame).unwrap();
+        poll_fn(|cx| stream.poll_ready(cx)).await.unwrap();
+        let after = counters();
+        (after.0 - before.0, after.1 - before.1)
+    }
+
+    /// A frame as RFC 9114 puts it on the wire: type, length, payload (one-byte
+    /// types, payloads under 16 KiB).
+    fn wire(ty: u8, payload: &[u8]) -> Vec<u8> {
+        let len = u16::try_from(payload.len()).ok().filter(|&l| l < 0x4000).unwrap();
+        let mut frame = vec![ty];
+        if len < 64 {
+            frame.push(len as u8);
+        } else {
+            frame.extend((0x4000 | len).to_be_bytes());
+        }
+        frame.extend_from_slice(payload);
+        frame
+    }
+
+    fn data_frame(payload: &[u8]) -> Vec<u8> {
+        wire(0x00, payload)
+    }
+
+    /// One test, as the counters are process-wide: an offered chunk three times the
+    /// stream window goes to quinn uncopied in parts (only its frame header is
+    /// copied); the same bytes at another address are copied; a stale offer under a
+    /// trailers frame is not written, and the trailers are copied. The client gets
+    /// exactly the frames, in order.
+    #[tokio::test]
+    async fn offered_chunks_go_uncopied_and_anything_else_is_copied() {
+        let pair = quic_pair(1024).await;
+        let client = pair.client.clone();
+        let received = tokio::spawn(async move {
+            let mut recv = client.accept_uni().await.unwrap();
+            recv.read_to_end(1 << 20).await.unwrap()
+        });
+        let mut stream = SendStream::new(pair.server.open_uni().await.unwrap());
+        let offer = stream.offer.clone();
+        let chunk = Bytes::from((0..3000u32).map(|i| (i * 7) as u8).collect::<Vec<_>>());
+        let mut expected = Vec::new();
+
+        let offered = offer.lend(chunk.clone());
+        let header = data_frame(&chunk).len() - chunk.len();
+        assert_eq!(
+            write(&mut stream, Frame::Data(chunk.clone())).await,
+            (chunk.len() as u64, header as u64),
+            "an offered chunk goes uncopied, only its frame header is copied"
+        );
+        drop(offered);
+        expected.extend(data_frame(&chunk));
+
+        let same_bytes = Bytes::copy_from_slice(&chunk);
+        let offered = offer.lend(same_bytes);
+        assert_eq!(
+            write(&mut stream, Frame::Data(chunk.clone())).await,
+            (0, (header + chunk.len()) as u64),
+            "a frame whose payload is not the offered memory is copied"
+        );
+        drop(offered);
+        expected.extend(data_frame(&chunk));
+
+        // Never withdrawn (as a timed-out write left it before the guard existed).
+        std::mem::forget(offer.lend(chunk.clone()));
+        let trailers = Bytes::from_static(b"\0\0\x8f\x01\x02");
+        let frame = wire(0x01, &trailers);
+        assert_eq!(
+            write(&mut stream, Frame::Headers(trailers)).await,
+            (0, frame.len() as u64),
+            "trailers after a stale offer are copied, the offer is not written"
+        );
+        assert!(offer.is_empty(), "the stream took the stale offer with the frame");
+        expected.extend(frame);
+
+        poll_fn(|cx| stream.poll_finish(cx)).await.unwrap();
+        let got = received.await.unwrap();
+        assert!(
+            got == expected,
+            "the client got {} bytes, not the {} written",
+            got.len(),
+            expected.len()
+        );
+    }
+
+    /// An offer the stream never took is withdrawn when its guard goes, as when a
+    /// `send_data` times out before h3 hands the frame down.
+    #[test]
+    fn a_dropped_guard_withdraws_the_offer() {
+        let offer = Offer::default();
+        let offered = offer.lend(Bytes::from_static(b"chunk"));
+        assert!(!offer.is_empty());
+        drop(offered);
+        assert!(offer.is_empty(), "the chunk stayed in the slot");
     }
 }

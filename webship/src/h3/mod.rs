@@ -7,15 +7,17 @@
 //! and a per-connection congestion controller that starts on CUBIC and adds BBR once
 //! a response proves bulk, using the larger window of the two ([`congestion`]).
 //!
-//! Response chunks reach quinn without a copy ([`backend`]: quinn holds the chunk
-//! itself until its bytes are acknowledged). Memory per connection is bounded by
-//! `h3_send_window_bytes` (quinn holds no more unacknowledged stream data than that;
-//! `send_data` waits) plus two [`STREAM_CHUNK`]s per
-//! active stream, two 16 KiB reads on a stream whose client grants no credit (file
-//! reads ramp up with the credit the client gives: `exchange::body`). A write that
-//! waits for credit longer than `send_timeout` resets the stream; a request head must
-//! arrive within `header_read_timeout`; a connection without a request for
-//! `idle_timeout` closes, whatever PINGs keep QUIC alive.
+//! Response chunks of at least 16 KiB reach quinn without a copy ([`backend`]: quinn
+//! holds the chunk itself, and so its whole allocation, until its bytes are
+//! acknowledged); smaller ones are copied, so that a trickle of tiny relayed chunks
+//! cannot pin an upstream read buffer each ([`backend::OFFER_MIN`]). Memory per
+//! connection is bounded by a small multiple of `h3_send_window_bytes` (quinn holds no
+//! more unacknowledged stream data than that; `send_data` waits) plus two
+//! [`STREAM_CHUNK`]s per active stream, two 16 KiB reads on a stream whose client
+//! grants no credit (file reads ramp up with the credit the client gives:
+//! `exchange::body`). A write that waits for credit longer than `send_timeout` resets
+//! the stream; a request head must arrive within `header_read_timeout`; a connection
+//! without a request for `idle_timeout` closes, whatever PINGs keep QUIC alive.
 
 pub(crate) mod backend;
 pub(crate) mod batch;
@@ -204,9 +206,9 @@ async fn connection(
         });
         let accepted = tokio::select! {
             accepted = accept => accepted.map(|s| s.map(|s| {
-                // The offer is taken before h3 wraps the stream, which hides it.
-                let offer = s.offer();
-                (h3.create_resolver(h3::frame::FrameStream::new(h3::stream::BufRecvStream::new(s))), offer)
+                // The offer slot is shared before h3 wraps the stream, which hides it.
+                let offer_slot = s.offer_slot();
+                (h3.create_resolver(h3::frame::FrameStream::new(h3::stream::BufRecvStream::new(s))), offer_slot)
             })),
             () = shutdown.requested(), if !closing => {
                 closing = true;
@@ -248,7 +250,7 @@ async fn connection(
             }
         };
         match accepted {
-            Ok(Some((resolver, offer))) => {
+            Ok(Some((resolver, offer_slot))) => {
                 // A request that comes and goes between two checks is activity too.
                 idle_since = tokio::time::Instant::now();
                 let ctx = ctx.clone();
@@ -257,7 +259,7 @@ async fn connection(
                 let permit = permit.clone();
                 let wt = wt.clone();
                 tokio::spawn(async move {
-                    request(resolver, offer, &ctx, &signal, wt).await;
+                    request(resolver, offer_slot, &ctx, &signal, wt).await;
                     drop(permit);
                 });
             }
@@ -403,7 +405,7 @@ fn release(mut resolver: Resolver, code: h3::error::Code) {
 
 async fn request(
     mut resolver: Resolver,
-    offer: Option<Arc<backend::Offer>>,
+    offer_slot: Arc<backend::Offer>,
     ctx: &ConnContext,
     signal: &BulkSignal,
     wt: Option<Arc<WtConn>>,
@@ -467,7 +469,7 @@ async fn request(
     let (resp, record) = ctx.handle(&head, body).await;
     let writer = Writer {
         stream: &mut stream,
-        offer: offer.as_deref(),
+        offer_slot: &offer_slot,
         ctx,
         signal,
     };
@@ -540,23 +542,24 @@ async fn respond(mut writer: Writer<'_>, resp: Response, record: Record) -> Resu
 /// One response stream, as the shared send loop writes it.
 struct Writer<'a> {
     stream: &'a mut SendHalf,
-    /// Where each chunk is offered to the stream's backend, which then hands it to
-    /// quinn without copying it ([`backend`]).
-    offer: Option<&'a backend::Offer>,
+    /// Where each chunk of at least [`backend::OFFER_MIN`] is offered to the
+    /// stream's backend, which then hands it to quinn without copying it.
+    offer_slot: &'a backend::Offer,
     ctx: &'a ConnContext,
     signal: &'a BulkSignal,
 }
 
 impl BodyWriter for Writer<'_> {
     async fn data(&mut self, data: Bytes) -> Result<(), SendError> {
-        let Some(offer) = self.offer else {
+        if data.len() < backend::OFFER_MIN {
+            // Copied: quinn would keep the chunk's whole allocation until it is
+            // acknowledged, and the window counts only the chunk.
             return self.stream.send_data(data).await.map_err(SendError::peer);
-        };
-        // A refcount, not a copy; the backend takes it with the frame.
-        offer.put(data.clone());
-        let sent = self.stream.send_data(data).await;
-        offer.clear();
-        sent.map_err(SendError::peer)
+        }
+        // A refcount, not a copy; the backend takes it with the frame. The guard
+        // withdraws it if the write ends (or is cancelled) before that.
+        let _offered = self.offer_slot.lend(data.clone());
+        self.stream.send_data(data).await.map_err(SendError::peer)
     }
 
     async fn trailers(&mut self, trailers: http::HeaderMap) -> Result<(), SendError> {

@@ -13,6 +13,11 @@ use crate::metrics::{Collector, Encoder, Kind, Values};
 static SUMS: [AtomicU64; 12] = [const { AtomicU64::new(0) }; 12];
 /// Connections switched from CUBIC to BBR (counted at the switch).
 pub(super) static BBR_SWITCHES: AtomicU64 = AtomicU64::new(0);
+/// HTTP/3 stream bytes handed to quinn as the sender's own buffer (live, counted by
+/// [`super::backend`] as it writes them).
+pub(super) static STREAM_ZERO_COPY_BYTES: AtomicU64 = AtomicU64::new(0);
+/// HTTP/3 stream bytes copied into quinn's send buffer (live, as above).
+pub(super) static STREAM_COPIED_BYTES: AtomicU64 = AtomicU64::new(0);
 
 /// Smoothed RTT at the end, in microseconds: loopback to intercontinental.
 static RTT: Values = Values::new(
@@ -173,14 +178,13 @@ impl Collector for Metrics {
             "QUIC connections switched from CUBIC to BBR (a bulk response or a WebTransport session).",
         )
         .sample(&[], BBR_SWITCHES.load(Ordering::Relaxed));
-        let (zero_copy, copied) = super::backend::written_bytes();
         out.family(
             "webship_h3_stream_write_bytes",
             Kind::Counter,
-            "Bytes written to HTTP/3 streams, by how they reached quinn: zero_copy (a response chunk's own buffer) or copied (frame headers, header sections, control streams, WebTransport).",
+            "Bytes written to HTTP/3 streams, by how they reached quinn: zero_copy (a response chunk's own buffer) or copied (DATA frame headers, header sections, control and QPACK streams, WebTransport, and chunks not offered: any under 16 KiB).",
         )
-        .sample(&[("path", "zero_copy")], zero_copy)
-        .sample(&[("path", "copied")], copied);
+        .sample(&[("path", "zero_copy")], STREAM_ZERO_COPY_BYTES.load(Ordering::Relaxed))
+        .sample(&[("path", "copied")], STREAM_COPIED_BYTES.load(Ordering::Relaxed));
         sockets(out);
         let histograms: [(&str, &str, &Values); 4] = [
             (

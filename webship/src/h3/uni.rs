@@ -71,7 +71,7 @@ impl quic::Connection<Bytes> for Connection {
             },
             cx,
         );
-        accepted.map_ok(|(send, recv)| BidiStream::accepted(send, recv))
+        accepted.map_ok(|(send, recv)| BidiStream::new(send, recv))
     }
 
     fn opener(&self) -> Opener {

@@ -244,10 +244,12 @@ impl SendHalf for BufRecvStream<crate::h3::backend::SendStream, Bytes> {
 }
 
 impl<S: h3::quic::RecvStream + Send + Unpin> RecvHalf for BufRecvStream<S, Bytes> {
-    /// Left to the drop, which stops the stream (code 0), as it was when h3-quinn's
-    /// `stop_sending` could panic while a cancelled read held the stream (the
-    /// backend's, `h3/backend.rs`, cannot).
-    fn stop(&mut self, _code: u32) {}
+    /// STOP_SENDING with the session's code mapped into the HTTP/3 range (the
+    /// backend's `stop_sending`, `h3/backend.rs`, is quinn's `stop`, safe whatever
+    /// read was cancelled before).
+    fn stop(&mut self, code: u32) {
+        h3::quic::RecvStream::stop_sending(self, super::stream_error_code(code));
+    }
 }
 
 /// Turns away a stream the session cannot take: a bidirectional one is reset (a
@@ -392,5 +394,30 @@ fn session_capsules(state: &SessionState, capsules: &mut capsule::Reader) -> boo
                 return false;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::h3::backend::tests::quic_pair;
+
+    /// A session that stops reading a client's stream sends STOP_SENDING with its own
+    /// code mapped into the HTTP/3 range, not the drop's 0.
+    #[tokio::test]
+    async fn stop_sends_the_mapped_code() {
+        let pair = quic_pair(64 * 1024).await;
+        let (mut send, _client_recv) = pair.client.open_bi().await.unwrap();
+        send.write_all(b"hello").await.unwrap();
+        let (_server_send, recv) = pair.server.accept_bi().await.unwrap();
+        let mut recv = BufRecvStream::<_, Bytes>::new(crate::h3::backend::RecvStream::new(recv));
+        RecvHalf::stop(&mut recv, 7);
+        drop(recv);
+        let code = send.stopped().await.unwrap();
+        assert_eq!(
+            code.map(quinn::VarInt::into_inner),
+            Some(super::super::stream_error_code(7)),
+            "the client saw STOP_SENDING with another code"
+        );
     }
 }
