@@ -494,6 +494,9 @@ impl Bound {
             }
             None => None,
         };
+        if let Some(h3) = &h3 {
+            plan.steer_quic(h3)?;
+        }
         let predecessor = inherited.as_mut().and_then(|i| i.predecessor.take());
         match (&h3, predecessor) {
             (Some(h3), Some(pred)) => h3.handover().demux(pred),
