@@ -202,10 +202,13 @@ async fn a_client_that_changes_its_port_is_steered_by_ebpf() {
 /// more if asked). Downloads under way on eight connections from before finish
 /// byte-exact from the old process (the new one forwards their datagrams to it, and
 /// the old one's pair reader hands each to the socket that owns it); a new
-/// connection reaches the new process. `kernel` ([`NO_EBPF`] or [`EBPF`]) is both
-/// processes'; with eBPF the new one steers its sockets (its program replaces the
-/// old one's on the group).
-async fn takeover(old: u16, new: u16, kernel: &str) {
+/// connection reaches the new process. `kernel` ([`NO_EBPF`] or [`EBPF`]) is the old
+/// process's, `new_kernel` the new one's. With eBPF the new one steers all its
+/// sockets (its program, on the old one's map, replaces the old one's on the
+/// group): a client of the new process that changes its port 24 times never lands
+/// on a wrong socket. Without, it does (the new process removed any program the old
+/// one left on the group).
+async fn takeover(old: u16, new: u16, kernel: &str, new_kernel: &str) {
     let env = Env::new();
     env.write("which.txt", b"old");
     let big = pattern(4 * MIB as usize + 3);
@@ -248,14 +251,15 @@ async fn takeover(old: u16, new: u16, kernel: &str) {
     std::fs::create_dir_all(&root).unwrap();
     std::fs::write(root.join("which.txt"), b"new").unwrap();
     let config = dir.path().join("webship.toml");
+    let (admin_toml, admin) = admin();
     std::fs::write(
         &config,
         format!(
-            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n\n[limits]\nshutdown_grace_secs = 30\n\
+            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n{admin_toml}\n[limits]\nshutdown_grace_secs = 30\n\
              {}[runtime.settings]\nh3_sockets = \"{new}\"\n\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n\
              [sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
             control.display(),
-            kernel.replace("{port}", &port.to_string()),
+            new_kernel.replace("{port}", &port.to_string()),
             root.display(),
             env.cert.display(),
             env.key.display()
@@ -305,27 +309,88 @@ async fn takeover(old: u16, new: u16, kernel: &str) {
         "the new process does not serve on {sockets}:\n{log}"
     );
     assert!(log.contains("takeover: the previous process has exited"), "{log}");
-    if kernel == EBPF {
+    let steered = new_kernel == EBPF;
+    let steering = if steered { "ebpf" } else { "userspace" };
+    assert!(
+        log.contains(&format!("steering=\"{steering}\"")) || log.contains(&format!("steering={steering}")),
+        "the new process does not report steering={steering}:\n{log}"
+    );
+    let sockets = usize::from(old.max(new));
+    // Steered: eight connections (each lands on one of the sockets by the kernel's
+    // hash, so one on a socket only this process added is likely), three moves each.
+    let shape = if steered { (8, 3) } else { (1, 24) };
+    let (misrouted, moves) = moved_clients(old_server.addr(), admin, &tls, sockets, shape, !steered).await;
+    if steered {
+        assert_eq!(
+            misrouted, 0.0,
+            "after {moves} port changes, the new process's sockets read another's datagrams"
+        );
+    } else {
         assert!(
-            log.contains("the kernel steers each datagram to its connection's socket"),
-            "the new process does not steer its sockets:\n{log}"
+            misrouted > 0.0,
+            "{moves} port changes and no datagram ever reached another socket"
         );
     }
     new_server.terminate();
     assert!(new_server.wait_exit(Duration::from_secs(30)).is_some());
 }
 
+/// `clients` new connections to `addr`, one after the other, whose clients move to
+/// a new port up to `moves` times each, a small download after each move; with
+/// `until_misrouted`, only until a datagram reached a socket other than its
+/// connection's. Returns the misrouted datagrams the server counted over its
+/// `sockets` sockets (admin listener `admin`), and the moves made.
+async fn moved_clients(
+    addr: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    tls: &std::sync::Arc<rustls::ClientConfig>,
+    sockets: usize,
+    (clients, moves): (u32, u32),
+    until_misrouted: bool,
+) -> (f64, u32) {
+    let misrouted = || {
+        let s = Scrape::take(admin);
+        (0..sockets).map(|i| socket(&s, i).1).sum::<f64>()
+    };
+    let mut made = 0;
+    for _ in 0..clients {
+        let mut h3 = H3Client::connect(addr, HOST, tls, &H3Options::default())
+            .await
+            .unwrap();
+        for _ in 0..moves {
+            if until_misrouted && misrouted() > 0.0 {
+                break;
+            }
+            let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            h3.endpoint().rebind(socket).unwrap();
+            made += 1;
+            let got = tokio::time::timeout(Duration::from_secs(20), h3.fetch("GET", "/which.txt", &[]))
+                .await
+                .unwrap_or_else(|_| panic!("no response within 20 s after move {made}"));
+            assert_eq!(got.body, b"new", "after move {made}");
+        }
+        h3.close().await;
+    }
+    (misrouted(), made)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_hands_over_every_socket_and_may_add_some() {
-    takeover(2, 3, NO_EBPF).await;
+    takeover(2, 3, NO_EBPF, NO_EBPF).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_with_ebpf_steers_the_grown_group() {
-    takeover(2, 3, EBPF).await;
+    takeover(2, 3, EBPF, EBPF).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_with_ebpf_off_removes_the_steering_program() {
+    // As many sockets as before: the old program, left attached, would steer them all.
+    takeover(2, 2, EBPF, NO_EBPF).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_successor_asking_for_fewer_sockets_still_reads_every_inherited_one() {
-    takeover(2, 1, NO_EBPF).await;
+    takeover(2, 1, NO_EBPF, NO_EBPF).await;
 }

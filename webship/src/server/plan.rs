@@ -124,16 +124,17 @@ impl Plan {
     }
 
     /// Steers the HTTP/3 sockets' datagrams in the kernel (with more than one socket
-    /// and the programs loaded). Failing, `required` stops startup; `auto` logs it,
-    /// and the sockets hand misrouted datagrams over themselves as without eBPF.
-    pub(super) fn steer_quic(&self, h3: &crate::h3::H3Endpoint) -> Result<(), ServerError> {
+    /// and the programs loaded); returns whether it does. Failing, `required` stops
+    /// startup; `auto` logs it, and the sockets hand misrouted datagrams over
+    /// themselves as without eBPF.
+    pub(super) fn steer_quic(&self, h3: &crate::h3::H3Endpoint) -> Result<bool, ServerError> {
         let sockets = &h3.handover().udp;
         if sockets.len() < 2 {
-            return Ok(());
+            return Ok(false);
         }
         let Some(programs) = &self.programs else {
-            // A predecessor's program on the group (which outlives it) would go on
-            // steering: `off` means none.
+            // A predecessor's program stays on the group (it outlives the process
+            // that attached it) and would go on steering: `off` means none.
             if self.ebpf_policy == Policy::Off {
                 match crate::sys::detach_reuseport_program(&*sockets[0]) {
                     Ok(true) => {
@@ -145,26 +146,14 @@ impl Plan {
                     }
                 }
             }
-            tracing::info!(
-                sockets = sockets.len(),
-                steering = "userspace",
-                "h3: datagrams for another socket are handed over in-process"
-            );
-            return Ok(());
+            return Ok(false);
         };
         match programs.steer_quic(sockets) {
-            Ok(()) => {
-                tracing::info!(
-                    sockets = sockets.len(),
-                    steering = "ebpf",
-                    "h3: the kernel steers each datagram to its connection's socket (SK_REUSEPORT)"
-                );
-                Ok(())
-            }
+            Ok(()) => Ok(true),
             Err(e) if self.ebpf_policy == Policy::Required => Err(e.into()),
             Err(e) => {
-                tracing::warn!(error = %e, steering = "userspace", "h3: SK_REUSEPORT steering not used: datagrams for another socket are handed over in-process");
-                Ok(())
+                tracing::warn!(error = %e, "h3: SK_REUSEPORT steering not used: datagrams for another socket are handed over in-process");
+                Ok(false)
             }
         }
     }
