@@ -695,8 +695,8 @@ fn announce(config: &Config, report: &Report, bound: &Bound) {
             steering = if bound.h3_steered { "ebpf" } else { "userspace" },
             "h3: one quinn endpoint per UDP socket (SO_REUSEPORT group); each datagram goes to \
              the socket its connection ID names: steered by the kernel's SK_REUSEPORT program \
-             (`steering` ebpf), or handed over in-process when the kernel's 4-tuple hash picked \
-             another socket (`steering` userspace)"
+             (steering ebpf), or handed over in-process when the kernel's 4-tuple hash picked \
+             another socket (steering userspace)"
         );
     }
     if config
