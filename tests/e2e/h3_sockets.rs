@@ -394,3 +394,81 @@ async fn a_successor_with_ebpf_off_removes_the_steering_program() {
 async fn a_successor_asking_for_fewer_sockets_still_reads_every_inherited_one() {
     takeover(2, 1, NO_EBPF, NO_EBPF).await;
 }
+
+/// A successor that attached its steering program and then failed (its ACME HTTP
+/// listener's port is taken, which is found after the sockets are set up): the old
+/// process serves on, and its sockets stay steered right. The successor's program
+/// stays on the group with the map both shared; the socket it added left the map as
+/// it closed, the inherited ones kept their indices. Eight new connections whose
+/// clients change port three times each never reach a wrong socket, and the
+/// connection from before the attempt still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_takeover_leaves_the_old_sockets_steered() {
+    let env = Env::new();
+    env.write("which.txt", b"new");
+    let control = env.dir.path().join("control.sock");
+    let (admin_toml, admin) = admin();
+    let old = env.start(&format!(
+        "control_socket = \"{}\"\n{admin_toml}{EBPF}[runtime.settings]\nh3_sockets = \"2\"\n",
+        control.display()
+    ));
+    let port = old.port;
+    let tls = env.client(b"h3");
+    let mut before = H3Client::connect(old.addr(), HOST, &tls, &H3Options::default())
+        .await
+        .unwrap();
+
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("webship.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n{}\
+             [runtime.settings]\nh3_sockets = \"3\"\n[acme]\nstorage = \"{}\"\nhttp_listen = \"{}\"\n\
+             [[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            control.display(),
+            EBPF.replace("{port}", &port.to_string()),
+            dir.path().join("acme").display(),
+            taken.local_addr().unwrap(),
+            env.root.display(),
+            env.cert.display(),
+            env.key.display()
+        ),
+    )
+    .unwrap();
+    let mut failed = Server::spawn(
+        dir.path(),
+        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    let status = failed
+        .wait_exit(Duration::from_secs(30))
+        .expect("the new process ends");
+    let log = failed.log();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains(&taken.local_addr().unwrap().to_string()),
+        "the new process failed for another reason than the taken port:\n{log}"
+    );
+    // The old process notices the failure on its own time: it reads its sockets
+    // again once it has.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !old.log().contains("takeover failed; this process keeps serving") {
+        assert!(
+            Instant::now() < deadline,
+            "the old process did not take its sockets back:\n{}",
+            old.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let (misrouted, moves) = moved_clients(old.addr(), admin, &tls, 2, (8, 3), false).await;
+    assert_eq!(
+        misrouted, 0.0,
+        "after {moves} port changes, the old process's sockets read another's datagrams"
+    );
+    let again = before.fetch("GET", "/which.txt", &[]).await;
+    assert_eq!(again.body, b"new");
+    before.close().await;
+}
