@@ -1,7 +1,10 @@
 //! HTTP/3 on several UDP sockets (`h3_sockets`): connections spread over the
 //! sockets' endpoints, every datagram reaches the endpoint that owns its connection
 //! (the per-socket counters of `/metrics`), and a client that changes its port mid
-//! connection (its datagrams now hashed to whichever socket) keeps downloading.
+//! connection keeps downloading. With `[kernel] ebpf = "off"` its datagrams are
+//! then hashed to whichever socket, which hands them over (counted as misrouted);
+//! with eBPF the kernel's SK_REUSEPORT program steers them to the owner, and no
+//! socket ever reads another's datagram.
 
 use std::time::{Duration, Instant};
 
@@ -14,14 +17,25 @@ use webship_tests::Server;
 use crate::subsystem_metrics::{admin, Scrape};
 use crate::support::{pattern, Env, HOST, MIB};
 
-/// Two workers, two sockets, and the admin listener for the counters.
-fn two_sockets(env: &Env) -> (webship_tests::Server, std::net::SocketAddr) {
+/// `[kernel]` for a run without eBPF, so the sockets hand datagrams over themselves.
+const NO_EBPF: &str = "[kernel]\nebpf = \"off\"\n";
+/// `[kernel]` for a run whose sockets the kernel steers (the suite runs as root).
+const EBPF: &str = "[kernel]\nebpf = \"required\"\nbpf_pin_dir = \"/sys/fs/bpf/webship-e2e-{port}\"\n";
+
+/// Two workers, two sockets, `kernel` (one of [`NO_EBPF`], [`EBPF`]), and the admin
+/// listener for the counters.
+fn two_sockets(env: &Env, kernel: &str) -> (webship_tests::Server, std::net::SocketAddr) {
     let (toml, admin) = admin();
-    let server = env.start(&format!("{toml}[runtime.settings]\nh3_sockets = \"2\"\n"));
+    let server = env.start(&format!("{toml}{kernel}[runtime.settings]\nh3_sockets = \"2\"\n"));
+    let log = server.log();
     assert!(
-        server.log().contains("h3: one quinn endpoint per UDP socket"),
-        "the server did not report its two sockets:\n{}",
-        server.log()
+        log.contains("h3: one quinn endpoint per UDP socket"),
+        "the server did not report its two sockets:\n{log}"
+    );
+    let steering = if kernel == EBPF { "ebpf" } else { "userspace" };
+    assert!(
+        log.contains(&format!("steering=\"{steering}\"")) || log.contains(&format!("steering={steering}")),
+        "the server does not report steering={steering}:\n{log}"
     );
     (server, admin)
 }
@@ -39,13 +53,12 @@ fn socket(s: &Scrape, i: usize) -> (f64, f64, f64) {
 /// Sixteen connections, each from its own client port, download at once, byte-exact;
 /// both sockets carried some (all sixteen on one has odds of 2 in 65,536), and no
 /// datagram reached a socket other than its connection's.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_spread_over_the_sockets_and_stay_on_theirs() {
+async fn connections_spread_over_the_sockets_and_stay_on_theirs(kernel: &str) {
     let env = Env::new();
     let body = pattern(512 * 1024 + 7);
     env.write("half.bin", &body);
     let digest: [u8; 32] = Sha256::digest(&body).into();
-    let (server, admin) = two_sockets(&env);
+    let (server, admin) = two_sockets(&env, kernel);
     let tls = env.client(b"h3");
     let downloads: Vec<_> = (0..16)
         .map(|_| {
@@ -82,18 +95,30 @@ async fn connections_spread_over_the_sockets_and_stay_on_theirs() {
         .is_none());
 }
 
-/// One connection whose client moves to a new port again and again: between
-/// requests until a move lands its datagrams on the other socket (counted as
-/// misrouted and handed over, none dropped), then once more in the middle of a
-/// download. Every response arrives byte-exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_that_changes_its_port_keeps_its_connection() {
+async fn connections_spread_over_the_sockets_and_stay_on_theirs_without_ebpf() {
+    connections_spread_over_the_sockets_and_stay_on_theirs(NO_EBPF).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_spread_over_the_sockets_and_stay_on_theirs_steered_by_ebpf() {
+    connections_spread_over_the_sockets_and_stay_on_theirs(EBPF).await;
+}
+
+/// One connection whose client moves to a new port again and again. Without eBPF:
+/// between requests until a move lands its datagrams on the other socket (counted
+/// as misrouted and handed over, none dropped). With eBPF: 24 moves, each of which
+/// the kernel's hash would have sent to the other socket with odds of one in two,
+/// and not one datagram reached the wrong socket. Then once more in the middle of a
+/// download. Every response arrives byte-exact.
+async fn a_client_that_changes_its_port_keeps_its_connection(kernel: &str) {
     let env = Env::new();
     let small = pattern(64 * 1024);
     let big = pattern(8 * MIB as usize);
     env.write("small.bin", &small);
     env.write("big.bin", &big);
-    let (server, admin) = two_sockets(&env);
+    let steered = kernel == EBPF;
+    let (server, admin) = two_sockets(&env, kernel);
     let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::default())
         .await
         .unwrap();
@@ -106,9 +131,9 @@ async fn a_client_that_changes_its_port_keeps_its_connection() {
         h3.endpoint().rebind(socket).unwrap();
     };
     let mut moves = 0;
-    // Each move lands on the other socket with odds of one in two: 24 misses in a
-    // row have odds of one in sixteen million.
-    while misrouted() == 0.0 && moves < 24 {
+    // Unsteered, each move lands on the other socket with odds of one in two: 24
+    // misses in a row have odds of one in sixteen million.
+    while (steered || misrouted() == 0.0) && moves < 24 {
         rebind(&h3);
         moves += 1;
         let got = tokio::time::timeout(Duration::from_secs(20), h3.fetch("GET", "/small.bin", &[]))
@@ -116,10 +141,18 @@ async fn a_client_that_changes_its_port_keeps_its_connection() {
             .unwrap_or_else(|_| panic!("no response within 20 s after move {moves}"));
         assert_eq!(got.body, small, "after move {moves}");
     }
-    assert!(
-        misrouted() > 0.0,
-        "{moves} port changes and no datagram ever reached the other socket"
-    );
+    if steered {
+        assert_eq!(
+            misrouted(),
+            0.0,
+            "the kernel steered datagrams of a moved client to a socket other than its connection's"
+        );
+    } else {
+        assert!(
+            misrouted() > 0.0,
+            "{moves} port changes and no datagram ever reached the other socket"
+        );
+    }
 
     let (parts, mut stream) = h3.send("GET", "/big.bin", &[]).await.unwrap();
     assert_eq!(parts.status, 200);
@@ -144,7 +177,24 @@ async fn a_client_that_changes_its_port_keeps_its_connection() {
         (0.0, 0.0),
         "misrouted datagrams were dropped"
     );
+    if steered {
+        assert_eq!(
+            socket(&s, 0).1 + socket(&s, 1).1,
+            0.0,
+            "a datagram after the move mid-download reached the wrong socket"
+        );
+    }
     h3.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_changes_its_port_keeps_its_connection_without_ebpf() {
+    a_client_that_changes_its_port_keeps_its_connection(NO_EBPF).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_changes_its_port_is_steered_by_ebpf() {
+    a_client_that_changes_its_port_keeps_its_connection(EBPF).await;
 }
 
 /// A takeover between processes with several sockets each: `old` sockets before,
@@ -152,8 +202,13 @@ async fn a_client_that_changes_its_port_keeps_its_connection() {
 /// more if asked). Downloads under way on eight connections from before finish
 /// byte-exact from the old process (the new one forwards their datagrams to it, and
 /// the old one's pair reader hands each to the socket that owns it); a new
-/// connection reaches the new process.
-async fn takeover(old: u16, new: u16) {
+/// connection reaches the new process. `kernel` ([`NO_EBPF`] or [`EBPF`]) is the old
+/// process's, `new_kernel` the new one's. With eBPF the new one steers all its
+/// sockets (its program, on the old one's map, replaces the old one's on the
+/// group): a client of the new process that changes its port 24 times never lands
+/// on a wrong socket. Without, it does (the new process removed any program the old
+/// one left on the group).
+async fn takeover(old: u16, new: u16, kernel: &str, new_kernel: &str) {
     let env = Env::new();
     env.write("which.txt", b"old");
     let big = pattern(4 * MIB as usize + 3);
@@ -161,7 +216,7 @@ async fn takeover(old: u16, new: u16) {
     let control = env.dir.path().join("control.sock");
     let mut old_server = env.start(&format!(
         "control_socket = \"{}\"\n[limits]\nshutdown_grace_secs = 30\nidle_timeout_secs = 5\n\
-         [runtime.settings]\nh3_sockets = \"{old}\"\n",
+         {kernel}[runtime.settings]\nh3_sockets = \"{old}\"\n",
         control.display()
     ));
     let port = old_server.port;
@@ -196,13 +251,15 @@ async fn takeover(old: u16, new: u16) {
     std::fs::create_dir_all(&root).unwrap();
     std::fs::write(root.join("which.txt"), b"new").unwrap();
     let config = dir.path().join("webship.toml");
+    let (admin_toml, admin) = admin();
     std::fs::write(
         &config,
         format!(
-            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n\n[limits]\nshutdown_grace_secs = 30\n\
-             [runtime.settings]\nh3_sockets = \"{new}\"\n\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n\
+            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n{admin_toml}\n[limits]\nshutdown_grace_secs = 30\n\
+             {}[runtime.settings]\nh3_sockets = \"{new}\"\n\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n\
              [sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
             control.display(),
+            new_kernel.replace("{port}", &port.to_string()),
             root.display(),
             env.cert.display(),
             env.key.display()
@@ -252,16 +309,166 @@ async fn takeover(old: u16, new: u16) {
         "the new process does not serve on {sockets}:\n{log}"
     );
     assert!(log.contains("takeover: the previous process has exited"), "{log}");
+    let steered = new_kernel == EBPF;
+    let steering = if steered { "ebpf" } else { "userspace" };
+    assert!(
+        log.contains(&format!("steering=\"{steering}\"")) || log.contains(&format!("steering={steering}")),
+        "the new process does not report steering={steering}:\n{log}"
+    );
+    let sockets = usize::from(old.max(new));
+    // Steered: eight connections (each lands on one of the sockets by the kernel's
+    // hash, so one on a socket only this process added is likely), three moves each.
+    let shape = if steered { (8, 3) } else { (1, 24) };
+    let (misrouted, moves) = moved_clients(old_server.addr(), admin, &tls, sockets, shape, !steered).await;
+    if steered {
+        assert_eq!(
+            misrouted, 0.0,
+            "after {moves} port changes, the new process's sockets read another's datagrams"
+        );
+    } else {
+        assert!(
+            misrouted > 0.0,
+            "{moves} port changes and no datagram ever reached another socket"
+        );
+    }
     new_server.terminate();
     assert!(new_server.wait_exit(Duration::from_secs(30)).is_some());
 }
 
+/// `clients` new connections to `addr`, one after the other, whose clients move to
+/// a new port up to `moves` times each, a small download after each move; with
+/// `until_misrouted`, only until a datagram reached a socket other than its
+/// connection's. Returns the misrouted datagrams the server counted over its
+/// `sockets` sockets (admin listener `admin`), and the moves made.
+async fn moved_clients(
+    addr: std::net::SocketAddr,
+    admin: std::net::SocketAddr,
+    tls: &std::sync::Arc<rustls::ClientConfig>,
+    sockets: usize,
+    (clients, moves): (u32, u32),
+    until_misrouted: bool,
+) -> (f64, u32) {
+    let misrouted = || {
+        let s = Scrape::take(admin);
+        (0..sockets).map(|i| socket(&s, i).1).sum::<f64>()
+    };
+    let mut made = 0;
+    for _ in 0..clients {
+        let mut h3 = H3Client::connect(addr, HOST, tls, &H3Options::default())
+            .await
+            .unwrap();
+        for _ in 0..moves {
+            if until_misrouted && misrouted() > 0.0 {
+                break;
+            }
+            let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            h3.endpoint().rebind(socket).unwrap();
+            made += 1;
+            let got = tokio::time::timeout(Duration::from_secs(20), h3.fetch("GET", "/which.txt", &[]))
+                .await
+                .unwrap_or_else(|_| panic!("no response within 20 s after move {made}"));
+            assert_eq!(got.body, b"new", "after move {made}");
+        }
+        h3.close().await;
+    }
+    (misrouted(), made)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_takeover_hands_over_every_socket_and_may_add_some() {
-    takeover(2, 3).await;
+    takeover(2, 3, NO_EBPF, NO_EBPF).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_with_ebpf_steers_the_grown_group() {
+    takeover(2, 3, EBPF, EBPF).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_with_ebpf_off_removes_the_steering_program() {
+    // As many sockets as before: the old program, left attached, would steer them all.
+    takeover(2, 2, EBPF, NO_EBPF).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_successor_asking_for_fewer_sockets_still_reads_every_inherited_one() {
-    takeover(2, 1).await;
+    takeover(2, 1, NO_EBPF, NO_EBPF).await;
+}
+
+/// A successor that attached its steering program and then failed (its ACME HTTP
+/// listener's port is taken, which is found after the sockets are set up): the old
+/// process serves on, and its sockets stay steered right. The successor's program
+/// stays on the group with the map both shared; the socket it added left the map as
+/// it closed, the inherited ones kept their indices. Eight new connections whose
+/// clients change port three times each never reach a wrong socket, and the
+/// connection from before the attempt still works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_takeover_leaves_the_old_sockets_steered() {
+    let env = Env::new();
+    env.write("which.txt", b"new");
+    let control = env.dir.path().join("control.sock");
+    let (admin_toml, admin) = admin();
+    let old = env.start(&format!(
+        "control_socket = \"{}\"\n{admin_toml}{EBPF}[runtime.settings]\nh3_sockets = \"2\"\n",
+        control.display()
+    ));
+    let port = old.port;
+    let tls = env.client(b"h3");
+    let mut before = H3Client::connect(old.addr(), HOST, &tls, &H3Options::default())
+        .await
+        .unwrap();
+
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("webship.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n{}\
+             [runtime.settings]\nh3_sockets = \"3\"\n[acme]\nstorage = \"{}\"\nhttp_listen = \"{}\"\n\
+             [[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            control.display(),
+            EBPF.replace("{port}", &port.to_string()),
+            dir.path().join("acme").display(),
+            taken.local_addr().unwrap(),
+            env.root.display(),
+            env.cert.display(),
+            env.key.display()
+        ),
+    )
+    .unwrap();
+    let mut failed = Server::spawn(
+        dir.path(),
+        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    let status = failed
+        .wait_exit(Duration::from_secs(30))
+        .expect("the new process ends");
+    let log = failed.log();
+    assert!(!status.success(), "{log}");
+    assert!(
+        log.contains(&taken.local_addr().unwrap().to_string()),
+        "the new process failed for another reason than the taken port:\n{log}"
+    );
+    // The old process notices the failure on its own time: it reads its sockets
+    // again once it has.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !old.log().contains("takeover failed; this process keeps serving") {
+        assert!(
+            Instant::now() < deadline,
+            "the old process did not take its sockets back:\n{}",
+            old.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let (misrouted, moves) = moved_clients(old.addr(), admin, &tls, 2, (8, 3), false).await;
+    assert_eq!(
+        misrouted, 0.0,
+        "after {moves} port changes, the old process's sockets read another's datagrams"
+    );
+    let again = before.fetch("GET", "/which.txt", &[]).await;
+    assert_eq!(again.body, b"new");
+    before.close().await;
 }

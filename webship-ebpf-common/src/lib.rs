@@ -4,7 +4,7 @@
 //! The daemon embeds the object built from the same commit, so both sides always
 //! agree on what is written here.
 
-#![no_std]
+#![cfg_attr(not(test), no_std)]
 
 /// SOCKHASH of spliced sockets, keyed by socket cookie.
 pub const SOCKS_MAP: &str = "SOCKS";
@@ -315,3 +315,89 @@ unsafe impl aya::Pod for TcpSite {}
 #[cfg(feature = "user")]
 #[allow(unsafe_code)]
 unsafe impl aya::Pod for SiteName {}
+
+// HTTP/3 socket steering: an SK_REUSEPORT program on the group of the daemon's QUIC
+// sockets (`h3_sockets`) sends each datagram to the socket whose index its
+// destination connection ID names, so the daemon need not hand it over itself.
+
+/// The SK_REUSEPORT program.
+pub const QUIC_STEER_PROGRAM: &str = "webship_quic_steer";
+/// REUSEPORT_SOCKARRAY: socket index → the group's UDP socket with that index,
+/// filled by the daemon (a slot left empty falls back to the kernel's hash).
+pub const QUIC_SOCKETS_MAP: &str = "QUIC_SOCKETS";
+/// Sockets one QUIC group holds at most (the daemon's `h3_sockets` cap).
+pub const MAX_QUIC_SOCKETS: u32 = 32;
+/// Length of the connection IDs the daemon issues; byte 0 is the socket index.
+pub const QUIC_CID_LEN: u8 = 12;
+/// Bytes before the QUIC packet in the program's view of a datagram: the UDP
+/// header (the kernel runs the program with the packet data starting there).
+pub const UDP_HEADER_LEN: u32 = 8;
+/// Bytes of a QUIC packet [`quic_socket`] reads: the first byte through a long
+/// header's first DCID byte (a short header's first DCID byte is its second).
+pub const QUIC_HEAD_LEN: usize = 7;
+
+/// The socket index a QUIC packet's destination connection ID names, if it is one
+/// of ours and below `sockets`. `head` is the packet's first [`QUIC_HEAD_LEN`]
+/// bytes. A short header (form bit 0x80 clear) carries the DCID right after the
+/// first byte, with no length: every ID the daemon issues has the same length, so
+/// its byte 0 is at offset 1. A long header carries the version (4 bytes), the
+/// DCID length (offset 5) and then the DCID (offset 6); a length other than
+/// [`QUIC_CID_LEN`] is a client-chosen Initial ID, which names no socket. Only
+/// the index byte is read, not the tag: a client-chosen 12-byte ID steers to an
+/// arbitrary socket, which hands the datagram over as without the program.
+#[inline(always)]
+pub const fn quic_socket(head: &[u8; QUIC_HEAD_LEN], sockets: u32) -> Option<u32> {
+    let index = if head[0] & 0x80 == 0 {
+        head[1]
+    } else if head[5] == QUIC_CID_LEN {
+        head[6]
+    } else {
+        return None;
+    };
+    if (index as u32) < sockets {
+        Some(index as u32)
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first bytes of a packet with `first` as its first byte.
+    fn head(first: u8, rest: [u8; 6]) -> [u8; QUIC_HEAD_LEN] {
+        let mut h = [first; QUIC_HEAD_LEN];
+        h[1..].copy_from_slice(&rest);
+        h
+    }
+
+    #[test]
+    fn short_header_names_the_socket_in_its_first_dcid_byte() {
+        assert_eq!(quic_socket(&head(0x40, [3, 9, 9, 9, 9, 9]), 4), Some(3));
+        // The fixed bit may be greased: only the form bit matters.
+        assert_eq!(
+            quic_socket(&head(0x01, [0, 0xff, 0xff, 0xff, 0xff, 0xff]), 2),
+            Some(0)
+        );
+    }
+
+    #[test]
+    fn long_header_with_our_id_length_names_the_socket() {
+        // Handshake packet, version 1, DCID length 12, index 1.
+        assert_eq!(quic_socket(&head(0xe0, [0, 0, 0, 1, 12, 1]), 2), Some(1));
+    }
+
+    #[test]
+    fn client_chosen_initial_ids_and_unknown_indices_name_none() {
+        // Initial with an 8-byte (client-chosen) DCID.
+        assert_eq!(quic_socket(&head(0xc0, [0, 0, 0, 1, 8, 1]), 2), None);
+        // Index past the group.
+        assert_eq!(quic_socket(&head(0x40, [2, 0, 0, 0, 0, 0]), 2), None);
+        assert_eq!(
+            quic_socket(&head(0xc0, [0, 0, 0, 1, 12, 0xff]), MAX_QUIC_SOCKETS),
+            None
+        );
+        assert_eq!(quic_socket(&head(0x40, [0, 0, 0, 0, 0, 0]), 0), None);
+    }
+}

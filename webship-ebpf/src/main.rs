@@ -20,6 +20,12 @@
 //! site in a per-CPU array. Nothing runs per segment on a healthy connection: a
 //! state change (a few per connection) costs one hash lookup, an untagged one
 //! nothing more.
+//!
+//! `webship_quic_steer`, an `sk_reuseport` program on the group of the daemon's
+//! QUIC sockets: a datagram whose destination connection ID names one of the
+//! group's sockets (`quic_socket` in the common crate) goes to that socket, picked
+//! from `QUIC_SOCKETS`; anything else (client-chosen Initial IDs, runts, an empty
+//! slot) is left to the kernel's 4-tuple hash, never dropped.
 
 #![no_std]
 #![no_main]
@@ -30,15 +36,16 @@ use aya_ebpf::bindings::{
     BPF_SOCK_OPS_RETRANS_CB_FLAG, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB,
     BPF_SOCK_OPS_STATE_CB_FLAG, BPF_TCP_CLOSE, BPF_TCP_CLOSE_WAIT, BPF_TCP_ESTABLISHED, TC_ACT_UNSPEC,
 };
-use aya_ebpf::helpers::bpf_get_socket_cookie;
-use aya_ebpf::macros::{classifier, map, sock_ops, stream_verdict};
-use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, SockHash};
-use aya_ebpf::programs::{SkBuffContext, SockOpsContext, TcContext};
+use aya_ebpf::helpers::{bpf_get_socket_cookie, bpf_skb_load_bytes};
+use aya_ebpf::macros::{classifier, map, sk_reuseport, sock_ops, stream_verdict};
+use aya_ebpf::maps::{Array, HashMap, LruHashMap, PerCpuArray, ReusePortSockArray, SockHash};
+use aya_ebpf::programs::{SkBuffContext, SkReuseportContext, SockOpsContext, TcContext};
+use aya_ebpf::EbpfContext;
 use aya_log_ebpf::debug;
 use webship_ebpf_common::{
-    bucket, flow_key, Counter, Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_UP,
-    MAX_SPLICED_SOCKETS, MAX_TCP_PORTS, MAX_TCP_SITES, MAX_UDP_FLOWS, RATE_BUCKETS, RTT_BUCKETS,
-    TCP_TAGS_DEFAULT,
+    bucket, flow_key, quic_socket, Counter, Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_UP,
+    MAX_QUIC_SOCKETS, MAX_SPLICED_SOCKETS, MAX_TCP_PORTS, MAX_TCP_SITES, MAX_UDP_FLOWS, QUIC_HEAD_LEN,
+    RATE_BUCKETS, RTT_BUCKETS, TCP_TAGS_DEFAULT, UDP_HEADER_LEN,
 };
 
 #[map]
@@ -318,6 +325,38 @@ fn closed(ctx: &SockOpsContext, site: *mut TcpSite) {
             *b += 1;
         }
     }
+}
+
+#[map]
+static QUIC_SOCKETS: ReusePortSockArray = ReusePortSockArray::with_max_entries(MAX_QUIC_SOCKETS, 0);
+
+const IPPROTO_UDP: u32 = 17;
+
+/// Always SK_PASS: a datagram this program does not steer is placed by the
+/// kernel's hash (SK_DROP would drop it).
+#[sk_reuseport]
+pub fn webship_quic_steer(ctx: SkReuseportContext) -> u32 {
+    if ctx.ip_protocol() == IPPROTO_UDP {
+        let mut head = [0u8; QUIC_HEAD_LEN];
+        // SAFETY: the helper copies at most `QUIC_HEAD_LEN` bytes into `head`, which
+        // has exactly that many, and fails (non-zero) on a shorter packet. The data
+        // start at the UDP header, whatever part of the datagram is linear.
+        let loaded = unsafe {
+            bpf_skb_load_bytes(
+                ctx.as_ptr(),
+                UDP_HEADER_LEN,
+                head.as_mut_ptr().cast(),
+                QUIC_HEAD_LEN as u32,
+            )
+        };
+        if loaded == 0 {
+            if let Some(index) = quic_socket(&head, MAX_QUIC_SOCKETS) {
+                // An empty slot (a socket the daemon has not added) fails: the hash decides.
+                let _ = QUIC_SOCKETS.select_reuseport(&ctx, index);
+            }
+        }
+    }
+    SK_PASS
 }
 
 #[cfg(not(test))]

@@ -227,7 +227,7 @@ fn load(path: Option<&Path>) -> anyhow::Result<Config> {
 
 fn serve(path: Option<&Path>, takeover: bool) -> anyhow::Result<ExitCode> {
     let mut config = load(path)?;
-    let report = preflight::run(&config.kernel, !config.passthrough.is_empty());
+    let report = preflight::run(&config.kernel, config.wants_ebpf());
     let missing = report.missing_required();
     if !missing.is_empty() {
         for finding in missing {

@@ -213,6 +213,23 @@ impl Config {
             .position(|s| s.domain == DomainPattern::Any)
             .unwrap_or(0)
     }
+
+    /// Whether HTTP/3 is served on more than one UDP socket (`h3_sockets`), whose
+    /// datagrams the kernel steers when eBPF is loaded.
+    pub fn steers_quic(&self) -> bool {
+        let sockets = match self.h3.sockets {
+            0 => self.workers,
+            n => usize::from(n),
+        };
+        sockets > 1 && self.sites.iter().any(|s| s.protocols.h3)
+    }
+
+    /// Whether something this configuration serves would use the eBPF programs
+    /// (TCP health aside, which `[kernel] tcp_health` asks for): passthrough
+    /// routes, or HTTP/3 socket steering.
+    pub fn wants_ebpf(&self) -> bool {
+        !self.passthrough.is_empty() || self.steers_quic()
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -213,6 +213,22 @@ fn h3_sockets_setting() {
     }
 }
 
+/// HTTP/3 on more than one socket asks for eBPF (the kernel steers the sockets'
+/// datagrams); one socket, or no passthrough, does not.
+#[test]
+fn more_than_one_h3_socket_wants_ebpf() {
+    let f = Files::new();
+    let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n";
+    let with = |workers: u32, v: &str| {
+        format!("workers = {workers}\n{base}[runtime.settings]\nh3_sockets = \"{v}\"\n")
+    };
+    assert!(!f.parse(base).unwrap().wants_ebpf());
+    assert!(f.parse(&with(1, "2")).unwrap().wants_ebpf());
+    assert!(f.parse(&with(4, "0")).unwrap().wants_ebpf());
+    assert!(!f.parse(&with(1, "0")).unwrap().wants_ebpf());
+    assert!(!f.parse(&with(4, "1")).unwrap().wants_ebpf());
+}
+
 const PROXY_BASE: &str = r#"
 listen = "127.0.0.1:8443"
 [reverse_proxy]

@@ -81,6 +81,10 @@ impl Programs {
         match *self {}
     }
 
+    pub(crate) fn steer_quic<S: std::os::fd::AsFd>(&self, _: &[S]) -> Result<(), EbpfError> {
+        match *self {}
+    }
+
     pub(crate) fn publish(&self, _: &Values) {
         match *self {}
     }

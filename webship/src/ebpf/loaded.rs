@@ -8,13 +8,13 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use std::net::SocketAddrV4;
 
-use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, SockHash};
+use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray, ReusePortSockArray, SockHash};
 use aya::programs::{SchedClassifier, SkSkb, TcAttachType};
 use aya::{Ebpf, EbpfLoader};
 use webship_ebpf_common::{
     Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_DOWN, DIRECTION_UP, KERNEL_COUNTERS_MAP,
-    LINKS_MAP, SOCKS_MAP, TCP_PORTS_MAP, TCP_SITES_MAP, TCP_SITE_NAMES_MAP, TCP_TAGS_MAP, UDP_CONFIG_MAP,
-    UDP_PROGRAM, USER_COUNTERS_MAP, VERDICT_PROGRAM,
+    LINKS_MAP, QUIC_SOCKETS_MAP, SOCKS_MAP, TCP_PORTS_MAP, TCP_SITES_MAP, TCP_SITE_NAMES_MAP, TCP_TAGS_MAP,
+    UDP_CONFIG_MAP, UDP_PROGRAM, USER_COUNTERS_MAP, VERDICT_PROGRAM,
 };
 
 use super::tcp::TcpSnapshot;
@@ -39,6 +39,9 @@ pub(crate) struct Programs {
     kernel_counters: PerCpuArray<MapData, u64>,
     user_counters: Mutex<Array<MapData, u64>>,
     udp_config: Mutex<Array<MapData, UdpRedirect>>,
+    /// The HTTP/3 sockets' steering map (`quic_steer.rs`); taking over, the
+    /// predecessor's own (a socket can be in one such map only).
+    pub(super) quic_sockets: Mutex<ReusePortSockArray<MapData>>,
     /// TCP health (`tcp_health.rs`): tags, watched ports, per-site counters, names.
     pub(super) tcp: super::tcp_health::TcpMaps,
     pin_dir: PathBuf,
@@ -86,7 +89,12 @@ impl Programs {
         } else {
             aya_log::Level::Info
         } as u8;
-        let mut ebpf = load_object(level, max_connections)?;
+        let taking_over = inherited_lock.is_some();
+        // The predecessor's steering map holds the sockets this process inherits: its
+        // program must use that map (see `quic_steer.rs`).
+        let predecessors = pin_dir.join(super::QUIC_SOCKETS_PIN);
+        let shared = (taking_over && predecessors.exists()).then_some(predecessors.as_path());
+        let mut ebpf = load_object(level, max_connections, shared)?;
         match aya_log::EbpfLogger::init_with_logger(&mut ebpf, TracingLog) {
             Ok(logger) => spawn_logger(logger),
             Err(e) => tracing::debug!(error = %e, "eBPF log records are not forwarded"),
@@ -100,9 +108,9 @@ impl Programs {
         let tcp_names_map = take(&mut ebpf, TCP_SITE_NAMES_MAP)?;
         let tcp_tags = typed(take(&mut ebpf, TCP_TAGS_MAP)?)?;
         let tcp_ports = typed(take(&mut ebpf, TCP_PORTS_MAP)?)?;
+        let quic_map = take(&mut ebpf, QUIC_SOCKETS_MAP)?;
         attach_verdict(&mut ebpf, &socks)?;
 
-        let taking_over = inherited_lock.is_some();
         let lock = match inherited_lock {
             Some(fd) => std::fs::File::from(fd),
             None => prepare_pin_dir(pin_dir)?,
@@ -110,7 +118,7 @@ impl Programs {
         // Taking over, the maps go in under other names first and replace the
         // predecessor's pins only once this process serves (`adopt_pins`): should it
         // fail before, the predecessor's pins stay as they were.
-        let [kernel_pin, user_pin, links_pin, sites_pin, names_pin] = match taking_over {
+        let [kernel_pin, user_pin, links_pin, quic_pin, sites_pin, names_pin] = match taking_over {
             true => pin_paths(pin_dir).map(|p| pending(&p)),
             false => pin_paths(pin_dir),
         };
@@ -118,6 +126,7 @@ impl Programs {
             (&kernel_map, &kernel_pin),
             (&user_map, &user_pin),
             (&links_map, &links_pin),
+            (&quic_map, &quic_pin),
             (&tcp_sites_map, &sites_pin),
             (&tcp_names_map, &names_pin),
         ] {
@@ -145,6 +154,7 @@ impl Programs {
             kernel_counters: typed(kernel_map)?,
             user_counters: Mutex::new(typed(user_map)?),
             udp_config: Mutex::new(udp_config),
+            quic_sockets: Mutex::new(typed(quic_map)?),
             tcp: super::tcp_health::TcpMaps::new(
                 tcp_tags,
                 tcp_ports,
@@ -364,7 +374,7 @@ impl Drop for SocketLink {
 /// a connected loopback socket: what the `sockmap` engine needs, checked without
 /// pinning anything. Returns what was verified.
 pub(crate) fn probe() -> Result<String, EbpfError> {
-    let mut ebpf = load_object(aya_log::Level::Info as u8, 0)?;
+    let mut ebpf = load_object(aya_log::Level::Info as u8, 0, None)?;
     let mut socks: SockHash<MapData, u64> = typed(take(&mut ebpf, SOCKS_MAP)?)?;
     attach_verdict(&mut ebpf, &socks)?;
     let (a, _b) = crate::sys::loopback_pair().map_err(|e| EbpfError::Load(format!("loopback pair: {e}")))?;
@@ -372,7 +382,15 @@ pub(crate) fn probe() -> Result<String, EbpfError> {
         .insert(1, a.as_raw_fd(), 0)
         .map_err(|e| EbpfError::Load(format!("SOCKHASH insert of a TCP socket: {}", chain(&e))))?;
     let _ = socks.remove(&1);
-    Ok("sk_skb stream verdict on a SOCKHASH, per-CPU counters".into())
+    // HTTP/3 socket steering is an extra: without it the sockets hand datagrams over
+    // themselves, so its absence is reported, not fatal.
+    let steer = match super::quic_steer::load_steer(&mut ebpf) {
+        Ok(_) => "SK_REUSEPORT QUIC socket steering".to_owned(),
+        Err(e) => format!("no SK_REUSEPORT QUIC socket steering: {e}"),
+    };
+    Ok(format!(
+        "sk_skb stream verdict on a SOCKHASH, per-CPU counters; {steer}"
+    ))
 }
 
 /// Reads the pinned counters of a running daemon.
@@ -414,10 +432,18 @@ pub(super) fn open(path: &Path) -> Result<MapData, EbpfError> {
     })
 }
 
-/// `tags`: entries of the TCP health tag map (0: as in the object).
-pub(super) fn load_object(log_level: u8, tags: usize) -> Result<Ebpf, EbpfError> {
+/// `tags`: entries of the TCP health tag map (0: as in the object). `quic_sockets`:
+/// the pin of an existing QUIC steering map the programs use instead of a new one.
+pub(super) fn load_object(
+    log_level: u8,
+    tags: usize,
+    quic_sockets: Option<&Path>,
+) -> Result<Ebpf, EbpfError> {
     let object = OBJECT.ok_or(EbpfError::NotBuilt)?;
     let mut loader = EbpfLoader::new();
+    if let Some(pin) = quic_sockets {
+        loader.map_pin_path(QUIC_SOCKETS_MAP, pin);
+    }
     loader.override_global(aya_log::LEVEL, &log_level, false);
     if tags > 0 {
         // Every open connection may hold a tag; some slack for closed ones whose

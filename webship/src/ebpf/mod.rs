@@ -10,7 +10,9 @@
 //! [`DEFAULT_PIN_DIR`]): `kernel_counters` (per-CPU, written by the programs),
 //! `user_counters` (written by the daemon once a second and at shutdown), and TCP
 //! health per site (`tcp_sites`, per-CPU, with their names in `tcp_site_names`; see
-//! `tcp.rs`). The pins are removed when the daemon stops.
+//! `tcp.rs`). Beside them `quic_sockets`, the HTTP/3 sockets' steering map
+//! (`quic_steer.rs`), pinned so that a successor reuses it. The pins are removed
+//! when the daemon stops.
 
 use std::path::{Path, PathBuf};
 
@@ -28,6 +30,8 @@ const LINKS_PIN: &str = "links";
 const TCP_SITES_PIN: &str = "tcp_sites";
 #[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
 const TCP_SITE_NAMES_PIN: &str = "tcp_site_names";
+#[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
+const QUIC_SOCKETS_PIN: &str = "quic_sockets";
 
 #[derive(Debug, thiserror::Error)]
 pub enum EbpfError {
@@ -91,14 +95,15 @@ impl Snapshot {
     }
 }
 
-/// The pinned maps: kernel counters, userspace counters, links, TCP health per site
-/// and the sites' names.
+/// The pinned maps: kernel counters, userspace counters, links, the QUIC steering
+/// map, TCP health per site and the sites' names.
 #[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
-fn pin_paths(dir: &Path) -> [PathBuf; 5] {
+fn pin_paths(dir: &Path) -> [PathBuf; 6] {
     [
         dir.join(KERNEL_PIN),
         dir.join(USER_PIN),
         dir.join(LINKS_PIN),
+        dir.join(QUIC_SOCKETS_PIN),
         dir.join(TCP_SITES_PIN),
         dir.join(TCP_SITE_NAMES_PIN),
     ]
@@ -109,6 +114,8 @@ pub use tcp::{Histogram, SiteTcp, TcpSnapshot};
 
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
 mod loaded;
+#[cfg(all(target_os = "linux", feature = "ebpf"))]
+mod quic_steer;
 #[cfg(all(target_os = "linux", feature = "ebpf"))]
 mod tcp_health;
 #[cfg(all(target_os = "linux", feature = "ebpf"))]

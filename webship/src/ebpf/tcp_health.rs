@@ -176,7 +176,7 @@ fn attach_sock_ops(ebpf: &mut aya::Ebpf) -> Result<PathBuf, EbpfError> {
 /// Loads the object and attaches the sock_ops program to this process's cgroup, then
 /// detaches it: what TCP health needs, checked without pinning anything.
 pub(crate) fn probe_tcp() -> Result<String, EbpfError> {
-    let mut ebpf = load_object(aya_log::Level::Info as u8, 0)?;
+    let mut ebpf = load_object(aya_log::Level::Info as u8, 0, None)?;
     let cgroup = attach_sock_ops(&mut ebpf)?;
     Ok(format!("sock_ops on the cgroup {}", cgroup.display()))
 }

@@ -52,9 +52,11 @@
 //! socket hands it to the owner's [`Inbox`] (counted as misrouted; a full inbox
 //! drops it, counted, and QUIC retransmits). A socket's endpoint accepts only IDs
 //! carrying its own index (`validate`), so a misrouted datagram never makes it
-//! send a stateless reset for a sibling's connection. Steering in the kernel (an
-//! SK_REUSEPORT eBPF program reading the index byte) would spare the hop; without
-//! it, this in-process forwarding works with `[kernel] ebpf = "off"` too. During a
+//! send a stateless reset for a sibling's connection. With eBPF loaded, an
+//! SK_REUSEPORT program on the group (`ebpf::Programs::steer_quic`) reads the index
+//! byte and sends each datagram to the owning socket in the kernel, sparing the
+//! hop; the in-process hand-off stays for what it cannot steer (a client-chosen
+//! 12-byte Initial ID) and is the whole mechanism with `[kernel] ebpf = "off"`. During a
 //! takeover the draining process's first socket reads the pair and hands each
 //! datagram to the owning sibling the same way; the others read nothing but their
 //! inbox.
@@ -82,6 +84,9 @@ pub(crate) const CID_LEN: usize = 12;
 const NONCE_LEN: usize = 8;
 /// The most UDP sockets (endpoints) one process serves HTTP/3 on (`h3_sockets`).
 pub(crate) const MAX_SOCKETS: usize = 32;
+// The kernel's steering program (`[kernel] ebpf`) reads the same layout.
+const _: () = assert!(CID_LEN == webship_ebpf_common::QUIC_CID_LEN as usize);
+const _: () = assert!(MAX_SOCKETS == webship_ebpf_common::MAX_QUIC_SOCKETS as usize);
 /// Datagrams waiting in one socket's [`Inbox`], at most (about 1.5 MB at 1452 bytes).
 const INBOX_DATAGRAMS: usize = 1024;
 /// Handshakes in progress whose client-chosen IDs travel in a takeover, at most.

@@ -120,7 +120,7 @@ impl fmt::Display for Finding {
 /// Probes what `kernel` asks for. Never binds a public port: probes use an ephemeral
 /// loopback pair that is closed before this returns. eBPF is probed when it is
 /// required, or when it is `auto` and something would use it (`wants_ebpf`:
-/// passthrough routes; or TCP health, when not off).
+/// passthrough routes or HTTP/3 socket steering; or TCP health, when not off).
 pub fn run(kernel: &Kernel, wants_ebpf: bool) -> Report {
     let wants_ebpf = wants_ebpf || kernel.tcp_health != Policy::Off;
     let ebpf = match kernel.ebpf {

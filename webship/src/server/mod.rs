@@ -453,6 +453,8 @@ struct Bound {
     h3: Option<H3Endpoint>,
     relay: Option<crate::passthrough::udp::UdpRelay>,
     relay_fd: Option<OwnedFd>,
+    /// Whether the kernel steers the HTTP/3 sockets' datagrams (SK_REUSEPORT).
+    h3_steered: bool,
 }
 
 impl Bound {
@@ -494,6 +496,10 @@ impl Bound {
             }
             None => None,
         };
+        let h3_steered = match &h3 {
+            Some(h3) => plan.steer_quic(h3)?,
+            None => false,
+        };
         let predecessor = inherited.as_mut().and_then(|i| i.predecessor.take());
         match (&h3, predecessor) {
             (Some(h3), Some(pred)) => h3.handover().demux(pred),
@@ -514,6 +520,7 @@ impl Bound {
             h3,
             relay,
             relay_fd,
+            h3_steered,
         })
     }
 }
@@ -685,10 +692,11 @@ fn announce(config: &Config, report: &Report, bound: &Bound) {
     if let Some(h3) = bound.h3.as_ref().filter(|h3| h3.sockets() > 1) {
         tracing::info!(
             sockets = h3.sockets(),
-            steering = "userspace",
-            "h3: one quinn endpoint per UDP socket (SO_REUSEPORT group); the kernel spreads \
-             datagrams by 4-tuple, and one that names another socket's connection is handed \
-             to it in-process (no SK_REUSEPORT program)"
+            steering = if bound.h3_steered { "ebpf" } else { "userspace" },
+            "h3: one quinn endpoint per UDP socket (SO_REUSEPORT group); each datagram goes to \
+             the socket its connection ID names: steered by the kernel's SK_REUSEPORT program \
+             (steering ebpf), or handed over in-process when the kernel's 4-tuple hash picked \
+             another socket (steering userspace)"
         );
     }
     if config

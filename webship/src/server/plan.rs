@@ -123,6 +123,41 @@ impl Plan {
         self.programs.clone()
     }
 
+    /// Steers the HTTP/3 sockets' datagrams in the kernel (with more than one socket
+    /// and the programs loaded); returns whether it does. Failing, `required` stops
+    /// startup; `auto` logs it, and the sockets hand misrouted datagrams over
+    /// themselves as without eBPF.
+    pub(super) fn steer_quic(&self, h3: &crate::h3::H3Endpoint) -> Result<bool, ServerError> {
+        let sockets = &h3.handover().udp;
+        if sockets.len() < 2 {
+            return Ok(false);
+        }
+        let Some(programs) = &self.programs else {
+            // A predecessor's program stays on the group (it outlives the process
+            // that attached it) and would go on steering: `off` means none.
+            if self.ebpf_policy == Policy::Off {
+                match crate::sys::detach_reuseport_program(&*sockets[0]) {
+                    Ok(true) => {
+                        tracing::info!("h3: removed the SK_REUSEPORT program a previous process attached")
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "h3: cannot remove the SK_REUSEPORT program a previous process attached")
+                    }
+                }
+            }
+            return Ok(false);
+        };
+        match programs.steer_quic(sockets) {
+            Ok(()) => Ok(true),
+            Err(e) if self.ebpf_policy == Policy::Required => Err(e.into()),
+            Err(e) => {
+                tracing::warn!(error = %e, "h3: SK_REUSEPORT steering not used: datagrams for another socket are handed over in-process");
+                Ok(false)
+            }
+        }
+    }
+
     /// Whether eBPF programs were loaded (the process keeps what they need at run time).
     pub(super) fn ebpf_loaded(&self) -> bool {
         self.programs.is_some()
@@ -281,7 +316,7 @@ fn load_programs(
     inherited_lock: Option<OwnedFd>,
 ) -> Result<Option<Arc<Programs>>, ServerError> {
     let tcp_health = config.kernel.tcp_health != Policy::Off;
-    if (config.passthrough.is_empty() && !tcp_health) || !report.use_ebpf() {
+    if (!config.wants_ebpf() && !tcp_health) || !report.use_ebpf() {
         return Ok(None);
     }
     match Programs::load(
@@ -295,7 +330,7 @@ fn load_programs(
         }
         Err(e) if config.kernel.ebpf == Policy::Required || e.is_misconfiguration() => Err(e.into()),
         Err(e) => {
-            tracing::warn!(error = %e, "eBPF not used: passthrough runs a userspace engine");
+            tracing::warn!(error = %e, "eBPF not used: passthrough runs a userspace engine, HTTP/3 sockets hand datagrams over themselves");
             Ok(None)
         }
     }

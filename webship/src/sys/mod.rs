@@ -309,6 +309,31 @@ fn copy(dst: &mut [u8], src: &[u8]) -> Result<(), KtlsError> {
     Ok(())
 }
 
+/// Removes the BPF program of the `SO_REUSEPORT` group `sock` belongs to, if it has
+/// one (one a predecessor attached; `false`: there was none). The group then picks
+/// sockets by its hash again.
+#[cfg(target_os = "linux")]
+pub(crate) fn detach_reuseport_program<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<bool> {
+    // The kernel finds the group from the socket; the value is not read, but must be
+    // an int-sized buffer.
+    let unused: libc::c_int = 0;
+    match setsockopt_struct(
+        sock.as_raw_fd(),
+        libc::SOL_SOCKET,
+        libc::SO_DETACH_REUSEPORT_BPF,
+        &unused,
+    ) {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+pub(crate) fn detach_reuseport_program<S>(_sock: &S) -> io::Result<bool> {
+    Ok(false)
+}
+
 #[cfg(target_os = "linux")]
 fn setsockopt_struct<T>(fd: libc::c_int, level: libc::c_int, name: libc::c_int, value: &T) -> io::Result<()> {
     // SAFETY: `value` is a live reference to a plain-old-data struct whose exact size is
