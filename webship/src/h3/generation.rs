@@ -50,7 +50,9 @@
 //! when the 4-tuple changes (the client migrates or rebinds its port) or the group
 //! grows (a takeover adds sockets), a datagram can land on another socket: that
 //! socket hands it to the owner's [`Inbox`] (counted as misrouted; a full inbox
-//! drops it, counted, and QUIC retransmits). A socket's endpoint accepts only IDs
+//! drops it, counted, and QUIC retransmits). The owner takes its inbox beside its own
+//! socket, never instead of it: a client spraying one connection's packets from many
+//! ports keeps an inbox fed, and must not stall the socket's other connections. A socket's endpoint accepts only IDs
 //! carrying its own index (`validate`), so a misrouted datagram never makes it
 //! send a stateless reset for a sibling's connection. Steering in the kernel (an
 //! SK_REUSEPORT eBPF program reading the index byte) would spare the hop; without
