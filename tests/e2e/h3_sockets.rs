@@ -25,8 +25,19 @@ const EBPF: &str = "[kernel]\nebpf = \"required\"\nbpf_pin_dir = \"/sys/fs/bpf/w
 /// Two workers, two sockets, `kernel` (one of [`NO_EBPF`], [`EBPF`]), and the admin
 /// listener for the counters.
 fn two_sockets(env: &Env, kernel: &str) -> (webship_tests::Server, std::net::SocketAddr) {
+    two_sockets_with(env, kernel, "")
+}
+
+/// [`two_sockets`] with more `[runtime.settings]` lines.
+fn two_sockets_with(
+    env: &Env,
+    kernel: &str,
+    settings: &str,
+) -> (webship_tests::Server, std::net::SocketAddr) {
     let (toml, admin) = admin();
-    let server = env.start(&format!("{toml}{kernel}[runtime.settings]\nh3_sockets = \"2\"\n"));
+    let server = env.start(&format!(
+        "{toml}{kernel}[runtime.settings]\nh3_sockets = \"2\"\n{settings}"
+    ));
     let log = server.log();
     assert!(
         log.contains("h3: one quinn endpoint per UDP socket"),
@@ -52,23 +63,30 @@ fn socket(s: &Scrape, i: usize) -> (f64, f64, f64) {
 
 /// Sixteen connections, each from its own client port, download at once, byte-exact;
 /// both sockets carried some (all sixteen on one has odds of 2 in 65,536), and no
-/// datagram reached a socket other than its connection's.
-async fn connections_spread_over_the_sockets_and_stay_on_theirs(kernel: &str) {
+/// datagram reached a socket other than its connection's. `settings`: more
+/// `[runtime.settings]` lines; the scrape after.
+async fn connections_spread_over_the_sockets_and_stay_on_theirs(kernel: &str, settings: &str) -> Scrape {
     let env = Env::new();
     let body = pattern(512 * 1024 + 7);
     env.write("half.bin", &body);
     let digest: [u8; 32] = Sha256::digest(&body).into();
-    let (server, admin) = two_sockets(&env, kernel);
+    let (server, admin) = two_sockets_with(&env, kernel, settings);
     let tls = env.client(b"h3");
     let downloads: Vec<_> = (0..16)
         .map(|_| {
             let tls = tls.clone();
             let addr = server.addr();
             tokio::spawn(async move {
-                let mut h3 = H3Client::connect(addr, HOST, &tls, &H3Options::default())
+                let mut h3 = tokio::time::timeout(
+                    Duration::from_secs(20),
+                    H3Client::connect(addr, HOST, &tls, &H3Options::default()),
+                )
+                .await
+                .expect("no connection within 20 s")
+                .unwrap();
+                let got = tokio::time::timeout(Duration::from_secs(60), h3.fetch("GET", "/half.bin", &[]))
                     .await
-                    .unwrap();
-                let got = h3.fetch("GET", "/half.bin", &[]).await;
+                    .expect("no response within 60 s");
                 h3.close().await;
                 got
             })
@@ -93,16 +111,31 @@ async fn connections_spread_over_the_sockets_and_stay_on_theirs(kernel: &str) {
     assert!(s
         .get("webship_quic_socket_received_datagrams_total{socket=\"2\"}")
         .is_none());
+    s
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_spread_over_the_sockets_and_stay_on_theirs_without_ebpf() {
-    connections_spread_over_the_sockets_and_stay_on_theirs(NO_EBPF).await;
+    connections_spread_over_the_sockets_and_stay_on_theirs(NO_EBPF, "").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_spread_over_the_sockets_and_stay_on_theirs_steered_by_ebpf() {
-    connections_spread_over_the_sockets_and_stay_on_theirs(EBPF).await;
+    connections_spread_over_the_sockets_and_stay_on_theirs(EBPF, "").await;
+}
+
+/// The same, steered by eBPF, with cross-connection send batching on: each socket's
+/// batcher sends several connections' packets per `sendmmsg`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_spread_over_the_sockets_and_stay_on_theirs_batched() {
+    let batched = "h3_send_batch_delay_us = \"1000\"\n";
+    let s = connections_spread_over_the_sockets_and_stay_on_theirs(EBPF, batched).await;
+    let calls = s.value("webship_quic_send_batch_messages_count");
+    let messages = s.value("webship_quic_send_batch_messages_sum");
+    assert!(
+        calls > 0.0 && messages / calls > 1.0,
+        "{messages} messages in {calls} sendmmsg calls: no call carried more than one"
+    );
 }
 
 /// One connection whose client moves to a new port again and again. Without eBPF:
@@ -274,7 +307,12 @@ async fn takeover(old: u16, new: u16, kernel: &str, new_kernel: &str) {
     new_server.wait_listening();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let fresh = fetch_h3(old_server.addr(), HOST, tls.clone(), "GET", "/which.txt", &[]).await;
+        let fresh = tokio::time::timeout(
+            Duration::from_secs(20),
+            fetch_h3(old_server.addr(), HOST, tls.clone(), "GET", "/which.txt", &[]),
+        )
+        .await
+        .expect("no h3 response within 20 s after the takeover");
         if fresh.body == b"new" {
             break;
         }
@@ -471,4 +509,80 @@ async fn a_failed_takeover_leaves_the_old_sockets_steered() {
     let again = before.fetch("GET", "/which.txt", &[]).await;
     assert_eq!(again.body, b"new");
     before.close().await;
+}
+
+/// The upgrade from one socket (bound without `SO_REUSEPORT`, as before
+/// `h3_sockets`) to two: the successor sets it on the inherited socket and binds a
+/// second beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_from_one_plain_socket_may_add_one() {
+    takeover(1, 2, NO_EBPF, EBPF).await;
+}
+
+/// A successor that would read only one of the group's UDP sockets (no HTTP/3, an
+/// HTTP/3 passthrough relay) refuses the takeover: the old process keeps the others
+/// in the group while it drains, so new flows hashed to them would be lost. The old
+/// process serves on, HTTP/3 included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_that_would_leave_sockets_unread_refuses() {
+    let env = Env::new();
+    env.write("which.txt", b"old");
+    let control = env.dir.path().join("control.sock");
+    let mut old_server = env.start(&format!(
+        "control_socket = \"{}\"\n[runtime.settings]\nh3_sockets = \"2\"\n",
+        control.display()
+    ));
+    let port = old_server.port;
+    let dir = tempfile::tempdir().unwrap();
+    let relay = crate::support::passthrough_config(
+        "udp_upstream = \"127.0.0.1:9\"\nudp_engine = \"userspace\"\n",
+        true,
+        &[("a.pass", "127.0.0.1:9".parse().unwrap())],
+    )
+    .replace("{port}", &port.to_string())
+    .replace(
+        "workers = 2\n",
+        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
+    );
+    let config = dir.path().join("webship.toml");
+    std::fs::write(&config, relay).unwrap();
+    let mut new_server = Server::spawn(
+        dir.path(),
+        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    let status = new_server
+        .wait_exit(Duration::from_secs(90))
+        .expect("the new process did not end");
+    assert!(!status.success(), "the relay took over:\n{}", new_server.log());
+    assert!(
+        new_server
+            .log()
+            .contains("hands over 2 UDP sockets of one SO_REUSEPORT group"),
+        "{}",
+        new_server.log()
+    );
+    let fresh = tokio::time::timeout(
+        Duration::from_secs(20),
+        fetch_h3(
+            old_server.addr(),
+            HOST,
+            env.client(b"h3"),
+            "GET",
+            "/which.txt",
+            &[],
+        ),
+    )
+    .await
+    .expect("the old process no longer answers HTTP/3");
+    assert_eq!(fresh.body, b"old");
+    assert!(
+        old_server
+            .log()
+            .contains("takeover failed; this process keeps serving"),
+        "{}",
+        old_server.log()
+    );
+    old_server.terminate();
+    assert!(old_server.wait_exit(Duration::from_secs(30)).is_some());
 }

@@ -17,7 +17,11 @@
 //! * **Order.** One FIFO queue, sent in order (a partial `sendmmsg` resumes where the
 //!   kernel stopped), so each connection's packets leave in the order it made them.
 //! * **Errors.** As quinn-udp does: a message the kernel refuses (not `EAGAIN`) is
-//!   dropped and counted, and QUIC's loss recovery resends what it carried.
+//!   dropped and counted, and QUIC's loss recovery resends what it carried; one too
+//!   large for the path (`EMSGSIZE`, a path MTU probe) is expected and not counted.
+//!   The first `EINVAL` turns the ECN control message off and sends the message again
+//!   without it; the first `EIO` or `EINVAL` of a GSO message turns GSO off
+//!   ([`Batcher::gso_failed`]: the socket then offers one datagram per transmit).
 //! * **End.** When the socket goes, what is still queued is sent once without waiting
 //!   and anything the kernel does not take is dropped and counted; the task ends.
 //!
@@ -27,7 +31,9 @@ use std::io;
 use std::os::fd::AsFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
+
+use super::lock;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -37,7 +43,7 @@ use tokio::sync::Notify;
 
 use crate::metrics::{Encoder, Kind, Values};
 pub(crate) use crate::sys::udp::MAX_MESSAGES;
-use crate::sys::udp::{self, Message};
+use crate::sys::udp::{self, Message, Refusal};
 
 /// Payload bytes queued per socket, at most: about 18 full GSO batches at the
 /// default MTU, small enough to stay in cache between the copy and the send.
@@ -70,6 +76,11 @@ pub(crate) struct Batcher {
     /// Signalled when a refused queue has been sent (or dropped).
     drained: Notify,
     wake: Arc<Notify>,
+    /// The kernel refused a GSO message as the device's (`EIO`/`EINVAL`): one
+    /// datagram per transmit from now on.
+    gso_failed: AtomicBool,
+    /// The kernel refused the ECN control message (`EINVAL`): sent without it now.
+    no_ecn: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -132,6 +143,8 @@ impl Batcher {
             blocked: AtomicBool::new(false),
             drained: Notify::new(),
             wake: wake.clone(),
+            gso_failed: AtomicBool::new(false),
+            no_ecn: AtomicBool::new(false),
         });
         tokio::spawn(flusher(Arc::downgrade(&batcher), wake));
         Ok(batcher)
@@ -139,6 +152,11 @@ impl Batcher {
 
     pub(crate) fn set_delay(&self, delay_us: u64) {
         self.delay_us.store(delay_us, Ordering::Relaxed);
+    }
+
+    /// Whether GSO failed on this socket (see [`Batcher::flush_with`]).
+    pub(crate) fn gso_failed(&self) -> bool {
+        self.gso_failed.load(Ordering::Relaxed)
     }
 
     /// Whether transmits go through the queue now.
@@ -154,7 +172,7 @@ impl Batcher {
         direct: impl FnOnce(&Transmit<'_>) -> io::Result<()>,
     ) -> io::Result<()> {
         let fd = self.fd.get_ref().as_fd();
-        self.send_with(t, direct, |q| udp::sendmmsg(fd, &q.bytes, q.pending()))
+        self.send_with(t, direct, |q, tos| udp::sendmmsg(fd, &q.bytes, q.pending(), tos))
     }
 
     /// [`Batcher::send`] with the system call given (tests give a full socket).
@@ -162,7 +180,7 @@ impl Batcher {
         &self,
         t: &Transmit<'_>,
         direct: impl FnOnce(&Transmit<'_>) -> io::Result<()>,
-        mut sendmmsg: impl FnMut(&Queue) -> io::Result<usize>,
+        mut sendmmsg: impl FnMut(&Queue, bool) -> io::Result<usize>,
     ) -> io::Result<()> {
         if !self.active() {
             return direct(t);
@@ -199,12 +217,23 @@ impl Batcher {
     /// is left stays queued).
     fn flush(&self, q: &mut Queue) -> io::Result<()> {
         let fd = self.fd.get_ref().as_fd();
-        self.flush_with(q, |q| udp::sendmmsg(fd, &q.bytes, q.pending()))
+        self.flush_with(q, |q, tos| udp::sendmmsg(fd, &q.bytes, q.pending(), tos))
     }
 
-    fn flush_with(&self, q: &mut Queue, mut send: impl FnMut(&Queue) -> io::Result<usize>) -> io::Result<()> {
+    /// Sends the queue with `send` (given whether to set the ECN codepoint).
+    fn flush_with(
+        &self,
+        q: &mut Queue,
+        mut send: impl FnMut(&Queue, bool) -> io::Result<usize>,
+    ) -> io::Result<()> {
         while !q.pending().is_empty() {
-            match send(q) {
+            match send(q, !self.no_ecn.load(Ordering::Relaxed)) {
+                // Never from the kernel (see `udp::sendmmsg`); taken as a full socket
+                // rather than tried again at once, which would spin holding the lock.
+                Ok(0) => {
+                    self.queued.store(q.pending().len(), Ordering::Release);
+                    return Err(io::ErrorKind::WouldBlock.into());
+                }
                 Ok(n) => {
                     MESSAGES_PER_CALL.observe(n as u64);
                     let datagrams: usize = q.pending()[..n].iter().map(Message::datagrams).sum();
@@ -216,14 +245,41 @@ impl Batcher {
                     return Err(e);
                 }
                 Err(e) => {
-                    tracing::debug!(error = %e, "h3: a batched UDP message was refused, dropped");
-                    DROPPED.fetch_add(1, Ordering::Relaxed);
+                    if self.refused(&q.pending()[0], &e) {
+                        continue;
+                    }
                     q.advance(1);
                 }
             }
         }
         self.unblock();
         Ok(())
+    }
+
+    /// Deals with `e`, the kernel's refusal of message `m`, as quinn-udp does with its
+    /// own: true when `m` is to be sent again (without its ECN codepoint), false when
+    /// it is dropped.
+    fn refused(&self, m: &Message, e: &io::Error) -> bool {
+        let why = udp::refusal(e);
+        if why == Refusal::TooLarge {
+            // A path MTU probe above the path's MTU: expected, lost by design.
+            return false;
+        }
+        if why == Refusal::Invalid && !self.no_ecn.swap(true, Ordering::Relaxed) {
+            tracing::info!(error = %e, "h3: batched sends refused the ECN codepoint; sending without it");
+            return true;
+        }
+        let gso = m.datagrams() > 1;
+        if gso
+            && matches!(why, Refusal::Device | Refusal::Invalid)
+            && !self.gso_failed.swap(true, Ordering::Relaxed)
+        {
+            tracing::info!(error = %e, "h3: batched sends refused a GSO batch; segmentation offload off");
+        } else {
+            tracing::debug!(error = %e, "h3: a batched UDP message was refused, dropped");
+        }
+        DROPPED.fetch_add(1, Ordering::Relaxed);
+        false
     }
 
     /// The queue is empty: drivers refused a transmit may send again.
@@ -255,9 +311,9 @@ impl Batcher {
                 }
             };
             // Through the readiness guard, so `EAGAIN` clears tokio's stale readiness.
-            let sent = self.flush_with(&mut lock(&self.queue), |q| {
+            let sent = self.flush_with(&mut lock(&self.queue), |q, tos| {
                 ready
-                    .try_io(|s| udp::sendmmsg(s.get_ref().as_fd(), &q.bytes, q.pending()))
+                    .try_io(|s| udp::sendmmsg(s.get_ref().as_fd(), &q.bytes, q.pending(), tos))
                     .unwrap_or_else(|_| Err(io::ErrorKind::WouldBlock.into()))
             });
             if sent.is_ok() {
@@ -383,10 +439,6 @@ pub(crate) fn write_metrics(out: &mut Encoder) {
     .sample(&[], DROPPED.load(Ordering::Relaxed));
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -454,7 +506,7 @@ mod tests {
     async fn a_full_queue_on_a_full_socket_refuses_until_the_queue_has_left() {
         let b = batcher(1000);
         let (r, a) = receiver();
-        let full = |_: &Queue| -> io::Result<usize> { Err(io::ErrorKind::WouldBlock.into()) };
+        let full = |_: &Queue, _| -> io::Result<usize> { Err(io::ErrorKind::WouldBlock.into()) };
         for i in 0..MAX_MESSAGES as u32 {
             b.send_with(&transmit(a, &i.to_be_bytes()), |_| panic!("direct"), full)
                 .unwrap();
@@ -543,5 +595,80 @@ mod tests {
         queue(&b, a, &6u32.to_be_bytes());
         drop(b);
         assert_eq!(received(&r), [5, 6]);
+    }
+
+    fn queued(transmits: &[Transmit<'_>]) -> Queue {
+        let mut q = Queue::default();
+        for t in transmits {
+            q.push(t);
+        }
+        q
+    }
+
+    /// A send that takes nothing is a full socket, not a reason to call again at once
+    /// (which would spin holding the queue's lock). Failed before the fix by never
+    /// returning.
+    #[tokio::test]
+    async fn a_send_that_takes_nothing_is_a_full_socket() {
+        let b = batcher(1000);
+        let (_r, a) = receiver();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let worker = b.clone();
+        std::thread::spawn(move || {
+            let mut q = queued(&[transmit(a, b"x")]);
+            let _ = tx.send(worker.flush_with(&mut q, |_, _| Ok(0)).map_err(|e| e.kind()));
+        });
+        let got = rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("flush_with kept calling a send that took nothing");
+        assert_eq!(got, Err(io::ErrorKind::WouldBlock));
+    }
+
+    /// As quinn-udp: `EMSGSIZE` (a path MTU probe) is skipped and not counted; the
+    /// first `EINVAL` sends the message again without ECN, for good; `EIO` on a GSO
+    /// message turns GSO off (one datagram per transmit) and drops that message.
+    #[tokio::test]
+    async fn refusals_are_handled_as_quinn_udp_does() {
+        let b = batcher(1000);
+        let (_r, a) = receiver();
+        let gso = Transmit {
+            segment_size: Some(2),
+            ..transmit(a, b"gsogso")
+        };
+        let mut q = queued(&[
+            transmit(a, b"probe"),
+            transmit(a, b"ecn"),
+            gso,
+            transmit(a, b"last"),
+        ]);
+        let dropped = DROPPED.load(Ordering::Relaxed);
+        let mut calls = Vec::new();
+        let error = |code| Err(io::Error::from_raw_os_error(code));
+        b.flush_with(&mut q, |q, tos| {
+            let first = &q.bytes[q.pending()[0].range.clone()];
+            calls.push((String::from_utf8_lossy(first).into_owned(), tos));
+            match (first, tos) {
+                (b"probe", _) => error(libc::EMSGSIZE),
+                (b"ecn", true) => error(libc::EINVAL),
+                (b"gsogso", _) => error(libc::EIO),
+                _ => Ok(1),
+            }
+        })
+        .unwrap();
+        let want = [
+            ("probe", true),
+            ("ecn", true),
+            ("ecn", false),
+            ("gsogso", false),
+            ("last", false),
+        ];
+        let want: Vec<(String, bool)> = want.iter().map(|&(m, t)| (m.to_owned(), t)).collect();
+        assert_eq!(calls, want);
+        assert!(b.gso_failed(), "GSO still on after the device refused it");
+        assert_eq!(
+            DROPPED.load(Ordering::Relaxed) - dropped,
+            1,
+            "only the GSO message is a drop"
+        );
     }
 }

@@ -50,7 +50,9 @@
 //! when the 4-tuple changes (the client migrates or rebinds its port) or the group
 //! grows (a takeover adds sockets), a datagram can land on another socket: that
 //! socket hands it to the owner's [`Inbox`] (counted as misrouted; a full inbox
-//! drops it, counted, and QUIC retransmits). A socket's endpoint accepts only IDs
+//! drops it, counted, and QUIC retransmits). The owner takes its inbox beside its own
+//! socket, never instead of it: a client spraying one connection's packets from many
+//! ports keeps an inbox fed, and must not stall the socket's other connections. A socket's endpoint accepts only IDs
 //! carrying its own index (`validate`), so a misrouted datagram never makes it
 //! send a stateless reset for a sibling's connection. With eBPF loaded, an
 //! SK_REUSEPORT program on the group (`ebpf::Programs::steer_quic`) reads the index
@@ -67,7 +69,7 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -76,6 +78,7 @@ use quinn::{AsyncUdpSocket, ConnectionId, ConnectionIdGenerator, UdpPoller};
 use tokio::io::unix::AsyncFd;
 
 use super::batch::{Batcher, Writable};
+use super::lock;
 use crate::sys::fdpass;
 
 /// Length of the connection IDs every generation issues (8 bytes of nonce, the first
@@ -87,8 +90,11 @@ pub(crate) const MAX_SOCKETS: usize = 32;
 // The kernel's steering program (`[kernel] ebpf`) reads the same layout.
 const _: () = assert!(CID_LEN == webship_ebpf_common::QUIC_CID_LEN as usize);
 const _: () = assert!(MAX_SOCKETS == webship_ebpf_common::MAX_QUIC_SOCKETS as usize);
-/// Datagrams waiting in one socket's [`Inbox`], at most (about 1.5 MB at 1452 bytes).
+/// Datagrams waiting in one socket's [`Inbox`], at most.
 const INBOX_DATAGRAMS: usize = 1024;
+/// Bytes of datagrams waiting in one socket's [`Inbox`], at most: a datagram may be
+/// up to 64 KiB, so the count alone would let 1024 of them hold 64 MiB per socket.
+const INBOX_BYTES: usize = 1536 * 1024;
 /// Handshakes in progress whose client-chosen IDs travel in a takeover, at most.
 pub(crate) const MAX_HANDSHAKES: usize = 4096;
 /// Bytes before each forwarded datagram: source family, ECN, port, source address,
@@ -269,8 +275,33 @@ struct Parked {
 /// waker wakes (also after a mode switch).
 #[derive(Debug, Default)]
 struct Inbox {
-    queue: Mutex<VecDeque<Parked>>,
+    queue: Mutex<Parking>,
     waker: Mutex<Option<Waker>>,
+}
+
+/// The datagrams in an [`Inbox`] and their bytes, bounded by [`INBOX_DATAGRAMS`]
+/// and [`INBOX_BYTES`].
+#[derive(Debug, Default)]
+struct Parking {
+    datagrams: VecDeque<Parked>,
+    bytes: usize,
+}
+
+impl Parking {
+    fn push(&mut self, p: Parked) -> bool {
+        if self.datagrams.len() >= INBOX_DATAGRAMS || self.bytes + p.data.len() > INBOX_BYTES {
+            return false;
+        }
+        self.bytes += p.data.len();
+        self.datagrams.push_back(p);
+        true
+    }
+
+    fn pop(&mut self) -> Option<Parked> {
+        let p = self.datagrams.pop_front()?;
+        self.bytes -= p.data.len();
+        Some(p)
+    }
 }
 
 impl Inbox {
@@ -506,12 +537,14 @@ impl QuicSocket {
         };
         if cid.len() == CID_LEN {
             let owner = usize::from(cid[0]);
-            if owner == usize::from(self.index) {
-                // Ours by its index byte (a forged one is dropped by `validate`).
+            let ours = owner == usize::from(self.index);
+            if ours && !long {
+                // Ours by its index byte (a forged one is dropped by `validate`). A
+                // long header's ID may be a client's choice: it goes by the table.
                 return Route::Keep;
             }
             if owner < sockets && self.group.key.issued(cid) {
-                return Route::Sibling(owner);
+                return if ours { Route::Keep } else { Route::Sibling(owner) };
             }
         }
         match long.then(|| self.group.handshakes.owner(cid)).flatten() {
@@ -525,17 +558,14 @@ impl QuicSocket {
     /// Parks datagram `d` in sibling `owner`'s inbox; false when it is full.
     fn hand_to(&self, owner: usize, m: &RecvMeta, d: &[u8]) -> bool {
         let inbox = &self.group.inboxes[owner];
-        {
-            let mut queue = lock(&inbox.queue);
-            if queue.len() >= INBOX_DATAGRAMS {
-                return false;
-            }
-            queue.push_back(Parked {
-                addr: m.addr,
-                ecn: m.ecn,
-                dst_ip: m.dst_ip,
-                data: d.to_vec(),
-            });
+        let parked = Parked {
+            addr: m.addr,
+            ecn: m.ecn,
+            dst_ip: m.dst_ip,
+            data: d.to_vec(),
+        };
+        if !lock(&inbox.queue).push(parked) {
+            return false;
         }
         inbox.wake();
         true
@@ -546,7 +576,7 @@ impl QuicSocket {
         let mut queue = lock(&self.inbox().queue);
         let mut filled = 0;
         while filled < bufs.len().min(meta.len()) {
-            let Some(p) = queue.pop_front() else { break };
+            let Some(p) = queue.pop() else { break };
             let Some(dst) = bufs[filled].get_mut(..p.data.len()) else {
                 continue;
             };
@@ -561,6 +591,42 @@ impl QuicSocket {
             filled += 1;
         }
         filled
+    }
+
+    /// Reads what the kernel (or, forwarded, the successor) delivered to this socket,
+    /// passing the datagrams that are not this endpoint's on.
+    fn poll_own(
+        &self,
+        cx: &mut Context<'_>,
+        bufs: &mut [IoSliceMut<'_>],
+        meta: &mut [RecvMeta],
+    ) -> Poll<io::Result<usize>> {
+        let read = {
+            let mode = lock(&self.mode);
+            match &*mode {
+                // Only the group's first socket reads the pair; it sorts for the rest.
+                Mode::Forwarded(Some(pair)) => poll_pair(pair, cx, bufs, meta),
+                Mode::Forwarded(None) => return Poll::Pending,
+                Mode::Direct | Mode::Demux(_) => {
+                    drop(mode);
+                    let read = self.udp.poll_recv(cx, bufs, meta);
+                    if let Poll::Ready(Ok(n)) = read {
+                        let datagrams = meta[..n]
+                            .iter()
+                            .map(|m| m.len.div_ceil(m.stride.max(1)) as u64)
+                            .sum();
+                        self.count(0, datagrams);
+                    }
+                    read
+                }
+            }
+        };
+        let msgs = match read {
+            Poll::Ready(Ok(n)) => n,
+            other => return other,
+        };
+        self.filter(bufs, meta, msgs);
+        Poll::Ready(Ok(msgs))
     }
 
     /// Takes the datagrams that are not this endpoint's out of what was read: the
@@ -724,7 +790,7 @@ impl AsyncUdpSocket for QuicSocket {
     fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
         Box::pin(Poller {
             direct: self.udp.clone().create_io_poller(),
-            batched: self.batch.get().map(Batcher::poller),
+            batched: None,
             socket: self,
         })
     }
@@ -743,39 +809,30 @@ impl AsyncUdpSocket for QuicSocket {
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
         self.remember(cx.waker());
-        // A lone socket has no sibling to park anything for it.
-        if self.group.inboxes.len() > 1 {
-            let parked = self.take_parked(bufs, meta);
-            if parked > 0 {
-                return Poll::Ready(Ok(parked));
-            }
-        }
-        let read = {
-            let mode = lock(&self.mode);
-            match &*mode {
-                // Only the group's first socket reads the pair; it sorts for the rest.
-                Mode::Forwarded(Some(pair)) => poll_pair(pair, cx, bufs, meta),
-                Mode::Forwarded(None) => return Poll::Pending,
-                Mode::Direct | Mode::Demux(_) => {
-                    drop(mode);
-                    let read = self.udp.poll_recv(cx, bufs, meta);
-                    if let Poll::Ready(Ok(n)) = read {
-                        let datagrams = meta[..n]
-                            .iter()
-                            .map(|m| m.len.div_ceil(m.stride.max(1)) as u64)
-                            .sum();
-                        self.count(0, datagrams);
-                    }
-                    read
-                }
-            }
-        };
+        let room = bufs.len().min(meta.len());
+        // A lone socket has no sibling to park anything for it. While datagrams wait,
+        // the socket reads into half the buffers and they take the rest (all of it
+        // when the socket has nothing): a sibling kept busy handing datagrams over
+        // (a client spraying one connection's packets from many ports) must not
+        // starve this socket's own connections, nor they the handed-over ones.
+        let siblings = self.group.inboxes.len() > 1;
+        let waiting = siblings && !lock(&self.inbox().queue).datagrams.is_empty();
+        let own = if waiting { room - room / 2 } else { room };
+        let read = self.poll_own(cx, &mut bufs[..own], &mut meta[..own]);
         let msgs = match read {
             Poll::Ready(Ok(n)) => n,
-            other => return other,
+            Poll::Pending => 0,
+            Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
         };
-        self.filter(bufs, meta, msgs);
-        Poll::Ready(Ok(msgs))
+        let parked = if siblings {
+            self.take_parked(&mut bufs[msgs..room], &mut meta[msgs..room])
+        } else {
+            0
+        };
+        if read.is_pending() && parked == 0 {
+            return Poll::Pending;
+        }
+        Poll::Ready(Ok(msgs + parked))
     }
 
     fn local_addr(&self) -> io::Result<SocketAddr> {
@@ -787,6 +844,9 @@ impl AsyncUdpSocket for QuicSocket {
     /// (EMSGSIZE): every full batch was lost and only the loss probes, clamped to
     /// 1200 bytes, got through. A batch here never exceeds [`GSO_BATCH_BYTES`].
     fn max_transmit_segments(&self) -> usize {
+        if self.batch.get().is_some_and(|b| b.gso_failed()) {
+            return 1;
+        }
         gso_segments(
             self.udp.max_transmit_segments(),
             self.largest_datagram.load(Ordering::Relaxed),
@@ -824,10 +884,6 @@ impl UdpPoller for Poller {
 /// How many datagrams of up to `datagram` bytes one send may batch.
 fn gso_segments(socket_max: usize, datagram: usize) -> usize {
     socket_max.min(GSO_BATCH_BYTES / datagram.max(1)).max(1)
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 #[cfg(test)]
@@ -923,6 +979,12 @@ mod tests {
         assert_eq!(route(&short(&stranger)), None);
         assert_eq!(route(&long(&initial)), None);
         assert_eq!(route(&long(&[6u8; 8])), Some(0));
+        // A client may choose a 12-byte ID that starts with this socket's index: a
+        // long header goes by the table all the same.
+        let chosen = [1u8; CID_LEN];
+        handshakes.started(&chosen, 2);
+        assert_eq!(route(&long(&chosen)), Some(2));
+        assert_eq!(route(&long(&ours)), None);
         assert_eq!(route(&[0x40, 2]), None);
         // An endpoint takes only its own socket's IDs: a sibling's are dropped, not reset.
         assert!(CidGenerator::new(key, 1).validate(&ours).is_ok());
@@ -942,9 +1004,82 @@ mod tests {
         socket.filter(&mut bufs, &mut meta, 1);
         assert_eq!(meta[0].len, 2 * stride);
         assert_eq!(&bufs[0][..2 * stride], &[short(&ours), short(&ours)].concat()[..]);
-        let parked = lock(&group.inboxes[2].queue).pop_front().unwrap();
+        let parked = lock(&group.inboxes[2].queue).pop().unwrap();
         assert_eq!(parked.data, short(&theirs));
         assert_eq!(parked.addr, meta[0].addr);
+    }
+
+    /// The inbox holds at most [`INBOX_BYTES`] as well as [`INBOX_DATAGRAMS`]: large
+    /// datagrams fill it long before the count does.
+    #[test]
+    fn an_inbox_is_bounded_in_bytes() {
+        let mut p = Parking::default();
+        let parked = |len: usize| Parked {
+            addr: "127.0.0.1:1".parse().unwrap(),
+            ecn: None,
+            dst_ip: None,
+            data: vec![0; len],
+        };
+        let big = 65_000;
+        let fit = INBOX_BYTES / big;
+        for _ in 0..fit {
+            assert!(p.push(parked(big)));
+        }
+        assert!(!p.push(parked(big)), "the byte bound let one more in");
+        assert!(p.datagrams.len() < INBOX_DATAGRAMS);
+        assert!(p.pop().is_some());
+        assert_eq!(p.bytes, (fit - 1) * big);
+        assert!(p.push(parked(big)));
+    }
+
+    /// A sibling that keeps this socket's inbox full (a client spraying one
+    /// connection's packets from many source ports) must not stop the socket's own
+    /// datagrams from being read.
+    #[test]
+    fn a_full_inbox_does_not_starve_the_socket() {
+        let key = GenerationKey::random().unwrap();
+        let group = Group::new(key, 2, Arc::default());
+        let udp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let to = udp.local_addr().unwrap();
+        udp.set_nonblocking(true).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let _guard = rt.enter();
+        let socket = QuicSocket::new(udp, 1, group.clone()).unwrap();
+        let client = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        let own = client.local_addr().unwrap();
+        client.send_to(b"own datagram", to).unwrap();
+        let sprayer: SocketAddr = "127.0.0.2:9".parse().unwrap();
+        let refill = || {
+            let mut q = lock(&group.inboxes[1].queue);
+            while q.push(Parked {
+                addr: sprayer,
+                ecn: None,
+                dst_ip: None,
+                data: vec![7; 100],
+            }) {}
+        };
+        let read_own = async {
+            let mut storage = vec![[0u8; 1500]; 8];
+            let mut meta = [RecvMeta::default(); 8];
+            loop {
+                refill();
+                let mut bufs: Vec<IoSliceMut<'_>> = storage.iter_mut().map(|b| IoSliceMut::new(b)).collect();
+                let n =
+                    std::future::poll_fn(|cx| Poll::Ready(socket.poll_recv(cx, &mut bufs, &mut meta))).await;
+                if let Poll::Ready(n) = n {
+                    if meta[..n.unwrap()].iter().any(|m| m.addr == own) {
+                        return;
+                    }
+                }
+                // Lets the reactor see the socket readable.
+                tokio::task::yield_now().await;
+            }
+        };
+        rt.block_on(async { tokio::time::timeout(Duration::from_secs(10), read_own).await })
+            .expect("the socket's own datagram was never read while its inbox stayed full");
     }
 
     #[test]

@@ -585,3 +585,9 @@ impl BodyWriter for Writer<'_> {
         Ok(())
     }
 }
+
+/// Locks `m`, poisoned or not: what the h3 sockets guard stays usable after a panic
+/// elsewhere, and they keep serving.
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}

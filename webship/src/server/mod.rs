@@ -83,6 +83,14 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "the running webship hands over {sockets} UDP sockets of one SO_REUSEPORT group and this process would read {reads}; the old process keeps the others while it drains, and the kernel would send their share of new QUIC flows to sockets nobody reads (fix: {fix})"
+    )]
+    UnreadSockets {
+        sockets: usize,
+        reads: usize,
+        fix: &'static str,
+    },
 }
 
 /// `webship check FILE`: loads and builds the file as [`run`] and a reload do; the
@@ -443,6 +451,31 @@ impl Stack {
     }
 }
 
+/// Refuses a takeover that would leave inherited UDP sockets unread: the old process
+/// holds them (they stay in the port's `SO_REUSEPORT` group) until it exits, and
+/// reads none of them once it has handed them over.
+fn unread_sockets(inherited: Option<&handover::Inherited>, h3: bool, plan: &Plan) -> Result<(), ServerError> {
+    let Some(i) = inherited else { return Ok(()) };
+    let sockets = usize::from(i.udp.is_some()) + i.udp_more.len();
+    let (reads, fix) = if h3 {
+        (
+            crate::h3::generation::MAX_SOCKETS,
+            "the running webship is newer and serves more sockets than this one can; restart instead of taking over",
+        )
+    } else if plan.relays_udp() {
+        (
+            1,
+            "serve HTTP/3 in this configuration, or restart instead of taking over",
+        )
+    } else {
+        return Ok(());
+    };
+    if sockets <= reads {
+        return Ok(());
+    }
+    Err(ServerError::UnreadSockets { sockets, reads, fix })
+}
+
 /// The sockets: TCP for h1/h2 (and TCP passthrough), UDP for HTTP/3 or for HTTP/3
 /// passthrough.
 struct Bound {
@@ -480,6 +513,7 @@ impl Bound {
             .try_clone_to_owned()
             .map_err(ServerError::Inherited)?;
         let local = listener.local_addr().unwrap_or(config.listen);
+        unread_sockets(inherited.as_deref(), stack.acceptor.quic_config().is_some(), plan)?;
         let mut udp = inherited.as_mut().and_then(|i| i.udp.take());
         let h3 = match stack.acceptor.quic_config() {
             Some(tls) => {

@@ -56,17 +56,41 @@ pub(crate) fn writable_socket(
         .map_err(|e| e.into())
 }
 
+/// What a message the kernel refused says about the next ones (quinn-udp reacts the
+/// same way to its own `sendmsg`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// `EMSGSIZE`: larger than the path allows, as path MTU probes may be; expected.
+    TooLarge,
+    /// `EIO`: with `UDP_SEGMENT`, the device cannot segment (GSO unusable).
+    Device,
+    /// `EINVAL`: a control message the kernel or device does not accept (the ECN
+    /// codepoint, or `UDP_SEGMENT`).
+    Invalid,
+    Other,
+}
+
+pub(crate) fn refusal(e: &io::Error) -> Refusal {
+    imp::refusal(e)
+}
+
 /// Sends up to [`MAX_MESSAGES`] of `msgs`, whose bytes are in `buf`, and returns how
-/// many left. An error means the first message did not (`WouldBlock` when the
+/// many left; `tos`: whether each carries its ECN codepoint (`IP_TOS`/`IPV6_TCLASS`).
+/// An error means the first message did not (`WouldBlock` when the
 /// socket's send buffer is full; any other error is that message's own).
-pub(crate) fn sendmmsg(fd: BorrowedFd<'_>, buf: &[u8], msgs: &[Message]) -> io::Result<usize> {
+pub(crate) fn sendmmsg(fd: BorrowedFd<'_>, buf: &[u8], msgs: &[Message], tos: bool) -> io::Result<usize> {
     if msgs.iter().any(|m| buf.get(m.range.clone()).is_none()) {
         return Err(io::Error::new(
             io::ErrorKind::InvalidInput,
             "a message lies outside its buffer",
         ));
     }
-    imp::sendmmsg(fd, buf, &msgs[..msgs.len().min(MAX_MESSAGES)])
+    match imp::sendmmsg(fd, buf, &msgs[..msgs.len().min(MAX_MESSAGES)], tos)? {
+        // Linux reports a first message it did not take as an error, never as 0; if
+        // it ever did, calling again must not spin: the socket is taken as full.
+        0 if !msgs.is_empty() => Err(io::ErrorKind::WouldBlock.into()),
+        n => Ok(n),
+    }
 }
 
 #[cfg(target_os = "linux")]
@@ -79,7 +103,7 @@ mod imp {
     use super::{Message, MAX_MESSAGES};
 
     /// Room for the three control messages (TOS/TCLASS, UDP_SEGMENT, PKTINFO), each
-    /// `CMSG_SPACE` of its payload: 16 + 16 + 40 bytes at most on 64-bit Linux.
+    /// `CMSG_SPACE` of its payload: 24 + 24 + 40 = 88 bytes at most on 64-bit Linux.
     const CONTROL_BYTES: usize = 96;
 
     /// A control buffer aligned for `cmsghdr`.
@@ -116,16 +140,25 @@ mod imp {
         }
     }
 
-    fn controls(m: &Message, buf: &mut Control) -> usize {
+    pub(super) fn refusal(e: &io::Error) -> super::Refusal {
+        match e.raw_os_error() {
+            Some(libc::EMSGSIZE) => super::Refusal::TooLarge,
+            Some(libc::EIO) => super::Refusal::Device,
+            Some(libc::EINVAL) => super::Refusal::Invalid,
+            _ => super::Refusal::Other,
+        }
+    }
+
+    fn controls(m: &Message, buf: &mut Control, tos: bool) -> usize {
         let mut c = Cmsgs { buf, used: 0 };
         let ecn = libc::c_int::from(m.ecn & 0b11);
         let v4 = match m.dest.ip() {
             IpAddr::V4(_) => true,
             IpAddr::V6(a) => a.to_ipv4_mapped().is_some(),
         };
-        if v4 {
+        if tos && v4 {
             c.push(libc::IPPROTO_IP, libc::IP_TOS, ecn);
-        } else {
+        } else if tos {
             c.push(libc::IPPROTO_IPV6, libc::IPV6_TCLASS, ecn);
         }
         if let Some(s) = m.segment_size.filter(|&s| usize::from(s) < m.range.len()) {
@@ -156,7 +189,7 @@ mod imp {
         c.used
     }
 
-    pub(super) fn sendmmsg(fd: BorrowedFd<'_>, buf: &[u8], msgs: &[Message]) -> io::Result<usize> {
+    pub(super) fn sendmmsg(fd: BorrowedFd<'_>, buf: &[u8], msgs: &[Message], tos: bool) -> io::Result<usize> {
         let n = msgs.len().min(MAX_MESSAGES);
         if n == 0 {
             return Ok(0);
@@ -176,7 +209,7 @@ mod imp {
                 iov_base: bytes.as_ptr().cast_mut().cast(),
                 iov_len: bytes.len(),
             };
-            let controllen = controls(m, &mut control[i]);
+            let controllen = controls(m, &mut control[i], tos);
             let h = &mut hdrs[i].msg_hdr;
             // sendmmsg only reads the name, the iovec and the control data, so the
             // mutable pointers the C struct wants are never written through.
@@ -210,8 +243,12 @@ mod imp {
 
     use super::Message;
 
-    pub(super) fn sendmmsg(_: BorrowedFd<'_>, _: &[u8], _: &[Message]) -> io::Result<usize> {
+    pub(super) fn sendmmsg(_: BorrowedFd<'_>, _: &[u8], _: &[Message], _: bool) -> io::Result<usize> {
         Err(io::ErrorKind::Unsupported.into())
+    }
+
+    pub(super) fn refusal(_: &io::Error) -> super::Refusal {
+        super::Refusal::Other
     }
 }
 
@@ -238,7 +275,7 @@ mod tests {
             msg(b.local_addr().unwrap(), 12..22, None),
         ];
         assert_eq!(msgs[0].datagrams(), 3);
-        assert_eq!(sendmmsg(tx.as_fd(), buf, &msgs).unwrap(), 2);
+        assert_eq!(sendmmsg(tx.as_fd(), buf, &msgs, true).unwrap(), 2);
         let mut got = [0u8; 64];
         for want in [&b"aaaaa"[..], b"bbbbb", b"cc"] {
             let n = a.recv(&mut got).unwrap();
@@ -248,7 +285,7 @@ mod tests {
         assert_eq!(&got[..n], b"0123456789");
         let outside = [msg(a.local_addr().unwrap(), 20..30, None)];
         assert_eq!(
-            sendmmsg(tx.as_fd(), buf, &outside).unwrap_err().kind(),
+            sendmmsg(tx.as_fd(), buf, &outside, false).unwrap_err().kind(),
             io::ErrorKind::InvalidInput
         );
     }
