@@ -124,18 +124,74 @@ async fn connections_spread_over_the_sockets_and_stay_on_theirs_steered_by_ebpf(
     connections_spread_over_the_sockets_and_stay_on_theirs(EBPF, "").await;
 }
 
-/// The same, steered by eBPF, with cross-connection send batching on: each socket's
-/// batcher sends several connections' packets per `sendmmsg`.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_spread_over_the_sockets_and_stay_on_theirs_batched() {
+/// The same with cross-connection send batching on: each socket's batcher sends
+/// several connections' packets per `sendmmsg`.
+async fn connections_spread_over_the_sockets_and_stay_on_theirs_batched(kernel: &str) {
     let batched = "h3_send_batch_delay_us = \"1000\"\n";
-    let s = connections_spread_over_the_sockets_and_stay_on_theirs(EBPF, batched).await;
+    let s = connections_spread_over_the_sockets_and_stay_on_theirs(kernel, batched).await;
     let calls = s.value("webship_quic_send_batch_messages_count");
     let messages = s.value("webship_quic_send_batch_messages_sum");
     assert!(
         calls > 0.0 && messages / calls > 1.0,
         "{messages} messages in {calls} sendmmsg calls: no call carried more than one"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_spread_over_the_sockets_and_stay_on_theirs_batched_without_ebpf() {
+    connections_spread_over_the_sockets_and_stay_on_theirs_batched(NO_EBPF).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_spread_over_the_sockets_and_stay_on_theirs_batched_ebpf() {
+    connections_spread_over_the_sockets_and_stay_on_theirs_batched(EBPF).await;
+}
+
+/// Two daemons on one host with one pin folder, the second finding it locked by the
+/// first (as two daemons with the default `bpf_pin_dir` would): steering is the only
+/// user of eBPF and `ebpf = "auto"`, so the second warns and hands datagrams over
+/// in-process instead of refusing to start; both serve HTTP/3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_daemon_finding_the_pin_folder_busy_serves_unsteered() {
+    let kernel = format!(
+        "[kernel]\nebpf = \"auto\"\nbpf_pin_dir = \"/sys/fs/bpf/webship-e2e-busy-{}\"\n",
+        std::process::id()
+    );
+    let settings = format!("{kernel}[runtime.settings]\nh3_sockets = \"2\"\n");
+    let body = pattern(64 * 1024 + 3);
+    let (one, two) = (Env::new(), Env::new());
+    one.write("a.bin", &body);
+    two.write("a.bin", &body);
+    let first = one.start(&settings);
+    assert!(
+        first.log().contains("steering=\"ebpf\"") || first.log().contains("steering=ebpf"),
+        "the first daemon does not steer by eBPF:\n{}",
+        first.log()
+    );
+    let second = two.start(&settings);
+    let log = second.log();
+    assert!(
+        log.contains("eBPF steering not used")
+            && (log.contains("steering=\"userspace\"") || log.contains("steering=userspace")),
+        "the second daemon did not fall back to in-process hand-off:\n{log}"
+    );
+    for (env, server) in [(&one, &first), (&two, &second)] {
+        let got = tokio::time::timeout(Duration::from_secs(30), async {
+            let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::default())
+                .await
+                .unwrap();
+            let got = h3.fetch("GET", "/a.bin", &[]).await;
+            h3.close().await;
+            got
+        })
+        .await
+        .expect("no HTTP/3 response within 30 s");
+        assert_eq!(
+            (got.status.as_u16(), got.len),
+            (200, body.len() as u64),
+            "a daemon did not serve the file"
+        );
+    }
 }
 
 /// One connection whose client moves to a new port again and again. Without eBPF:
@@ -392,9 +448,13 @@ async fn moved_clients(
     };
     let mut made = 0;
     for _ in 0..clients {
-        let mut h3 = H3Client::connect(addr, HOST, tls, &H3Options::default())
-            .await
-            .unwrap();
+        let mut h3 = tokio::time::timeout(
+            Duration::from_secs(20),
+            H3Client::connect(addr, HOST, tls, &H3Options::default()),
+        )
+        .await
+        .expect("no connection within 20 s")
+        .unwrap();
         for _ in 0..moves {
             if until_misrouted && misrouted() > 0.0 {
                 break;
@@ -407,7 +467,9 @@ async fn moved_clients(
                 .unwrap_or_else(|_| panic!("no response within 20 s after move {made}"));
             assert_eq!(got.body, b"new", "after move {made}");
         }
-        h3.close().await;
+        tokio::time::timeout(Duration::from_secs(10), h3.close())
+            .await
+            .expect("the connection did not close within 10 s");
     }
     (misrouted(), made)
 }
@@ -452,9 +514,13 @@ async fn a_failed_takeover_leaves_the_old_sockets_steered() {
     ));
     let port = old.port;
     let tls = env.client(b"h3");
-    let mut before = H3Client::connect(old.addr(), HOST, &tls, &H3Options::default())
-        .await
-        .unwrap();
+    let mut before = tokio::time::timeout(
+        Duration::from_secs(20),
+        H3Client::connect(old.addr(), HOST, &tls, &H3Options::default()),
+    )
+    .await
+    .expect("no connection within 20 s")
+    .unwrap();
 
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -506,9 +572,13 @@ async fn a_failed_takeover_leaves_the_old_sockets_steered() {
         misrouted, 0.0,
         "after {moves} port changes, the old process's sockets read another's datagrams"
     );
-    let again = before.fetch("GET", "/which.txt", &[]).await;
+    let again = tokio::time::timeout(Duration::from_secs(20), before.fetch("GET", "/which.txt", &[]))
+        .await
+        .expect("the connection from before the attempt got no response within 20 s");
     assert_eq!(again.body, b"new");
-    before.close().await;
+    tokio::time::timeout(Duration::from_secs(10), before.close())
+        .await
+        .expect("the connection did not close within 10 s");
 }
 
 /// The upgrade from one socket (bound without `SO_REUSEPORT`, as before

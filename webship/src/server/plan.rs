@@ -333,12 +333,26 @@ fn load_programs(
             tracing::info!(pins = %config.kernel.bpf_pin_dir.display(), "eBPF programs loaded; counters pinned for `webship stats`");
             Ok(Some(programs))
         }
+        // Steering alone is an optimisation the in-process hand-off stands in
+        // for: under `auto` a busy or unusable pin folder (a second daemon on the
+        // host with the default folder) must not stop a start that eBPF was never
+        // essential to.
+        Err(e) if config.kernel.ebpf == Policy::Auto && steering_only(config) => {
+            tracing::warn!(error = %e, "eBPF steering not used: HTTP/3 sockets hand misrouted datagrams over themselves");
+            Ok(None)
+        }
         Err(e) if config.kernel.ebpf == Policy::Required || e.is_misconfiguration() => Err(e.into()),
         Err(e) => {
             tracing::warn!(error = %e, "eBPF not used: passthrough runs a userspace engine, HTTP/3 sockets hand datagrams over themselves");
             Ok(None)
         }
     }
+}
+
+/// Whether HTTP/3 socket steering is the only thing that wants the eBPF
+/// programs: no passthrough route and TCP health off.
+fn steering_only(config: &Config) -> bool {
+    config.steers_quic() && config.passthrough.is_empty() && config.kernel.tcp_health == Policy::Off
 }
 
 /// Mirrors the daemon's passthrough counters into the pinned map twice a second.
