@@ -327,33 +327,39 @@ pub const QUIC_STEER_PROGRAM: &str = "webship_quic_steer";
 pub const QUIC_SOCKETS_MAP: &str = "QUIC_SOCKETS";
 /// Sockets one QUIC group holds at most (the daemon's `h3_sockets` cap).
 pub const MAX_QUIC_SOCKETS: u32 = 32;
-/// Length of the connection IDs the daemon issues; byte 0 is the socket index.
+/// Length of the connection IDs the daemon issues; byte [`CID_SOCKET_BYTE`] is the
+/// socket index.
 pub const QUIC_CID_LEN: u8 = 12;
+/// The byte of a daemon-issued connection ID that names its socket.
+pub const CID_SOCKET_BYTE: usize = 0;
+/// Where a short-header packet's destination connection ID starts: right after
+/// the first byte (the header carries no length; every ID the daemon issues is
+/// [`QUIC_CID_LEN`] bytes long).
+pub const SHORT_HEADER_DCID_OFFSET: usize = 1;
 /// Bytes before the QUIC packet in the program's view of a datagram: the UDP
 /// header (the kernel runs the program with the packet data starting there).
 pub const UDP_HEADER_LEN: u32 = 8;
-/// Bytes of a QUIC packet [`quic_socket`] reads: the first byte through a long
-/// header's first DCID byte (a short header's first DCID byte is its second).
-pub const QUIC_HEAD_LEN: usize = 7;
+/// Bytes of a QUIC packet [`quic_socket`] reads: the first byte through a short
+/// header's socket index byte.
+pub const QUIC_HEAD_LEN: usize = SHORT_HEADER_DCID_OFFSET + CID_SOCKET_BYTE + 1;
 
-/// The socket index a QUIC packet's destination connection ID names, if it is one
-/// of ours and below `sockets`. `head` is the packet's first [`QUIC_HEAD_LEN`]
-/// bytes. A short header (form bit 0x80 clear) carries the DCID right after the
-/// first byte, with no length: every ID the daemon issues has the same length, so
-/// its byte 0 is at offset 1. A long header carries the version (4 bytes), the
-/// DCID length (offset 5) and then the DCID (offset 6); a length other than
-/// [`QUIC_CID_LEN`] is a client-chosen Initial ID, which names no socket. Only
-/// the index byte is read, not the tag: a client-chosen 12-byte ID steers to an
-/// arbitrary socket, which hands the datagram over as without the program.
+/// The socket index a short-header QUIC packet's destination connection ID names,
+/// if it is below `sockets`. `head` is the packet's first [`QUIC_HEAD_LEN`] bytes.
+/// Only the index byte is read, not the tag: a forged ID steers to an arbitrary
+/// socket, which drops it or hands it over as without the program.
+///
+/// Long headers (form bit 0x80 set) name none and are left to the kernel's
+/// 4-tuple hash: their DCID may be client-chosen (an Initial's, whose index byte
+/// an attacker could aim at one socket with a flood), and a client may not migrate
+/// before its handshake is confirmed (RFC 9000 §9), so a handshake's packets keep
+/// their 4-tuple and socket anyway; after a takeover grew the group, the daemon's
+/// in-process hand-off carries those that land elsewhere.
 #[inline(always)]
 pub const fn quic_socket(head: &[u8; QUIC_HEAD_LEN], sockets: u32) -> Option<u32> {
-    let index = if head[0] & 0x80 == 0 {
-        head[1]
-    } else if head[5] == QUIC_CID_LEN {
-        head[6]
-    } else {
+    if head[0] & 0x80 != 0 {
         return None;
-    };
+    }
+    let index = head[SHORT_HEADER_DCID_OFFSET + CID_SOCKET_BYTE];
     if (index as u32) < sockets {
         Some(index as u32)
     } else {
@@ -365,39 +371,35 @@ pub const fn quic_socket(head: &[u8; QUIC_HEAD_LEN], sockets: u32) -> Option<u32
 mod tests {
     use super::*;
 
-    /// The first bytes of a packet with `first` as its first byte.
-    fn head(first: u8, rest: [u8; 6]) -> [u8; QUIC_HEAD_LEN] {
-        let mut h = [first; QUIC_HEAD_LEN];
-        h[1..].copy_from_slice(&rest);
-        h
+    /// The first bytes of a packet with `first` as its first byte and `index` as
+    /// its second.
+    fn head(first: u8, index: u8) -> [u8; QUIC_HEAD_LEN] {
+        [first, index]
     }
 
     #[test]
     fn short_header_names_the_socket_in_its_first_dcid_byte() {
-        assert_eq!(quic_socket(&head(0x40, [3, 9, 9, 9, 9, 9]), 4), Some(3));
+        assert_eq!(quic_socket(&head(0x40, 3), 4), Some(3));
         // The fixed bit may be greased: only the form bit matters.
-        assert_eq!(
-            quic_socket(&head(0x01, [0, 0xff, 0xff, 0xff, 0xff, 0xff]), 2),
-            Some(0)
-        );
+        assert_eq!(quic_socket(&head(0x01, 0), 2), Some(0));
     }
 
     #[test]
-    fn long_header_with_our_id_length_names_the_socket() {
-        // Handshake packet, version 1, DCID length 12, index 1.
-        assert_eq!(quic_socket(&head(0xe0, [0, 0, 0, 1, 12, 1]), 2), Some(1));
+    fn long_headers_name_no_socket_even_with_our_id_length() {
+        // Handshake and Initial packets, whatever their DCID: the second byte is the
+        // version's first, and even a 12-byte DCID whose index byte is in range (a
+        // client could choose it) steers nowhere.
+        for first in [0xc0, 0xe0, 0xd0, 0xf0, 0x80] {
+            for index in [0, 1, 12] {
+                assert_eq!(quic_socket(&head(first, index), MAX_QUIC_SOCKETS), None);
+            }
+        }
     }
 
     #[test]
-    fn client_chosen_initial_ids_and_unknown_indices_name_none() {
-        // Initial with an 8-byte (client-chosen) DCID.
-        assert_eq!(quic_socket(&head(0xc0, [0, 0, 0, 1, 8, 1]), 2), None);
-        // Index past the group.
-        assert_eq!(quic_socket(&head(0x40, [2, 0, 0, 0, 0, 0]), 2), None);
-        assert_eq!(
-            quic_socket(&head(0xc0, [0, 0, 0, 1, 12, 0xff]), MAX_QUIC_SOCKETS),
-            None
-        );
-        assert_eq!(quic_socket(&head(0x40, [0, 0, 0, 0, 0, 0]), 0), None);
+    fn unknown_indices_name_none() {
+        assert_eq!(quic_socket(&head(0x40, 2), 2), None);
+        assert_eq!(quic_socket(&head(0x40, 0xff), MAX_QUIC_SOCKETS), None);
+        assert_eq!(quic_socket(&head(0x40, 0), 0), None);
     }
 }

@@ -22,10 +22,11 @@
 //! nothing more.
 //!
 //! `webship_quic_steer`, an `sk_reuseport` program on the group of the daemon's
-//! QUIC sockets: a datagram whose destination connection ID names one of the
-//! group's sockets (`quic_socket` in the common crate) goes to that socket, picked
-//! from `QUIC_SOCKETS`; anything else (client-chosen Initial IDs, runts, an empty
-//! slot) is left to the kernel's 4-tuple hash, never dropped.
+//! QUIC sockets: a short-header datagram whose destination connection ID names one
+//! of the group's sockets (`quic_socket` in the common crate) goes to that socket,
+//! picked from `QUIC_SOCKETS`; anything else (every long header, whose DCID a client
+//! may choose and aim, runts, an empty slot) is left to the kernel's 4-tuple hash,
+//! never dropped.
 
 #![no_std]
 #![no_main]

@@ -57,8 +57,8 @@
 //! send a stateless reset for a sibling's connection. With eBPF loaded, an
 //! SK_REUSEPORT program on the group (`ebpf::Programs::steer_quic`) reads the index
 //! byte and sends each datagram to the owning socket in the kernel, sparing the
-//! hop; the in-process hand-off stays for what it cannot steer (a client-chosen
-//! 12-byte Initial ID) and is the whole mechanism with `[kernel] ebpf = "off"`. During a
+//! hop; the in-process hand-off stays for what it does not steer (long headers,
+//! whose DCID a client may choose) and is the whole mechanism with `[kernel] ebpf = "off"`. During a
 //! takeover the draining process's first socket reads the pair and hands each
 //! datagram to the owning sibling the same way; the others read nothing but their
 //! inbox.
@@ -76,6 +76,7 @@ use std::time::Duration;
 use quinn::udp::{EcnCodepoint, RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, ConnectionId, ConnectionIdGenerator, UdpPoller};
 use tokio::io::unix::AsyncFd;
+use webship_ebpf_common::{CID_SOCKET_BYTE, SHORT_HEADER_DCID_OFFSET};
 
 use super::batch::{Batcher, Writable};
 use super::lock;
@@ -89,6 +90,8 @@ const NONCE_LEN: usize = 8;
 pub(crate) const MAX_SOCKETS: usize = 32;
 // The kernel's steering program (`[kernel] ebpf`) reads the same layout.
 const _: () = assert!(CID_LEN == webship_ebpf_common::QUIC_CID_LEN as usize);
+// The socket index is a byte of the nonce, which the tag covers.
+const _: () = assert!(CID_SOCKET_BYTE < NONCE_LEN);
 const _: () = assert!(MAX_SOCKETS == webship_ebpf_common::MAX_QUIC_SOCKETS as usize);
 /// Datagrams waiting in one socket's [`Inbox`], at most.
 const INBOX_DATAGRAMS: usize = 1024;
@@ -198,7 +201,7 @@ impl ConnectionIdGenerator for CidGenerator {
     fn generate_cid(&mut self) -> ConnectionId {
         self.counter = self.counter.wrapping_add(1);
         let mut nonce = siphash(self.key.nonce, &self.counter.to_le_bytes()).to_le_bytes();
-        nonce[0] = self.index;
+        nonce[CID_SOCKET_BYTE] = self.index;
         let mut cid = [0u8; CID_LEN];
         cid[..NONCE_LEN].copy_from_slice(&nonce);
         cid[NONCE_LEN..].copy_from_slice(&self.key.tag_of(&nonce));
@@ -208,7 +211,7 @@ impl ConnectionIdGenerator for CidGenerator {
     /// Only this socket's IDs: a sibling's (misrouted, or its inbox full) are dropped,
     /// never answered with a stateless reset.
     fn validate(&self, cid: &ConnectionId) -> Result<(), quinn_proto::InvalidCid> {
-        if self.key.issued(cid) && cid[0] == self.index {
+        if self.key.issued(cid) && cid[CID_SOCKET_BYTE] == self.index {
             Ok(())
         } else {
             Err(quinn_proto::InvalidCid)
@@ -254,7 +257,9 @@ impl Handshakes {
 fn dcid(d: &[u8]) -> Option<(&[u8], bool)> {
     let &first = d.first()?;
     if first & 0x80 == 0 {
-        return Some((d.get(1..1 + CID_LEN)?, false));
+        // The offset the kernel's steering program reads too (`quic_socket`).
+        let at = SHORT_HEADER_DCID_OFFSET;
+        return Some((d.get(at..at + CID_LEN)?, false));
     }
     // Long header: flags, version (4), DCID length, DCID.
     let len = usize::from(*d.get(5)?);
@@ -536,7 +541,7 @@ impl QuicSocket {
             return Route::Keep;
         };
         if cid.len() == CID_LEN {
-            let owner = usize::from(cid[0]);
+            let owner = usize::from(cid[CID_SOCKET_BYTE]);
             let ours = owner == usize::from(self.index);
             if ours && !long {
                 // Ours by its index byte (a forged one is dropped by `validate`). A
@@ -917,6 +922,29 @@ mod tests {
             .unwrap();
         for len in [8, 12, 20] {
             assert!(!a.issued(&raw[..len]));
+        }
+    }
+
+    /// The kernel's steering program and this router read the socket index at the
+    /// same place: every ID a socket's generator issues, in a short header, names
+    /// that socket to `quic_socket` and to `dcid`.
+    #[test]
+    fn every_issued_id_steers_to_its_socket_in_the_kernel_too() {
+        use webship_ebpf_common::{quic_socket, MAX_QUIC_SOCKETS, QUIC_HEAD_LEN};
+        let key = GenerationKey::random().unwrap();
+        for index in 0..MAX_QUIC_SOCKETS as u8 {
+            let mut gen = CidGenerator::new(key, index);
+            for _ in 0..64 {
+                let cid = gen.generate_cid();
+                let mut packet = vec![0x41];
+                packet.extend_from_slice(&cid);
+                packet.extend_from_slice(&[0u8; 20]);
+                let head: [u8; QUIC_HEAD_LEN] = packet[..QUIC_HEAD_LEN].try_into().unwrap();
+                assert_eq!(quic_socket(&head, MAX_QUIC_SOCKETS), Some(u32::from(index)));
+                let (read, long) = dcid(&packet).unwrap();
+                assert_eq!((read, long), (&cid[..], false));
+                assert_eq!(read[CID_SOCKET_BYTE], index);
+            }
         }
     }
 
