@@ -656,3 +656,42 @@ async fn a_successor_that_would_leave_sockets_unread_refuses() {
     old_server.terminate();
     assert!(old_server.wait_exit(Duration::from_secs(30)).is_some());
 }
+
+/// A fresh start replaces the pending (`*_takeover`) pins a binary upgrade's
+/// successor left when it died before serving, as it replaces the final ones.
+#[test]
+fn a_fresh_start_removes_a_dead_successors_pending_pins() {
+    let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/webship-e2e-pending-{}", std::process::id()));
+    let kernel = format!(
+        "[kernel]\nebpf = \"required\"\nbpf_pin_dir = \"{}\"\n[runtime.settings]\nh3_sockets = \"2\"\n",
+        pins.display()
+    );
+    let env = Env::new();
+    let mut killed = env.start(&kernel);
+    let final_pin = pins.join("kernel_counters");
+    assert!(final_pin.exists(), "no kernel_counters pin:\n{}", killed.log());
+    let status = std::process::Command::new("kill")
+        .args(["-KILL", &killed.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert!(
+        killed.wait_exit(Duration::from_secs(10)).is_some(),
+        "SIGKILL did not end the daemon"
+    );
+    // What a successor that died before it served leaves: a pin under its pending name.
+    let pending = pins.join("kernel_counters_takeover");
+    std::fs::rename(&final_pin, &pending).unwrap();
+    let mut fresh = env.start(&kernel);
+    assert!(
+        !pending.exists(),
+        "a fresh start left the stale pending pin {}:\n{}",
+        pending.display(),
+        fresh.log()
+    );
+    fresh.terminate();
+    assert!(
+        fresh.wait_exit(Duration::from_secs(30)).is_some(),
+        "the fresh daemon did not stop"
+    );
+}

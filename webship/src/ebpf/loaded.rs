@@ -13,8 +13,8 @@ use aya::programs::{SchedClassifier, SkSkb, TcAttachType};
 use aya::{Ebpf, EbpfLoader};
 use webship_ebpf_common::{
     Link, SiteName, TcpSite, UdpRedirect, COUNTERS, DIRECTION_DOWN, DIRECTION_UP, KERNEL_COUNTERS_MAP,
-    LINKS_MAP, QUIC_SOCKETS_MAP, SOCKS_MAP, TCP_PORTS_MAP, TCP_SITES_MAP, TCP_SITE_NAMES_MAP, TCP_TAGS_MAP,
-    UDP_CONFIG_MAP, UDP_PROGRAM, USER_COUNTERS_MAP, VERDICT_PROGRAM,
+    LINKS_MAP, MAX_QUIC_SOCKETS, QUIC_SOCKETS_MAP, SOCKS_MAP, TCP_PORTS_MAP, TCP_SITES_MAP,
+    TCP_SITE_NAMES_MAP, TCP_TAGS_MAP, UDP_CONFIG_MAP, UDP_PROGRAM, USER_COUNTERS_MAP, VERDICT_PROGRAM,
 };
 
 use super::tcp::TcpSnapshot;
@@ -93,7 +93,8 @@ impl Programs {
         // The predecessor's steering map holds the sockets this process inherits: its
         // program must use that map (see `quic_steer.rs`).
         let predecessors = pin_dir.join(super::QUIC_SOCKETS_PIN);
-        let shared = (taking_over && predecessors.exists()).then_some(predecessors.as_path());
+        let shared = (taking_over && predecessors.exists() && steering_map_fits(&predecessors))
+            .then_some(predecessors.as_path());
         let mut ebpf = load_object(level, max_connections, shared)?;
         match aya_log::EbpfLogger::init_with_logger(&mut ebpf, TracingLog) {
             Ok(logger) => spawn_logger(logger),
@@ -130,11 +131,16 @@ impl Programs {
             (&tcp_sites_map, &sites_pin),
             (&tcp_names_map, &names_pin),
         ] {
-            if path.exists() {
-                if !taking_over {
-                    tracing::warn!(path = %path.display(), "replacing a stale pinned map (a previous daemon did not stop cleanly?)");
+            // Starting fresh (the folder's lock is ours alone), a pending pin is a
+            // crashed successor's: as stale as a final one.
+            let stale = (!taking_over).then(|| pending(path));
+            for old in [Some(path), stale.as_ref()].into_iter().flatten() {
+                if old.exists() {
+                    if !taking_over {
+                        tracing::warn!(path = %old.display(), "replacing a stale pinned map (a previous daemon did not stop cleanly?)");
+                    }
+                    let _ = std::fs::remove_file(old);
                 }
-                let _ = std::fs::remove_file(path);
             }
             map.pin(path).map_err(|e| EbpfError::Pin {
                 what: "cannot pin a counter map at",
@@ -311,6 +317,26 @@ impl Drop for Programs {
         // Only removes the folder when nothing else is pinned there.
         let _ = std::fs::remove_dir(&self.pin_dir);
     }
+}
+
+/// Whether the pinned map at `path` can be the QUIC steering map: a
+/// REUSEPORT_SOCKARRAY of [`MAX_QUIC_SOCKETS`] entries, as this object declares.
+/// The pin folder is writable by the service account, which could have put another
+/// map there; loading the programs with it would fail as a whole, while a fresh map
+/// only costs the steering of the inherited sockets (`EBUSY`, logged).
+fn steering_map_fits(path: &Path) -> bool {
+    let why = match aya::maps::MapInfo::from_pin(path) {
+        Ok(info) => match info.map_type() {
+            Ok(aya::maps::MapType::ReuseportSockArray) if info.max_entries() == MAX_QUIC_SOCKETS => {
+                return true
+            }
+            Ok(other) => format!("a {other:?} map of {} entries", info.max_entries()),
+            Err(e) => chain(&e),
+        },
+        Err(e) => chain(&e),
+    };
+    tracing::warn!(path = %path.display(), found = %why, "the pinned QUIC steering map is not one this daemon made; a fresh one is used");
+    false
 }
 
 /// Where a map is pinned by a process taking over until it serves.

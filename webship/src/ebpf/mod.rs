@@ -30,8 +30,16 @@ const LINKS_PIN: &str = "links";
 const TCP_SITES_PIN: &str = "tcp_sites";
 #[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
 const TCP_SITE_NAMES_PIN: &str = "tcp_site_names";
-#[cfg_attr(not(all(target_os = "linux", feature = "ebpf")), allow(dead_code))]
 const QUIC_SOCKETS_PIN: &str = "quic_sockets";
+
+/// Whether a pin (by its file name) stays root's when the others go to the service
+/// account: the QUIC steering map, which a successor's programs share (and its
+/// pending name during a takeover). The account only removes pins at shutdown, which
+/// the folder's group write allows whoever owns them.
+#[cfg_attr(not(unix), allow(dead_code))]
+pub(crate) fn stays_root(name: &std::ffi::OsStr) -> bool {
+    name.as_encoded_bytes().starts_with(QUIC_SOCKETS_PIN.as_bytes())
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum EbpfError {

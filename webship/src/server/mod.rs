@@ -400,7 +400,8 @@ fn drop_privileges(
 }
 
 /// Hands what is pinned to the service account, so that it can remove the maps at
-/// shutdown: the maps become the account's, the folder its group's (rwx). The folder
+/// shutdown: the maps but the QUIC steering map become the account's, the folder
+/// its group's (rwx). The folder
 /// itself stays root's: had the account owned it, root would need CAP_DAC_OVERRIDE
 /// (which the systemd unit does not grant) to pin in it at the next start. Links
 /// are not followed: the account may have planted one naming any file of root's.
@@ -424,6 +425,11 @@ fn give_pins(dir: &std::path::Path, uid: u32, gid: u32) {
         }
         let entries = std::fs::read_dir(dir).into_iter().flatten().flatten();
         for path in entries.map(|e| e.path()) {
+            // The steering map stays root's: the account could otherwise clear its
+            // slots, and a successor's programs use it (`ebpf::stays_root`).
+            if path.file_name().is_some_and(crate::ebpf::stays_root) {
+                continue;
+            }
             if let Err(e) = std::os::unix::fs::lchown(&path, Some(uid), Some(gid)) {
                 warn(&path, e);
             }
