@@ -193,13 +193,13 @@ impl Plan {
         }
     }
 
-    /// HTTP/3 passthrough on the UDP side of `listen`: the kernel redirect when it
-    /// applies, and the userspace relay, which owns the port either way.
     /// Whether this plan relays HTTP/3 passthrough (it reads one UDP socket).
     pub(super) fn relays_udp(&self) -> bool {
         self.udp.is_some()
     }
 
+    /// HTTP/3 passthrough on the UDP side of `listen`: the kernel redirect when it
+    /// applies, and the userspace relay, which owns the port either way.
     pub(super) fn bind_udp(
         &self,
         config: &Config,

@@ -331,7 +331,10 @@ pub(crate) fn detach_reuseport_program<S: std::os::fd::AsRawFd>(sock: &S) -> io:
 
 #[cfg(not(target_os = "linux"))]
 pub(crate) fn detach_reuseport_program<S>(_sock: &S) -> io::Result<bool> {
-    Ok(false)
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "SO_DETACH_REUSEPORT_BPF is Linux-only",
+    ))
 }
 
 #[cfg(target_os = "linux")]
