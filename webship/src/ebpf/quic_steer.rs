@@ -9,8 +9,9 @@
 //! lets a socket be in one REUSEPORT_SOCKARRAY only (`EBUSY` otherwise), so a
 //! successor cannot put the sockets it inherits into a map of its own while the
 //! predecessor's holds them: it loads its programs with the predecessor's map
-//! (pinned as `quic_sockets`, see `loaded.rs`), puts each socket at its own index,
-//! and attaches its program. The inherited sockets keep their indices (the
+//! (pinned as `quic_sockets`, see `loaded.rs`), puts each socket it adds at its own
+//! index (the inherited ones are there already and stay untouched), and attaches
+//! its program. The inherited sockets keep their indices (the
 //! predecessor hands them over in index order), so the predecessor's connection
 //! IDs still select the socket they named, now read by the successor, which
 //! forwards their datagrams by tag. Should the successor fail before it serves, its
@@ -19,11 +20,15 @@
 
 use std::os::fd::AsFd;
 
+use aya::maps::MapError;
 use aya::programs::SkReuseport;
 use aya::Ebpf;
 use webship_ebpf_common::{MAX_QUIC_SOCKETS, QUIC_SOCKETS_MAP, QUIC_STEER_PROGRAM};
 
 use super::loaded::{chain, lock, Programs};
+
+/// `bpf_map_update_elem` flag: only into an empty slot (`EEXIST` otherwise).
+const BPF_NOEXIST: u64 = 1;
 use super::EbpfError;
 
 impl Programs {
@@ -44,16 +49,20 @@ impl Programs {
         let mut map = lock(&self.quic_sockets);
         // Filled before the program is attached: it never sees a half-filled group.
         for (index, socket) in (0u32..).zip(sockets) {
-            // A socket inherited with the map is already in it, at this index: taken
-            // out and put back (meanwhile its datagrams are hashed, and handed over
-            // in-process if they land elsewhere).
-            let _ = map.clear_index(&index);
-            map.set(index, &socket.as_fd(), 0).map_err(|e| {
-                EbpfError::Load(format!(
-                    "adding QUIC socket {index} to `{QUIC_SOCKETS_MAP}`: {}",
-                    chain(&e)
-                ))
-            })?;
+            match map.set(index, &socket.as_fd(), BPF_NOEXIST) {
+                Ok(()) => {}
+                // Taken: a socket inherited with the map, at the index its IDs name
+                // (the predecessor hands them over in index order). Left as it is:
+                // taking it out to put it back would leave the predecessor's program
+                // without that slot should putting it back fail.
+                Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::EEXIST) => {}
+                Err(e) => {
+                    return Err(EbpfError::Load(format!(
+                        "adding QUIC socket {index} to `{QUIC_SOCKETS_MAP}`: {}",
+                        chain(&e)
+                    )))
+                }
+            }
         }
         drop(map);
         let mut ebpf = lock(&self.ebpf);
