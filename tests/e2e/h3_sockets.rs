@@ -495,6 +495,14 @@ async fn a_successor_asking_for_fewer_sockets_still_reads_every_inherited_one() 
     takeover(2, 1, NO_EBPF, NO_EBPF).await;
 }
 
+/// The same with eBPF: configured for one socket, the successor still steers the two
+/// it inherits (and says so), rather than leaving the old program on the group while
+/// it logs userspace steering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_asking_for_fewer_sockets_steers_every_inherited_one() {
+    takeover(2, 1, EBPF, EBPF).await;
+}
+
 /// A successor that attached its steering program and then failed (its ACME HTTP
 /// listener's port is taken, which is found after the sockets are set up): the old
 /// process serves on, and its sockets stay steered right. The successor's program

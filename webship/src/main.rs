@@ -227,7 +227,11 @@ fn load(path: Option<&Path>) -> anyhow::Result<Config> {
 
 fn serve(path: Option<&Path>, takeover: bool) -> anyhow::Result<ExitCode> {
     let mut config = load(path)?;
-    let report = preflight::run(&config.kernel, config.wants_ebpf());
+    let wants_ebpf = match takeover {
+        true => config.may_want_ebpf_taking_over(),
+        false => config.wants_ebpf(),
+    };
+    let report = preflight::run(&config.kernel, wants_ebpf);
     let missing = report.missing_required();
     if !missing.is_empty() {
         for finding in missing {

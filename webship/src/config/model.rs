@@ -230,6 +230,13 @@ impl Config {
     pub fn wants_ebpf(&self) -> bool {
         !self.passthrough.is_empty() || self.steers_quic()
     }
+
+    /// Whether a takeover's successor may use the eBPF programs: as
+    /// [`Self::wants_ebpf`], or whenever it serves HTTP/3, since it serves every
+    /// socket it inherits, and may inherit more than it is configured for.
+    pub fn may_want_ebpf_taking_over(&self) -> bool {
+        self.wants_ebpf() || self.sites.iter().any(|s| s.protocols.h3)
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -135,7 +135,10 @@ pub async fn run(
     };
     let pin_lock = inherited.as_mut().and_then(|i| i.pin_lock.take());
     let inheriting_pins = pin_lock.is_some();
-    let plan = Plan::load(&config, &report, pin_lock)?;
+    let inherited_udp = inherited
+        .as_ref()
+        .map_or(0, |i| usize::from(i.udp.is_some()) + i.udp_more.len());
+    let plan = Plan::load(&config, &report, pin_lock, inherited_udp)?;
     // The predecessor's pins become this process's only when it loads eBPF into the
     // same folder; otherwise the predecessor removes them when it exits.
     let adopts_pins = inheriting_pins && plan.ebpf_loaded();

@@ -67,13 +67,16 @@ pub(super) fn published() -> Values {
 }
 
 impl Plan {
-    /// `inherited_lock`: the locked pin folder a predecessor handed over.
+    /// `inherited_lock`: the locked pin folder a predecessor handed over;
+    /// `inherited_udp`: the UDP sockets it handed over (all of which this process
+    /// serves).
     pub(super) fn load(
         config: &Config,
         report: &Report,
         inherited_lock: Option<OwnedFd>,
+        inherited_udp: usize,
     ) -> Result<Self, ServerError> {
-        let programs = load_programs(config, report, inherited_lock)?;
+        let programs = load_programs(config, report, inherited_lock, inherited_udp)?;
         let engine = crate::passthrough::resolve(config.passthrough_engine, programs.is_some());
         let passthrough = Passthrough::new(config, engine, programs.clone()).map(Arc::new);
         if let Some(pt) = &passthrough {
@@ -319,9 +322,11 @@ fn load_programs(
     config: &Config,
     report: &Report,
     inherited_lock: Option<OwnedFd>,
+    inherited_udp: usize,
 ) -> Result<Option<Arc<Programs>>, ServerError> {
     let tcp_health = config.kernel.tcp_health != Policy::Off;
-    if (!config.wants_ebpf() && !tcp_health) || !report.use_ebpf() {
+    let steers = steers_quic(config, inherited_udp);
+    if (config.passthrough.is_empty() && !steers && !tcp_health) || !report.use_ebpf() {
         return Ok(None);
     }
     match Programs::load(
@@ -337,7 +342,12 @@ fn load_programs(
         // for: under `auto` a busy or unusable pin folder (a second daemon on the
         // host with the default folder) must not stop a start that eBPF was never
         // essential to.
-        Err(e) if config.kernel.ebpf == Policy::Auto && steering_only(config) => {
+        Err(e)
+            if config.kernel.ebpf == Policy::Auto
+                && steers
+                && config.passthrough.is_empty()
+                && !tcp_health =>
+        {
             tracing::warn!(error = %e, "eBPF steering not used: HTTP/3 sockets hand misrouted datagrams over themselves");
             Ok(None)
         }
@@ -349,10 +359,11 @@ fn load_programs(
     }
 }
 
-/// Whether HTTP/3 socket steering is the only thing that wants the eBPF
-/// programs: no passthrough route and TCP health off.
-fn steering_only(config: &Config) -> bool {
-    config.steers_quic() && config.passthrough.is_empty() && config.kernel.tcp_health == Policy::Off
+/// Whether HTTP/3 is served on more than one UDP socket: as configured, or as
+/// inherited (a successor serves every socket its predecessor handed over, whose
+/// group may carry the predecessor's steering program).
+fn steers_quic(config: &Config, inherited_udp: usize) -> bool {
+    config.steers_quic() || (inherited_udp > 1 && config.sites.iter().any(|s| s.protocols.h3))
 }
 
 /// Mirrors the daemon's passthrough counters into the pinned map twice a second.
