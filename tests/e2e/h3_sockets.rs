@@ -703,3 +703,62 @@ fn a_fresh_start_removes_a_dead_successors_pending_pins() {
         "the fresh daemon did not stop"
     );
 }
+
+/// A takeover whose pin folder holds something other than a steering map under
+/// `quic_sockets` (the service account can write the folder: here another of the
+/// daemon's maps renamed over it): the successor does not load its programs with
+/// that map (the verifier would refuse the steering program), but warns, makes its
+/// own, and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_successor_ignores_a_foreign_map_pinned_as_the_steering_map() {
+    let env = Env::new();
+    env.write("which.txt", b"old");
+    let control = env.dir.path().join("control.sock");
+    let old = env.start(&format!(
+        "control_socket = \"{}\"\n{EBPF}[runtime.settings]\nh3_sockets = \"2\"\n",
+        control.display()
+    ));
+    let port = old.port;
+    let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/webship-e2e-{port}"));
+    std::fs::rename(pins.join("kernel_counters"), pins.join("quic_sockets")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::write(root.join("which.txt"), b"new").unwrap();
+    let config = dir.path().join("webship.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n\
+             [kernel]\nebpf = \"auto\"\nbpf_pin_dir = \"{}\"\n[runtime.settings]\nh3_sockets = \"2\"\n\n\
+             [[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+            control.display(),
+            pins.display(),
+            root.display(),
+            env.cert.display(),
+            env.key.display()
+        ),
+    )
+    .unwrap();
+    let mut new = Server::spawn(
+        dir.path(),
+        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+        port,
+    );
+    new.wait_listening();
+    let log = new.log();
+    assert!(
+        log.contains("the pinned QUIC steering map is not one this daemon made")
+            && log.contains("eBPF programs loaded"),
+        "the successor did not set the foreign map aside and load its own:\n{log}"
+    );
+    let got = tokio::time::timeout(
+        Duration::from_secs(20),
+        fetch_h3(old.addr(), HOST, env.client(b"h3"), "GET", "/which.txt", &[]),
+    )
+    .await
+    .expect("no h3 response within 20 s after the takeover");
+    assert_eq!(got.body, b"new", "the successor does not serve");
+    new.terminate();
+    assert!(new.wait_exit(Duration::from_secs(30)).is_some());
+}

@@ -322,8 +322,9 @@ impl Drop for Programs {
 /// Whether the pinned map at `path` can be the QUIC steering map: a
 /// REUSEPORT_SOCKARRAY of [`MAX_QUIC_SOCKETS`] entries, as this object declares.
 /// The pin folder is writable by the service account, which could have put another
-/// map there; loading the programs with it would fail as a whole, while a fresh map
-/// only costs the steering of the inherited sockets (`EBUSY`, logged).
+/// map there; the verifier refuses the steering program with it (no steering at
+/// all, and with `ebpf = "required"` no start), while a fresh map only costs the
+/// steering of the inherited sockets (`EBUSY`, logged).
 fn steering_map_fits(path: &Path) -> bool {
     let why = match aya::maps::MapInfo::from_pin(path) {
         Ok(info) => match info.map_type() {
