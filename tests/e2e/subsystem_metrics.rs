@@ -29,6 +29,24 @@ pub(crate) fn admin() -> (String, SocketAddr) {
     (format!("[admin]\nlisten = \"{addr}\"\n"), addr)
 }
 
+/// The TLS-terminating proxy site `proxy.test` with the admin listener: `routes`
+/// (`[[reverse_proxy.routes]]` tables, `{host}` for the site's name) come before the
+/// catch-all route to `upstream`. The server and the admin address.
+fn proxy_with_admin(env: &Env, routes: &str, upstream: SocketAddr) -> (Server, SocketAddr) {
+    let (admin_toml, admin) = admin();
+    let host = "proxy.test";
+    let (cert, key) = env.leaf("proxy", &[host]);
+    let server = env.start(&format!(
+        "{admin_toml}\n[reverse_proxy]\nenabled = true\ntls_termination = true\n\
+         [reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n{}\
+         [[reverse_proxy.routes]]\ndomain = \"{host}\"\npath_prefix = \"/\"\nupstreams = [\"{upstream}\"]\n",
+        cert.display(),
+        key.display(),
+        routes.replace("{host}", host),
+    ));
+    (server, admin)
+}
+
 /// One scrape of `GET /metrics` (Prometheus text).
 pub(crate) struct Scrape(String);
 
@@ -188,17 +206,8 @@ async fn h3_bodies_reach_quinn_without_a_copy() {
     let relayed = pattern(2 * MIB as usize + 3);
     std::fs::write(origin_root.join("up.bin"), &relayed).unwrap();
     let nginx = Nginx::start(&origin_root);
-    let (admin_toml, admin) = admin();
+    let (server, admin) = proxy_with_admin(&env, "", nginx.addr);
     let proxy_host = "proxy.test";
-    let (cert, key) = env.leaf("proxy", &[proxy_host]);
-    let server = env.start(&format!(
-        "{admin_toml}\n[reverse_proxy]\nenabled = true\ntls_termination = true\n\
-         [reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
-         [[reverse_proxy.routes]]\ndomain = \"{proxy_host}\"\npath_prefix = \"/\"\nupstreams = [\"{}\"]\n",
-        cert.display(),
-        key.display(),
-        nginx.addr
-    ));
     let s = Scrape::take(admin);
     assert_eq!((s.value(ZERO_COPY), s.value(COPIED)), (0.0, 0.0), "no HTTP/3 yet");
 
@@ -262,17 +271,8 @@ async fn h3_bodies_reach_quinn_without_a_copy() {
 async fn h3_small_relayed_chunks_are_copied() {
     let env = Env::new();
     let origin = Origin::start().await;
-    let (admin_toml, admin) = admin();
+    let (server, admin) = proxy_with_admin(&env, "", origin.addr);
     let proxy_host = "proxy.test";
-    let (cert, key) = env.leaf("proxy", &[proxy_host]);
-    let server = env.start(&format!(
-        "{admin_toml}\n[reverse_proxy]\nenabled = true\ntls_termination = true\n\
-         [reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
-         [[reverse_proxy.routes]]\ndomain = \"{proxy_host}\"\npath_prefix = \"/\"\nupstreams = [\"{}\"]\n",
-        cert.display(),
-        key.display(),
-        origin.addr
-    ));
     let before = Scrape::take(admin);
     let mut h3 = H3Client::connect(
         server.addr(),
@@ -315,18 +315,10 @@ async fn proxy_upstream_errors_by_kind_and_pool() {
     // Bound, never listening: a connect is refused.
     let (_held, dead_port) = refused_port().unwrap();
     let dead = SocketAddr::from(([127, 0, 0, 1], dead_port));
-    let (admin_toml, admin) = admin();
+    let dead_route =
+        format!("[[reverse_proxy.routes]]\ndomain = \"{{host}}\"\npath_prefix = \"/dead/\"\nupstreams = [\"{dead}\"]\n");
+    let (server, admin) = proxy_with_admin(&env, &dead_route, nginx.addr);
     let proxy_host = "proxy.test";
-    let (cert, key) = env.leaf("proxy", &[proxy_host]);
-    let server = env.start(&format!(
-        "{admin_toml}\n[reverse_proxy]\nenabled = true\ntls_termination = true\n\
-         [reverse_proxy.tls]\ncert = \"{}\"\nkey = \"{}\"\n\
-         [[reverse_proxy.routes]]\ndomain = \"{proxy_host}\"\npath_prefix = \"/dead/\"\nupstreams = [\"{dead}\"]\n\
-         [[reverse_proxy.routes]]\ndomain = \"{proxy_host}\"\npath_prefix = \"/\"\nupstreams = [\"{}\"]\n",
-        cert.display(),
-        key.display(),
-        nginx.addr
-    ));
     let get = |path: &'static str| {
         let client = env.client(Proto::H2.alpn());
         fetch(Proto::H2, server.addr(), proxy_host, client, "GET", path, &[])
