@@ -574,3 +574,122 @@ fn assert_nothing_left(front: &Server, origin: std::net::SocketAddr, engine: &st
     let stats = stats_json(&format!("/sys/fs/bpf/webship-e2e-{}", front.port));
     assert_eq!(stats["linked_sockets"], 0, "{engine}: {stats}");
 }
+
+/// A client that keeps sending, one small segment after another, from right after
+/// its ClientHello (as a TLS client sending early data does, or one whose next
+/// flight races the link): the origin receives the hello and then every byte in
+/// the order sent, with every engine. For `sockmap` the segments keep arriving
+/// while the daemon links the sockets, which is when an order could break: one
+/// segment left in the socket while a later one is redirected past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn segments_racing_the_link_arrive_in_order() {
+    const SEGMENTS: u64 = 3_000;
+    const CONNECTIONS: usize = 12;
+    let env = Env::new();
+    let hello = client_hello(&env, "raw.pass");
+    for engine in ["sockmap", "auto", "splice", "copy"] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let origin = listener.local_addr().unwrap();
+        let hello_len = hello.len();
+        // Reads, per connection, the hello and then the counters, and reports the
+        // first counter out of place (or the hello altered).
+        let task = tokio::spawn(async move {
+            let mut verdicts = Vec::new();
+            for _ in 0..CONNECTIONS {
+                let (mut tcp, _) = tokio::time::timeout(Duration::from_secs(10), listener.accept())
+                    .await
+                    .expect("no connection reached the origin")
+                    .unwrap();
+                let mut all = Vec::new();
+                let ended = tokio::time::timeout(Duration::from_secs(10), tcp.read_to_end(&mut all)).await;
+                let ended = matches!(ended, Ok(Ok(_)));
+                let rest = all.split_off(hello_len.min(all.len()));
+                let seen = all;
+                let out_of_place = rest
+                    .chunks(8)
+                    .enumerate()
+                    .find(|(i, c)| *c != (*i as u64).to_be_bytes())
+                    .map(|(i, _)| i);
+                verdicts.push((seen, rest.len(), out_of_place, ended));
+                if !ended {
+                    break;
+                }
+            }
+            verdicts
+        });
+        let front = Server::start(env.dir.path(), &passthrough_only(origin, engine));
+        for _ in 0..CONNECTIONS {
+            let mut tcp = TcpStream::connect(front.addr()).await.unwrap();
+            tcp.set_nodelay(true).unwrap();
+            tcp.write_all(&hello).await.unwrap();
+            // One write per counter: each its own segment on loopback.
+            for i in 0..SEGMENTS {
+                tcp.write_all(&i.to_be_bytes()).await.unwrap();
+            }
+            tcp.shutdown().await.unwrap();
+        }
+        let verdicts = tokio::time::timeout(Duration::from_secs(60), task)
+            .await
+            .unwrap_or_else(|_| panic!("{engine}: the origin hung; log:\n{}", front.log()))
+            .unwrap();
+        for (k, (seen, len, out_of_place, ended)) in verdicts.into_iter().enumerate() {
+            let log = front.log();
+            assert!(
+                ended,
+                "{engine}: connection {k}: no end after {len} bytes; log:\n{log}"
+            );
+            assert!(
+                seen == hello,
+                "{engine}: connection {k}: hello altered; log:\n{log}"
+            );
+            assert_eq!(
+                len as u64,
+                SEGMENTS * 8,
+                "{engine}: connection {k}: bytes lost; log:\n{log}"
+            );
+            assert_eq!(
+                out_of_place, None,
+                "{engine}: connection {k}: counter out of place (of {SEGMENTS}); log:\n{log}"
+            );
+        }
+        assert_nothing_left(&front, origin, engine);
+    }
+}
+
+/// A client that sends its hello, everything else and its FIN at once has
+/// half-closed before the daemon links its socket, which the kernel refuses for a
+/// socket no longer established: the `sockmap` engine relays it by copy instead,
+/// and the origin gets every byte and the end, and its answer comes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_half_closed_before_the_link_is_still_relayed() {
+    let env = Env::new();
+    let hello = client_hello(&env, "raw.pass");
+    let body = crate::support::pattern(100_000);
+    let mut sent = hello.clone();
+    sent.extend_from_slice(&body);
+    let (origin, task) = half_closing_origin(hello.len(), b"answer".to_vec()).await;
+    let front = Server::start(env.dir.path(), &passthrough_only(origin, "sockmap"));
+    let mut tcp = TcpStream::connect(front.addr()).await.unwrap();
+    tcp.write_all(&sent).await.unwrap();
+    tcp.shutdown().await.unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(20), tcp.read_to_end(&mut got))
+        .await
+        .unwrap_or_else(|_| panic!("no answer; log:\n{}", front.log()))
+        .unwrap_or_else(|e| panic!("{e}; log:\n{}", front.log()));
+    assert_eq!(got, b"answer", "log:\n{}", front.log());
+    let (seen_hello, tail) = tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .unwrap_or_else(|_| panic!("the origin never saw the end; log:\n{}", front.log()))
+        .unwrap();
+    assert!(seen_hello == hello, "hello altered");
+    assert!(
+        tail == body,
+        "body differs ({} of {} bytes); log:\n{}",
+        tail.len(),
+        body.len(),
+        front.log()
+    );
+    drop(tcp);
+    assert_nothing_left(&front, origin, "sockmap");
+}

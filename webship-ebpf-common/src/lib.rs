@@ -64,13 +64,16 @@ pub struct Link {
     pub peer: u64,
     /// [`DIRECTION_UP`] or [`DIRECTION_DOWN`].
     pub direction: u32,
-    pub _pad: u32,
+    /// Set by the program when it had to leave a segment of this direction to
+    /// userspace (the peer was not in the map): every later one follows it there,
+    /// so no redirected segment overtakes one the daemon still has to forward.
+    pub passed: u32,
     /// Bytes this socket received and the program redirected to `peer`.
     pub redirected: u64,
 }
 
 // SAFETY: `Link` is `repr(C)`, has no padding the kernel could leave uninitialised
-// (the explicit `_pad` fills it), and every bit pattern is a valid value.
+// (`passed` fills what would be), and every bit pattern is a valid value.
 #[cfg(feature = "user")]
 #[allow(unsafe_code)]
 unsafe impl aya::Pod for Link {}

@@ -89,12 +89,17 @@ pub fn webship_splice(ctx: SkBuffContext) -> u32 {
     };
     // SAFETY: `link` points into the map value for this socket, which only this
     // socket's (serialized) receive path writes after the daemon created it.
-    let (mut peer, direction) = unsafe { ((*link).peer, (*link).direction) };
-    if len == 0 {
+    let (mut peer, direction, passed) = unsafe { ((*link).peer, (*link).direction, (*link).passed) };
+    if passed != 0 && len != 0 {
+        count(Counter::RedirectFailures, 1);
+    }
+    if len == 0 || passed != 0 {
         // A bare FIN carries nothing to move: redirected to the peer's
         // egress, the kernel's sender fails on it and breaks the peer's pipe
         // (EPIPE in its socket error). Left here, the daemon reads the end and
-        // half-closes the peer itself once everything was delivered.
+        // half-closes the peer itself once everything was delivered. And once
+        // a segment of this direction was left to the daemon (below), every
+        // later one follows it: redirected, it would overtake that one.
         return SK_PASS;
     }
     if SOCKS.redirect_skb(&ctx, &mut peer, 0) != i64::from(SK_PASS) {
@@ -102,7 +107,10 @@ pub fn webship_splice(ctx: SkBuffContext) -> u32 {
         // socket on TCP_CLOSE). Dropping would let the kernel swallow everything
         // the sender still sends, at wire speed, until the daemon notices; passed,
         // the bytes wait in this socket, its window closes, and the daemon's write
-        // to the dead peer ends the connection.
+        // to the dead peer ends the connection. The same holds for a peer not
+        // yet in the map while the daemon links the two.
+        // SAFETY: as above.
+        unsafe { (*link).passed = 1 };
         count(Counter::RedirectFailures, 1);
         debug!(&ctx, "splice: redirect from socket {} to {} failed", cookie, peer);
         return SK_PASS;

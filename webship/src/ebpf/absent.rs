@@ -103,10 +103,6 @@ impl Programs {
 pub(crate) enum SocketLink {}
 
 impl SocketLink {
-    pub(crate) fn open_client(&self) -> io::Result<()> {
-        match *self {}
-    }
-
     pub(crate) fn redirected(&self) -> (u64, u64) {
         match *self {}
     }

@@ -241,11 +241,11 @@ impl Programs {
             .map_err(|e| EbpfError::Load(chain(&e)))
     }
 
-    /// Links a client socket and its upstream, half-way: from now on the kernel
-    /// moves every byte the upstream receives to the client, while the client's own
-    /// bytes stay in its socket until [`SocketLink::open_client`] (so the daemon can
-    /// first forward the ClientHello it peeked, in order). Bytes queued before
-    /// linking stay in the sockets: the kernel only redirects what arrives later.
+    /// Links a client socket and its upstream both ways: from now on the kernel
+    /// moves every byte either one receives to the other. Segments already queued
+    /// in a socket go through the verdict, in order, at its next wake-up (a new
+    /// segment, or the daemon's next read of it), so whatever the daemon wants a
+    /// peer to see first must have been written before the link.
     pub(crate) fn link(
         self: &Arc<Self>,
         client: BorrowedFd<'_>,
@@ -258,17 +258,32 @@ impl Programs {
             client: c,
             upstream: u,
         };
+        let up = Link {
+            peer: u,
+            direction: DIRECTION_UP,
+            ..Link::default()
+        };
         let down = Link {
             peer: c,
             direction: DIRECTION_DOWN,
             ..Link::default()
         };
-        lock(&self.links).insert(u, down, 0).map_err(io::Error::other)?;
+        // The directions first: a socket in the map without one passes its bytes
+        // to userspace, and one left behind that way would be overtaken by the
+        // next, redirected, segment.
+        let mut links = lock(&self.links);
+        links.insert(c, up, 0).map_err(io::Error::other)?;
+        links.insert(u, down, 0).map_err(io::Error::other)?;
+        drop(links);
+        // The client first: a TLS client says nothing more until the origin has
+        // answered, so nothing of its can be passed while the upstream is not in
+        // the map yet, and if the upstream cannot be added, unlinking the client
+        // drops nothing (the kernel discards what a socket leaving the map holds).
         let mut socks = lock(&self.socks);
+        socks.insert(c, client.as_raw_fd(), 0).map_err(io::Error::other)?;
         socks
             .insert(u, upstream.as_raw_fd(), 0)
             .map_err(io::Error::other)?;
-        socks.insert(c, client.as_raw_fd(), 0).map_err(io::Error::other)?;
         drop(socks);
         Ok(link)
     }
@@ -365,18 +380,6 @@ impl std::fmt::Debug for SocketLink {
 }
 
 impl SocketLink {
-    /// Starts redirecting what the client sends to the upstream.
-    pub(crate) fn open_client(&self) -> io::Result<()> {
-        let up = Link {
-            peer: self.upstream,
-            direction: DIRECTION_UP,
-            ..Link::default()
-        };
-        lock(&self.programs.links)
-            .insert(self.client, up, 0)
-            .map_err(io::Error::other)
-    }
-
     /// Bytes the kernel moved client → upstream and upstream → client so far.
     pub(crate) fn redirected(&self) -> (u64, u64) {
         let links = lock(&self.programs.links);

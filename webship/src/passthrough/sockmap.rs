@@ -2,11 +2,21 @@
 //! segment one socket receives to the other's transmit queue, so payload never
 //! reaches userspace. The daemon sets the link up and watches for the ends.
 //!
-//! Three kernel behaviours shape it (measured on Linux 6.x):
-//! - bytes already queued when a socket is linked are not redirected: the peeked
-//!   ClientHello is read and written to the upstream from userspace, before the
-//!   client's direction is opened (the upstream's is open first, so its reply can
-//!   never be left behind);
+//! Four kernel behaviours shape it (measured on Linux 6.x):
+//! - a segment the program passes to userspace (its peer not in the map) waits in
+//!   its socket while later ones are redirected past it, so order is kept by never
+//!   redirecting while the daemon still has bytes of that direction to forward:
+//!   the PROXY header and the ClientHello (read whole off the client) are written
+//!   to the upstream *before* the sockets are linked, both directions at once, and
+//!   a direction that once had to pass a segment passes every later one too (the
+//!   program's `passed` flag; the watcher forwards them in order). Opening the
+//!   client's direction after the upstream's, as before, let a TLS client's second
+//!   flight land in between and reach the origin behind its successor (CI: "bad
+//!   record mac" at nginx);
+//! - segments that arrive before the link wait in the socket and go through the
+//!   verdict, in order, at its next wake-up: a new segment, or the daemon's next
+//!   read of the socket (tcp_bpf's recvmsg runs the receive queue first), which is
+//!   why each watcher reads once before it waits;
 //! - a FIN must not travel through the redirect: the program leaves a segment
 //!   without payload in its socket (redirected, the kernel's sender fails on it
 //!   and sets `EPIPE` on the peer socket, which the daemon then reads as an error:
@@ -14,15 +24,16 @@
 //!   side's read half closes, the daemon waits until everything that side
 //!   received was redirected *and* acknowledged by the other side's peer
 //!   (`TCP_INFO` byte counts), then half-closes the other side itself;
-//! - map entries outlive nothing: the link is removed when the connection ends,
-//!   whichever way it ends.
+//! - only established sockets can be linked (a client that already half-closed
+//!   cannot), and map entries outlive nothing: a connection that cannot be linked
+//!   is relayed by the `copy` engine instead, and the link is removed when the
+//!   connection ends, whichever way it ends.
 //!
-//! A segment the program leaves in a socket (none are expected once both
-//! directions are open) is read and forwarded from userspace, so no byte is lost.
-//! That includes segments for a peer that has left the map (the kernel unhashes a
-//! reset or closed socket): they wait in the socket, so the sender is held back
-//! by its window instead of being drained into nothing, and the daemon's write to
-//! the dead peer ends the connection.
+//! A segment the program leaves in a socket is read and forwarded from userspace,
+//! so no byte is lost. That includes segments for a peer that has left the map
+//! (the kernel unhashes a reset or closed socket): they wait in the socket, so the
+//! sender is held back by its window instead of being drained into nothing, and
+//! the daemon's write to the dead peer ends the connection.
 
 use std::io;
 use std::sync::Arc;
@@ -57,34 +68,31 @@ pub(super) async fn run(
     // Baselines first: every byte counted after them is the link's to deliver.
     let base_client = Baseline::take(client)?;
     let base_upstream = Baseline::take(upstream)?;
-    // What the client queued (the ClientHello) is read before the link: linking
-    // hands the queued segments to the verdict whole, even one the daemon already
-    // read part of (measured on Linux 6.18: a PROXY header read off the client
-    // reached the origin a second time, in front of the hello).
+    // What the client queued (the ClientHello) is read and written to the upstream
+    // before the link, behind the prelude: once linked, a segment the kernel
+    // redirects can never be overtaken by one the daemon still has to write. Read
+    // whole: linking hands a queued segment to the verdict whole, even one the
+    // daemon read part of (measured on Linux 6.18: a PROXY header read off the
+    // client reached the origin a second time, in front of the hello).
     let queued = read_queued(client)?;
-    let link = programs.link(client.as_fd(), upstream.as_fd())?;
     write_all(upstream, prelude).await?;
     write_all(upstream, &queued).await?;
-    // Whatever arrived since (whole segments, which the link leaves queued) goes
-    // next, from userspace.
-    let mut buf = vec![0u8; FALLBACK_BUFFER];
-    let mut hello = queued.len() as u64;
+    let hello = queued.len() as u64;
     drop(queued);
-    loop {
-        match client.try_read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => {
-                write_all(upstream, &buf[..n]).await?;
-                hello += n as u64;
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-            Err(e) => return Err(e),
-        }
-    }
-    // Not held while the kernel carries the connection (it was, 64 KiB per idle one).
-    drop(buf);
-    link.open_client()?;
+    // Whatever arrived since, on either side (the client's next segments, the
+    // origin's answer), waits in its socket and goes through the verdict in order
+    // at the socket's next wake-up; each watcher's first read is one.
     count(Counter::BytesUp, hello);
+    let link = match programs.link(client.as_fd(), upstream.as_fd()) {
+        Ok(link) => link,
+        Err(e) => {
+            // The kernel links established sockets only (a client that already
+            // half-closed is not one), and the map has a size: such a connection
+            // is relayed from userspace instead, from where the hello left off.
+            tracing::debug!(error = %e, "sockmap: cannot link, relayed by copy");
+            return super::copy(client, upstream).await;
+        }
+    };
     let up = Watch {
         link: &link,
         direction: Direction::Up,
@@ -166,9 +174,15 @@ struct Baseline {
 
 impl Baseline {
     fn take(sock: &TcpStream) -> io::Result<Self> {
+        // What is queued is read first: a segment landing between the two reads
+        // then counts as received after the baseline, which the delivery check
+        // tolerates (what was read counts as passed on). The other order counted
+        // it as queued but not received, and the check waited for a byte that
+        // never comes.
+        let queued = rustix::io::ioctl_fionread(sock)?;
         Ok(Self {
             tcp: sys::tcp_bytes(sock)?,
-            queued: rustix::io::ioctl_fionread(sock)?,
+            queued,
         })
     }
 }
@@ -192,8 +206,14 @@ struct Watch<'a> {
 impl Watch<'_> {
     async fn run(mut self) -> io::Result<()> {
         let mut buf = Vec::new();
+        // The first turn reads without waiting: a read runs the segments queued
+        // before the link through the verdict first (tcp_bpf's recvmsg), so they
+        // leave even if nothing else ever arrives.
+        let mut first = true;
         loop {
-            self.from.readable().await?;
+            if !std::mem::take(&mut first) {
+                self.from.readable().await?;
+            }
             if buf.is_empty() {
                 buf.resize(FALLBACK_BUFFER, 0);
             }
