@@ -100,7 +100,8 @@ pub enum Counter {
     BadHellos = 4,
     /// Connections closed because no upstream answered.
     UpstreamFailures = 5,
-    /// Segments the kernel could not redirect (peer gone or unlinked).
+    /// Segments the program left to userspace instead of redirecting them: the
+    /// peer gone or not linked yet, and every later one of that direction.
     RedirectFailures = 6,
     /// QUIC flows created towards the UDP origin.
     UdpFlows = 7,

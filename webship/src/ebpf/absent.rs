@@ -103,6 +103,10 @@ impl Programs {
 pub(crate) enum SocketLink {}
 
 impl SocketLink {
+    pub(crate) fn refused(&self) -> Option<&io::Error> {
+        match *self {}
+    }
+
     pub(crate) fn redirected(&self) -> (u64, u64) {
         match *self {}
     }

@@ -243,9 +243,16 @@ impl Programs {
 
     /// Links a client socket and its upstream both ways: from now on the kernel
     /// moves every byte either one receives to the other. Segments already queued
-    /// in a socket go through the verdict, in order, at its next wake-up (a new
-    /// segment, or the daemon's next read of it), so whatever the daemon wants a
-    /// peer to see first must have been written before the link.
+    /// in a socket go through the verdict, in order, when the daemon next reads it
+    /// (their arrival made it readable), so whatever the daemon wants a peer to
+    /// see first must have been written before the link.
+    ///
+    /// Fails only with neither socket in the map. A pair the kernel linked half
+    /// (the client in the map, the upstream refused: closed already, or the map
+    /// full) comes back as a link whose [`SocketLink::refused`] says why: the
+    /// client's segments then all wait for userspace, in order, and the caller
+    /// relays them itself *holding the link* — dropping it would take the client
+    /// out of the map, and the kernel discards what a socket leaving it holds.
     pub(crate) fn link(
         self: &Arc<Self>,
         client: BorrowedFd<'_>,
@@ -253,10 +260,11 @@ impl Programs {
     ) -> io::Result<SocketLink> {
         let c = rustix::net::sockopt::socket_cookie(client)?;
         let u = rustix::net::sockopt::socket_cookie(upstream)?;
-        let link = SocketLink {
+        let mut link = SocketLink {
             programs: self.clone(),
             client: c,
             upstream: u,
+            refused: None,
         };
         let up = Link {
             peer: u,
@@ -275,15 +283,14 @@ impl Programs {
         links.insert(c, up, 0).map_err(io::Error::other)?;
         links.insert(u, down, 0).map_err(io::Error::other)?;
         drop(links);
-        // The client first: a TLS client says nothing more until the origin has
-        // answered, so nothing of its can be passed while the upstream is not in
-        // the map yet, and if the upstream cannot be added, unlinking the client
-        // drops nothing (the kernel discards what a socket leaving the map holds).
+        // The client first: until the upstream is in the map too, what the client
+        // sends is passed (and the program keeps passing that direction), so a
+        // refused upstream leaves a link that still delivers in order.
         let mut socks = lock(&self.socks);
         socks.insert(c, client.as_raw_fd(), 0).map_err(io::Error::other)?;
-        socks
-            .insert(u, upstream.as_raw_fd(), 0)
-            .map_err(io::Error::other)?;
+        if let Err(e) = socks.insert(u, upstream.as_raw_fd(), 0) {
+            link.refused = Some(io::Error::other(e));
+        }
         drop(socks);
         Ok(link)
     }
@@ -368,6 +375,8 @@ pub(crate) struct SocketLink {
     programs: Arc<Programs>,
     client: u64,
     upstream: u64,
+    /// Why the upstream is not in the map, for a half link.
+    refused: Option<io::Error>,
 }
 
 impl std::fmt::Debug for SocketLink {
@@ -380,6 +389,11 @@ impl std::fmt::Debug for SocketLink {
 }
 
 impl SocketLink {
+    /// Why only the client is linked (the upstream was refused), if it is.
+    pub(crate) fn refused(&self) -> Option<&io::Error> {
+        self.refused.as_ref()
+    }
+
     /// Bytes the kernel moved client → upstream and upstream → client so far.
     pub(crate) fn redirected(&self) -> (u64, u64) {
         let links = lock(&self.programs.links);

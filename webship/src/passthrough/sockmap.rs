@@ -7,16 +7,18 @@
 //!   its socket while later ones are redirected past it, so order is kept by never
 //!   redirecting while the daemon still has bytes of that direction to forward:
 //!   the PROXY header and the ClientHello (read whole off the client) are written
-//!   to the upstream *before* the sockets are linked, both directions at once, and
-//!   a direction that once had to pass a segment passes every later one too (the
-//!   program's `passed` flag; the watcher forwards them in order). Opening the
-//!   client's direction after the upstream's, as before, let a TLS client's second
-//!   flight land in between and reach the origin behind its successor (CI: "bad
-//!   record mac" at nginx);
-//! - segments that arrive before the link wait in the socket and go through the
-//!   verdict, in order, at its next wake-up: a new segment, or the daemon's next
-//!   read of the socket (tcp_bpf's recvmsg runs the receive queue first), which is
-//!   why each watcher reads once before it waits;
+//!   to the upstream *before* the sockets are linked (both directions' entries,
+//!   then the client, then the upstream into the socket map), and a direction
+//!   that once had to pass a segment passes every later one too (the program's
+//!   `passed` flag: a client that speaks while only it is in the map is relayed
+//!   from userspace for the rest of the connection). Opening the client's
+//!   direction after the upstream's, as before, let a TLS client's second flight
+//!   land in between and reach the origin behind its successor (CI: "bad record
+//!   mac" at nginx);
+//! - segments that arrive before the link wait in the socket, which their arrival
+//!   made readable; the watcher's read of it runs them through the verdict, in
+//!   order, before it reads anything (tcp_bpf's recvmsg runs the receive queue
+//!   first);
 //! - a FIN must not travel through the redirect: the program leaves a segment
 //!   without payload in its socket (redirected, the kernel's sender fails on it
 //!   and sets `EPIPE` on the peer socket, which the daemon then reads as an error:
@@ -24,10 +26,12 @@
 //!   side's read half closes, the daemon waits until everything that side
 //!   received was redirected *and* acknowledged by the other side's peer
 //!   (`TCP_INFO` byte counts), then half-closes the other side itself;
-//! - only established sockets can be linked (a client that already half-closed
-//!   cannot), and map entries outlive nothing: a connection that cannot be linked
-//!   is relayed by the `copy` engine instead, and the link is removed when the
-//!   connection ends, whichever way it ends.
+//! - only established sockets can be linked (a client or origin that already
+//!   half-closed cannot), and map entries outlive nothing: a connection that
+//!   cannot be linked is relayed by the `copy` engine instead (one whose upstream
+//!   alone was refused keeps the client's entry while it is copied: the kernel
+//!   discards what a socket leaving the map holds), and the link is removed when
+//!   the connection ends, whichever way it ends.
 //!
 //! A segment the program leaves in a socket is read and forwarded from userspace,
 //! so no byte is lost. That includes segments for a peer that has left the map
@@ -80,19 +84,27 @@ pub(super) async fn run(
     let hello = queued.len() as u64;
     drop(queued);
     // Whatever arrived since, on either side (the client's next segments, the
-    // origin's answer), waits in its socket and goes through the verdict in order
-    // at the socket's next wake-up; each watcher's first read is one.
+    // origin's answer), waits in its socket, which its arrival made readable: the
+    // watcher's read runs it through the verdict, in order, before anything else.
     count(Counter::BytesUp, hello);
+    // The kernel links established sockets only (a client or origin that already
+    // half-closed is not one), and the map has a size: such a connection is
+    // relayed by copy instead, from where the hello left off.
     let link = match programs.link(client.as_fd(), upstream.as_fd()) {
         Ok(link) => link,
         Err(e) => {
-            // The kernel links established sockets only (a client that already
-            // half-closed is not one), and the map has a size: such a connection
-            // is relayed from userspace instead, from where the hello left off.
             tracing::debug!(error = %e, "sockmap: cannot link, relayed by copy");
             return super::copy(client, upstream).await;
         }
     };
+    if let Some(e) = link.refused() {
+        tracing::debug!(error = %e, "sockmap: cannot link the upstream, relayed by copy");
+        // The link is held until the copy ends: what the client sent meanwhile
+        // waits in its map entry, which unlinking would discard.
+        let relayed = super::copy(client, upstream).await;
+        drop(link);
+        return relayed;
+    }
     let up = Watch {
         link: &link,
         direction: Direction::Up,
@@ -174,11 +186,19 @@ struct Baseline {
 
 impl Baseline {
     fn take(sock: &TcpStream) -> io::Result<Self> {
-        // What is queued is read first: a segment landing between the two reads
-        // then counts as received after the baseline, which the delivery check
-        // tolerates (what was read counts as passed on). The other order counted
-        // it as queued but not received, and the check waited for a byte that
-        // never comes.
+        // Exact when no segment lands between the counters and the queue's size,
+        // so the counters are read on both sides of it until they agree (one turn
+        // unless segments are streaming in). A segment counted as queued but not
+        // received would make the delivery check wait for a byte that never comes.
+        for _ in 0..8 {
+            let before = sys::tcp_bytes(sock)?;
+            let queued = rustix::io::ioctl_fionread(sock)?;
+            if sys::tcp_bytes(sock)?.received == before.received {
+                return Ok(Self { tcp: before, queued });
+            }
+        }
+        // Still moving: the queue first, which can only overstate what is passed
+        // on, never hold the check.
         let queued = rustix::io::ioctl_fionread(sock)?;
         Ok(Self {
             tcp: sys::tcp_bytes(sock)?,
@@ -206,14 +226,8 @@ struct Watch<'a> {
 impl Watch<'_> {
     async fn run(mut self) -> io::Result<()> {
         let mut buf = Vec::new();
-        // The first turn reads without waiting: a read runs the segments queued
-        // before the link through the verdict first (tcp_bpf's recvmsg), so they
-        // leave even if nothing else ever arrives.
-        let mut first = true;
         loop {
-            if !std::mem::take(&mut first) {
-                self.from.readable().await?;
-            }
+            self.from.readable().await?;
             if buf.is_empty() {
                 buf.resize(FALLBACK_BUFFER, 0);
             }
@@ -234,6 +248,25 @@ impl Watch<'_> {
         Ok(())
     }
 
+    /// Forwards what a read of `from` returns now, until it returns nothing.
+    async fn forward_left(&mut self) -> io::Result<()> {
+        let mut buf = vec![0u8; 16 * 1024];
+        // Bounded: past its FIN the peer sends nothing more, so the reads end at
+        // what this socket already holds.
+        loop {
+            match self.from.try_read(&mut buf) {
+                Ok(0) => return Ok(()),
+                Ok(n) => {
+                    write_all(self.to, &buf[..n]).await?;
+                    self.userspace += n as u64;
+                    count(self.counter(), n as u64);
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
     fn counter(&self) -> Counter {
         match self.direction {
             Direction::Up => Counter::BytesUp,
@@ -252,7 +285,7 @@ impl Watch<'_> {
     /// Waits until `from`'s FIN is the only thing it received that was not passed
     /// on, and `to`'s peer acknowledged all of it. Gives up after `drain_timeout`
     /// without progress.
-    async fn delivered(&self) -> io::Result<()> {
+    async fn delivered(&mut self) -> io::Result<()> {
         let mut pause = Duration::from_micros(200);
         let mut last_acked = 0;
         let mut deadline = Instant::now() + self.drain_timeout;
@@ -266,6 +299,13 @@ impl Watch<'_> {
                 .acked
                 .saturating_sub(self.base_to.tcp.acked);
             // What we read ourselves includes the bytes queued before the baseline.
+            let passed_on = redirected + self.userspace.saturating_sub(self.base_from.queued);
+            if passed_on + 1 < received {
+                // Received, neither redirected nor read: a segment the program
+                // passed may still be on its way to the socket's queue behind the
+                // end the read saw. A read returns it once there.
+                self.forward_left().await?;
+            }
             let passed_on = redirected + self.userspace.saturating_sub(self.base_from.queued);
             let sent = redirected + self.userspace + self.injected;
             if passed_on + 1 >= received && acked >= sent {
