@@ -27,6 +27,7 @@ mod preflight;
 mod process;
 mod proxy;
 mod proxy_hardening;
+mod proxy_idle;
 mod proxy_protocol;
 mod reload;
 mod sites;

@@ -65,13 +65,7 @@ impl Stream {
         let Stream::Rustls(tls) = self else {
             return Ok(());
         };
-        match tls.get_mut().1.process_new_packets() {
-            Ok(state) if state.plaintext_bytes_to_read() == 0 && !state.peer_has_closed() => {}
-            // Plaintext waiting, the peer's close_notify, or a TLS error the read reports.
-            _ => return Ok(()),
-        }
-        let mut probe = [0u8; 1];
-        tls.get_ref().0.get_ref().peek(&mut probe).await.map(drop)
+        super::tls_readable(tls).await
     }
 
     fn tcp(&self) -> Option<&TcpStream> {

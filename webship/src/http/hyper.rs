@@ -20,7 +20,9 @@
 //! Bytes that arrive without making a request never reset the idle clock. A client
 //! trickling a request head is cut at `header_read_timeout`: over HTTP/2 by the
 //! frame guard (`h2_guard`: GOAWAY PROTOCOL_ERROR for a header block or frame not
-//! complete that long after its first byte), over HTTP/1.1 by hyper's own timer.
+//! complete that long after its first byte), over HTTP/1.1 by hyper's own timer, and
+//! the first HTTP/1.1 head that long after the handshake by [`serve_h1`]'s wait and
+//! [`drive`] (hyper's connection, and so its timer, starts with the first bytes).
 //! An HTTP/2 client that does not read cannot be sent that GOAWAY: the connection
 //! is dropped [`CLOSE_GRACE`] after the header timeout.
 
@@ -37,7 +39,7 @@ use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use super::h2_guard::{guard_limits, H2Guard, HeadClock};
 use super::WriteBatch;
@@ -54,7 +56,9 @@ pub(crate) enum HyperError {
     NoPreface,
     #[error("client stopped taking response bytes for longer than the send timeout")]
     Stalled,
-    #[error("HTTP/2 header block not complete within the header timeout")]
+    /// An HTTP/2 header block (the guard's GOAWAY did not end it), or the first
+    /// HTTP/1.1 request head, not complete within the header timeout.
+    #[error("request head not complete within the header timeout")]
     HeadTimeout,
 }
 
@@ -109,18 +113,97 @@ pub(crate) fn serve_h2(
             preface: &read,
             head: &head,
         };
-        drive(conn, |c| c.graceful_shutdown(), &watch, Some(h2), &ctx).await
+        let clock = Clock {
+            start: tokio::time::Instant::now(),
+            first_head: false,
+        };
+        drive(conn, |c| c.graceful_shutdown(), &watch, Some(h2), &ctx, clock).await
     }
 }
 
 /// Serves HTTP/1.1 through hyper, for connections whose certificate names a proxy
 /// site: hyper streams request bodies (chunked or sized) and relays trailers, which
 /// the file-serving driver does not need to.
+///
+/// hyper's connection (its read and write buffers, header cache, timer and
+/// dispatcher) is built only when the client's first bytes are there
+/// ([`first_bytes`]); until then the connection holds the boxed stream and the wait.
+/// The limits are those hyper's connection kept from the handshake on: the first
+/// request head must be complete within `header_read_timeout` of the handshake
+/// (`header_timeout`), a shorter `idle_timeout` closes it in order, and the drain
+/// closes it at once.
 pub(crate) fn serve_h1(
     mut stream: RustlsStream,
     ctx: ConnContext,
 ) -> impl Future<Output = Result<(), HyperError>> {
     stream.get_mut().0.unbound();
+    // Boxed: the wait holds a pointer, and hyper takes the box as its I/O.
+    let mut stream = Box::new(stream);
+    async move {
+        let start = tokio::time::Instant::now();
+        match first_bytes(&mut stream, &ctx, start).await {
+            FirstBytes::Arrived => {}
+            FirstBytes::Closed => {
+                // What hyper does when it closes a connection in order: close_notify.
+                let _ = tokio::time::timeout(CLOSE_GRACE, stream.shutdown()).await;
+                return Ok(());
+            }
+            // hyper's header timer, which ran from its connection's start, ends the
+            // connection without a response or close_notify.
+            FirstBytes::HeadTimeout => return Err(HyperError::HeadTimeout),
+        }
+        // Boxed: the connection's memory is taken now, and is its own.
+        Box::pin(serve_h1_now(stream, ctx, start)).await
+    }
+}
+
+/// How the wait for an HTTP/1.1 connection's first bytes ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FirstBytes {
+    /// Bytes, the end of the stream or an error: hyper's read sees which.
+    Arrived,
+    /// The drain, or `idle_timeout` when it is the shorter: closed in order.
+    Closed,
+    /// `header_read_timeout` since the handshake, no request head begun.
+    HeadTimeout,
+}
+
+/// Waits, holding no buffer ([`super::tls_readable`]), for the first bytes of a
+/// connection that has sent none since its handshake, as long as hyper's connection
+/// would have waited for them: `header_read_timeout` (or `idle_timeout` when shorter,
+/// [`drive`]'s idle close) from `start`, or until shutdown is requested.
+async fn first_bytes(
+    stream: &mut RustlsStream,
+    ctx: &ConnContext,
+    start: tokio::time::Instant,
+) -> FirstBytes {
+    let limits = ctx.limits;
+    let (until, expired) = if limits.idle_timeout < limits.header_read_timeout {
+        (start + limits.idle_timeout, FirstBytes::Closed)
+    } else {
+        (start + limits.header_read_timeout, FirstBytes::HeadTimeout)
+    };
+    let mut shutdown = ctx.shutdown.clone();
+    tokio::select! {
+        // Bytes already there win over a drain that began meanwhile, as they did in
+        // hyper's connection when its read came first.
+        biased;
+        readable = tokio::time::timeout_at(until, super::tls_readable(stream)) => match readable {
+            Ok(_) => FirstBytes::Arrived,
+            Err(_) => expired,
+        },
+        () = shutdown.requested() => FirstBytes::Closed,
+    }
+}
+
+/// hyper's HTTP/1.1 connection over `stream`, whose first bytes have arrived; `start`:
+/// when the handshake completed (the first request head's deadline and the idle
+/// clock count from there).
+async fn serve_h1_now(
+    stream: Box<RustlsStream>,
+    ctx: ConnContext,
+    start: tokio::time::Instant,
+) -> Result<(), HyperError> {
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(TokioTimer::new())
@@ -128,10 +211,24 @@ pub(crate) fn serve_h1(
         .max_buf_size(ctx.limits.max_header_bytes.max(8192));
     let watch = Watch::new();
     let conn = builder.serve_connection(TokioIo::new(stream), service(&ctx, &watch));
-    async move {
-        tokio::pin!(conn);
-        drive(conn, |c| c.graceful_shutdown(), &watch, None, &ctx).await
-    }
+    tokio::pin!(conn);
+    let clock = Clock {
+        start,
+        first_head: true,
+    };
+    drive(conn, |c| c.graceful_shutdown(), &watch, None, &ctx, clock).await
+}
+
+/// Where [`drive`]'s clocks start.
+#[derive(Debug, Clone, Copy)]
+struct Clock {
+    /// The connection's start (the handshake's end): the idle clock, the HTTP/2
+    /// preface's and the first HTTP/1.1 head's deadlines count from here.
+    start: tokio::time::Instant,
+    /// Whether the first request head must be complete within `header_read_timeout`
+    /// of `start` (HTTP/1.1 built after the first bytes: hyper's own header timer
+    /// started later than the connection).
+    first_head: bool,
 }
 
 /// What [`drive`] watches of a connection's requests: how many are in flight, and
@@ -204,6 +301,7 @@ async fn drive<C, G>(
     watch: &Watch,
     h2: Option<H2Watch<'_>>,
     ctx: &ConnContext,
+    clock: Clock,
 ) -> Result<(), HyperError>
 where
     C: Future<Output = Result<(), hyper::Error>>,
@@ -211,7 +309,8 @@ where
 {
     let limits = ctx.limits;
     let mut shutdown = ctx.shutdown.clone();
-    let start = tokio::time::Instant::now();
+    let start = clock.start;
+    let mut first_head = clock.first_head;
     // A quarter of the shortest limit, so each fires within 25 % of its time.
     let shortest = limits
         .idle_timeout
@@ -239,6 +338,13 @@ where
                         preface = None;
                     } else if now - start >= limits.handshake_timeout {
                         return Err(HyperError::NoPreface);
+                    }
+                }
+                if first_head {
+                    if watch.started.load(Ordering::Acquire) > 0 {
+                        first_head = false;
+                    } else if now - start >= limits.header_read_timeout {
+                        return Err(HyperError::HeadTimeout);
                     }
                 }
                 if watch.clock.stalled(limits.send_timeout) {

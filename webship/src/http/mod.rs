@@ -15,6 +15,7 @@ use std::future::Future;
 use std::pin::Pin;
 
 use crate::exchange::ConnContext;
+use crate::ktls::RustlsStream;
 use crate::metrics::Close;
 use crate::tls::{Accepted, Alpn};
 
@@ -64,6 +65,21 @@ impl ConnError {
             }
         }
     }
+}
+
+/// Waits, holding no buffer, until a read on `tls` will find something: plaintext
+/// rustls already holds (a request that came with the handshake's last flight), the
+/// peer's close_notify or a TLS error the read reports, or bytes (or the end) on the
+/// socket, seen with a 1-byte peek. An idle connection waits here instead of in a
+/// read that would need its buffer.
+pub(super) async fn tls_readable(tls: &mut RustlsStream) -> std::io::Result<()> {
+    match tls.get_mut().1.process_new_packets() {
+        Ok(state) if state.plaintext_bytes_to_read() == 0 && !state.peer_has_closed() => {}
+        // Plaintext waiting, the peer's close_notify, or a TLS error the read reports.
+        _ => return Ok(()),
+    }
+    let mut probe = [0u8; 1];
+    tls.get_ref().0.get_ref().peek(&mut probe).await.map(drop)
 }
 
 /// The future of one connection's driver, boxed at its own size.
