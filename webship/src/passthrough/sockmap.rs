@@ -99,11 +99,9 @@ pub(super) async fn run(
     };
     if let Some(e) = link.refused() {
         tracing::debug!(error = %e, "sockmap: cannot link the upstream, relayed by copy");
-        // The link is held until the copy ends: what the client sent meanwhile
-        // waits in its map entry, which unlinking would discard.
-        let relayed = super::copy(client, upstream).await;
-        drop(link);
-        return relayed;
+        // `link` lives to the end of this function, past the copy: what the
+        // client sent meanwhile waits in its map entry, which unlinking discards.
+        return super::copy(client, upstream).await;
     }
     let up = Watch {
         link: &link,
