@@ -106,6 +106,16 @@ impl Server {
         }
     }
 
+    /// Starts `webship serve --config <config> --takeover` in `dir`, without waiting:
+    /// a binary upgrade's successor to the daemon on `port`.
+    pub fn take_over(dir: &Path, config: &Path, port: u16) -> Server {
+        Self::spawn(
+            dir,
+            &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+            port,
+        )
+    }
+
     pub fn wait_listening(&mut self) {
         let ready = Ready {
             port: self.port,
