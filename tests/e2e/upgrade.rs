@@ -45,6 +45,23 @@ fn new_config(env: &Env, control: &Path, dir: &Path, listen_port: u16) -> PathBu
     successor_config(env, dir, listen_port, control, limits)
 }
 
+/// A successor to `predecessor` with [`new_config`] (in the folder returned with
+/// it), once it listens and `predecessor` says it drains.
+fn successor_serving(env: &Env, control: &Path, predecessor: &Server) -> (tempfile::TempDir, Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = new_config(env, control, dir.path(), predecessor.port);
+    let mut successor = Server::take_over(dir.path(), &config, predecessor.port);
+    successor.wait_listening();
+    assert!(
+        webship_tests::server::eventually(Duration::from_secs(10), || predecessor
+            .log()
+            .contains("the new process serves; draining")),
+        "{}",
+        predecessor.log()
+    );
+    (dir, successor)
+}
+
 /// An nginx origin for the passthrough route `a.pass` serving `origin_root`, and
 /// the configuration of a front that passes `a.pass` to it with the sockmap engine
 /// and has a control socket (for a takeover).
@@ -669,17 +686,7 @@ async fn a_predecessor_that_goes_silent_is_taken_for_gone() {
         .unwrap();
     assert_eq!(response.status(), 200);
 
-    let dir = tempfile::tempdir().unwrap();
-    let config = new_config(&env, &control, dir.path(), port);
-    let mut new = Server::take_over(dir.path(), &config, port);
-    new.wait_listening();
-    assert!(
-        webship_tests::server::eventually(Duration::from_secs(10), || old
-            .log()
-            .contains("the new process serves; draining")),
-        "{}",
-        old.log()
-    );
+    let (_dir, mut new) = successor_serving(&env, &control, &old);
     let stop = |signal: &str| {
         let status = std::process::Command::new("kill")
             .args([signal, &old.pid().to_string()])
@@ -701,17 +708,7 @@ async fn a_predecessor_that_goes_silent_is_taken_for_gone() {
         stopped.elapsed()
     );
     // The next takeover is not refused as "still draining".
-    let third_dir = tempfile::tempdir().unwrap();
-    let third_config = new_config(&env, &control, third_dir.path(), port);
-    let mut third = Server::take_over(third_dir.path(), &third_config, port);
-    third.wait_listening();
-    assert!(
-        webship_tests::server::eventually(Duration::from_secs(10), || new
-            .log()
-            .contains("the new process serves; draining")),
-        "{}",
-        new.log()
-    );
+    let (_third_dir, mut third) = successor_serving(&env, &control, &new);
     let got = env.get(Proto::H1, &third, "/which.txt", &[]).await;
     assert_eq!(got.body, b"new");
     stop("-KILL");
