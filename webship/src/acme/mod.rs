@@ -43,11 +43,8 @@ use store::CertFacts;
 const ORDER_TIMEOUT: Duration = Duration::from_secs(180);
 /// How long an ARI (renewal information) request may take.
 const ARI_TIMEOUT: Duration = Duration::from_secs(15);
-/// The longest pause between two passes over the table. A pass is due at the
-/// earliest order or ARI recheck, and a reload (a site added: its first order) or a
-/// forced renewal wakes the manager at once; the bound is for the due times, which
-/// are wall-clock times a clock step or a suspend can bring nearer than the
-/// monotonic sleep computed from them.
+/// The longest pause between two passes (due times are wall-clock times, which a
+/// clock step or a suspend can bring nearer than the sleep computed from them).
 const MAX_PAUSE: Duration = Duration::from_secs(3600);
 /// The first retry after a failure; doubled per failure up to [`BACKOFF_MAX`].
 const BACKOFF_BASE: Duration = Duration::from_secs(60);
@@ -210,8 +207,7 @@ impl Manager {
         }
     }
 
-    /// One walk over the table; returns the earliest time something is due (an
-    /// order, or asking ARI again).
+    /// One walk over the table; returns the earliest order or ARI recheck due.
     async fn pass(&self, accounts: &mut HashMap<std::path::PathBuf, Account>) -> Option<SystemTime> {
         let mut sources: HashMap<AcmeSource, Vec<(String, Arc<CertSlot>)>> = HashMap::new();
         for (key, slot) in self.tls.certs.acme_slots() {
@@ -246,11 +242,8 @@ impl Manager {
                 self.renew(source, slots, accounts).await;
             }
             let status = self.status.lock().unwrap_or_else(|p| p.into_inner());
-            let st = status.get(source);
-            for due in [st.and_then(|s| s.next), st.and_then(|s| s.ari_recheck)]
-                .into_iter()
-                .flatten()
-            {
+            let dues = status.get(source).map(|s| [s.next, s.ari_recheck]);
+            for due in dues.into_iter().flatten().flatten() {
                 earliest = Some(earliest.map_or(due, |e| e.min(due)));
             }
         }
