@@ -7,6 +7,11 @@
 //! server is dropped every line of it must parse and carry a status, a protocol and
 //! a byte count ([`check_access_log`]): the access log of each request of the suite
 //! is checked, and only a bad line fails a test that passed.
+//!
+//! A daemon's eBPF pin folder (`bpf_pin_dir`) goes with it: once the daemon has
+//! stopped, the harness removes the folder if no process holds it (a daemon that
+//! had to be killed leaves its pins), and the first start sweeps away the empty
+//! test and bench folders killed runs left ([`webship_testkit::pins`]).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -49,6 +54,8 @@ pub struct Server {
     pub port: u16,
     /// The JSON access log the harness turned on, checked on drop.
     access_log: Option<PathBuf>,
+    /// The daemon's eBPF pin folder, removed on drop when nothing holds it.
+    pins: Option<PathBuf>,
 }
 
 /// The `[log]` table the harness adds: a JSON access log per port in `dir`.
@@ -80,10 +87,15 @@ impl Server {
             process,
             port,
             access_log,
+            pins: pins_of(&config.replace("{port}", &port.to_string())),
         }
     }
 
     fn launch(dir: &Path, args: &[&str], port: u16) -> anyhow::Result<Process> {
+        static SWEEP: std::sync::Once = std::sync::Once::new();
+        SWEEP.call_once(|| {
+            webship_testkit::pins::sweep();
+        });
         let mut command = Command::new(binary());
         command
             .args(args)
@@ -99,11 +111,28 @@ impl Server {
     /// Starts `webship` with `args`, without waiting.
     pub fn spawn(dir: &Path, args: &[&str], port: u16) -> Server {
         let process = Self::launch(dir, args, port).unwrap_or_else(|e| panic!("{e:#}"));
+        // The configuration named after `--config`, relative to `dir` or absolute.
+        let config = args
+            .iter()
+            .position(|a| *a == "--config")
+            .and_then(|i| args.get(i + 1))
+            .and_then(|c| std::fs::read_to_string(dir.join(c)).ok());
         Server {
             process,
             port,
             access_log: None,
+            pins: config.as_deref().and_then(pins_of),
         }
+    }
+
+    /// Starts `webship serve --config <config> --takeover` in `dir`, without waiting:
+    /// a binary upgrade's successor to the daemon on `port`.
+    pub fn take_over(dir: &Path, config: &Path, port: u16) -> Server {
+        Self::spawn(
+            dir,
+            &["serve", "--config", config.to_str().unwrap(), "--takeover"],
+            port,
+        )
     }
 
     pub fn wait_listening(&mut self) {
@@ -157,15 +186,24 @@ impl Server {
     }
 }
 
+/// The pin folder `config` names, if it is one of the harness's own.
+fn pins_of(config: &str) -> Option<PathBuf> {
+    webship_testkit::pins::pin_dir_of(config).map(Path::to_path_buf)
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
-        let Some(path) = self.access_log.take() else {
-            return;
-        };
-        // Stopped first, so the daemon has written out what it queued.
+        // Stopped first, so the daemon has written out what it queued and let go of
+        // its pin folder.
         if let Err(e) = self.process.stop() {
             eprintln!("stopping webship on {}: {e:#}", self.port);
         }
+        if let Some(pins) = &self.pins {
+            webship_testkit::pins::remove_own(pins);
+        }
+        let Some(path) = self.access_log.take() else {
+            return;
+        };
         if std::thread::panicking() {
             return;
         }

@@ -183,6 +183,8 @@ pub(crate) fn is_root() -> bool {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    // Empty pin folders of bench and test daemons a killed run left behind.
+    webship_testkit::pins::sweep();
     match cli.command.unwrap_or(Command::Download(cli.download)) {
         Command::Aead => aead::run(),
         Command::Download(args) => measure::run(&args),

@@ -4,7 +4,8 @@
 //! is stopped on every exit path, errors included: SIGTERM first (every server
 //! here finishes cleanly on it), SIGKILL for the whole process tree after a
 //! timeout. Each starts on a port chosen here, retried if another process takes
-//! it first.
+//! it first. A Webship instance's eBPF pin folder is removed once it has stopped,
+//! unless some process still holds it ([`webship_testkit::pins::remove_own`]).
 
 use std::fmt::Write as _;
 use std::fs;
@@ -35,6 +36,24 @@ pub(crate) struct Server {
     process: Process,
     /// Fetches the admin listener's `/metrics` every second (`webship scraped`).
     scraper: Option<Scraper>,
+    /// A Webship instance's eBPF pin folder (`bpf_pin_dir`).
+    pins: Option<PathBuf>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if self.pins.is_none() {
+            return;
+        }
+        // Stopped first: a daemon that stops cleanly removes its folder itself, and
+        // holds it until it has exited.
+        if let Err(e) = self.process.stop() {
+            eprintln!("stopping {} (pid {}): {e:#}", self.name, self.pid());
+        }
+        if let Some(pins) = &self.pins {
+            webship_testkit::pins::remove_own(pins);
+        }
+    }
 }
 
 impl Server {
@@ -72,6 +91,7 @@ pub(crate) fn spawn(
         plain: false,
         process,
         scraper: None,
+        pins: None,
     })
 }
 
@@ -363,6 +383,8 @@ fn launch_webship(spec: &WebshipSpec<'_>, s: &Settings<'_>, serve: &str) -> Resu
         },
     )?;
     server.scraper = admin.map(Scraper::start);
+    let written = fs::read_to_string(&config).unwrap_or_default();
+    server.pins = webship_testkit::pins::pin_dir_of(&written).map(Path::to_path_buf);
     Ok(server)
 }
 

@@ -11,6 +11,7 @@
 //! - [`proc`]: what /proc says about a process or a port;
 //! - [`process`]: the child-process guard every spawned server lives in, and its
 //!   twin for servers running as tasks in the test (the scripted origins);
+//! - [`pins`]: removing the eBPF pin folders test and bench daemons leave behind;
 //! - [`pki`]: a private CA, leaf certificates and rustls client configurations;
 //! - [`body`]: what a client does with a body (keep and hash it, or check it),
 //!   and what it got of a response cut short;
@@ -30,6 +31,8 @@ pub mod h3;
 pub mod h3raw;
 #[cfg(feature = "kit")]
 pub mod http;
+#[cfg(feature = "kit")]
+pub mod pins;
 #[cfg(feature = "kit")]
 pub mod pki;
 #[cfg(feature = "kit")]

@@ -6,16 +6,21 @@
 //! with eBPF the kernel's SK_REUSEPORT program steers them to the owner, and no
 //! socket ever reads another's datagram.
 
+use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Buf;
 use sha2::{Digest, Sha256};
 use webship_testkit::body::Sink;
+use webship_testkit::h3::RequestStream;
 use webship_tests::client::{fetch_h3, recv_body, Collect, H3Client, H3Options};
 use webship_tests::Server;
 
 use crate::subsystem_metrics::{admin, Scrape};
-use crate::support::{pattern, Env, HOST, MIB};
+use crate::support::{
+    passthrough_config_with_control, pattern, successor_config, take_over_with, Env, HOST, MIB,
+};
 
 /// `[kernel]` for a run without eBPF, so the sockets hand datagrams over themselves.
 const NO_EBPF: &str = "[kernel]\nebpf = \"off\"\n";
@@ -24,16 +29,12 @@ const EBPF: &str = "[kernel]\nebpf = \"required\"\nbpf_pin_dir = \"/sys/fs/bpf/w
 
 /// Two workers, two sockets, `kernel` (one of [`NO_EBPF`], [`EBPF`]), and the admin
 /// listener for the counters.
-fn two_sockets(env: &Env, kernel: &str) -> (webship_tests::Server, std::net::SocketAddr) {
+fn two_sockets(env: &Env, kernel: &str) -> (webship_tests::Server, SocketAddr) {
     two_sockets_with(env, kernel, "")
 }
 
 /// [`two_sockets`] with more `[runtime.settings]` lines.
-fn two_sockets_with(
-    env: &Env,
-    kernel: &str,
-    settings: &str,
-) -> (webship_tests::Server, std::net::SocketAddr) {
+fn two_sockets_with(env: &Env, kernel: &str, settings: &str) -> (webship_tests::Server, SocketAddr) {
     let (toml, admin) = admin();
     let server = env.start(&format!(
         "{toml}{kernel}[runtime.settings]\nh3_sockets = \"2\"\n{settings}"
@@ -45,7 +46,7 @@ fn two_sockets_with(
     );
     let steering = if kernel == EBPF { "ebpf" } else { "userspace" };
     assert!(
-        log.contains(&format!("steering=\"{steering}\"")) || log.contains(&format!("steering={steering}")),
+        logs_steering(&log, steering),
         "the server does not report steering={steering}:\n{log}"
     );
     (server, admin)
@@ -59,6 +60,34 @@ fn socket(s: &Scrape, i: usize) -> (f64, f64, f64) {
         ))
     };
     (v("received"), v("misrouted"), v("misrouted_dropped"))
+}
+
+/// Whether `log` reports `steering` (as the JSON or the text log writes it).
+fn logs_steering(log: &str, steering: &str) -> bool {
+    log.contains(&format!("steering=\"{steering}\"")) || log.contains(&format!("steering={steering}"))
+}
+
+/// An HTTP/3 connection to `addr` for `HOST`, within 20 s.
+async fn connect(addr: SocketAddr, tls: &Arc<rustls::ClientConfig>, options: &H3Options) -> H3Client {
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        H3Client::connect(addr, HOST, tls, options),
+    )
+    .await
+    .expect("no connection within 20 s")
+    .unwrap()
+}
+
+/// The first chunk of a response body (within 10 s), collected.
+async fn first_bytes(stream: &mut RequestStream) -> Collect {
+    let mut sink = Collect::default();
+    let mut first = tokio::time::timeout(Duration::from_secs(10), stream.recv_data())
+        .await
+        .expect("no body within 10 s")
+        .unwrap()
+        .expect("the body ended at once");
+    Sink::update(&mut sink, &first.copy_to_bytes(first.remaining()));
+    sink
 }
 
 /// Sixteen connections, each from its own client port, download at once, byte-exact;
@@ -77,13 +106,7 @@ async fn connections_spread_over_the_sockets_and_stay_on_theirs(kernel: &str, se
             let tls = tls.clone();
             let addr = server.addr();
             tokio::spawn(async move {
-                let mut h3 = tokio::time::timeout(
-                    Duration::from_secs(20),
-                    H3Client::connect(addr, HOST, &tls, &H3Options::default()),
-                )
-                .await
-                .expect("no connection within 20 s")
-                .unwrap();
+                let mut h3 = connect(addr, &tls, &H3Options::default()).await;
                 let got = tokio::time::timeout(Duration::from_secs(60), h3.fetch("GET", "/half.bin", &[]))
                     .await
                     .expect("no response within 60 s");
@@ -164,22 +187,19 @@ async fn a_second_daemon_finding_the_pin_folder_busy_serves_unsteered() {
     two.write("a.bin", &body);
     let first = one.start(&settings);
     assert!(
-        first.log().contains("steering=\"ebpf\"") || first.log().contains("steering=ebpf"),
+        logs_steering(&first.log(), "ebpf"),
         "the first daemon does not steer by eBPF:\n{}",
         first.log()
     );
     let second = two.start(&settings);
     let log = second.log();
     assert!(
-        log.contains("eBPF steering not used")
-            && (log.contains("steering=\"userspace\"") || log.contains("steering=userspace")),
+        log.contains("eBPF steering not used") && logs_steering(&log, "userspace"),
         "the second daemon did not fall back to in-process hand-off:\n{log}"
     );
     for (env, server) in [(&one, &first), (&two, &second)] {
         let got = tokio::time::timeout(Duration::from_secs(30), async {
-            let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::default())
-                .await
-                .unwrap();
+            let mut h3 = connect(server.addr(), &env.client(b"h3"), &H3Options::default()).await;
             let got = h3.fetch("GET", "/a.bin", &[]).await;
             h3.close().await;
             got
@@ -208,9 +228,7 @@ async fn a_client_that_changes_its_port_keeps_its_connection(kernel: &str) {
     env.write("big.bin", &big);
     let steered = kernel == EBPF;
     let (server, admin) = two_sockets(&env, kernel);
-    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::default())
-        .await
-        .unwrap();
+    let mut h3 = connect(server.addr(), &env.client(b"h3"), &H3Options::default()).await;
     let misrouted = || {
         let s = Scrape::take(admin);
         socket(&s, 0).1 + socket(&s, 1).1
@@ -246,13 +264,7 @@ async fn a_client_that_changes_its_port_keeps_its_connection(kernel: &str) {
 
     let (parts, mut stream) = h3.send("GET", "/big.bin", &[]).await.unwrap();
     assert_eq!(parts.status, 200);
-    let mut sink = Collect::default();
-    let mut first = tokio::time::timeout(Duration::from_secs(10), stream.recv_data())
-        .await
-        .expect("no body within 10 s")
-        .unwrap()
-        .expect("the body ended at once");
-    Sink::update(&mut sink, &first.copy_to_bytes(first.remaining()));
+    let mut sink = first_bytes(&mut stream).await;
     rebind(&h3);
     tokio::time::timeout(Duration::from_secs(60), recv_body(&mut stream, &mut sink))
         .await
@@ -320,47 +332,22 @@ async fn takeover(old: u16, new: u16, kernel: &str, new_kernel: &str) {
     };
     let mut before = Vec::new();
     for _ in 0..8 {
-        let mut h3 = H3Client::connect(old_server.addr(), HOST, &tls, &small_windows)
-            .await
-            .unwrap();
+        let mut h3 = connect(old_server.addr(), &tls, &small_windows).await;
         // The first bytes only: the rest waits on the client's flow control.
         let (parts, mut stream) = h3.send("GET", "/big.bin", &[]).await.unwrap();
         assert_eq!(parts.status, 200);
-        let mut sink = Collect::default();
-        let mut first = tokio::time::timeout(Duration::from_secs(10), stream.recv_data())
-            .await
-            .expect("no body within 10 s")
-            .unwrap()
-            .expect("the body ended at once");
-        Sink::update(&mut sink, &first.copy_to_bytes(first.remaining()));
+        let sink = first_bytes(&mut stream).await;
         before.push((h3, parts, stream, sink));
     }
 
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir_all(&root).unwrap();
-    std::fs::write(root.join("which.txt"), b"new").unwrap();
-    let config = dir.path().join("webship.toml");
     let (admin_toml, admin) = admin();
-    std::fs::write(
-        &config,
-        format!(
-            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n{admin_toml}\n[limits]\nshutdown_grace_secs = 30\n\
-             {}[runtime.settings]\nh3_sockets = \"{new}\"\n\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n\
-             [sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
-            control.display(),
-            new_kernel.replace("{port}", &port.to_string()),
-            root.display(),
-            env.cert.display(),
-            env.key.display()
-        ),
-    )
-    .unwrap();
-    let mut new_server = Server::spawn(
-        dir.path(),
-        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
-        port,
+    let new_kernel_here = new_kernel.replace("{port}", &port.to_string());
+    let extra = format!(
+        "{admin_toml}\n[limits]\nshutdown_grace_secs = 30\n{new_kernel_here}[runtime.settings]\nh3_sockets = \"{new}\"\n"
     );
+    let config = successor_config(&env, dir.path(), port, &control, &extra);
+    let mut new_server = Server::take_over(dir.path(), &config, port);
     new_server.wait_listening();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -407,7 +394,7 @@ async fn takeover(old: u16, new: u16, kernel: &str, new_kernel: &str) {
     let steered = new_kernel == EBPF;
     let steering = if steered { "ebpf" } else { "userspace" };
     assert!(
-        log.contains(&format!("steering=\"{steering}\"")) || log.contains(&format!("steering={steering}")),
+        logs_steering(&log, steering),
         "the new process does not report steering={steering}:\n{log}"
     );
     let sockets = usize::from(old.max(new));
@@ -430,11 +417,6 @@ async fn takeover(old: u16, new: u16, kernel: &str, new_kernel: &str) {
     assert!(new_server.wait_exit(Duration::from_secs(30)).is_some());
 }
 
-/// `clients` new connections to `addr`, one after the other, whose clients move to
-/// a new port up to `moves` times each, a small download after each move; with
-/// `until_misrouted`, only until a datagram reached a socket other than its
-/// connection's. Returns the misrouted datagrams the server counted over its
-/// `sockets` sockets (admin listener `admin`), and the moves made.
 /// One request and its answer: the server's HANDSHAKE_DONE has then reached the
 /// client, which drops its handshake keys. A client that moves before that (a NAT
 /// may do it; RFC 9000 §9 forbids only a deliberate migration) still sends
@@ -452,10 +434,15 @@ async fn confirm_handshake(h3: &mut H3Client) {
     );
 }
 
+/// `clients` new connections to `addr`, one after the other, whose clients move to
+/// a new port up to `moves` times each, a small download after each move; with
+/// `until_misrouted`, only until a datagram reached a socket other than its
+/// connection's. Returns the misrouted datagrams the server counted over its
+/// `sockets` sockets (admin listener `admin`), and the moves made.
 async fn moved_clients(
-    addr: std::net::SocketAddr,
-    admin: std::net::SocketAddr,
-    tls: &std::sync::Arc<rustls::ClientConfig>,
+    addr: SocketAddr,
+    admin: SocketAddr,
+    tls: &Arc<rustls::ClientConfig>,
     sockets: usize,
     (clients, moves): (u32, u32),
     until_misrouted: bool,
@@ -466,13 +453,7 @@ async fn moved_clients(
     };
     let mut made = 0;
     for _ in 0..clients {
-        let mut h3 = tokio::time::timeout(
-            Duration::from_secs(20),
-            H3Client::connect(addr, HOST, tls, &H3Options::default()),
-        )
-        .await
-        .expect("no connection within 20 s")
-        .unwrap();
+        let mut h3 = connect(addr, tls, &H3Options::default()).await;
         confirm_handshake(&mut h3).await;
         for _ in 0..moves {
             if until_misrouted && misrouted() > 0.0 {
@@ -541,38 +522,18 @@ async fn a_failed_takeover_leaves_the_old_sockets_steered() {
     ));
     let port = old.port;
     let tls = env.client(b"h3");
-    let mut before = tokio::time::timeout(
-        Duration::from_secs(20),
-        H3Client::connect(old.addr(), HOST, &tls, &H3Options::default()),
-    )
-    .await
-    .expect("no connection within 20 s")
-    .unwrap();
+    let mut before = connect(old.addr(), &tls, &H3Options::default()).await;
 
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("webship.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n{}\
-             [runtime.settings]\nh3_sockets = \"3\"\n[acme]\nstorage = \"{}\"\nhttp_listen = \"{}\"\n\
-             [[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
-            control.display(),
-            EBPF.replace("{port}", &port.to_string()),
-            dir.path().join("acme").display(),
-            taken.local_addr().unwrap(),
-            env.root.display(),
-            env.cert.display(),
-            env.key.display()
-        ),
-    )
-    .unwrap();
-    let mut failed = Server::spawn(
-        dir.path(),
-        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
-        port,
+    let extra = format!(
+        "{}[runtime.settings]\nh3_sockets = \"3\"\n[acme]\nstorage = \"{}\"\nhttp_listen = \"{}\"\n",
+        EBPF.replace("{port}", &port.to_string()),
+        dir.path().join("acme").display(),
+        taken.local_addr().unwrap(),
     );
+    let config = successor_config(&env, dir.path(), port, &control, &extra);
+    let mut failed = Server::take_over(dir.path(), &config, port);
     let status = failed
         .wait_exit(Duration::from_secs(30))
         .expect("the new process ends");
@@ -631,23 +592,13 @@ async fn a_successor_that_would_leave_sockets_unread_refuses() {
     ));
     let port = old_server.port;
     let dir = tempfile::tempdir().unwrap();
-    let relay = crate::support::passthrough_config(
+    let relay = passthrough_config_with_control(
         "udp_upstream = \"127.0.0.1:9\"\nudp_engine = \"userspace\"\n",
         true,
         &[("a.pass", "127.0.0.1:9".parse().unwrap())],
-    )
-    .replace("{port}", &port.to_string())
-    .replace(
-        "workers = 2\n",
-        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
+        &control,
     );
-    let config = dir.path().join("webship.toml");
-    std::fs::write(&config, relay).unwrap();
-    let mut new_server = Server::spawn(
-        dir.path(),
-        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
-        port,
-    );
+    let mut new_server = take_over_with(dir.path(), &relay, port);
     let status = new_server
         .wait_exit(Duration::from_secs(90))
         .expect("the new process did not end");
@@ -741,29 +692,12 @@ async fn a_successor_ignores_a_foreign_map_pinned_as_the_steering_map() {
     let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/webship-e2e-{port}"));
     std::fs::rename(pins.join("kernel_counters"), pins.join("quic_sockets")).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir_all(&root).unwrap();
-    std::fs::write(root.join("which.txt"), b"new").unwrap();
-    let config = dir.path().join("webship.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n\
-             [kernel]\nebpf = \"auto\"\nbpf_pin_dir = \"{}\"\n[runtime.settings]\nh3_sockets = \"2\"\n\n\
-             [[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
-            control.display(),
-            pins.display(),
-            root.display(),
-            env.cert.display(),
-            env.key.display()
-        ),
-    )
-    .unwrap();
-    let mut new = Server::spawn(
-        dir.path(),
-        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
-        port,
+    let extra = format!(
+        "[kernel]\nebpf = \"auto\"\nbpf_pin_dir = \"{}\"\n[runtime.settings]\nh3_sockets = \"2\"\n",
+        pins.display()
     );
+    let config = successor_config(&env, dir.path(), port, &control, &extra);
+    let mut new = Server::take_over(dir.path(), &config, port);
     new.wait_listening();
     let log = new.log();
     assert!(

@@ -479,11 +479,7 @@ async fn after_a_takeover_the_new_process_answers_on_the_admin_address() {
         env.config(&extra).replace("{port}", &old.port.to_string()),
     )
     .unwrap();
-    let mut new = Server::spawn(
-        new_dir.path(),
-        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
-        old.port,
-    );
+    let mut new = Server::take_over(new_dir.path(), &new_config, old.port);
     new.wait_listening();
     // The old process, still draining, closed its admin listener at the handover: every
     // answer now is the new one's (ready, and none of the old one's requests).

@@ -280,17 +280,42 @@ fn with_admin(dir: &Path, admin: u16, sites: &str) -> String {
     )
 }
 
+/// A test's folder, its document root, its CA, and the port its OCSP responder
+/// will listen on.
+fn world() -> (tempfile::TempDir, PathBuf, TestCa, u16) {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().join("root");
+    std::fs::create_dir(&root).unwrap();
+    let ca = TestCa::new(dir.path());
+    let port = free_port().unwrap();
+    (dir, root, ca, port)
+}
+
 /// Waits (bounded) until a handshake for `name` carries a good staple.
 fn wait_for_staple(server: &Server, name: &str, ca: &TestCa) {
+    staple_within(server, name, ca, Duration::from_secs(15), &|| "no staple".into());
+}
+
+/// Waits up to `within` until a handshake for `name` carries a good staple, and
+/// returns what `openssl s_client` printed for it; fails saying `what()` otherwise.
+fn staple_within(
+    server: &Server,
+    name: &str,
+    ca: &TestCa,
+    within: Duration,
+    what: &dyn Fn() -> String,
+) -> String {
+    let mut out = String::new();
     assert!(
-        eventually(Duration::from_secs(15), || stapled_good(&s_client(
-            server.port,
-            name,
-            &ca.cert
-        ))),
-        "no staple for {name}: {}",
+        eventually(within, || {
+            out = s_client(server.port, name, &ca.cert);
+            stapled_good(&out)
+        }),
+        "{} for {name}:\n{out}\nwebship: {}",
+        what(),
         server.log()
     );
+    out
 }
 
 fn count(log: &str, line: &str) -> usize {
@@ -299,11 +324,7 @@ fn count(log: &str, line: &str) -> usize {
 
 #[test]
 fn a_staple_is_sent_refreshed_before_next_update_and_cached_for_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let ca = TestCa::new(dir.path());
-    let port = free_port().unwrap();
+    let (dir, root, ca, port) = world();
     let leaf = ca.issue("good", "good.test", Some(port), None);
     let responder = ca.responder(port, 1);
     let cache = dir.path().join("ocsp-cache");
@@ -313,16 +334,8 @@ fn a_staple_is_sent_refreshed_before_next_update_and_cached_for_a_restart() {
         site("good.test", &leaf, &root, "")
     );
     let server = Server::start(dir.path(), &config);
-    let mut out = String::new();
-    assert!(
-        eventually(Duration::from_secs(15), || {
-            out = s_client(server.port, "good.test", &ca.cert);
-            stapled_good(&out)
-        }),
-        "no good staple:\n{out}\nresponder: {}\nwebship: {}",
-        responder.log(),
-        server.log()
-    );
+    let no_staple = || format!("no good staple (responder: {})", responder.log());
+    let out = staple_within(&server, "good.test", &ca, Duration::from_secs(15), &no_staple);
     let first = this_update(&out).unwrap();
     // A reload reads the same files again: the staple stays, with no new fetch.
     let hup = Command::new("kill")
@@ -363,15 +376,8 @@ fn a_staple_is_sent_refreshed_before_next_update_and_cached_for_a_restart() {
     // With the responder gone, a restart staples the cached answer.
     drop(responder);
     let server = Server::start(dir.path(), &config);
-    let mut out = String::new();
-    assert!(
-        eventually(Duration::from_secs(5), || {
-            out = s_client(server.port, "good.test", &ca.cert);
-            stapled_good(&out)
-        }),
-        "the cached answer is not stapled after a restart:\n{out}\n{}",
-        server.log()
-    );
+    let not_cached = || "the cached answer is not stapled after a restart".into();
+    staple_within(&server, "good.test", &ca, Duration::from_secs(5), &not_cached);
     assert!(
         server.log().contains("OCSP response from the cache stapled"),
         "{}",
@@ -381,11 +387,7 @@ fn a_staple_is_sent_refreshed_before_next_update_and_cached_for_a_restart() {
 
 #[test]
 fn stapling_is_per_site_and_a_revoked_certificate_is_logged_not_stapled() {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let ca = TestCa::new(dir.path());
-    let port = free_port().unwrap();
+    let (dir, root, ca, port) = world();
     let on = ca.issue("on", "on.test", Some(port), None);
     let off = ca.issue("off", "off.test", Some(port), None);
     let revoked = ca.issue("revoked", "revoked.test", Some(port), None);
@@ -458,11 +460,7 @@ fn reload(dir: &Path) -> (bool, String) {
 /// without the bad key file then applies both.
 #[test]
 fn a_refused_reload_leaves_staples_and_certificate_slots_as_they_were() {
-    let dir = tempfile::tempdir().unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let ca = TestCa::new(dir.path());
-    let port = free_port().unwrap();
+    let (dir, root, ca, port) = world();
     let kept = ca.issue("kept", "kept.test", Some(port), None);
     let added = ca.issue("added", "added.test", None, None);
     let _responder = ca.responder(port, 60);
@@ -529,13 +527,9 @@ fn a_refused_reload_leaves_staples_and_certificate_slots_as_they_were() {
 #[test]
 fn a_symlinked_cache_folder_is_not_handed_to_the_service_account() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, root, ca, port) = world();
     // The service account must reach the files after the switch.
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let root = dir.path().join("root");
-    std::fs::create_dir(&root).unwrap();
-    let ca = TestCa::new(dir.path());
-    let port = free_port().unwrap();
     let leaf = ca.issue("good", "good.test", Some(port), None);
     let _responder = ca.responder(port, 1);
     // What the account owning the folder above could plant: a link to a root folder.

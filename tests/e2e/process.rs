@@ -345,3 +345,37 @@ fn a_default_max_connections_is_lowered_to_fit_the_hard_limit() {
         "{log}"
     );
 }
+
+/// A daemon that was killed removed nothing itself: the harness removes its pin
+/// folder, pins and all, once the daemon is gone and no process holds the folder
+/// (`webship_testkit::pins::remove_own`, run when the `Server` is dropped).
+#[test]
+fn the_harness_removes_a_killed_daemons_pin_folder() {
+    let env = Env::new();
+    let server = env.start(
+        "[kernel]\nebpf = \"required\"\nbpf_pin_dir = \"/sys/fs/bpf/webship-e2e-{port}\"\n\
+         [runtime.settings]\nh3_sockets = \"2\"\n",
+    );
+    let pins = std::path::PathBuf::from(format!("/sys/fs/bpf/webship-e2e-{}", server.port));
+    assert!(
+        pins.join("kernel_counters").exists(),
+        "no pins:\n{}",
+        server.log()
+    );
+    let killed = Command::new("kill")
+        .args(["-KILL", &server.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let mut server = server;
+    assert!(
+        server.wait_exit(Duration::from_secs(10)).is_some(),
+        "SIGKILL did not end the daemon"
+    );
+    assert!(
+        pins.join("kernel_counters").exists(),
+        "the killed daemon's pins are gone already: nothing left to check"
+    );
+    drop(server);
+    assert!(!pins.exists(), "the harness left {}", pins.display());
+}

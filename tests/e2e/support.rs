@@ -100,6 +100,33 @@ impl Env {
     }
 }
 
+/// A binary upgrade's successor configuration for `env`'s site, written to `dir`
+/// (a root of its own, whose `which.txt` says "new"): listening on `port`, with
+/// `control` as control socket and `extra` before `[[sites]]`. Returns its path.
+pub(crate) fn successor_config(env: &Env, dir: &Path, port: u16, control: &Path, extra: &str) -> PathBuf {
+    let root = dir.join("root");
+    std::fs::create_dir_all(&root).unwrap();
+    std::fs::write(root.join("which.txt"), b"new").unwrap();
+    let config = format!(
+        "listen = \"127.0.0.1:{port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n{extra}\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
+        control.display(),
+        root.display(),
+        env.cert.display(),
+        env.key.display()
+    );
+    let path = dir.join("webship.toml");
+    std::fs::write(&path, config).unwrap();
+    path
+}
+
+/// Starts a binary upgrade's successor to the daemon on `port` with `config` (its
+/// `{port}` replaced), written to `dir`, without waiting.
+pub(crate) fn take_over_with(dir: &Path, config: &str, port: u16) -> Server {
+    let path = dir.join("webship.toml");
+    std::fs::write(&path, config.replace("{port}", &port.to_string())).unwrap();
+    Server::take_over(dir, &path, port)
+}
+
 /// Fetches `path` over HTTP/3 with aioquic (`clients/h3_fetch.py`) from the server
 /// on loopback `port` as `sni`, trusting `ca`; its one-line JSON report
 /// (status, headers, len, sha256) and the line itself, for messages.
@@ -178,6 +205,20 @@ pub(crate) fn passthrough_config(settings: &str, h3: bool, routes: &[(&str, Sock
     format!(
         "listen = \"127.0.0.1:{{port}}\"\nworkers = 2\n{}",
         passthrough_toml(settings, h3, routes)
+    )
+}
+
+/// [`passthrough_config`] with `control` as its control socket (a takeover's old
+/// process).
+pub(crate) fn passthrough_config_with_control(
+    settings: &str,
+    h3: bool,
+    routes: &[(&str, SocketAddr)],
+    control: &Path,
+) -> String {
+    passthrough_config(settings, h3, routes).replace(
+        "workers = 2\n",
+        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
     )
 }
 

@@ -17,7 +17,9 @@ use webship_testkit::body::Sink;
 use webship_tests::client::{connect, fetch_h3, Collect, Conn, H3Client, H3Options, Proto, Tuning};
 use webship_tests::{fixture, Server, FIXTURE_LEN};
 
-use crate::support::{passthrough_config, stats_json, Env, HOST, MIB};
+use crate::support::{
+    passthrough_config_with_control, stats_json, successor_config, take_over_with, Env, HOST, MIB,
+};
 
 /// What the test's downloads read before the takeover starts, and their pace after.
 const HEAD_START: u64 = 8 * MIB;
@@ -38,21 +40,38 @@ fn old_daemon(env: &Env) -> (Server, PathBuf) {
 
 /// The new daemon's configuration: the same listen address and control socket, a
 /// root of its own (`which.txt` says "new"), in `dir`.
-fn new_config(env: &Env, server: &Server, control: &Path, dir: &Path, listen_port: u16) -> PathBuf {
-    let root = dir.join("root");
-    std::fs::create_dir_all(&root).unwrap();
-    std::fs::write(root.join("which.txt"), b"new").unwrap();
-    let config = format!(
-        "listen = \"127.0.0.1:{listen_port}\"\nworkers = 2\ncontrol_socket = \"{}\"\n\n[limits]\nshutdown_grace_secs = 60\n\n[[sites]]\ndomain = \"{HOST}\"\nroot = \"{}\"\n[sites.tls]\ncert = \"{}\"\nkey = \"{}\"\n",
-        control.display(),
-        root.display(),
-        env.cert.display(),
-        env.key.display()
+fn new_config(env: &Env, control: &Path, dir: &Path, listen_port: u16) -> PathBuf {
+    let limits = "\n[limits]\nshutdown_grace_secs = 60\n";
+    successor_config(env, dir, listen_port, control, limits)
+}
+
+/// A successor to `predecessor` with [`new_config`] (in the folder returned with
+/// it), once it listens and `predecessor` says it drains.
+fn successor_serving(env: &Env, control: &Path, predecessor: &Server) -> (tempfile::TempDir, Server) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = new_config(env, control, dir.path(), predecessor.port);
+    let mut successor = Server::take_over(dir.path(), &config, predecessor.port);
+    successor.wait_listening();
+    assert!(
+        webship_tests::server::eventually(Duration::from_secs(10), || predecessor
+            .log()
+            .contains("the new process serves; draining")),
+        "{}",
+        predecessor.log()
     );
-    let _ = server;
-    let path = dir.join("webship.toml");
-    std::fs::write(&path, config).unwrap();
-    path
+    (dir, successor)
+}
+
+/// An nginx origin for the passthrough route `a.pass` serving `origin_root`, and
+/// the configuration of a front that passes `a.pass` to it with the sockmap engine
+/// and has a control socket (for a takeover).
+fn sockmap_front(env: &Env, origin_root: &Path) -> (webship_tests::nginx::Nginx, String) {
+    let (cert, key) = env.leaf("a", &["a.pass"]);
+    let origin = webship_tests::nginx::Nginx::start_tls(origin_root, &cert, &key);
+    let control = env.dir.path().join("control.sock");
+    let sockmap = "passthrough_engine = \"sockmap\"\n";
+    let config = passthrough_config_with_control(sockmap, false, &[("a.pass", origin.addr)], &control);
+    (origin, config)
 }
 
 /// A download over h1 or h2 that reads [`HEAD_START`], says so, then reads the rest
@@ -205,7 +224,7 @@ async fn upgrade_keeps_downloads_and_connections_and_hands_new_ones_over() {
     let (mut old, control) = old_daemon(&env);
     let port = old.port;
     let new_dir = tempfile::tempdir().unwrap();
-    let config = new_config(&env, &old, &control, new_dir.path(), port);
+    let config = new_config(&env, &control, new_dir.path(), port);
 
     let stop = Arc::new(AtomicBool::new(false));
     let tally = Arc::new(Tally::default());
@@ -235,11 +254,7 @@ async fn upgrade_keeps_downloads_and_connections_and_hands_new_ones_over() {
         "the loop reached the old process"
     );
 
-    let mut new = Server::spawn(
-        new_dir.path(),
-        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
-        port,
-    );
+    let mut new = Server::take_over(new_dir.path(), &config, port);
     new.wait_listening();
     let deadline = Instant::now() + Duration::from_secs(20);
     while tally.new.load(Ordering::SeqCst) == 0 && Instant::now() < deadline {
@@ -319,12 +334,8 @@ async fn a_failed_takeover_leaves_the_old_process_serving() {
 
     // 1. Refused after the sockets were offered: another listen address.
     let dir = tempfile::tempdir().unwrap();
-    let config = new_config(&env, &old, &control, dir.path(), port + 1);
-    let mut other = Server::spawn(
-        dir.path(),
-        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
-        port,
-    );
+    let config = new_config(&env, &control, dir.path(), port + 1);
+    let mut other = Server::take_over(dir.path(), &config, port);
     let status = other
         .wait_exit(Duration::from_secs(30))
         .expect("the new process ends");
@@ -341,11 +352,7 @@ async fn a_failed_takeover_leaves_the_old_process_serving() {
         .replace(&format!(":{}\"", port + 1), &format!(":{port}\""))
         .replace(env.key.to_str().unwrap(), "/nonexistent/key.pem");
     std::fs::write(&config, broken).unwrap();
-    let mut bad = Server::spawn(
-        dir.path(),
-        &["serve", "--config", config.to_str().unwrap(), "--takeover"],
-        port,
-    );
+    let mut bad = Server::take_over(dir.path(), &config, port);
     let status = bad
         .wait_exit(Duration::from_secs(30))
         .expect("the new process ends");
@@ -383,18 +390,8 @@ async fn sockmap_passthrough_counters_and_links_carry_on_across_a_takeover() {
     let origin_root = env.dir.path().join("a");
     std::fs::create_dir(&origin_root).unwrap();
     fixture().place(&origin_root, "fixture.bin").unwrap();
-    let (cert, key) = env.leaf("a", &["a.pass"]);
-    let origin = webship_tests::nginx::Nginx::start_tls(&origin_root, &cert, &key);
-    let control = env.dir.path().join("control.sock");
-    let config = passthrough_config(
-        "passthrough_engine = \"sockmap\"\n",
-        false,
-        &[("a.pass", origin.addr)],
-    )
-    .replace(
-        "workers = 2\n",
-        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
-    );
+    // The origin stops when the test ends.
+    let (_origin, config) = sockmap_front(&env, &origin_root);
     let mut old = Server::start(env.dir.path(), &config);
     let port = old.port;
     let pins = format!("/sys/fs/bpf/webship-e2e-{port}");
@@ -433,13 +430,7 @@ async fn sockmap_passthrough_counters_and_links_carry_on_across_a_takeover() {
     assert!(before >= FIXTURE_LEN, "{before}");
 
     let new_dir = tempfile::tempdir().unwrap();
-    let new_config = new_dir.path().join("webship.toml");
-    std::fs::write(&new_config, config.replace("{port}", &port.to_string())).unwrap();
-    let mut new = Server::spawn(
-        new_dir.path(),
-        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
-        port,
-    );
+    let mut new = take_over_with(new_dir.path(), &config, port);
     new.wait_listening();
     // No reset to zero while the old process drains.
     let during = total(&pins, "bytes_down");
@@ -526,13 +517,7 @@ async fn a_webtransport_session_keeps_echoing_across_a_takeover() {
     });
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let new_dir = tempfile::tempdir().unwrap();
-    let new_config = new_dir.path().join("webship.toml");
-    std::fs::write(&new_config, config.replace("{port}", &port.to_string())).unwrap();
-    let mut new = Server::spawn(
-        new_dir.path(),
-        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
-        port,
-    );
+    let mut new = take_over_with(new_dir.path(), &config, port);
     new.wait_listening();
     let out = session.join().unwrap();
     assert!(
@@ -574,10 +559,7 @@ async fn an_h3_passthrough_connection_moves_to_the_new_relay() {
         "udp_upstream = \"{}\"\nudp_engine = \"userspace\"\n",
         origin.addr()
     );
-    let config = passthrough_config(&udp, true, &[("a.pass", origin.addr())]).replace(
-        "workers = 2\n",
-        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
-    );
+    let config = passthrough_config_with_control(&udp, true, &[("a.pass", origin.addr())], &control);
     let mut old = Server::start(env.dir.path(), &config);
     let port = old.port;
     let tls = env.client(b"h3");
@@ -587,13 +569,7 @@ async fn an_h3_passthrough_connection_moves_to_the_new_relay() {
     assert_eq!(client.fetch("GET", "/who.txt", &[]).await.body, b"origin");
 
     let new_dir = tempfile::tempdir().unwrap();
-    let new_config = new_dir.path().join("webship.toml");
-    std::fs::write(&new_config, config.replace("{port}", &port.to_string())).unwrap();
-    let mut new = Server::spawn(
-        new_dir.path(),
-        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
-        port,
-    );
+    let mut new = take_over_with(new_dir.path(), &config, port);
     new.wait_listening();
     // The same QUIC connection, now relayed by the new process from another port:
     // the origin sees a NAT rebinding.
@@ -655,7 +631,7 @@ async fn a_new_process_the_old_one_gave_up_on_does_not_serve_beside_it() {
     let (mut old, control) = old_daemon(&env);
     let port = old.port;
     let dir = tempfile::tempdir().unwrap();
-    let config = new_config(&env, &old, &control, dir.path(), port);
+    let config = new_config(&env, &control, dir.path(), port);
     let mut late = takeover_held(&config, dir.path(), Duration::from_secs(65), "late");
 
     // The old process gives up after its minute and serves on, HTTP/3 included.
@@ -710,18 +686,7 @@ async fn a_predecessor_that_goes_silent_is_taken_for_gone() {
         .unwrap();
     assert_eq!(response.status(), 200);
 
-    let dir = tempfile::tempdir().unwrap();
-    let config = new_config(&env, &old, &control, dir.path(), port);
-    let args = ["serve", "--config", config.to_str().unwrap(), "--takeover"];
-    let mut new = Server::spawn(dir.path(), &args, port);
-    new.wait_listening();
-    assert!(
-        webship_tests::server::eventually(Duration::from_secs(10), || old
-            .log()
-            .contains("the new process serves; draining")),
-        "{}",
-        old.log()
-    );
+    let (_dir, mut new) = successor_serving(&env, &control, &old);
     let stop = |signal: &str| {
         let status = std::process::Command::new("kill")
             .args([signal, &old.pid().to_string()])
@@ -743,18 +708,7 @@ async fn a_predecessor_that_goes_silent_is_taken_for_gone() {
         stopped.elapsed()
     );
     // The next takeover is not refused as "still draining".
-    let third_dir = tempfile::tempdir().unwrap();
-    let third_config = new_config(&env, &new, &control, third_dir.path(), port);
-    let third_args = ["serve", "--config", third_config.to_str().unwrap(), "--takeover"];
-    let mut third = Server::spawn(third_dir.path(), &third_args, port);
-    third.wait_listening();
-    assert!(
-        webship_tests::server::eventually(Duration::from_secs(10), || new
-            .log()
-            .contains("the new process serves; draining")),
-        "{}",
-        new.log()
-    );
+    let (_third_dir, mut third) = successor_serving(&env, &control, &new);
     let got = env.get(Proto::H1, &third, "/which.txt", &[]).await;
     assert_eq!(got.body, b"new");
     stop("-KILL");
@@ -777,7 +731,7 @@ async fn sigterm_during_a_takeover_lets_the_takeover_finish() {
     let (mut old, control) = old_daemon(&env);
     let port = old.port;
     let dir = tempfile::tempdir().unwrap();
-    let config = new_config(&env, &old, &control, dir.path(), port);
+    let config = new_config(&env, &control, dir.path(), port);
     let mut new = takeover_held(&config, dir.path(), Duration::from_secs(3), "new");
     // The old process has offered its sockets (the new one's log says it asked).
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -829,18 +783,8 @@ async fn a_takeover_may_move_the_pin_folder_and_leaves_no_pins_behind() {
     let origin_root = env.dir.path().join("a");
     std::fs::create_dir(&origin_root).unwrap();
     std::fs::write(origin_root.join("who.txt"), b"the origin").unwrap();
-    let (cert, key) = env.leaf("a", &["a.pass"]);
-    let origin = webship_tests::nginx::Nginx::start_tls(&origin_root, &cert, &key);
-    let control = env.dir.path().join("control.sock");
-    let config = passthrough_config(
-        "passthrough_engine = \"sockmap\"\n",
-        false,
-        &[("a.pass", origin.addr)],
-    )
-    .replace(
-        "workers = 2\n",
-        &format!("workers = 2\ncontrol_socket = \"{}\"\n", control.display()),
-    );
+    // The origin stops when the test ends.
+    let (_origin, config) = sockmap_front(&env, &origin_root);
     let mut old = Server::start(env.dir.path(), &config);
     let port = old.port;
     let first = format!("/sys/fs/bpf/webship-e2e-{port}");
@@ -853,13 +797,7 @@ async fn a_takeover_may_move_the_pin_folder_and_leaves_no_pins_behind() {
         .replace("{port}", &port.to_string())
         .replace(&format!("\"{first}\""), &format!("\"{second}\""));
     let new_dir = tempfile::tempdir().unwrap();
-    let new_config = new_dir.path().join("webship.toml");
-    std::fs::write(&new_config, moved).unwrap();
-    let mut new = Server::spawn(
-        new_dir.path(),
-        &["serve", "--config", new_config.to_str().unwrap(), "--takeover"],
-        port,
-    );
+    let mut new = take_over_with(new_dir.path(), &moved, port);
     new.wait_listening();
     assert!(
         new.log().contains("takeover: the pin folder changes"),

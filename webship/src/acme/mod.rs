@@ -43,9 +43,9 @@ use store::CertFacts;
 const ORDER_TIMEOUT: Duration = Duration::from_secs(180);
 /// How long an ARI (renewal information) request may take.
 const ARI_TIMEOUT: Duration = Duration::from_secs(15);
-/// The longest pause between two passes over the table: how soon a site added by a
-/// reload gets its first order.
-const PASS_INTERVAL: Duration = Duration::from_secs(2);
+/// The longest pause between two passes (due times are wall-clock times, which a
+/// clock step or a suspend can bring nearer than the sleep computed from them).
+const MAX_PAUSE: Duration = Duration::from_secs(3600);
 /// The first retry after a failure; doubled per failure up to [`BACKOFF_MAX`].
 const BACKOFF_BASE: Duration = Duration::from_secs(60);
 const BACKOFF_MAX: Duration = Duration::from_secs(6 * 3600);
@@ -186,24 +186,28 @@ impl Manager {
     }
 
     /// Keeps the ACME slots filled until shutdown. Each pass orders what is due, one
-    /// certificate at a time, each bounded by [`ORDER_TIMEOUT`].
+    /// certificate at a time, each bounded by [`ORDER_TIMEOUT`]; between passes the
+    /// manager sleeps until the next due time, a reload or a forced renewal.
     pub(crate) async fn run(self: Arc<Self>, mut shutdown: Shutdown) {
         let mut accounts: HashMap<std::path::PathBuf, Account> = HashMap::new();
+        let mut table = self.tls.certs.changes();
         while !shutdown.is_requested() {
+            // Marked seen before the pass: a reload during it wakes the sleep below.
+            table.borrow_and_update();
             let next = self.pass(&mut accounts).await;
-            let pause = next
-                .and_then(|t| t.duration_since(SystemTime::now()).ok())
-                .unwrap_or(PASS_INTERVAL)
-                .min(PASS_INTERVAL);
+            let pause = next.map_or(MAX_PAUSE, |t| {
+                t.duration_since(SystemTime::now()).unwrap_or_default()
+            });
             tokio::select! {
-                _ = tokio::time::sleep(pause) => {}
+                _ = tokio::time::sleep(pause.min(MAX_PAUSE)) => {}
                 _ = self.wake.notified() => {}
+                () = crate::tls::certs::changed(&mut table) => {}
                 _ = shutdown.requested() => {}
             }
         }
     }
 
-    /// One walk over the table; returns the earliest time something is due.
+    /// One walk over the table; returns the earliest order or ARI recheck due.
     async fn pass(&self, accounts: &mut HashMap<std::path::PathBuf, Account>) -> Option<SystemTime> {
         let mut sources: HashMap<AcmeSource, Vec<(String, Arc<CertSlot>)>> = HashMap::new();
         for (key, slot) in self.tls.certs.acme_slots() {
@@ -238,8 +242,9 @@ impl Manager {
                 self.renew(source, slots, accounts).await;
             }
             let status = self.status.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(next) = status.get(source).and_then(|s| s.next) {
-                earliest = Some(earliest.map_or(next, |e| e.min(next)));
+            let dues = status.get(source).map(|s| [s.next, s.ari_recheck]);
+            for due in dues.into_iter().flatten().flatten() {
+                earliest = Some(earliest.map_or(due, |e| e.min(due)));
             }
         }
         earliest

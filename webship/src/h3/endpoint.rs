@@ -1,8 +1,8 @@
 //! The HTTP/3 listener: one quinn endpoint per UDP socket (`h3_sockets`), all on the
 //! listen address with `SO_REUSEPORT`, each with its own driver task (so the
 //! runtime's worker threads share the packet work) and its own accept loop.
-//! `generation` says how a datagram finds the socket whose endpoint owns its
-//! connection, and how the sockets travel in a binary upgrade.
+//! `routing` says how a datagram finds the socket whose endpoint owns its
+//! connection, `generation` how the sockets travel in a binary upgrade.
 
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
@@ -12,9 +12,8 @@ use quinn::crypto::rustls::QuicServerConfig;
 use tokio::sync::Semaphore;
 
 use super::congestion::BulkSignal;
-use super::generation::{
-    CidGenerator, ForwardStats, GenerationKey, Group, Handshakes, Predecessor, QuicSocket, MAX_SOCKETS,
-};
+use super::generation::{CidGenerator, ForwardStats, GenerationKey, Handshakes, Predecessor, QuicSocket};
+use super::routing::{Group, MAX_SOCKETS};
 use super::{connection, quic_crypto, transport, H3Error, Handshake, Serving};
 use crate::config::{H3Settings, Limits};
 use crate::metrics::Transport;

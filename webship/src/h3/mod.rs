@@ -25,7 +25,10 @@ pub(crate) mod congestion;
 mod endpoint;
 mod fields;
 pub(crate) mod generation;
+pub(crate) mod routing;
 pub(crate) mod stats;
+#[cfg(test)]
+mod testing;
 pub(crate) mod uni;
 
 use std::net::SocketAddr;

@@ -220,8 +220,8 @@ impl Collector for Metrics {
 /// those that named another socket's connection (handed to it in-process), and
 /// those dropped because that socket's inbox was full.
 fn sockets(out: &mut Encoder) {
-    use super::generation::SocketCounts;
-    let counts = super::generation::socket_counts();
+    use super::routing::SocketCounts;
+    let counts = super::routing::socket_counts();
     let names: Vec<String> = (0..counts.len()).map(|i| i.to_string()).collect();
     type Family = (&'static str, &'static str, fn(&SocketCounts) -> u64);
     let families: [Family; 3] = [

@@ -468,7 +468,7 @@ fn unread_sockets(inherited: Option<&handover::Inherited>, h3: bool, plan: &Plan
     let sockets = usize::from(i.udp.is_some()) + i.udp_more.len();
     let (reads, fix) = if h3 {
         (
-            crate::h3::generation::MAX_SOCKETS,
+            crate::h3::routing::MAX_SOCKETS,
             "the running webship is newer and serves more sockets than this one can; restart instead of taking over",
         )
     } else if plan.relays_udp() {

@@ -13,6 +13,10 @@
 //! ([`SlotKey`]), so a reload that keeps a site's source keeps its slot (an ACME
 //! certificate obtained before the reload is served after it), and a reload that
 //! changes the source starts a fresh one.
+//!
+//! The tasks that keep slots filled or stapled (ACME, OCSP) sleep until their next
+//! due time; what changes a slot or the table wakes them ([`CertSlot::changes`],
+//! [`Certificates::changes`]), so they need not poll.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -57,6 +61,8 @@ pub(crate) struct CertSlot {
     stapling: AtomicBool,
     /// [`StapleState`] as a byte, for the metrics.
     state: AtomicU8,
+    /// Bumped when the certificate or the stapling setting changes (not by a staple).
+    changed: tokio::sync::watch::Sender<u64>,
 }
 
 #[derive(Debug)]
@@ -98,6 +104,7 @@ impl Default for CertSlot {
             staple: Mutex::default(),
             stapling: AtomicBool::new(true),
             state: AtomicU8::new(StapleState::None as u8),
+            changed: tokio::sync::watch::Sender::new(0),
         }
     }
 }
@@ -127,6 +134,14 @@ impl CertSlot {
             }
         };
         *self.current.write().unwrap_or_else(|p| p.into_inner()) = Some(key);
+        drop(staple);
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// Marks each change of the certificate served ([`CertSlot::set`]) or of the
+    /// stapling setting, for a task to wait on.
+    pub(crate) fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 
     /// Staples `response` (a DER OCSP response the caller verified) to the
@@ -163,11 +178,14 @@ impl CertSlot {
     /// Turns stapling on or off for this slot (the site's `ocsp_stapling`); off takes
     /// a staple off at once.
     pub(crate) fn set_stapling(&self, on: bool) {
-        self.stapling.store(on, Ordering::Relaxed);
+        let was = self.stapling.swap(on, Ordering::Relaxed);
         if !on {
             if let Some(current) = self.get() {
                 self.staple(&current.cert[0], None, StapleState::None);
             }
+        }
+        if was != on {
+            self.changed.send_modify(|v| *v = v.wrapping_add(1));
         }
     }
 
@@ -189,6 +207,14 @@ impl CertSlot {
     }
 }
 
+/// Resolves at the next change `rx` marks ([`CertSlot::changes`],
+/// [`Certificates::changes`]); never, once nothing can mark one.
+pub(crate) async fn changed(rx: &mut tokio::sync::watch::Receiver<u64>) {
+    if rx.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+}
+
 /// `key` with its OCSP response replaced; the chain and the signing key are shared.
 fn with_ocsp(key: &CertifiedKey, ocsp: Option<Vec<u8>>) -> Arc<CertifiedKey> {
     let mut key = key.clone();
@@ -197,9 +223,20 @@ fn with_ocsp(key: &CertifiedKey, ocsp: Option<Vec<u8>>) -> Arc<CertifiedKey> {
 }
 
 /// The process's certificate slots, shared by every configuration generation.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Certificates {
     slots: Mutex<HashMap<SlotKey, Arc<CertSlot>>>,
+    /// Bumped by each [`Certificates::install`] (a reload: slots added or removed).
+    changed: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for Certificates {
+    fn default() -> Self {
+        Self {
+            slots: Mutex::default(),
+            changed: tokio::sync::watch::Sender::new(0),
+        }
+    }
 }
 
 impl Certificates {
@@ -234,6 +271,14 @@ impl Certificates {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         slots.extend(new);
         slots.retain(|k, _| staged.keep.contains(k));
+        drop(slots);
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// Marks each [`Certificates::install`] (the table may have changed), for a task
+    /// to wait on.
+    pub(crate) fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
     }
 
     /// Every slot now, with its key (for the tasks that renew certificates: they walk
@@ -406,6 +451,41 @@ mod tests {
             Some(cert.clone()),
             stapling,
             false,
+        );
+    }
+
+    /// What the ACME and OCSP tasks sleep on: a new certificate, a stapling
+    /// setting that changes and an install are marked; a staple (the OCSP task's own
+    /// doing) and a setting left as it was are not.
+    #[test]
+    fn changes_that_wake_the_renewers_are_marked_and_no_others() {
+        let provider = super::super::provider();
+        let table = Certificates::default();
+        let mut installs = table.changes();
+        let cert = Arc::new(self_signed(&provider, &["a.test".into()]).unwrap());
+        let mut staged = Staged::default();
+        stage(&table, &mut staged, key("a.test"), &cert, true);
+        assert!(!installs.has_changed().unwrap());
+        table.install(staged);
+        assert!(installs.has_changed().unwrap(), "an install is not marked");
+        installs.borrow_and_update();
+
+        let (slot, _) = table.lookup(&key("a.test"));
+        let mut changes = slot.changes();
+        slot.staple(&cert.cert[0], Some(vec![1, 2, 3]), StapleState::Good);
+        slot.set_stapling(true);
+        assert!(!changes.has_changed().unwrap(), "a staple or no change is marked");
+        slot.set_stapling(false);
+        assert!(
+            changes.has_changed().unwrap(),
+            "stapling turned off is not marked"
+        );
+        changes.borrow_and_update();
+        slot.set(Arc::new(self_signed(&provider, &["a.test".into()]).unwrap()));
+        assert!(changes.has_changed().unwrap(), "a new certificate is not marked");
+        assert!(
+            !installs.has_changed().unwrap(),
+            "a slot's change is marked as an install"
         );
     }
 

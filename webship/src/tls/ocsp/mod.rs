@@ -3,8 +3,11 @@
 //! handshakes, so clients need not ask the responder themselves.
 //!
 //! One task per certificate slot, started by [`run`], which walks the certificate
-//! table (a reload that adds or removes a site, a renewal by file or ACME, needs
-//! nothing from here: a new leaf is noticed within [`TICK`]). A task asks the
+//! table each time a reload installs one (a reload that adds or removes a site, a
+//! renewal by file or ACME, needs nothing from here). A task sleeps until its next
+//! fetch or its staple's expiry, and wakes early when its slot takes a new leaf or
+//! its stapling setting changes ([`CertSlot::changes`]), or its slot leaves the
+//! table. A task asks the
 //! responder ([`fetch`]), verifies the answer ([`check`]), staples it through
 //! [`CertSlot::staple`] and writes it to the cache folder, from which a restart
 //! staples at once. It asks again half-way to the answer's `nextUpdate`, sooner after
@@ -23,13 +26,15 @@ use std::time::{Duration, Instant, SystemTime};
 
 use rustls::pki_types::CertificateDer;
 
-use super::certs::{CertSlot, SlotKey, StapleState};
+use super::certs::{changed, CertSlot, SlotKey, StapleState};
 use super::Shared;
 use crate::metrics::{Collector, Encoder, Kind};
 use check::{Answer, Status, Target};
 
-/// How often each task looks at its slot (a new leaf, stapling turned on or off).
-const TICK: Duration = Duration::from_secs(1);
+/// The longest a task sleeps without looking at its slot: the staple's expiry is a
+/// wall-clock time, which a clock step or a suspend can bring nearer than the
+/// monotonic sleep computed from it.
+const MAX_SLEEP: Duration = Duration::from_secs(3600);
 /// The first retry after a failed fetch; doubled each time up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_secs(5);
 const MAX_BACKOFF: Duration = Duration::from_secs(3600);
@@ -48,10 +53,9 @@ static FETCH_ERRORS: AtomicU64 = AtomicU64::new(0);
 /// dropped (aborting it leaves the tasks to end with their slots).
 pub(crate) async fn run(shared: Arc<Shared>, cache: PathBuf) {
     let mut tasks = Tasks::default();
-    let mut tick = tokio::time::interval(TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut table = shared.certs.changes();
     loop {
-        tick.tick().await;
+        table.borrow_and_update();
         // A task ends once its slot leaves the table, so the map stays as large as
         // the table.
         tasks.0.retain(|_, task| !task.is_finished());
@@ -62,6 +66,7 @@ pub(crate) async fn run(shared: Arc<Shared>, cache: PathBuf) {
             let task = Stapler::new(shared.clone(), key.clone(), slot, cache.clone());
             tasks.0.insert(key, tokio::spawn(task.run()));
         }
+        changed(&mut table).await;
     }
 }
 
@@ -140,10 +145,31 @@ impl Stapler {
     }
 
     async fn run(mut self) {
+        let (mut slot, mut table) = (self.slot.changes(), self.shared.certs.changes());
         while self.shared.certs.holds(&self.key, &self.slot) {
+            // Marked seen before the step: a change during it wakes the sleep below.
+            slot.borrow_and_update();
+            table.borrow_and_update();
             self.step().await;
-            tokio::time::sleep(TICK).await;
+            tokio::select! {
+                () = tokio::time::sleep(self.until_due()) => {}
+                () = changed(&mut slot) => {}
+                () = changed(&mut table) => {}
+            }
         }
+    }
+
+    /// How long until [`Stapler::step`] has something to do without a change to the
+    /// slot: the next fetch, or the staple's expiry.
+    fn until_due(&self) -> Duration {
+        if !self.stapling || self.target.is_none() {
+            return MAX_SLEEP;
+        }
+        let fetch = self.next_fetch.saturating_duration_since(Instant::now());
+        let expiry = self.staple_expires.map_or(MAX_SLEEP, |t| {
+            t.duration_since(SystemTime::now()).unwrap_or_default()
+        });
+        fetch.min(expiry).min(MAX_SLEEP)
     }
 
     async fn step(&mut self) {
