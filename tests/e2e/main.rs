@@ -28,6 +28,7 @@ mod process;
 mod proxy;
 mod proxy_hardening;
 mod proxy_protocol;
+mod proxy_relay;
 mod reload;
 mod sites;
 mod stalls;
