@@ -103,9 +103,9 @@ fn sha_hex(bytes: &[u8]) -> String {
     hex(&Sha256::digest(bytes))
 }
 
-/// Large frames (64 KiB, 8 MiB in all) and many small ones (256 bytes, 256 KiB in
-/// all, 1,024 frames), from each upstream protocol: every byte arrives in order, and
-/// trailers after many small frames are relayed with the end of the stream.
+/// Large frames (64 KiB, 8 MiB in all) and many small ones (1,024 of 256 bytes;
+/// 100,003 of one byte), from each upstream protocol: every byte arrives in order,
+/// and trailers after many small frames are relayed with the end of the stream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relayed_bodies_reach_an_h2_client_byte_exact_with_their_trailers() {
     let w = world().await;
