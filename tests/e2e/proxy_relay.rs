@@ -233,7 +233,7 @@ async fn a_client_that_stops_reading_is_cut_at_the_send_timeout_with_memory_boun
     // chunk hyper holds until the window opens, and what the upstream client reads
     // ahead: one HTTP/1.1 chunk (at most hyper's ~400 KiB read buffer), or an h2c
     // stream's receive window (2 MiB; the upstream connection's 5 MiB caps all its
-    // streams): about 20 MiB for these 32. It grew by 5-6 MiB when written.
+    // streams): about 20 MiB for these 32. It grew by 4-6 MiB when written.
     assert!(
         grown_mib < 32,
         "{STREAMS} stalled streams grew the proxy by {grown_mib} MiB"
