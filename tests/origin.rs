@@ -16,6 +16,7 @@
 //!   all ready at once (h2: that many DATA frames; HTTP/1.1: chunks);
 //! - `/trailers`: `hello`, then trailers `x-checksum: 12345` and `x-origin: rust` (on
 //!   HTTP/1.1 hyper sends them only if the request carried `te: trailers`);
+//!   `/chunks-trailers/N/SIZE`: `/chunks/N/SIZE`'s body with those trailers;
 //! - `/die/N`: promises 2N bytes, sends N, then fails the stream;
 //! - `/die-chunked/N`: no length, N bytes, then fails the stream;
 //! - `/huge-headers/N`: an `x-huge` header of N bytes, body `ok`;
@@ -338,15 +339,23 @@ fn route(seen: &Seen, headers: &HeaderMap, shared: &Arc<Shared>) -> Response<Ori
             }
             _ => bad_request(body),
         },
+        // `n` pattern bytes in frames of `size`, then the trailers of `/trailers`.
+        ["chunks-trailers", n, size] => match (num(n), num(size)) {
+            (Some(n), Some(size)) if (1..=FRAME as u64).contains(&size) => reply(
+                StatusCode::OK,
+                body.pattern(0, n, size as usize)
+                    .then(Tail::Trailers(checksum_trailers())),
+            )
+            .header(header::TRAILER, "x-checksum, x-origin")
+            .body_now(),
+            _ => bad_request(body),
+        },
         ["trailers"] => {
-            let mut trailers = HeaderMap::new();
-            trailers.insert("x-checksum", HeaderValue::from_static("12345"));
-            trailers.insert("x-origin", HeaderValue::from_static("rust"));
             // hyper's HTTP/1.1 encoder sends only the trailers announced here.
             reply(
                 StatusCode::OK,
                 body.head(Bytes::from_static(b"hello"))
-                    .then(Tail::Trailers(trailers)),
+                    .then(Tail::Trailers(checksum_trailers())),
             )
             .header(header::TRAILER, "x-checksum, x-origin")
             .body_now()
@@ -383,6 +392,14 @@ fn route(seen: &Seen, headers: &HeaderMap, shared: &Arc<Shared>) -> Response<Ori
         .body_now(),
         _ => reply(StatusCode::NOT_FOUND, body).body_now(),
     }
+}
+
+/// The trailers of `/trailers` and `/chunks-trailers/…`.
+fn checksum_trailers() -> HeaderMap {
+    let mut trailers = HeaderMap::new();
+    trailers.insert("x-checksum", HeaderValue::from_static("12345"));
+    trailers.insert("x-origin", HeaderValue::from_static("rust"));
+    trailers
 }
 
 /// `/bytes/N`, with a single `Range: bytes=a-b` (or `a-`, `-n`) honoured.

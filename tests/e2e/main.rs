@@ -29,6 +29,7 @@ mod proxy;
 mod proxy_hardening;
 mod proxy_idle;
 mod proxy_protocol;
+mod proxy_relay;
 mod reload;
 mod sites;
 mod stalls;
