@@ -7,9 +7,9 @@
 //! binary upgrade's successor inherits it). So a harness may remove
 //! - its own daemon's folder once that daemon has stopped and no process holds the
 //!   folder's lock ([`remove_own`]): the pins in it are a dead daemon's;
-//! - at its start, the *empty* folders with these prefixes that no process holds
-//!   and that are older than [`GRACE`] ([`sweep`], choosing with [`stale`]): never a
-//!   folder with pins in it, never another harness's live daemon's.
+//! - at its start, the folders with these prefixes that no process holds and that
+//!   are older than [`GRACE`] ([`sweep`], choosing with [`stale`]), pins included:
+//!   killed runs' daemons (their lock went with them), never a live daemon's.
 //!
 //! Nothing here touches a folder without one of [`PREFIXES`] directly under
 //! [`PIN_ROOT`]. Locks are read from `/proc/locks`, not probed by taking them: a
@@ -24,28 +24,26 @@ use std::time::Duration;
 pub const PIN_ROOT: &str = "/sys/fs/bpf";
 /// The names of the folders test and bench daemons pin under.
 pub const PREFIXES: [&str; 2] = ["webship-e2e-", "webship-bench-"];
-/// How old an unlocked empty folder must be to be swept: a daemon creates its folder
-/// a moment before it locks it.
+/// How old an unlocked folder must be to be swept: a daemon creates its folder a
+/// moment before it locks it.
 pub const GRACE: Duration = Duration::from_secs(60);
 
 /// A folder in [`PIN_ROOT`] as the sweep sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Folder {
     pub name: String,
-    /// Nothing in it (no pin).
-    pub empty: bool,
     /// Some process holds a lock on it (a live daemon).
     pub locked: bool,
     /// Since it last changed.
     pub age: Duration,
 }
 
-/// The folders of `listing` a sweep removes: named with one of [`PREFIXES`], empty,
-/// locked by no process and older than [`GRACE`].
+/// The folders of `listing` a sweep removes: named with one of [`PREFIXES`], locked
+/// by no process and older than [`GRACE`], with or without pins.
 pub fn stale(listing: &[Folder]) -> Vec<&str> {
     listing
         .iter()
-        .filter(|f| ours(&f.name) && f.empty && !f.locked && f.age >= GRACE)
+        .filter(|f| ours(&f.name) && !f.locked && f.age >= GRACE)
         .map(|f| f.name.as_str())
         .collect()
 }
@@ -84,8 +82,8 @@ fn locks() -> HashSet<(u32, u32, u64)> {
     std::fs::read_to_string("/proc/locks").map_or_else(|_| HashSet::new(), |t| locked_files(&t))
 }
 
-/// Removes the empty, unheld test and bench pin folders older than [`GRACE`] (see
-/// [`stale`]); returns how many. Quiet: where there is no BPF filesystem or no
+/// Removes the unheld test and bench pin folders older than [`GRACE`], with their
+/// pins (see [`stale`]); returns how many. Quiet: where there is no BPF filesystem or no
 /// permission, it removes nothing.
 pub fn sweep() -> usize {
     let Ok(entries) = std::fs::read_dir(PIN_ROOT) else {
@@ -104,7 +102,6 @@ pub fn sweep() -> usize {
                 return None;
             }
             Some(Folder {
-                empty: std::fs::read_dir(e.path()).ok()?.next().is_none(),
                 locked: held.contains(&file_id(&meta)),
                 age: meta.modified().ok()?.elapsed().unwrap_or_default(),
                 name,
@@ -113,8 +110,12 @@ pub fn sweep() -> usize {
         .collect();
     stale(&listing)
         .into_iter()
-        // remove_dir refuses a folder that is no longer empty.
-        .filter(|name| std::fs::remove_dir(Path::new(PIN_ROOT).join(name)).is_ok())
+        .filter(|name| {
+            let dir = Path::new(PIN_ROOT).join(name);
+            // The lock is checked again right before: see remove_own.
+            remove_own(&dir);
+            !dir.exists()
+        })
         .count()
 }
 
@@ -157,37 +158,37 @@ pub fn pin_dir_of(config: &str) -> Option<&Path> {
 mod tests {
     use super::*;
 
-    fn folder(name: &str, empty: bool, locked: bool, age_secs: u64) -> Folder {
+    fn folder(name: &str, locked: bool, age_secs: u64) -> Folder {
         Folder {
             name: name.to_owned(),
-            empty,
             locked,
             age: Duration::from_secs(age_secs),
         }
     }
 
-    /// Only an old, empty, unheld folder with a test or bench prefix goes; pins, a
-    /// lock, youth or another name each keep a folder.
+    /// Only an old, unheld folder with a test or bench prefix goes, with or without
+    /// pins; a lock, youth or another name each keep a folder.
     #[test]
-    fn the_sweep_takes_only_old_empty_unheld_test_and_bench_folders() {
+    fn the_sweep_takes_only_old_unheld_test_and_bench_folders() {
         let listing = [
-            folder("webship-e2e-40001", true, false, 3600),
-            folder("webship-bench-40002", true, false, 61),
-            folder("webship-bench-wan-77-443", true, false, 600),
-            folder("webship-e2e-40003", false, false, 3600),
-            folder("webship-e2e-40004", true, true, 3600),
-            folder("webship-e2e-40005", true, false, 5),
-            folder("webship", true, false, 3600),
-            folder("webship-prod", true, false, 3600),
-            folder("maps.debug", true, false, 3600),
-            folder("xwebship-e2e-40006", true, false, 3600),
+            folder("webship-e2e-40001", false, 3600),
+            folder("webship-bench-40002", false, 61),
+            folder("webship-bench-wan-77-443", false, 600),
+            folder("webship-e2e-40003", false, 3600),
+            folder("webship-e2e-40004", true, 3600),
+            folder("webship-e2e-40005", false, 5),
+            folder("webship", false, 3600),
+            folder("webship-prod", false, 3600),
+            folder("maps.debug", false, 3600),
+            folder("xwebship-e2e-40006", false, 3600),
         ];
         assert_eq!(
             stale(&listing),
             [
                 "webship-e2e-40001",
                 "webship-bench-40002",
-                "webship-bench-wan-77-443"
+                "webship-bench-wan-77-443",
+                "webship-e2e-40003"
             ]
         );
     }
