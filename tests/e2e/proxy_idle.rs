@@ -272,3 +272,71 @@ async fn the_drain_closes_idle_proxy_h1_connections_at_once() {
         since.elapsed()
     );
 }
+
+/// A connection the drain finds silent may be the last one accepted before it, its
+/// client sending its first request right now (a binary upgrade's old process
+/// sees exactly that): it gets a moment for it, as the file-serving driver gives
+/// one, and the request sent 300 ms after SIGTERM is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_request_sent_just_after_the_drain_begins_is_answered() {
+    let mut w = world(
+        "header_read_timeout_secs = 30\nidle_timeout_secs = 30\nshutdown_grace_secs = 20\n",
+        &[("small.txt", b"small body")],
+    );
+    let mut late = w.connect().await;
+    w.server.terminate();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    late.write_all(format!("GET /small.txt HTTP/1.1\r\nHost: {HOST}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    late.flush().await.unwrap();
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(10), late.read_to_end(&mut got)).await;
+    let got = String::from_utf8_lossy(&got);
+    assert!(
+        got.starts_with("HTTP/1.1 200") && got.ends_with("small body"),
+        "the request after SIGTERM got: {got:?}; log:\n{}",
+        w.server.log()
+    );
+    let exited = w.server.wait_exit(Duration::from_secs(10));
+    assert!(exited.is_some_and(|s| s.success()), "{}", w.server.log());
+}
+
+/// Between requests a kept-alive connection waits for `idle_timeout`, not for the
+/// header timeout (hyper's timer, left on, cut it at `header_read_timeout` after each
+/// response, without close_notify, counted as a header timeout); a head begun after
+/// the pause must still be complete within `header_read_timeout` of its first bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_alive_connection_waits_the_idle_timeout_and_a_slow_head_is_still_cut() {
+    let w = world(
+        "header_read_timeout_secs = 2\nidle_timeout_secs = 30\n",
+        &[("small.txt", b"small body")],
+    );
+    let mut kept = w.connect().await;
+    let get = format!("GET /small.txt HTTP/1.1\r\nHost: {HOST}\r\n\r\n");
+    kept.write_all(get.as_bytes()).await.unwrap();
+    kept.flush().await.unwrap();
+    read_response(&mut kept, b"small body").await;
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    kept.write_all(get.as_bytes()).await.unwrap();
+    kept.flush().await.unwrap();
+    let second = tokio::time::timeout(Duration::from_secs(10), read_response(&mut kept, b"small body"))
+        .await
+        .expect("no answer to the request after the pause");
+    assert!(second.starts_with(b"HTTP/1.1 200"), "{}", w.server.log());
+    // A head begun and never finished: cut about 2 s after its first bytes.
+    kept.write_all(b"GET /small.txt HTTP/1.1\r\nHost: ")
+        .await
+        .unwrap();
+    kept.flush().await.unwrap();
+    let (took, in_order) = until_closed(&mut kept, Instant::now()).await;
+    assert!(
+        (Duration::from_millis(1500)..Duration::from_secs(5)).contains(&took),
+        "an unfinished head closed after {took:?} (header timeout 2 s)"
+    );
+    assert!(
+        !in_order,
+        "a header timeout ends the connection without close_notify"
+    );
+    assert_eq!(w.counted(H1_HEADER_TIMEOUT, 1.0), 1.0, "{}", w.server.log());
+}

@@ -31,9 +31,8 @@ use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
 use crate::message::Response;
 use crate::sys;
 
-/// How long a connection that has sent no request yet may take to send its first
-/// once the drain has begun.
-const FIRST_REQUEST_GRACE: Duration = Duration::from_secs(2);
+use super::FIRST_REQUEST_GRACE;
+
 /// Most headers one request may carry.
 const MAX_HEADERS: usize = 100;
 /// A request body up to this size (on GET/HEAD) is read and dropped to keep the

@@ -116,6 +116,7 @@ pub(crate) fn serve_h2(
         let clock = Clock {
             start: tokio::time::Instant::now(),
             first_head: false,
+            h1_heads: false,
         };
         drive(conn, |c| c.graceful_shutdown(), &watch, Some(h2), &ctx, clock).await
     }
@@ -131,7 +132,7 @@ pub(crate) fn serve_h2(
 /// The limits are those hyper's connection kept from the handshake on: the first
 /// request head must be complete within `header_read_timeout` of the handshake
 /// (`header_timeout`), a shorter `idle_timeout` closes it in order, and the drain
-/// closes it at once.
+/// closes it in order unless a first request begins within `FIRST_REQUEST_GRACE`.
 pub(crate) fn serve_h1(
     mut stream: RustlsStream,
     ctx: ConnContext,
@@ -162,7 +163,8 @@ pub(crate) fn serve_h1(
 enum FirstBytes {
     /// Bytes, the end of the stream or an error: hyper's read sees which.
     Arrived,
-    /// The drain, or `idle_timeout` when it is the shorter: closed in order.
+    /// The drain (after `FIRST_REQUEST_GRACE`), or `idle_timeout` when it is the
+    /// shorter: closed in order.
     Closed,
     /// `header_read_timeout` since the handshake, no request head begun.
     HeadTimeout,
@@ -171,7 +173,7 @@ enum FirstBytes {
 /// Waits, holding no buffer ([`super::tls_readable`]), for the first bytes of a
 /// connection that has sent none since its handshake, as long as hyper's connection
 /// would have waited for them: `header_read_timeout` (or `idle_timeout` when shorter,
-/// [`drive`]'s idle close) from `start`, or until shutdown is requested.
+/// [`drive`]'s idle close) from `start`, or until `FIRST_REQUEST_GRACE` into the drain.
 async fn first_bytes(
     stream: &mut RustlsStream,
     ctx: &ConnContext,
@@ -184,15 +186,25 @@ async fn first_bytes(
         (start + limits.header_read_timeout, FirstBytes::HeadTimeout)
     };
     let mut shutdown = ctx.shutdown.clone();
-    tokio::select! {
+    let readable = tokio::time::timeout_at(until, super::tls_readable(stream));
+    tokio::pin!(readable);
+    let arrived = tokio::select! {
         // Bytes already there win over a drain that began meanwhile, as they did in
         // hyper's connection when its read came first.
         biased;
-        readable = tokio::time::timeout_at(until, super::tls_readable(stream)) => match readable {
-            Ok(_) => FirstBytes::Arrived,
-            Err(_) => expired,
-        },
-        () = shutdown.requested() => FirstBytes::Closed,
+        readable = &mut readable => readable,
+        () = shutdown.requested() => {
+            // The drain finds it silent: a moment for a first request on its way,
+            // as Webship's own HTTP/1.1 gives one (`FIRST_REQUEST_GRACE`).
+            match tokio::time::timeout(super::FIRST_REQUEST_GRACE, &mut readable).await {
+                Ok(readable) => readable,
+                Err(_) => return FirstBytes::Closed,
+            }
+        }
+    };
+    match arrived {
+        Ok(_) => FirstBytes::Arrived,
+        Err(_) => expired,
     }
 }
 
@@ -205,16 +217,23 @@ async fn serve_h1_now(
     start: tokio::time::Instant,
 ) -> Result<(), HyperError> {
     let mut builder = hyper::server::conn::http1::Builder::new();
+    // No header timer of hyper's: it also runs while a kept-alive connection waits
+    // for its next request, which cut every such connection at
+    // `header_read_timeout` after a response instead of `idle_timeout`. [`drive`]
+    // times heads instead, from their first bytes.
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(ctx.limits.header_read_timeout)
+        .header_read_timeout(None)
         .max_buf_size(ctx.limits.max_header_bytes.max(8192));
     let watch = Watch::new();
+    let read = Arc::new(AtomicU64::new(0));
+    let stream = ReadCount::new(stream, read).heads(&watch);
     let conn = builder.serve_connection(TokioIo::new(stream), service(&ctx, &watch));
     tokio::pin!(conn);
     let clock = Clock {
         start,
         first_head: true,
+        h1_heads: true,
     };
     drive(conn, |c| c.graceful_shutdown(), &watch, None, &ctx, clock).await
 }
@@ -229,6 +248,9 @@ struct Clock {
     /// of `start` (HTTP/1.1 built after the first bytes: hyper's own header timer
     /// started later than the connection).
     first_head: bool,
+    /// Whether every later request head must be complete within
+    /// `header_read_timeout` of its first bytes ([`HeadStart`]; HTTP/1.1).
+    h1_heads: bool,
 }
 
 /// What [`drive`] watches of a connection's requests: how many are in flight, and
@@ -240,6 +262,8 @@ struct Watch {
     /// activity too.
     started: Arc<AtomicU64>,
     clock: Arc<PullClock>,
+    /// HTTP/1.1: when the next request head began.
+    head: Arc<HeadStart>,
 }
 
 impl Watch {
@@ -248,6 +272,7 @@ impl Watch {
             active: Arc::new(AtomicUsize::new(0)),
             started: Arc::new(AtomicU64::new(0)),
             clock: Arc::new(PullClock::default()),
+            head: Arc::new(HeadStart::new()),
         }
     }
 }
@@ -270,6 +295,7 @@ impl hyper::service::Service<http::Request<hyper::body::Incoming>> for Handler {
         let ctx = self.ctx.clone();
         self.watch.started.fetch_add(1, Ordering::AcqRel);
         let guard = InFlight::new(self.watch.active.clone());
+        self.watch.head.clear();
         let clock = self.watch.clock.clone();
         Box::pin(async move { Ok(handle(req, &ctx, guard, clock).await) })
     }
@@ -326,6 +352,10 @@ where
     let mut dropping_at = None;
     loop {
         tokio::select! {
+            // The connection first: on a drain that began before hyper's first read
+            // (an HTTP/1.1 connection built on its first bytes), hyper must read the
+            // request before the graceful shutdown, or it closes without answering.
+            biased;
             result = conn.as_mut() => return result.map_err(HyperError::from),
             () = shutdown.requested(), if !closing => {
                 closing = true;
@@ -346,6 +376,9 @@ where
                     } else if now - start >= limits.header_read_timeout {
                         return Err(HyperError::HeadTimeout);
                     }
+                }
+                if clock.h1_heads && watch.head.since().is_some_and(|t| now - t >= limits.header_read_timeout) {
+                    return Err(HyperError::HeadTimeout);
                 }
                 if watch.clock.stalled(limits.send_timeout) {
                     return Err(HyperError::Stalled);
@@ -371,17 +404,69 @@ where
     }
 }
 
+/// When the first bytes of an HTTP/1.1 request head that no request has taken yet
+/// were read (bytes read while no request is in flight: hyper has begun the next
+/// head); cleared when hyper hands a request over. How [`drive`] times later heads
+/// from outside hyper. A pipelined head read during the previous request is not
+/// seen: `idle_timeout` bounds one left unfinished that way.
+#[derive(Debug)]
+struct HeadStart {
+    base: tokio::time::Instant,
+    /// Nanoseconds since `base`, plus one; 0 for none under way.
+    at: AtomicU64,
+}
+
+impl HeadStart {
+    fn new() -> Self {
+        Self {
+            base: tokio::time::Instant::now(),
+            at: AtomicU64::new(0),
+        }
+    }
+
+    fn mark(&self) {
+        let at = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX - 1) + 1;
+        let _ = self
+            .at
+            .compare_exchange(0, at, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    fn clear(&self) {
+        self.at.store(0, Ordering::Release);
+    }
+
+    fn since(&self) -> Option<tokio::time::Instant> {
+        match self.at.load(Ordering::Acquire) {
+            0 => None,
+            at => Some(self.base + Duration::from_nanos(at - 1)),
+        }
+    }
+}
+
 /// A stream that counts the bytes read from it (how [`drive`] sees the HTTP/2
-/// preface arrive without parsing it: hyper's h2 does).
+/// preface and HTTP/1.1 request heads arrive without parsing them: hyper does).
 #[derive(Debug)]
 struct ReadCount<S> {
     inner: S,
     read: Arc<AtomicU64>,
+    /// HTTP/1.1: requests in flight, and where bytes read while there are none mark
+    /// a head's start.
+    heads: Option<(Arc<AtomicUsize>, Arc<HeadStart>)>,
 }
 
 impl<S> ReadCount<S> {
     fn new(inner: S, read: Arc<AtomicU64>) -> Self {
-        Self { inner, read }
+        Self {
+            inner,
+            read,
+            heads: None,
+        }
+    }
+
+    /// Also marks, in `watch`, when a request head begins between requests.
+    fn heads(mut self, watch: &Watch) -> Self {
+        self.heads = Some((watch.active.clone(), watch.head.clone()));
+        self
     }
 }
 
@@ -396,6 +481,11 @@ impl<S: AsyncRead + Unpin> AsyncRead for ReadCount<S> {
         let n = (buf.filled().len() - before) as u64;
         if n > 0 {
             self.read.fetch_add(n, Ordering::AcqRel);
+            if let Some((active, head)) = &self.heads {
+                if active.load(Ordering::Acquire) == 0 {
+                    head.mark();
+                }
+            }
         }
         polled
     }

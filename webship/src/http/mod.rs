@@ -21,6 +21,11 @@ use crate::tls::{Accepted, Alpn};
 
 pub(crate) use batch::{Metrics as BatchMetrics, WriteBatch};
 
+/// How long an HTTP/1.1 connection that has sent no request yet may take to send
+/// its first once the drain has begun: it may be the last one accepted before the
+/// drain (in a binary upgrade, the old process's), its client sending right now.
+const FIRST_REQUEST_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Why a connection ended early.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum ConnError {
@@ -68,8 +73,9 @@ impl ConnError {
 }
 
 /// Waits, holding no buffer, until a read on `tls` will find something: plaintext
-/// rustls already holds (a request that came with the handshake's last flight), the
-/// peer's close_notify or a TLS error the read reports, or bytes (or the end) on the
+/// rustls already holds (what an earlier read took in beyond one request: Webship's
+/// own HTTP/1.1 reads ahead), the peer's close_notify or records rustls could not
+/// process (the read that follows reports them), or bytes (or the end) on the
 /// socket, seen with a 1-byte peek. An idle connection waits here instead of in a
 /// read that would need its buffer.
 pub(super) async fn tls_readable(tls: &mut RustlsStream) -> std::io::Result<()> {
