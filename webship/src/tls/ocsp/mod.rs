@@ -56,29 +56,59 @@ pub(crate) async fn run(shared: Arc<Shared>, cache: PathBuf) {
     let mut table = shared.certs.changes();
     loop {
         table.borrow_and_update();
-        // A task ends once its slot leaves the table, so the map stays as large as
-        // the table.
-        tasks.0.retain(|_, task| !task.is_finished());
-        for (key, slot) in shared.certs.snapshot() {
-            if tasks.0.contains_key(&key) {
-                continue;
-            }
-            let task = Stapler::new(shared.clone(), key.clone(), slot, cache.clone());
-            tasks.0.insert(key, tokio::spawn(task.run()));
+        for (key, slot) in tasks.unstaffed(shared.certs.snapshot()) {
+            let task = Stapler::new(shared.clone(), key.clone(), slot.clone(), cache.clone());
+            tasks.0.insert(
+                key,
+                Task {
+                    slot,
+                    handle: tokio::spawn(task.run()),
+                },
+            );
         }
         changed(&mut table).await;
     }
 }
 
+/// A slot's task, with the slot it staples: a key can name a new slot while the
+/// task for its old one is still ending.
+struct Task {
+    slot: Arc<CertSlot>,
+    handle: tokio::task::JoinHandle<()>,
+}
+
 /// The slots' tasks, ended with the manager (aborting [`run`] at shutdown stops
 /// every fetch).
 #[derive(Default)]
-struct Tasks(HashMap<SlotKey, tokio::task::JoinHandle<()>>);
+struct Tasks(HashMap<SlotKey, Task>);
+
+impl Tasks {
+    /// Keeps the tasks still running for a slot `table` holds under their key, ends
+    /// the rest, and returns the slots left without a task. A stapler notices that
+    /// its slot left only once its step ends (a fetch can take seconds), so a site
+    /// removed and restored meanwhile finds its old task under its key: that task
+    /// is for the old slot, and the new one needs its own.
+    fn unstaffed(&mut self, table: Vec<(SlotKey, Arc<CertSlot>)>) -> Vec<(SlotKey, Arc<CertSlot>)> {
+        let table: HashMap<SlotKey, Arc<CertSlot>> = table.into_iter().collect();
+        self.0.retain(|key, task| {
+            let keep = !task.handle.is_finished()
+                && table.get(key).is_some_and(|slot| Arc::ptr_eq(slot, &task.slot));
+            if !keep {
+                task.handle.abort();
+            }
+            keep
+        });
+        table
+            .into_iter()
+            .filter(|(key, _)| !self.0.contains_key(key))
+            .collect()
+    }
+}
 
 impl Drop for Tasks {
     fn drop(&mut self) {
         for task in self.0.values() {
-            task.abort();
+            task.handle.abort();
         }
     }
 }
@@ -370,5 +400,86 @@ impl Collector for Metrics {
             "OCSP fetches that failed: unreachable responder, HTTP error, a response that does not verify, status unknown.",
         )
         .sample(&[], FETCH_ERRORS.load(Ordering::Relaxed));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tls::certs::Origin;
+
+    fn key(site: &str) -> SlotKey {
+        SlotKey {
+            site: site.into(),
+            origin: Origin::SelfSigned,
+        }
+    }
+
+    fn running(slot: &Arc<CertSlot>) -> Task {
+        Task {
+            slot: slot.clone(),
+            handle: tokio::spawn(std::future::pending()),
+        }
+    }
+
+    /// A site removed and restored while its old stapler is still in a fetch gets a
+    /// task for its new slot; the old task is ended, a task whose slot is still in
+    /// the table is kept, and one whose slot left is ended.
+    #[tokio::test]
+    async fn a_restored_site_gets_a_task_for_its_new_slot() {
+        let [old, new, kept, gone]: [Arc<CertSlot>; 4] = Default::default();
+        let mut tasks = Tasks::default();
+        tasks.0.insert(key("a"), running(&old));
+        tasks.0.insert(key("b"), running(&kept));
+        tasks.0.insert(key("c"), running(&gone));
+        let old_task = tasks.0[&key("a")].handle.abort_handle();
+        let gone_task = tasks.0[&key("c")].handle.abort_handle();
+
+        let spawn = tasks.unstaffed(vec![(key("a"), new.clone()), (key("b"), kept.clone())]);
+
+        assert_eq!(spawn.len(), 1, "one slot needs a task: {spawn:?}");
+        assert_eq!(spawn[0].0, key("a"));
+        assert!(Arc::ptr_eq(&spawn[0].1, &new), "the task is for the new slot");
+        assert!(Arc::ptr_eq(&tasks.0[&key("b")].slot, &kept), "b keeps its task");
+        assert!(!tasks.0.contains_key(&key("a")) && !tasks.0.contains_key(&key("c")));
+        assert!(
+            ends(|| old_task.is_finished()).await,
+            "the old slot's task was not ended"
+        );
+        assert!(
+            ends(|| gone_task.is_finished()).await,
+            "the removed slot's task was not ended"
+        );
+    }
+
+    /// Whether `done` turns true within 5 s of yielding to other tasks.
+    async fn ends(done: impl Fn() -> bool) -> bool {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !done() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .is_ok()
+    }
+
+    /// A finished task (its slot left the table once) is replaced, even when the
+    /// table holds the same slot again.
+    #[tokio::test]
+    async fn a_finished_task_is_replaced() {
+        let slot = Arc::<CertSlot>::default();
+        let mut tasks = Tasks::default();
+        let handle = tokio::spawn(async {});
+        assert!(ends(|| handle.is_finished()).await, "an empty task did not end");
+        tasks.0.insert(
+            key("a"),
+            Task {
+                slot: slot.clone(),
+                handle,
+            },
+        );
+        let spawn = tasks.unstaffed(vec![(key("a"), slot.clone())]);
+        assert_eq!(spawn.len(), 1);
+        assert!(Arc::ptr_eq(&spawn[0].1, &slot));
     }
 }
