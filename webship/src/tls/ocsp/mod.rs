@@ -5,10 +5,10 @@
 //! One task per certificate slot, started by [`run`], which walks the certificate
 //! table each time a reload installs one (a reload that adds or removes a site, a
 //! renewal by file or ACME, needs nothing from here). A task sleeps until its next
-//! fetch or its staple's expiry, and wakes early when its slot takes a new leaf or
-//! its stapling setting changes ([`CertSlot::changes`]), or its slot leaves the
-//! table. A task asks the
-//! responder ([`fetch`]), verifies the answer ([`check`]), staples it through
+//! fetch or its staple's expiry (at most a minute while it holds a staple, since a
+//! suspend or a clock step can bring the expiry nearer), and wakes early when its
+//! slot takes a new leaf or its stapling setting changes ([`CertSlot::changes`]), or
+//! its slot leaves the table. A task asks the responder ([`fetch`]), verifies the answer ([`check`]), staples it through
 //! [`CertSlot::staple`] and writes it to the cache folder, from which a restart
 //! staples at once. It asks again half-way to the answer's `nextUpdate`, sooner after
 //! a failure (with backoff), keeps a still-valid staple through failures and drops one
@@ -31,10 +31,14 @@ use super::Shared;
 use crate::metrics::{Collector, Encoder, Kind};
 use check::{Answer, Status, Target};
 
-/// The longest a task sleeps without looking at its slot: the staple's expiry is a
-/// wall-clock time, which a clock step or a suspend can bring nearer than the
-/// monotonic sleep computed from it.
+/// The longest a task sleeps without looking at its slot (shorter while it holds a
+/// staple: [`STAPLE_SLEEP`]).
 const MAX_SLEEP: Duration = Duration::from_secs(3600);
+/// The longest a task holding a staple sleeps. The sleep runs on the monotonic
+/// clock, which stops while the host is suspended, and a forward clock step does
+/// not shorten it: after either, a staple whose `nextUpdate` passed would be served
+/// until a long sleep ends. Looking once a minute bounds that to a minute.
+const STAPLE_SLEEP: Duration = Duration::from_secs(60);
 /// The first retry after a failed fetch; doubled each time up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_secs(5);
 const MAX_BACKOFF: Duration = Duration::from_secs(3600);
@@ -195,11 +199,11 @@ impl Stapler {
         if !self.stapling || self.target.is_none() {
             return MAX_SLEEP;
         }
-        let fetch = self.next_fetch.saturating_duration_since(Instant::now());
-        let expiry = self.staple_expires.map_or(MAX_SLEEP, |t| {
-            t.duration_since(SystemTime::now()).unwrap_or_default()
-        });
-        fetch.min(expiry).min(MAX_SLEEP)
+        sleep_for(
+            self.next_fetch.saturating_duration_since(Instant::now()),
+            self.staple_expires,
+            SystemTime::now(),
+        )
     }
 
     async fn step(&mut self) {
@@ -341,6 +345,17 @@ impl Stapler {
     }
 }
 
+/// The sleep of a stapler due to fetch in `fetch` whose staple (if any) `expires`:
+/// until the fetch or the expiry, never longer than [`MAX_SLEEP`], nor than
+/// [`STAPLE_SLEEP`] while a staple is held.
+fn sleep_for(fetch: Duration, expires: Option<SystemTime>, now: SystemTime) -> Duration {
+    let Some(expires) = expires else {
+        return fetch.min(MAX_SLEEP);
+    };
+    let expiry = expires.duration_since(now).unwrap_or_default();
+    fetch.min(expiry).min(STAPLE_SLEEP)
+}
+
 /// Half-way from now to `nextUpdate`, within [`MIN_REFRESH`]..[`MAX_REFRESH`].
 fn refresh_after(answer: &Answer) -> Duration {
     let Some(next) = answer.next_update else {
@@ -449,6 +464,29 @@ mod tests {
         assert!(
             ends(|| gone_task.is_finished()).await,
             "the removed slot's task was not ended"
+        );
+    }
+
+    /// A held staple is looked at within a minute, however far its fetch and expiry
+    /// are; without one, the task sleeps until its fetch, at most an hour.
+    #[test]
+    fn a_held_staple_is_looked_at_every_minute() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+        let (day, hour) = (Duration::from_secs(86_400), Duration::from_secs(3600));
+        assert_eq!(sleep_for(day, Some(now + 2 * day), now), STAPLE_SLEEP);
+        assert_eq!(
+            sleep_for(Duration::from_secs(7), Some(now + day), now),
+            Duration::from_secs(7)
+        );
+        assert_eq!(
+            sleep_for(day, Some(now + Duration::from_secs(20)), now),
+            Duration::from_secs(20)
+        );
+        assert_eq!(sleep_for(day, Some(now - hour), now), Duration::ZERO);
+        assert_eq!(sleep_for(day, None, now), MAX_SLEEP);
+        assert_eq!(
+            sleep_for(Duration::from_secs(90), None, now),
+            Duration::from_secs(90)
         );
     }
 
