@@ -12,7 +12,7 @@
 //! [`CertSlot::staple`] and writes it to the cache folder, from which a restart
 //! staples at once. It asks again half-way to the answer's `nextUpdate`, sooner after
 //! a failure (with backoff), keeps a still-valid staple through failures and drops one
-//! whose `nextUpdate` has passed. A `revoked` answer is logged as an error and never
+//! whose `nextUpdate` has passed (handshakes already leave such a staple out). A `revoked` answer is logged as an error and never
 //! stapled.
 
 mod check;
@@ -37,7 +37,9 @@ const MAX_SLEEP: Duration = Duration::from_secs(3600);
 /// The longest a task holding a staple sleeps. The sleep runs on the monotonic
 /// clock, which stops while the host is suspended, and a forward clock step does
 /// not shorten it: after either, a staple whose `nextUpdate` passed would be served
-/// until a long sleep ends. Looking once a minute bounds that to a minute.
+/// until a long sleep ends. Handshakes leave such a staple out themselves
+/// ([`CertSlot::serve`]); looking once a minute takes it off the slot and asks the
+/// responder again within a minute.
 const STAPLE_SLEEP: Duration = Duration::from_secs(60);
 /// The first retry after a failed fetch; doubled each time up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_secs(5);
@@ -226,7 +228,7 @@ impl Stapler {
         }
         if self.staple_expires.is_some_and(|t| t <= SystemTime::now()) {
             self.staple_expires = None;
-            self.slot.staple(leaf, None, StapleState::None);
+            self.slot.staple(leaf, None, None, StapleState::None);
             tracing::warn!(site = %self.key.site, "OCSP staple expired (nextUpdate passed) before a new answer came: handshakes carry none until the responder answers");
         }
         if Instant::now() >= self.next_fetch {
@@ -292,7 +294,7 @@ impl Stapler {
                 REVOKED.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(site = %self.key.site, serial = %target.serial, "OCSP: the certificate is REVOKED according to its responder; no staple is sent (replace the certificate)");
                 self.staple_expires = None;
-                self.slot.staple(&leaf, None, StapleState::Revoked);
+                self.slot.staple(&leaf, None, None, StapleState::Revoked);
                 remove_cached(self.cache_file(&leaf)).await;
                 self.next_fetch = Instant::now() + refresh_after(&answer);
                 self.backoff = MIN_BACKOFF;
@@ -313,7 +315,8 @@ impl Stapler {
     }
 
     fn accept(&mut self, leaf: &CertificateDer<'_>, response: Vec<u8>, answer: &Answer) {
-        self.slot.staple(leaf, Some(response), StapleState::Good);
+        self.slot
+            .staple(leaf, Some(response), answer.next_update, StapleState::Good);
         self.staple_expires = answer.next_update;
         self.next_fetch = Instant::now() + refresh_after(answer);
         self.backoff = MIN_BACKOFF;
