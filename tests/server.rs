@@ -10,8 +10,9 @@
 //!
 //! A daemon's eBPF pin folder (`bpf_pin_dir`) goes with it: once the daemon has
 //! stopped, the harness removes the folder if no process holds it (a daemon that
-//! had to be killed leaves its pins), and the first start sweeps away the empty
-//! test and bench folders killed runs left ([`webship_testkit::pins`]).
+//! had to be killed leaves its pins), and the first start sweeps away the test and
+//! bench folders killed runs left, pins included: those no process holds that are
+//! older than a minute ([`webship_testkit::pins`]).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

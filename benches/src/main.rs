@@ -183,7 +183,8 @@ pub(crate) fn is_root() -> bool {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    // Empty pin folders of bench and test daemons a killed run left behind.
+    // The pin folders, with their pins, of bench and test daemons a killed run left
+    // behind: those no process holds that are older than a minute.
     webship_testkit::pins::sweep();
     match cli.command.unwrap_or(Command::Download(cli.download)) {
         Command::Aead => aead::run(),

@@ -7,79 +7,56 @@
 //! binary upgrade's successor inherits it). So a harness may remove
 //! - its own daemon's folder once that daemon has stopped and no process holds the
 //!   folder's lock ([`remove_own`]): the pins in it are a dead daemon's;
-//! - at its start, the folders with these prefixes that no process holds and that
-//!   are older than [`GRACE`] ([`sweep`], choosing with [`stale`]), pins included:
+//! - at its start, the folders with these prefixes that are older than [`GRACE`] and
+//!   that no process holds ([`sweep`], choosing with [`stale`]), pins included:
 //!   killed runs' daemons (their lock went with them), never a live daemon's.
 //!
 //! Nothing here touches a folder without one of [`PREFIXES`] directly under
-//! [`PIN_ROOT`]. Locks are read from `/proc/locks`, not probed by taking them: a
-//! probe could make a daemon starting that instant find its folder busy.
+//! [`PIN_ROOT`]. Whether a folder is held is probed by taking its lock (a
+//! non-blocking exclusive `flock`), and the pins and the folder are removed while
+//! that lock is held, so no daemon can take the folder meanwhile. `/proc/locks`
+//! cannot tell: it hides a lock whose owner's pid this pid namespace does not see
+//! (a binary upgrade's successor holds the lock its exited predecessor took; a
+//! daemon in another container may share `/sys/fs/bpf`). A probe could make a
+//! daemon starting that instant find its folder busy, which is why only folders
+//! nothing will start on are probed: those older than [`GRACE`] (a daemon locks its
+//! folder a moment after creating it, and a port is never used again) and a
+//! harness's own, after its daemon stopped.
 
-use std::collections::HashSet;
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::Duration;
+
+use rustix::fs::{FlockOperation, Mode, OFlags};
 
 /// Where the BPF filesystem is mounted.
 pub const PIN_ROOT: &str = "/sys/fs/bpf";
 /// The names of the folders test and bench daemons pin under.
 pub const PREFIXES: [&str; 2] = ["webship-e2e-", "webship-bench-"];
-/// How old an unlocked folder must be to be swept: a daemon creates its folder a
-/// moment before it locks it.
+/// How old a folder must be to be swept: a daemon creates its folder a moment
+/// before it locks it.
 pub const GRACE: Duration = Duration::from_secs(60);
 
 /// A folder in [`PIN_ROOT`] as the sweep sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Folder {
     pub name: String,
-    /// Some process holds a lock on it (a live daemon).
-    pub locked: bool,
     /// Since it last changed.
     pub age: Duration,
 }
 
-/// The folders of `listing` a sweep removes: named with one of [`PREFIXES`], locked
-/// by no process and older than [`GRACE`], with or without pins.
+/// The folders of `listing` a sweep probes, and removes with their pins unless some
+/// process holds their lock: named with one of [`PREFIXES`] and older than
+/// [`GRACE`].
 pub fn stale(listing: &[Folder]) -> Vec<&str> {
     listing
         .iter()
-        .filter(|f| ours(&f.name) && !f.locked && f.age >= GRACE)
+        .filter(|f| ours(&f.name) && f.age >= GRACE)
         .map(|f| f.name.as_str())
         .collect()
 }
 
 fn ours(name: &str) -> bool {
     PREFIXES.iter().any(|p| name.starts_with(p)) && !name.contains('/')
-}
-
-/// The (device major, device minor, inode) of every file `/proc/locks` (its text
-/// is `text`) lists a lock on, waiters included.
-pub fn locked_files(text: &str) -> HashSet<(u32, u32, u64)> {
-    text.lines()
-        .filter_map(|line| {
-            // "1: FLOCK  ADVISORY  WRITE 4242 00:1f:1234 0 EOF"; a waiter has "->"
-            // after the number. The file is the field after the pid.
-            let fields: Vec<&str> = line.split_whitespace().filter(|f| *f != "->").collect();
-            let mut id = fields.get(5)?.split(':');
-            let major = u32::from_str_radix(id.next()?, 16).ok()?;
-            let minor = u32::from_str_radix(id.next()?, 16).ok()?;
-            let inode = id.next()?.parse().ok()?;
-            Some((major, minor, inode))
-        })
-        .collect()
-}
-
-/// The (major, minor, inode) of `meta`'s file, as `/proc/locks` writes it.
-fn file_id(meta: &std::fs::Metadata) -> (u32, u32, u64) {
-    let dev = meta.dev();
-    // The kernel's new_decode_dev.
-    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & !0xfff);
-    let minor = (dev & 0xff) | ((dev >> 12) & !0xff);
-    (major as u32, minor as u32, meta.ino())
-}
-
-fn locks() -> HashSet<(u32, u32, u64)> {
-    std::fs::read_to_string("/proc/locks").map_or_else(|_| HashSet::new(), |t| locked_files(&t))
 }
 
 /// Removes the unheld test and bench pin folders older than [`GRACE`], with their
@@ -89,7 +66,6 @@ pub fn sweep() -> usize {
     let Ok(entries) = std::fs::read_dir(PIN_ROOT) else {
         return 0;
     };
-    let held = locks();
     let listing: Vec<Folder> = entries
         .flatten()
         .filter_map(|e| {
@@ -102,7 +78,6 @@ pub fn sweep() -> usize {
                 return None;
             }
             Some(Folder {
-                locked: held.contains(&file_id(&meta)),
                 age: meta.modified().ok()?.elapsed().unwrap_or_default(),
                 name,
             })
@@ -110,12 +85,7 @@ pub fn sweep() -> usize {
         .collect();
     stale(&listing)
         .into_iter()
-        .filter(|name| {
-            let dir = Path::new(PIN_ROOT).join(name);
-            // The lock is checked again right before: see remove_own.
-            remove_own(&dir);
-            !dir.exists()
-        })
+        .filter(|name| remove_unheld(&Path::new(PIN_ROOT).join(name)))
         .count()
 }
 
@@ -127,19 +97,36 @@ pub fn sweep() -> usize {
 pub fn remove_own(dir: &Path) {
     let named_ours = dir.parent() == Some(Path::new(PIN_ROOT))
         && dir.file_name().and_then(|n| n.to_str()).is_some_and(ours);
-    let Ok(meta) = std::fs::symlink_metadata(dir) else {
-        return;
-    };
-    if !named_ours || !meta.is_dir() || locks().contains(&file_id(&meta)) {
-        return;
+    if named_ours {
+        remove_unheld(dir);
     }
+}
+
+/// The folder `dir` (not a symlink), open and locked by this process, unless another
+/// holds its lock or it cannot be opened.
+fn take(dir: &Path) -> Option<rustix::fd::OwnedFd> {
+    let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    let folder = rustix::fs::open(dir, flags, Mode::empty()).ok()?;
+    // WOULDBLOCK: a live daemon holds it; any other failure leaves it alone too.
+    rustix::fs::flock(&folder, FlockOperation::NonBlockingLockExclusive).ok()?;
+    Some(folder)
+}
+
+/// Removes the folder `dir` and the pins in it while holding its lock, unless some
+/// process holds it; returns whether the folder is gone.
+fn remove_unheld(dir: &Path) -> bool {
+    let Some(lock) = take(dir) else {
+        return false;
+    };
     if let Ok(entries) = std::fs::read_dir(dir) {
         for entry in entries.flatten() {
             // Pins are files on the BPF filesystem; unlinking one drops the pin only.
             let _ = std::fs::remove_file(entry.path());
         }
     }
-    let _ = std::fs::remove_dir(dir);
+    let gone = std::fs::remove_dir(dir).is_ok();
+    drop(lock);
+    gone
 }
 
 /// The `bpf_pin_dir` a daemon configuration names, if any.
@@ -158,29 +145,27 @@ pub fn pin_dir_of(config: &str) -> Option<&Path> {
 mod tests {
     use super::*;
 
-    fn folder(name: &str, locked: bool, age_secs: u64) -> Folder {
+    fn folder(name: &str, age_secs: u64) -> Folder {
         Folder {
             name: name.to_owned(),
-            locked,
             age: Duration::from_secs(age_secs),
         }
     }
 
-    /// Only an old, unheld folder with a test or bench prefix goes, with or without
-    /// pins; a lock, youth or another name each keep a folder.
+    /// Only an old folder with a test or bench prefix is a candidate, with or without
+    /// pins; youth or another name each keep a folder (a lock is probed later).
     #[test]
-    fn the_sweep_takes_only_old_unheld_test_and_bench_folders() {
+    fn the_sweep_takes_only_old_test_and_bench_folders() {
         let listing = [
-            folder("webship-e2e-40001", false, 3600),
-            folder("webship-bench-40002", false, 61),
-            folder("webship-bench-wan-77-443", false, 600),
-            folder("webship-e2e-40003", false, 3600),
-            folder("webship-e2e-40004", true, 3600),
-            folder("webship-e2e-40005", false, 5),
-            folder("webship", false, 3600),
-            folder("webship-prod", false, 3600),
-            folder("maps.debug", false, 3600),
-            folder("xwebship-e2e-40006", false, 3600),
+            folder("webship-e2e-40001", 3600),
+            folder("webship-bench-40002", 61),
+            folder("webship-bench-wan-77-443", 600),
+            folder("webship-e2e-40003", 3600),
+            folder("webship-e2e-40005", 5),
+            folder("webship", 3600),
+            folder("webship-prod", 3600),
+            folder("maps.debug", 3600),
+            folder("xwebship-e2e-40006", 3600),
         ];
         assert_eq!(
             stale(&listing),
@@ -193,39 +178,64 @@ mod tests {
         );
     }
 
+    /// A folder whose lock some process holds is kept with its files, even once the
+    /// process that took the lock has exited and only its child holds it (a binary
+    /// upgrade's successor, which `/proc/locks` hides in another pid namespace);
+    /// released, the folder goes with its files.
     #[test]
-    fn locks_are_read_with_their_device_and_inode() {
-        let text = "1: FLOCK  ADVISORY  WRITE 4242 00:1f:1234 0 EOF\n\
-                    1: -> FLOCK  ADVISORY  WRITE 4243 00:1f:1234 0 EOF\n\
-                    2: POSIX  ADVISORY  READ 99 fd:01:77 128 128\n\
-                    3: garbage\n";
-        let held = locked_files(text);
-        assert_eq!(held, HashSet::from([(0, 0x1f, 1234), (0xfd, 1, 77)]));
-    }
-
-    /// A folder another process locks is seen locked through `/proc/locks`, as the
-    /// sweep and `remove_own` see a live daemon's; unlocked, it is not.
-    #[test]
-    fn a_held_lock_is_seen() {
-        let dir = std::env::temp_dir().join(format!("webship-pins-test-{}", std::process::id()));
+    fn a_held_folder_is_kept_and_a_released_one_removed() {
+        let base = std::env::temp_dir().join(format!("webship-pins-test-{}", std::process::id()));
+        let dir = base.join("webship-e2e-1");
         std::fs::create_dir_all(&dir).unwrap();
-        let meta = std::fs::metadata(&dir).unwrap();
-        assert!(!locks().contains(&file_id(&meta)), "a fresh folder is locked");
-        // flock(1) (util-linux) holds a lock on the folder while it runs `sleep`.
-        let mut holder = std::process::Command::new("flock")
-            .args(["--exclusive", dir.to_str().unwrap(), "sleep", "5"])
+        std::fs::write(dir.join("pin"), b"").unwrap();
+        let child_pid = base.join("child.pid");
+        // flock(1) (util-linux) takes the lock and runs a shell that writes its pid
+        // and becomes `sleep`, inheriting the lock; flock(1) itself is then killed.
+        let mut taker = std::process::Command::new("flock")
+            .args(["--exclusive", dir.to_str().unwrap(), "sh", "-c"])
+            .arg(format!("echo $$ > {}; exec sleep 10", child_pid.display()))
             .spawn()
             .expect("flock(1) runs");
-        let deadline = std::time::Instant::now() + Duration::from_secs(3);
-        let mut seen = false;
-        while !seen && std::time::Instant::now() < deadline {
-            seen = locks().contains(&file_id(&meta));
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut held = None;
+        while held.is_none() && std::time::Instant::now() < deadline {
+            held = std::fs::read_to_string(&child_pid)
+                .ok()
+                .and_then(|pid| pid.trim().parse::<u32>().ok());
             std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = holder.kill();
-        let _ = holder.wait();
+        let _ = taker.kill();
+        let _ = taker.wait();
+        let Some(sleeper) = held else {
+            let _ = std::fs::remove_dir_all(&base);
+            panic!("flock(1) did not start its command within 5 s");
+        };
+        let kept = !remove_unheld(&dir) && dir.join("pin").exists();
+        // The sleeper is this test's grandchild, ended by its pid.
+        let _ = std::process::Command::new("kill")
+            .arg(sleeper.to_string())
+            .status();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        let mut removed = false;
+        while !removed && std::time::Instant::now() < deadline {
+            removed = remove_unheld(&dir);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = std::fs::remove_dir_all(&base);
+        assert!(kept, "a folder whose lock a live process holds was removed");
+        assert!(removed, "a released folder was not removed within 5 s");
+    }
+
+    /// Only folders named like a test or bench daemon's, directly in the pin root,
+    /// are ever touched by `remove_own`.
+    #[test]
+    fn remove_own_leaves_other_folders_alone() {
+        let dir = std::env::temp_dir().join(format!("webship-e2e-pins-own-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        remove_own(&dir);
+        let kept = dir.exists();
         let _ = std::fs::remove_dir(&dir);
-        assert!(seen, "a lock on {} is not in /proc/locks", dir.display());
+        assert!(kept, "a folder outside {PIN_ROOT} was removed");
     }
 
     #[test]

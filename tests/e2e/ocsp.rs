@@ -524,6 +524,53 @@ fn a_refused_reload_leaves_staples_and_certificate_slots_as_they_were() {
     );
 }
 
+/// A site removed and restored by two reloads while its stapler is still in a fetch
+/// (held here unanswered) gets a stapler for its restored slot: once the responder
+/// answers, the site is stapled, though the old stapler has ended.
+#[test]
+fn a_site_restored_while_its_stapler_fetches_is_stapled() {
+    let (dir, root, ca, port) = world();
+    let back = ca.issue("back", "back.test", Some(port), None);
+    let other = ca.issue("other", "other.test", None, None);
+    // Takes the daemon's first OCSP request and holds it unanswered.
+    let holder = std::net::TcpListener::bind(("127.0.0.1", port)).unwrap();
+    holder.set_nonblocking(true).unwrap();
+    let other_site = site("other.test", &other, &root, "");
+    let both = format!(
+        "listen = \"127.0.0.1:{{port}}\"\nworkers = 1\nocsp_cache = \"{}\"\n{other_site}{}",
+        dir.path().join("ocsp-cache").display(),
+        site("back.test", &back, &root, "")
+    );
+    let server = Server::start(dir.path(), &both);
+    let mut held = None;
+    assert!(
+        eventually(Duration::from_secs(10), || {
+            held = holder.accept().ok();
+            held.is_some()
+        }),
+        "the daemon asked no OCSP responder: {}",
+        server.log()
+    );
+    // Removed, then restored, while the first stapler waits on its answer.
+    let file = dir.path().join("webship.toml");
+    let running = std::fs::read_to_string(&file).unwrap();
+    let back_site = site("back.test", &back, &root, "");
+    assert!(running.contains(&back_site), "{running}");
+    std::fs::write(&file, running.replace(&back_site, "")).unwrap();
+    let (ok, text) = reload(dir.path());
+    assert!(ok, "{text}");
+    std::fs::write(&file, &running).unwrap();
+    let (ok, text) = reload(dir.path());
+    assert!(ok, "{text}");
+    // The held fetch fails, and the responder takes the port.
+    drop(held);
+    drop(holder);
+    let _responder = ca.responder(port, 60);
+    staple_within(&server, "back.test", &ca, Duration::from_secs(25), &|| {
+        "the restored site is never stapled".into()
+    });
+}
+
 #[test]
 fn a_symlinked_cache_folder_is_not_handed_to_the_service_account() {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};

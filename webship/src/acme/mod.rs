@@ -46,6 +46,9 @@ const ARI_TIMEOUT: Duration = Duration::from_secs(15);
 /// The longest pause between two passes (due times are wall-clock times, which a
 /// clock step or a suspend can bring nearer than the sleep computed from them).
 const MAX_PAUSE: Duration = Duration::from_secs(3600);
+/// The shortest pause between two passes: a due time that stays in the past (an
+/// order that cannot be placed, a clock step) must not make the manager spin.
+const MIN_PAUSE: Duration = Duration::from_secs(1);
 /// The first retry after a failure; doubled per failure up to [`BACKOFF_MAX`].
 const BACKOFF_BASE: Duration = Duration::from_secs(60);
 const BACKOFF_MAX: Duration = Duration::from_secs(6 * 3600);
@@ -102,6 +105,24 @@ struct Status {
     last_error: Option<String>,
     /// Callers of a forced renewal, told the outcome.
     waiting: Vec<Outcome>,
+}
+
+impl Status {
+    /// When the manager next has something to do for this source: its order, and its
+    /// ARI recheck while a certificate is `served`. Only a served certificate's
+    /// schedule refreshes the recheck, so one kept for an emptied slot would stay in
+    /// the past and be due at every pass.
+    fn due(&self, served: bool) -> Option<SystemTime> {
+        let recheck = self.ari_recheck.filter(|_| served);
+        [self.next, recheck].into_iter().flatten().min()
+    }
+}
+
+/// The pause before the next pass, due at `next` (`None`: nothing is): until then,
+/// within [`MIN_PAUSE`]..[`MAX_PAUSE`].
+fn pause_until(next: Option<SystemTime>, now: SystemTime) -> Duration {
+    next.map_or(MAX_PAUSE, |t| t.duration_since(now).unwrap_or_default())
+        .clamp(MIN_PAUSE, MAX_PAUSE)
 }
 
 /// The ACME manager: one per process, shared by the supervisor (for `webship
@@ -195,11 +216,8 @@ impl Manager {
             // Marked seen before the pass: a reload during it wakes the sleep below.
             table.borrow_and_update();
             let next = self.pass(&mut accounts).await;
-            let pause = next.map_or(MAX_PAUSE, |t| {
-                t.duration_since(SystemTime::now()).unwrap_or_default()
-            });
             tokio::select! {
-                _ = tokio::time::sleep(pause.min(MAX_PAUSE)) => {}
+                _ = tokio::time::sleep(pause_until(next, SystemTime::now())) => {}
                 _ = self.wake.notified() => {}
                 () = crate::tls::certs::changed(&mut table) => {}
                 _ = shutdown.requested() => {}
@@ -241,9 +259,9 @@ impl Manager {
             if self.due(source, slots, accounts).await {
                 self.renew(source, slots, accounts).await;
             }
+            let served = slots.iter().any(|(_, slot)| slot.get().is_some());
             let status = self.status.lock().unwrap_or_else(|p| p.into_inner());
-            let dues = status.get(source).map(|s| [s.next, s.ari_recheck]);
-            for due in dues.into_iter().flatten().flatten() {
+            if let Some(due) = status.get(source).and_then(|s| s.due(served)) {
                 earliest = Some(earliest.map_or(due, |e| e.min(due)));
             }
         }
@@ -691,6 +709,38 @@ mod tests {
             not_before,
             not_after,
         }
+    }
+
+    /// An ARI recheck counts only while a certificate is served: a past one left by
+    /// an emptied slot does not make the source due.
+    #[test]
+    fn an_ari_recheck_counts_only_while_a_certificate_is_served() {
+        let now = SystemTime::UNIX_EPOCH + 1000 * DAY;
+        let st = |next, ari_recheck| Status {
+            next,
+            ari_recheck,
+            ..Status::default()
+        };
+        let past = now - DAY;
+        assert_eq!(st(Some(now + DAY), Some(past)).due(true), Some(past));
+        assert_eq!(st(Some(now + DAY), Some(past)).due(false), Some(now + DAY));
+        assert_eq!(st(None, Some(past)).due(false), None);
+        assert_eq!(st(Some(now), Some(now + DAY)).due(true), Some(now));
+        assert_eq!(st(None, None).due(true), None);
+    }
+
+    /// A past due time pauses a second, not zero; a far or no due time an hour.
+    #[test]
+    fn the_pause_is_between_a_second_and_an_hour() {
+        let now = SystemTime::UNIX_EPOCH + 1000 * DAY;
+        assert_eq!(pause_until(Some(now - DAY), now), MIN_PAUSE);
+        assert_eq!(pause_until(Some(now), now), MIN_PAUSE);
+        assert_eq!(
+            pause_until(Some(now + Duration::from_secs(30)), now),
+            Duration::from_secs(30)
+        );
+        assert_eq!(pause_until(Some(now + DAY), now), MAX_PAUSE);
+        assert_eq!(pause_until(None, now), MAX_PAUSE);
     }
 
     #[test]

@@ -20,8 +20,9 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::SystemTime;
 
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
@@ -61,6 +62,9 @@ pub(crate) struct CertSlot {
     stapling: AtomicBool,
     /// [`StapleState`] as a byte, for the metrics.
     state: AtomicU8,
+    /// When the stapled response's `nextUpdate` passes, in seconds since the epoch
+    /// ([`NO_EXPIRY`]: no staple, or one without `nextUpdate`).
+    staple_expires: AtomicU64,
     /// Bumped when the certificate or the stapling setting changes (not by a staple).
     changed: tokio::sync::watch::Sender<u64>,
 }
@@ -104,6 +108,7 @@ impl Default for CertSlot {
             staple: Mutex::default(),
             stapling: AtomicBool::new(true),
             state: AtomicU8::new(StapleState::None as u8),
+            staple_expires: AtomicU64::new(NO_EXPIRY),
             changed: tokio::sync::watch::Sender::new(0),
         }
     }
@@ -114,6 +119,20 @@ impl CertSlot {
     pub(crate) fn get(&self) -> Option<Arc<CertifiedKey>> {
         // A poisoned lock only means a writer panicked between two whole values.
         self.current.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The certificate for a handshake: [`CertSlot::get`], less a staple whose
+    /// `nextUpdate` has passed. The OCSP task drops such a staple within a minute of
+    /// its expiry; this covers that minute, and a suspend or a clock step that brings
+    /// the expiry nearer than the task's sleep.
+    pub(crate) fn serve(&self) -> Option<Arc<CertifiedKey>> {
+        let key = self.get()?;
+        let expires = self.staple_expires.load(Ordering::Relaxed);
+        if key.ocsp.is_some() && epoch_secs(SystemTime::now()) >= expires {
+            // Rare (the minute above), so the copy without the staple is not kept.
+            return Some(with_ocsp(&key, None));
+        }
+        Some(key)
     }
 
     /// Serves `key` from the next handshake on. The staple stays when `key` has the
@@ -130,6 +149,7 @@ impl CertSlot {
             None => {
                 *staple = None;
                 self.set_state(StapleState::None);
+                self.staple_expires.store(NO_EXPIRY, Ordering::Relaxed);
                 with_ocsp(&key, None)
             }
         };
@@ -144,14 +164,15 @@ impl CertSlot {
         self.changed.subscribe()
     }
 
-    /// Staples `response` (a DER OCSP response the caller verified) to the
-    /// certificate whose leaf is `leaf`, or takes the staple off with `None`, and
-    /// records `state`. Does nothing when the slot serves another leaf by now; staples
+    /// Staples `response` (a DER OCSP response the caller verified, valid until
+    /// `expires`, its `nextUpdate`) to the certificate whose leaf is `leaf`, or takes
+    /// the staple off with `None`, and records `state`. Does nothing when the slot serves another leaf by now; staples
     /// nothing when stapling is off. Returns whether the slot still serves `leaf`.
     pub(crate) fn staple(
         &self,
         leaf: &CertificateDer<'_>,
         response: Option<Vec<u8>>,
+        expires: Option<SystemTime>,
         state: StapleState,
     ) -> bool {
         let mut staple = self.staple.lock().unwrap_or_else(|p| p.into_inner());
@@ -162,6 +183,10 @@ impl CertSlot {
             return false;
         }
         let response = response.filter(|_| self.stapling());
+        let expires = expires
+            .filter(|_| response.is_some())
+            .map_or(NO_EXPIRY, epoch_secs);
+        self.staple_expires.store(expires, Ordering::Relaxed);
         self.set_state(match (&response, state) {
             (None, StapleState::Good) => StapleState::None,
             _ => state,
@@ -181,7 +206,7 @@ impl CertSlot {
         let was = self.stapling.swap(on, Ordering::Relaxed);
         if !on {
             if let Some(current) = self.get() {
-                self.staple(&current.cert[0], None, StapleState::None);
+                self.staple(&current.cert[0], None, None, StapleState::None);
             }
         }
         if was != on {
@@ -213,6 +238,14 @@ pub(crate) async fn changed(rx: &mut tokio::sync::watch::Receiver<u64>) {
     if rx.changed().await.is_err() {
         std::future::pending::<()>().await;
     }
+}
+
+/// [`CertSlot::staple_expires`] when a staple does not expire.
+const NO_EXPIRY: u64 = u64::MAX;
+
+fn epoch_secs(t: SystemTime) -> u64 {
+    t.duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// `key` with its OCSP response replaced; the chain and the signing key are shared.
@@ -472,7 +505,7 @@ mod tests {
 
         let (slot, _) = table.lookup(&key("a.test"));
         let mut changes = slot.changes();
-        slot.staple(&cert.cert[0], Some(vec![1, 2, 3]), StapleState::Good);
+        slot.staple(&cert.cert[0], Some(vec![1, 2, 3]), None, StapleState::Good);
         slot.set_stapling(true);
         assert!(!changes.has_changed().unwrap(), "a staple or no change is marked");
         slot.set_stapling(false);
@@ -540,6 +573,31 @@ mod tests {
         assert!(!table.holds(&key("a.test"), &a));
     }
 
+    /// A handshake gets no staple once its `nextUpdate` has passed, though the
+    /// slot still holds it; a staple not yet expired, or without `nextUpdate`, is
+    /// sent.
+    #[test]
+    fn a_handshake_leaves_out_an_expired_staple() {
+        let provider = super::super::provider();
+        let slot = CertSlot::default();
+        let cert = Arc::new(self_signed(&provider, &["a.test".into()]).unwrap());
+        let leaf = cert.cert[0].clone();
+        slot.set(cert);
+        let now = SystemTime::now();
+        let hour = std::time::Duration::from_secs(3600);
+        let served = |expires| {
+            assert!(slot.staple(&leaf, Some(b"r".to_vec()), expires, StapleState::Good));
+            assert!(slot.get().unwrap().ocsp.is_some());
+            slot.serve().unwrap().ocsp.is_some()
+        };
+        assert!(served(Some(now + hour)), "a valid staple was left out");
+        assert!(!served(Some(now - hour)), "an expired staple was sent");
+        assert!(served(None), "a staple without nextUpdate was left out");
+        assert!(!served(Some(now - hour)));
+        assert!(slot.staple(&leaf, None, None, StapleState::None));
+        assert!(slot.serve().unwrap().ocsp.is_none());
+    }
+
     #[test]
     fn a_staple_follows_its_leaf_and_the_site_setting() {
         let provider = super::super::provider();
@@ -547,11 +605,11 @@ mod tests {
         let first = Arc::new(self_signed(&provider, &["a.test".into()]).unwrap());
         let leaf = first.cert[0].clone();
         assert!(
-            !slot.staple(&leaf, Some(b"r1".to_vec()), StapleState::Good),
+            !slot.staple(&leaf, Some(b"r1".to_vec()), None, StapleState::Good),
             "an empty slot takes no staple"
         );
         slot.set(first.clone());
-        assert!(slot.staple(&leaf, Some(b"r1".to_vec()), StapleState::Good));
+        assert!(slot.staple(&leaf, Some(b"r1".to_vec()), None, StapleState::Good));
         assert_eq!(slot.get().unwrap().ocsp.as_deref(), Some(&b"r1"[..]));
         assert_eq!(slot.staple_state(), StapleState::Good);
         // The same certificate set again (a reload of unchanged files) keeps it.
@@ -561,16 +619,16 @@ mod tests {
         slot.set(Arc::new(self_signed(&provider, &["a.test".into()]).unwrap()));
         assert!(slot.get().unwrap().ocsp.is_none());
         assert_eq!(slot.staple_state(), StapleState::None);
-        assert!(!slot.staple(&leaf, Some(b"r2".to_vec()), StapleState::Good));
+        assert!(!slot.staple(&leaf, Some(b"r2".to_vec()), None, StapleState::Good));
         assert!(slot.get().unwrap().ocsp.is_none());
         // Revoked: recorded, nothing stapled; stapling off takes a staple off.
         let now = slot.get().unwrap().cert[0].clone();
-        assert!(slot.staple(&now, None, StapleState::Revoked));
+        assert!(slot.staple(&now, None, None, StapleState::Revoked));
         assert_eq!(slot.staple_state(), StapleState::Revoked);
-        assert!(slot.staple(&now, Some(b"r3".to_vec()), StapleState::Good));
+        assert!(slot.staple(&now, Some(b"r3".to_vec()), None, StapleState::Good));
         slot.set_stapling(false);
         assert!(slot.get().unwrap().ocsp.is_none());
-        assert!(slot.staple(&now, Some(b"r4".to_vec()), StapleState::Good));
+        assert!(slot.staple(&now, Some(b"r4".to_vec()), None, StapleState::Good));
         assert!(slot.get().unwrap().ocsp.is_none(), "stapling off staples nothing");
         assert_eq!(slot.staple_state(), StapleState::None);
     }

@@ -343,7 +343,7 @@ struct SiteCert(Arc<CertSlot>);
 
 impl rustls::server::ResolvesServerCert for SiteCert {
     fn resolve(&self, _hello: rustls::server::ClientHello<'_>) -> Option<Arc<rustls::sign::CertifiedKey>> {
-        self.0.get()
+        self.0.serve()
     }
 }
 
@@ -361,7 +361,7 @@ impl rustls::server::ResolvesServerCert for SniResolver {
         self.slots
             .get(self.sites.site_for(hello.server_name()))?
             .as_ref()?
-            .get()
+            .serve()
     }
 }
 

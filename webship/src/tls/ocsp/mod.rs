@@ -5,14 +5,14 @@
 //! One task per certificate slot, started by [`run`], which walks the certificate
 //! table each time a reload installs one (a reload that adds or removes a site, a
 //! renewal by file or ACME, needs nothing from here). A task sleeps until its next
-//! fetch or its staple's expiry, and wakes early when its slot takes a new leaf or
-//! its stapling setting changes ([`CertSlot::changes`]), or its slot leaves the
-//! table. A task asks the
-//! responder ([`fetch`]), verifies the answer ([`check`]), staples it through
+//! fetch or its staple's expiry (at most a minute while it holds a staple, since a
+//! suspend or a clock step can bring the expiry nearer), and wakes early when its
+//! slot takes a new leaf or its stapling setting changes ([`CertSlot::changes`]), or
+//! its slot leaves the table. A task asks the responder ([`fetch`]), verifies the answer ([`check`]), staples it through
 //! [`CertSlot::staple`] and writes it to the cache folder, from which a restart
 //! staples at once. It asks again half-way to the answer's `nextUpdate`, sooner after
 //! a failure (with backoff), keeps a still-valid staple through failures and drops one
-//! whose `nextUpdate` has passed. A `revoked` answer is logged as an error and never
+//! whose `nextUpdate` has passed (handshakes already leave such a staple out). A `revoked` answer is logged as an error and never
 //! stapled.
 
 mod check;
@@ -31,10 +31,16 @@ use super::Shared;
 use crate::metrics::{Collector, Encoder, Kind};
 use check::{Answer, Status, Target};
 
-/// The longest a task sleeps without looking at its slot: the staple's expiry is a
-/// wall-clock time, which a clock step or a suspend can bring nearer than the
-/// monotonic sleep computed from it.
+/// The longest a task sleeps without looking at its slot (shorter while it holds a
+/// staple: [`STAPLE_SLEEP`]).
 const MAX_SLEEP: Duration = Duration::from_secs(3600);
+/// The longest a task holding a staple sleeps. The sleep runs on the monotonic
+/// clock, which stops while the host is suspended, and a forward clock step does
+/// not shorten it: after either, a staple whose `nextUpdate` passed would be served
+/// until a long sleep ends. Handshakes leave such a staple out themselves
+/// ([`CertSlot::serve`]); looking once a minute takes it off the slot and asks the
+/// responder again within a minute.
+const STAPLE_SLEEP: Duration = Duration::from_secs(60);
 /// The first retry after a failed fetch; doubled each time up to [`MAX_BACKOFF`].
 const MIN_BACKOFF: Duration = Duration::from_secs(5);
 const MAX_BACKOFF: Duration = Duration::from_secs(3600);
@@ -56,29 +62,59 @@ pub(crate) async fn run(shared: Arc<Shared>, cache: PathBuf) {
     let mut table = shared.certs.changes();
     loop {
         table.borrow_and_update();
-        // A task ends once its slot leaves the table, so the map stays as large as
-        // the table.
-        tasks.0.retain(|_, task| !task.is_finished());
-        for (key, slot) in shared.certs.snapshot() {
-            if tasks.0.contains_key(&key) {
-                continue;
-            }
-            let task = Stapler::new(shared.clone(), key.clone(), slot, cache.clone());
-            tasks.0.insert(key, tokio::spawn(task.run()));
+        for (key, slot) in tasks.unstaffed(shared.certs.snapshot()) {
+            let task = Stapler::new(shared.clone(), key.clone(), slot.clone(), cache.clone());
+            tasks.0.insert(
+                key,
+                Task {
+                    slot,
+                    handle: tokio::spawn(task.run()),
+                },
+            );
         }
         changed(&mut table).await;
     }
 }
 
+/// A slot's task, with the slot it staples: a key can name a new slot while the
+/// task for its old one is still ending.
+struct Task {
+    slot: Arc<CertSlot>,
+    handle: tokio::task::JoinHandle<()>,
+}
+
 /// The slots' tasks, ended with the manager (aborting [`run`] at shutdown stops
 /// every fetch).
 #[derive(Default)]
-struct Tasks(HashMap<SlotKey, tokio::task::JoinHandle<()>>);
+struct Tasks(HashMap<SlotKey, Task>);
+
+impl Tasks {
+    /// Keeps the tasks still running for a slot `table` holds under their key, ends
+    /// the rest, and returns the slots left without a task. A stapler notices that
+    /// its slot left only once its step ends (a fetch can take seconds), so a site
+    /// removed and restored meanwhile finds its old task under its key: that task
+    /// is for the old slot, and the new one needs its own.
+    fn unstaffed(&mut self, table: Vec<(SlotKey, Arc<CertSlot>)>) -> Vec<(SlotKey, Arc<CertSlot>)> {
+        let table: HashMap<SlotKey, Arc<CertSlot>> = table.into_iter().collect();
+        self.0.retain(|key, task| {
+            let keep = !task.handle.is_finished()
+                && table.get(key).is_some_and(|slot| Arc::ptr_eq(slot, &task.slot));
+            if !keep {
+                task.handle.abort();
+            }
+            keep
+        });
+        table
+            .into_iter()
+            .filter(|(key, _)| !self.0.contains_key(key))
+            .collect()
+    }
+}
 
 impl Drop for Tasks {
     fn drop(&mut self) {
         for task in self.0.values() {
-            task.abort();
+            task.handle.abort();
         }
     }
 }
@@ -165,11 +201,11 @@ impl Stapler {
         if !self.stapling || self.target.is_none() {
             return MAX_SLEEP;
         }
-        let fetch = self.next_fetch.saturating_duration_since(Instant::now());
-        let expiry = self.staple_expires.map_or(MAX_SLEEP, |t| {
-            t.duration_since(SystemTime::now()).unwrap_or_default()
-        });
-        fetch.min(expiry).min(MAX_SLEEP)
+        sleep_for(
+            self.next_fetch.saturating_duration_since(Instant::now()),
+            self.staple_expires,
+            SystemTime::now(),
+        )
     }
 
     async fn step(&mut self) {
@@ -192,7 +228,7 @@ impl Stapler {
         }
         if self.staple_expires.is_some_and(|t| t <= SystemTime::now()) {
             self.staple_expires = None;
-            self.slot.staple(leaf, None, StapleState::None);
+            self.slot.staple(leaf, None, None, StapleState::None);
             tracing::warn!(site = %self.key.site, "OCSP staple expired (nextUpdate passed) before a new answer came: handshakes carry none until the responder answers");
         }
         if Instant::now() >= self.next_fetch {
@@ -258,7 +294,7 @@ impl Stapler {
                 REVOKED.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(site = %self.key.site, serial = %target.serial, "OCSP: the certificate is REVOKED according to its responder; no staple is sent (replace the certificate)");
                 self.staple_expires = None;
-                self.slot.staple(&leaf, None, StapleState::Revoked);
+                self.slot.staple(&leaf, None, None, StapleState::Revoked);
                 remove_cached(self.cache_file(&leaf)).await;
                 self.next_fetch = Instant::now() + refresh_after(&answer);
                 self.backoff = MIN_BACKOFF;
@@ -279,7 +315,8 @@ impl Stapler {
     }
 
     fn accept(&mut self, leaf: &CertificateDer<'_>, response: Vec<u8>, answer: &Answer) {
-        self.slot.staple(leaf, Some(response), StapleState::Good);
+        self.slot
+            .staple(leaf, Some(response), answer.next_update, StapleState::Good);
         self.staple_expires = answer.next_update;
         self.next_fetch = Instant::now() + refresh_after(answer);
         self.backoff = MIN_BACKOFF;
@@ -309,6 +346,17 @@ impl Stapler {
             tracing::warn!(site = %self.key.site, file = %path.display(), error = %e, "cannot write the OCSP cache; the answer is stapled but a restart will ask again");
         }
     }
+}
+
+/// The sleep of a stapler due to fetch in `fetch` whose staple (if any) `expires`:
+/// until the fetch or the expiry, never longer than [`MAX_SLEEP`], nor than
+/// [`STAPLE_SLEEP`] while a staple is held.
+fn sleep_for(fetch: Duration, expires: Option<SystemTime>, now: SystemTime) -> Duration {
+    let Some(expires) = expires else {
+        return fetch.min(MAX_SLEEP);
+    };
+    let expiry = expires.duration_since(now).unwrap_or_default();
+    fetch.min(expiry).min(STAPLE_SLEEP)
 }
 
 /// Half-way from now to `nextUpdate`, within [`MIN_REFRESH`]..[`MAX_REFRESH`].
@@ -370,5 +418,109 @@ impl Collector for Metrics {
             "OCSP fetches that failed: unreachable responder, HTTP error, a response that does not verify, status unknown.",
         )
         .sample(&[], FETCH_ERRORS.load(Ordering::Relaxed));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tls::certs::Origin;
+
+    fn key(site: &str) -> SlotKey {
+        SlotKey {
+            site: site.into(),
+            origin: Origin::SelfSigned,
+        }
+    }
+
+    fn running(slot: &Arc<CertSlot>) -> Task {
+        Task {
+            slot: slot.clone(),
+            handle: tokio::spawn(std::future::pending()),
+        }
+    }
+
+    /// A site removed and restored while its old stapler is still in a fetch gets a
+    /// task for its new slot; the old task is ended, a task whose slot is still in
+    /// the table is kept, and one whose slot left is ended.
+    #[tokio::test]
+    async fn a_restored_site_gets_a_task_for_its_new_slot() {
+        let [old, new, kept, gone]: [Arc<CertSlot>; 4] = Default::default();
+        let mut tasks = Tasks::default();
+        tasks.0.insert(key("a"), running(&old));
+        tasks.0.insert(key("b"), running(&kept));
+        tasks.0.insert(key("c"), running(&gone));
+        let old_task = tasks.0[&key("a")].handle.abort_handle();
+        let gone_task = tasks.0[&key("c")].handle.abort_handle();
+
+        let spawn = tasks.unstaffed(vec![(key("a"), new.clone()), (key("b"), kept.clone())]);
+
+        assert_eq!(spawn.len(), 1, "one slot needs a task: {spawn:?}");
+        assert_eq!(spawn[0].0, key("a"));
+        assert!(Arc::ptr_eq(&spawn[0].1, &new), "the task is for the new slot");
+        assert!(Arc::ptr_eq(&tasks.0[&key("b")].slot, &kept), "b keeps its task");
+        assert!(!tasks.0.contains_key(&key("a")) && !tasks.0.contains_key(&key("c")));
+        assert!(
+            ends(|| old_task.is_finished()).await,
+            "the old slot's task was not ended"
+        );
+        assert!(
+            ends(|| gone_task.is_finished()).await,
+            "the removed slot's task was not ended"
+        );
+    }
+
+    /// A held staple is looked at within a minute, however far its fetch and expiry
+    /// are; without one, the task sleeps until its fetch, at most an hour.
+    #[test]
+    fn a_held_staple_is_looked_at_every_minute() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000_000);
+        let (day, hour) = (Duration::from_secs(86_400), Duration::from_secs(3600));
+        assert_eq!(sleep_for(day, Some(now + 2 * day), now), STAPLE_SLEEP);
+        assert_eq!(
+            sleep_for(Duration::from_secs(7), Some(now + day), now),
+            Duration::from_secs(7)
+        );
+        assert_eq!(
+            sleep_for(day, Some(now + Duration::from_secs(20)), now),
+            Duration::from_secs(20)
+        );
+        assert_eq!(sleep_for(day, Some(now - hour), now), Duration::ZERO);
+        assert_eq!(sleep_for(day, None, now), MAX_SLEEP);
+        assert_eq!(
+            sleep_for(Duration::from_secs(90), None, now),
+            Duration::from_secs(90)
+        );
+    }
+
+    /// Whether `done` turns true within 5 s of yielding to other tasks.
+    async fn ends(done: impl Fn() -> bool) -> bool {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while !done() {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .is_ok()
+    }
+
+    /// A finished task (its slot left the table once) is replaced, even when the
+    /// table holds the same slot again.
+    #[tokio::test]
+    async fn a_finished_task_is_replaced() {
+        let slot = Arc::<CertSlot>::default();
+        let mut tasks = Tasks::default();
+        let handle = tokio::spawn(async {});
+        assert!(ends(|| handle.is_finished()).await, "an empty task did not end");
+        tasks.0.insert(
+            key("a"),
+            Task {
+                slot: slot.clone(),
+                handle,
+            },
+        );
+        let spawn = tasks.unstaffed(vec![(key("a"), slot.clone())]);
+        assert_eq!(spawn.len(), 1);
+        assert!(Arc::ptr_eq(&spawn[0].1, &slot));
     }
 }
