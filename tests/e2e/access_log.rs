@@ -286,7 +286,7 @@ async fn a_client_that_leaves_before_the_upstream_answers_is_logged() {
         &[],
     );
     assert!(
-        tokio::time::timeout(Duration::from_millis(500), fetch)
+        tokio::time::timeout(Duration::from_millis(1500), fetch)
             .await
             .is_err(),
         "the silent upstream answered"
@@ -300,8 +300,10 @@ async fn a_client_that_leaves_before_the_upstream_answers_is_logged() {
     assert_eq!(line["protocol"], "h2", "{line}");
     assert_eq!(line["path"], "/wait", "{line}");
     assert_eq!(line["bytes"], 0, "{line}");
+    // From the request, not the connection: the handshake came first (CI, busy:
+    // 363 ms of a 500 ms wait), so the bound leaves it most of a second.
     assert!(
-        line["duration_ms"].as_f64().is_some_and(|ms| ms >= 400.0),
+        line["duration_ms"].as_f64().is_some_and(|ms| ms >= 700.0),
         "{line}"
     );
     drop(silent);
