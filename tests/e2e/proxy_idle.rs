@@ -340,3 +340,57 @@ async fn a_kept_alive_connection_waits_the_idle_timeout_and_a_slow_head_is_still
     );
     assert_eq!(w.counted(H1_HEADER_TIMEOUT, 1.0), 1.0, "{}", w.server.log());
 }
+
+/// An upload that goes on after the answer came (nginx answers a POST to a static
+/// file 405 at once): the rest of the body, trickled past the header timeout, is
+/// the request's, not the start of a next head, and the connection carries the
+/// next request after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_that_outlasts_its_early_answer_is_not_a_slow_head() {
+    let w = world(
+        "header_read_timeout_secs = 1\nidle_timeout_secs = 30\n",
+        &[("small.txt", b"small body")],
+    );
+    let mut tls = w.connect().await;
+    let piece = [b'x'; 1000];
+    let head = format!("POST /small.txt HTTP/1.1\r\nHost: {HOST}\r\nContent-Length: 8000\r\n\r\n");
+    tls.write_all(head.as_bytes()).await.unwrap();
+    tls.write_all(&piece).await.unwrap();
+    tls.flush().await.unwrap();
+    // The 405 and its end, then the rest of the body over 2.1 s.
+    let answer = read_response(&mut tls, b"</html>\r\n").await;
+    assert!(
+        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 405"),
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    for _ in 0..7 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if tls.write_all(&piece).await.is_err() || tls.flush().await.is_err() {
+            break;
+        }
+    }
+    let get = format!("GET /small.txt HTTP/1.1\r\nHost: {HOST}\r\n\r\n");
+    let _ = tls.write_all(get.as_bytes()).await;
+    let _ = tls.flush().await;
+    let next = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !got.ends_with(b"small body") {
+            match tls.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+        got
+    })
+    .await
+    .unwrap_or_default();
+    assert!(
+        next.ends_with(b"small body"),
+        "the connection did not carry the request after the upload: {:?}; log:\n{}",
+        String::from_utf8_lossy(&next),
+        w.server.log()
+    );
+    assert_eq!(w.counted(H1_HEADER_TIMEOUT, 0.0), 0.0);
+}

@@ -20,9 +20,12 @@
 //! Bytes that arrive without making a request never reset the idle clock. A client
 //! trickling a request head is cut at `header_read_timeout`: over HTTP/2 by the
 //! frame guard (`h2_guard`: GOAWAY PROTOCOL_ERROR for a header block or frame not
-//! complete that long after its first byte), over HTTP/1.1 by hyper's own timer, and
-//! the first HTTP/1.1 head that long after the handshake by [`serve_h1`]'s wait and
-//! [`drive`] (hyper's connection, and so its timer, starts with the first bytes).
+//! complete that long after its first byte), over HTTP/1.1 by [`drive`]: the first
+//! head that long after the handshake (with [`serve_h1`]'s wait: hyper's connection
+//! starts with the first bytes), each later one that long after its first bytes
+//! ([`Since`]; hyper's own header timer is off, since it also cut a kept-alive
+//! connection waiting for its next request). A partial head pipelined behind a
+//! request is bounded by `idle_timeout` instead.
 //! An HTTP/2 client that does not read cannot be sent that GOAWAY: the connection
 //! is dropped [`CLOSE_GRACE`] after the header timeout.
 
@@ -56,8 +59,8 @@ pub(crate) enum HyperError {
     NoPreface,
     #[error("client stopped taking response bytes for longer than the send timeout")]
     Stalled,
-    /// An HTTP/2 header block (the guard's GOAWAY did not end it), or the first
-    /// HTTP/1.1 request head, not complete within the header timeout.
+    /// An HTTP/2 header block (the guard's GOAWAY did not end it), or an HTTP/1.1
+    /// request head, not complete within the header timeout.
     #[error("request head not complete within the header timeout")]
     HeadTimeout,
 }
@@ -249,7 +252,7 @@ struct Clock {
     /// started later than the connection).
     first_head: bool,
     /// Whether every later request head must be complete within
-    /// `header_read_timeout` of its first bytes ([`HeadStart`]; HTTP/1.1).
+    /// `header_read_timeout` of its first bytes ([`Since`]; HTTP/1.1).
     h1_heads: bool,
 }
 
@@ -262,8 +265,9 @@ struct Watch {
     /// activity too.
     started: Arc<AtomicU64>,
     clock: Arc<PullClock>,
-    /// HTTP/1.1: when the next request head began.
-    head: Arc<HeadStart>,
+    /// HTTP/1.1: when the next request head began, and since when writes wait.
+    head: Arc<Since>,
+    write_blocked: Arc<Since>,
 }
 
 impl Watch {
@@ -272,7 +276,8 @@ impl Watch {
             active: Arc::new(AtomicUsize::new(0)),
             started: Arc::new(AtomicU64::new(0)),
             clock: Arc::new(PullClock::default()),
-            head: Arc::new(HeadStart::new()),
+            head: Arc::new(Since::new()),
+            write_blocked: Arc::new(Since::new()),
         }
     }
 }
@@ -380,6 +385,11 @@ where
                 if clock.h1_heads && watch.head.since().is_some_and(|t| now - t >= limits.header_read_timeout) {
                     return Err(HyperError::HeadTimeout);
                 }
+                // A response's last bytes the client does not take (no body left for
+                // the pull clock to see waiting).
+                if clock.h1_heads && watch.write_blocked.since().is_some_and(|t| now - t >= limits.send_timeout) {
+                    return Err(HyperError::Stalled);
+                }
                 if watch.clock.stalled(limits.send_timeout) {
                     return Err(HyperError::Stalled);
                 }
@@ -404,19 +414,24 @@ where
     }
 }
 
-/// When the first bytes of an HTTP/1.1 request head that no request has taken yet
-/// were read (bytes read while no request is in flight: hyper has begun the next
-/// head); cleared when hyper hands a request over. How [`drive`] times later heads
-/// from outside hyper. A pipelined head read during the previous request is not
-/// seen: `idle_timeout` bounds one left unfinished that way.
+/// Since when something has been under way (nothing: 0), shared between a
+/// connection's I/O wrapper and [`drive`]'s check. HTTP/1.1 keeps two: when the
+/// first bytes of a request head that no request has taken yet were read (bytes
+/// read while nothing is in flight, a request or its body: hyper has begun the next
+/// head; cleared when hyper hands a request over), and since when a write has been
+/// refused (the client reads nothing; cleared by the next write that goes through).
+/// How `drive` applies `header_read_timeout` and `send_timeout` between requests,
+/// which hyper's own header timer (off: it cut kept-alive connections) did. A
+/// pipelined head read during the previous request is not seen: `idle_timeout`
+/// bounds one left unfinished that way.
 #[derive(Debug)]
-struct HeadStart {
+struct Since {
     base: tokio::time::Instant,
     /// Nanoseconds since `base`, plus one; 0 for none under way.
     at: AtomicU64,
 }
 
-impl HeadStart {
+impl Since {
     fn new() -> Self {
         Self {
             base: tokio::time::Instant::now(),
@@ -449,9 +464,9 @@ impl HeadStart {
 struct ReadCount<S> {
     inner: S,
     read: Arc<AtomicU64>,
-    /// HTTP/1.1: requests in flight, and where bytes read while there are none mark
-    /// a head's start.
-    heads: Option<(Arc<AtomicUsize>, Arc<HeadStart>)>,
+    /// HTTP/1.1: requests in flight, where bytes read while there are none mark a
+    /// head's start, and where a refused write marks the client not reading.
+    heads: Option<(Arc<AtomicUsize>, Arc<Since>, Arc<Since>)>,
 }
 
 impl<S> ReadCount<S> {
@@ -465,7 +480,11 @@ impl<S> ReadCount<S> {
 
     /// Also marks, in `watch`, when a request head begins between requests.
     fn heads(mut self, watch: &Watch) -> Self {
-        self.heads = Some((watch.active.clone(), watch.head.clone()));
+        self.heads = Some((
+            watch.active.clone(),
+            watch.head.clone(),
+            watch.write_blocked.clone(),
+        ));
         self
     }
 }
@@ -481,10 +500,23 @@ impl<S: AsyncRead + Unpin> AsyncRead for ReadCount<S> {
         let n = (buf.filled().len() - before) as u64;
         if n > 0 {
             self.read.fetch_add(n, Ordering::AcqRel);
-            if let Some((active, head)) = &self.heads {
+            if let Some((active, head, _)) = &self.heads {
                 if active.load(Ordering::Acquire) == 0 {
                     head.mark();
                 }
+            }
+        }
+        polled
+    }
+}
+
+impl<S> ReadCount<S> {
+    /// Notes a write's outcome: refused (the client reads nothing) or through.
+    fn wrote<T>(&self, polled: Poll<T>) -> Poll<T> {
+        if let Some((_, _, blocked)) = &self.heads {
+            match polled {
+                Poll::Pending => blocked.mark(),
+                Poll::Ready(_) => blocked.clear(),
             }
         }
         polled
@@ -497,7 +529,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for ReadCount<S> {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, data)
+        let polled = Pin::new(&mut self.inner).poll_write(cx, data);
+        self.wrote(polled)
     }
 
     fn poll_write_vectored(
@@ -505,7 +538,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for ReadCount<S> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        let polled = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.wrote(polled)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -513,11 +547,45 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for ReadCount<S> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
+        let polled = Pin::new(&mut self.inner).poll_flush(cx);
+        self.wrote(polled)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+/// A request body, counted in flight until it ends or is dropped: what hyper reads
+/// for it after the response went out (an upload the upstream answered early) is
+/// the request's, not the start of a next head.
+#[derive(Debug)]
+struct RequestBody<B> {
+    body: B,
+    in_flight: Option<InFlight>,
+}
+
+impl<B: http_body::Body + Unpin> http_body::Body for RequestBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+            self.in_flight = None;
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -538,6 +606,8 @@ async fn handle(
     }
     let (parts, body) = req.into_parts();
     let head = ctx.head(&parts.method, &parts.uri, parts.version, &parts.headers);
+    let in_flight = (!http_body::Body::is_end_stream(&body)).then(|| InFlight::new(guard.0.clone()));
+    let body = RequestBody { body, in_flight };
     let body = body.map_err(|e| -> BoxError { Box::new(e) }).boxed_unsync();
     let (resp, record) = ctx.handle(&head, body).await;
     into_hyper(resp, Some(record), guard, Some(clock))
