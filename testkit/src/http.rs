@@ -263,7 +263,16 @@ pub async fn read_body<S: Sink>(mut body: Incoming, sink: &mut S) -> Result<(), 
 pub async fn outcome(response: Response<Incoming>) -> Outcome {
     let (parts, body) = response.into_parts();
     let mut got = Collect::default();
-    let error = read_body(body, &mut got).await.err().map(|e| e.to_string());
+    // With its causes: hyper's "error reading a body" says little alone.
+    let error = read_body(body, &mut got).await.err().map(|e| {
+        let mut text = e.to_string();
+        let mut cause = std::error::Error::source(&e);
+        while let Some(c) = cause {
+            text = format!("{text}: {c}");
+            cause = c.source();
+        }
+        text
+    });
     Outcome {
         fetched: got.into_fetched(parts),
         error,
