@@ -68,6 +68,11 @@ pub(crate) struct ConnectionsArgs {
     pub workers: u32,
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
+    /// Each h1 and h2 connection GETs a small file once (read to its end) before it
+    /// goes idle: what a kept-alive connection costs rather than a fresh one.
+    /// HTTP/3 cells are not measured then.
+    #[arg(long)]
+    pub after_request: bool,
     /// CI's check that the scenario works: Webship only (default engines), 1,000
     /// connections, 20 slow downloads, one timed download per measurement.
     #[arg(long)]
@@ -75,6 +80,10 @@ pub(crate) struct ConnectionsArgs {
 }
 
 const FILE: &str = "connections.bin";
+/// What `--after-request` GETs: a small file, so the response leaves no large buffer
+/// behind that a bigger one would not.
+const SMALL_FILE: &str = "connections-small.txt";
+const SMALL_BODY: &[u8] = b"kept alive\n";
 /// After the last connection is up: time for servers to send session tickets and
 /// settle their tasks before memory is read.
 const SETTLE: Duration = Duration::from_secs(2);
@@ -112,6 +121,9 @@ pub(crate) struct HoldArgs {
     /// How long to hold them once all are up.
     #[arg(long, default_value_t = 30)]
     pub secs: u64,
+    /// A path each h1 or h2 connection GETs once before it goes idle.
+    #[arg(long)]
+    pub request: Option<String>,
 }
 
 /// Opens `n` idle connections, holds them `secs`, closes them.
@@ -135,7 +147,7 @@ pub(crate) fn hold(args: &HoldArgs) -> Result<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let (held, took) = idleclient::open(&target, kind, args.n).await?;
+        let (held, took) = idleclient::open(&target, kind, args.n, args.request.as_deref()).await?;
         eprintln!(
             "hold: {} {} connections up in {took:?}; holding {} s",
             held.len(),
@@ -282,6 +294,7 @@ pub(crate) fn measure(args: &ConnectionsArgs) -> Result<Section> {
     data.truncate(usize::try_from(size)?);
     fs::write(stage.root.join(FILE), &data)?;
     drop(data);
+    fs::write(stage.root.join(SMALL_FILE), SMALL_BODY)?;
     let tls = client_config(
         webship_testkit::pki::roots_from_pem(&stage.identity.ca)?,
         rustls::DEFAULT_VERSIONS,
@@ -360,6 +373,13 @@ impl Run<'_> {
                     "h3" => Idle::H3,
                     other => anyhow::bail!("unknown protocol {other:?}; use h1, h2 or h3"),
                 };
+                if self.args.after_request && kind == Idle::H3 {
+                    gaps.push(format!(
+                        "{} {name} h3: --after-request sends requests on h1 and h2 only",
+                        mode.label()
+                    ));
+                    continue;
+                }
                 if let Some(gap) = gap(name, mode, kind) {
                     gaps.push(format!("{} {name} {}: {gap}", mode.label(), kind.label()));
                     continue;
@@ -476,16 +496,23 @@ impl Run<'_> {
         };
         let ms_before = self.timed_downloads(&target, http)?;
         let before = Mem::read(server.pid());
+        let request = format!("/{SMALL_FILE}");
+        let request = self.args.after_request.then_some(request.as_str());
         let (held, took) = self
             .runtime
-            .block_on(idleclient::open(&target, kind, n))
+            .block_on(idleclient::open(&target, kind, n, request))
             .with_context(|| format!("opening {n} {} connections", kind.label()))?;
         self.runtime.block_on(async { tokio::time::sleep(SETTLE).await });
         let after = Mem::read(server.pid());
         let ms_held = self.timed_downloads(&target, http)?;
         ensure!(held.len() == n, "{} of {n} connections held", held.len());
         self.runtime.block_on(held.close());
-        let mut row = Row::new(mode, name, format!("{} idle", kind.label()), n, before, after);
+        let what = if request.is_some() {
+            format!("{} idle after 1 request", kind.label())
+        } else {
+            format!("{} idle", kind.label())
+        };
+        let mut row = Row::new(mode, name, what, n, before, after);
         row.accept_per_s = Some(n as f64 / took.as_secs_f64());
         row.ms_before = ms_before;
         row.ms_held = ms_held;
@@ -655,12 +682,17 @@ fn section(args: &ConnectionsArgs, rows: &[Row], gaps: &[String]) -> Section {
     let _ = writeln!(
         md,
         "Connections at rest: N connections set up and left idle (h1: TLS handshake, no request; \
-         h2: preface and SETTINGS, no stream; h3: QUIC handshake and control streams), and N slow \
+         h2: preface and SETTINGS, no stream; h3: QUIC handshake and control streams; \
+         \"after 1 request\": one GET of an {}-byte file read to its end first), and N slow \
          HTTP/1.1 downloads at {} B/s each; a fresh server per row, {} worker(s). Server RSS is \
          the process tree's VmRSS; kernel socket buffers (/proc/net/sockstat TCP+UDP mem) and slab \
          (/proc/meminfo) are the whole host's, every end of every socket. Download: {} MiB, median \
          of {} with none held and while held.\n",
-        args.slow_rate, args.workers, args.mib, args.samples
+        SMALL_BODY.len(),
+        args.slow_rate,
+        args.workers,
+        args.mib,
+        args.samples
     );
     let _ = writeln!(
         md,

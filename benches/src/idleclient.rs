@@ -99,8 +99,15 @@ pub(crate) struct Target {
 }
 
 /// Opens `n` connections of `kind` to `target`, `IN_FLIGHT` at a time; the held
-/// connections and how long opening all of them took.
-pub(crate) async fn open(target: &Target, kind: Idle, n: usize) -> Result<(Held, Duration)> {
+/// connections and how long opening all of them took. `request`: a path each h1 or
+/// h2 connection GETs once, reading the whole response, before it goes quiet (the
+/// server then holds a kept-alive connection, not a fresh one); HTTP/3 ignores it.
+pub(crate) async fn open(
+    target: &Target,
+    kind: Idle,
+    n: usize,
+    request: Option<&str>,
+) -> Result<(Held, Duration)> {
     let start = Instant::now();
     let gate = Arc::new(Semaphore::new(IN_FLIGHT));
     let mut held = Held::default();
@@ -112,14 +119,13 @@ pub(crate) async fn open(target: &Target, kind: Idle, n: usize) -> Result<(Held,
             for i in 0..n {
                 let permit = Arc::clone(&gate).acquire_owned().await?;
                 let (tls, sni, addr) = (Arc::clone(&tls), target.sni.clone(), target.addr);
+                let request = request.map(str::to_owned);
                 set.spawn(async move {
-                    let opened =
-                        tokio::time::timeout(SETUP_TIMEOUT, open_tcp(addr, source(i), &sni, tls, kind))
-                            .await
-                            .map_err(|_| {
-                                anyhow::anyhow!("connection {i}: setup not done in {SETUP_TIMEOUT:?}")
-                            })
-                            .and_then(|r| r);
+                    let setup = open_tcp(addr, source(i), &sni, tls, kind, request.as_deref());
+                    let opened = tokio::time::timeout(SETUP_TIMEOUT, setup)
+                        .await
+                        .map_err(|_| anyhow::anyhow!("connection {i}: setup not done in {SETUP_TIMEOUT:?}"))
+                        .and_then(|r| r);
                     drop(permit);
                     opened
                 });
@@ -190,13 +196,14 @@ async fn connect_from(addr: SocketAddr, from: Ipv4Addr) -> Result<TcpStream> {
 }
 
 /// One TCP connection through the TLS handshake (and, for h2, the SETTINGS
-/// exchange); only its socket is kept.
+/// exchange), then one GET of `request` if given; only its socket is kept.
 async fn open_tcp(
     addr: SocketAddr,
     from: Ipv4Addr,
     sni: &str,
     tls: Arc<rustls::ClientConfig>,
     kind: Idle,
+    request: Option<&str>,
 ) -> Result<TcpStream> {
     let tcp = connect_from(addr, from).await?;
     let mut stream = webship_testkit::http::tls(tcp, sni, tls)
@@ -205,8 +212,111 @@ async fn open_tcp(
     if kind == Idle::H2 {
         h2_settings(&mut stream).await?;
     }
+    match (kind, request) {
+        (Idle::H1, Some(path)) => h1_get(&mut stream, sni, path).await?,
+        (Idle::H2, Some(path)) => h2_get(&mut stream, sni, path).await?,
+        _ => {}
+    }
     let (tcp, _) = stream.into_inner();
     Ok(tcp)
+}
+
+/// Bytes a response may take before the client gives up on it: the requests are of
+/// a small file.
+const RESPONSE_MAX: usize = 64 << 10;
+
+/// One keep-alive HTTP/1.1 GET, read to the end of its `content-length` body.
+async fn h1_get<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: &mut S,
+    host: &str,
+    path: &str,
+) -> Result<()> {
+    let request = format!("GET {path} HTTP/1.1\r\nhost: {host}\r\n\r\n");
+    stream.write_all(request.as_bytes()).await?;
+    stream.flush().await?;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).await.context("reading the response")?;
+        ensure!(n > 0, "the server closed before the response ended");
+        got.extend_from_slice(&buf[..n]);
+        ensure!(got.len() <= RESPONSE_MAX, "response over {RESPONSE_MAX} bytes");
+        let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+        ensure!(head.starts_with("http/1.1 200"), "no 200 response: {head:?}");
+        let length = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .context("a response without content-length")?;
+        if got.len() >= end + 4 + length {
+            return Ok(());
+        }
+    }
+}
+
+/// One GET on stream 1 of an h2 connection whose SETTINGS are exchanged, read until
+/// the stream ends (HPACK by hand: static-table indices and plain literals).
+async fn h2_get<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    stream: &mut S,
+    host: &str,
+    path: &str,
+) -> Result<()> {
+    const HEADERS: u8 = 1;
+    const END_STREAM: u8 = 1;
+    const END_HEADERS: u8 = 4;
+    ensure!(path.len() < 127 && host.len() < 127, "path or host too long");
+    // :method GET (2), :scheme https (7), :path and :authority as literals on
+    // indexed names (4, 1) without indexing.
+    let mut block = vec![0x82, 0x87, 0x04, path.len() as u8];
+    block.extend_from_slice(path.as_bytes());
+    block.extend_from_slice(&[0x01, host.len() as u8]);
+    block.extend_from_slice(host.as_bytes());
+    let len = block.len();
+    let mut frame = vec![
+        0,
+        (len >> 8) as u8,
+        len as u8,
+        HEADERS,
+        END_STREAM | END_HEADERS,
+        0,
+        0,
+        0,
+        1,
+    ];
+    frame.extend_from_slice(&block);
+    stream.write_all(&frame).await?;
+    stream.flush().await?;
+    let mut total = 0;
+    loop {
+        let mut header = [0u8; 9];
+        stream
+            .read_exact(&mut header)
+            .await
+            .context("reading the response's frames")?;
+        let len = usize::from(header[0]) << 16 | usize::from(header[1]) << 8 | usize::from(header[2]);
+        total += 9 + len;
+        ensure!(total <= RESPONSE_MAX, "response over {RESPONSE_MAX} bytes");
+        let mut payload = vec![0u8; len];
+        stream.read_exact(&mut payload).await?;
+        let on_stream_1 = header[5..9] == [0, 0, 0, 1];
+        // A HEADERS frame without padding or priority starts with :status; 0x88 is
+        // the static table's 200.
+        if header[3] == HEADERS && on_stream_1 && header[4] & 0x28 == 0 {
+            ensure!(payload.first() == Some(&0x88), "h2 response status is not 200");
+        }
+        match header[3] {
+            // RST_STREAM
+            3 if on_stream_1 => bail!("the server reset the request's stream"),
+            // GOAWAY
+            7 => bail!("the server sent GOAWAY"),
+            // DATA or HEADERS ending the stream
+            0 | HEADERS if on_stream_1 && header[4] & END_STREAM != 0 => return Ok(()),
+            _ => {}
+        }
+    }
 }
 
 /// The client preface with empty SETTINGS, then frames until the server's SETTINGS

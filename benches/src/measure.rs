@@ -645,6 +645,7 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 samples: 3,
                 workers: args.workers,
                 cache_dir: Some(cache.join("root")),
+                after_request: false,
                 smoke: false,
             }),
             Scenario::Webtransport => crate::wtbench::measure(&WtBenchArgs {
