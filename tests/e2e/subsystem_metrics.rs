@@ -233,14 +233,7 @@ async fn h3_bodies_reach_quinn_without_a_copy() {
         "{copied} bytes copied for a {len}-byte file: the body was copied"
     );
 
-    let mut h3 = H3Client::connect(
-        server.addr(),
-        proxy_host,
-        &env.client(b"h3"),
-        &H3Options::default(),
-    )
-    .await
-    .unwrap();
+    let mut h3 = h3_client(&env, &server, proxy_host).await;
     let got = h3.fetch("GET", "/up.bin", &[]).await;
     assert_eq!((got.status.as_u16(), got.len), (200, relayed.len() as u64));
     assert!(got.body == relayed, "the relayed body arrived altered");
@@ -274,14 +267,7 @@ async fn h3_small_relayed_chunks_are_copied() {
     let (server, admin) = proxy_with_admin(&env, "", origin.addr);
     let proxy_host = "proxy.test";
     let before = Scrape::take(admin);
-    let mut h3 = H3Client::connect(
-        server.addr(),
-        proxy_host,
-        &env.client(b"h3"),
-        &H3Options::default(),
-    )
-    .await
-    .unwrap();
+    let mut h3 = h3_client(&env, &server, proxy_host).await;
     // 30 frames of 10 bytes, 5 ms apart: each reaches the proxy alone.
     let len = 300;
     let got = h3.fetch("GET", "/slow/300/5/10", &[]).await;
@@ -679,4 +665,11 @@ async fn quic_send_batching_puts_many_connections_in_one_sendmmsg() {
         messages / calls > 1.0,
         "{messages} messages in {calls} sendmmsg calls: no call carried more than one"
     );
+}
+
+/// An HTTP/3 client of `server` for `host`, default options.
+async fn h3_client(env: &Env, server: &Server, host: &str) -> H3Client {
+    H3Client::connect(server.addr(), host, &env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap()
 }

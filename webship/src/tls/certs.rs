@@ -49,6 +49,17 @@ pub(crate) struct SlotKey {
     pub(crate) origin: Origin,
 }
 
+#[cfg(test)]
+impl SlotKey {
+    /// A self-signed site's key, as the tests name slots.
+    pub(crate) fn self_signed(site: &str) -> Self {
+        Self {
+            site: site.into(),
+            origin: Origin::SelfSigned,
+        }
+    }
+}
+
 /// One site's certificate as served now. Empty until a certificate is installed: a
 /// handshake for a site whose slot is empty fails rather than showing another site's
 /// certificate.
@@ -464,10 +475,7 @@ mod tests {
     use super::*;
 
     fn key(site: &str) -> SlotKey {
-        SlotKey {
-            site: site.into(),
-            origin: Origin::SelfSigned,
-        }
+        SlotKey::self_signed(site)
     }
 
     /// Stages `cert` for `key` the way a configuration build does.

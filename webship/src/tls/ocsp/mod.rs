@@ -424,13 +424,9 @@ impl Collector for Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tls::certs::Origin;
 
     fn key(site: &str) -> SlotKey {
-        SlotKey {
-            site: site.into(),
-            origin: Origin::SelfSigned,
-        }
+        SlotKey::self_signed(site)
     }
 
     fn running(slot: &Arc<CertSlot>) -> Task {
