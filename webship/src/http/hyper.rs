@@ -44,7 +44,8 @@ use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-use super::h2_guard::{guard_limits, H2Guard, HeadClock};
+use super::h2_guard::rest::{self, Opening, Waited};
+use super::h2_guard::{guard_limits, GuardLimits, H2Guard, HeadClock};
 use super::WriteBatch;
 use crate::exchange::{ConnContext, PullClock, Record, ResponseBody};
 use crate::files::cursor::STREAM_CHUNK;
@@ -55,6 +56,9 @@ use crate::message::{BoxError, Response};
 pub(crate) enum HyperError {
     #[error("hyper: {0}")]
     Hyper(#[from] hyper::Error),
+    /// Reading or writing an HTTP/2 connection at rest.
+    #[error("connection: {0}")]
+    Io(std::io::Error),
     #[error("no HTTP/2 connection preface within the handshake timeout")]
     NoPreface,
     #[error("client stopped taking response bytes for longer than the send timeout")]
@@ -74,21 +78,45 @@ const PREFACE_BYTES: u64 = 24 + 9;
 /// Serves one HTTP/2 connection until the client closes it, it idles out, or
 /// shutdown is requested (then GOAWAY and the open streams finish).
 ///
-/// The setup runs before the future is made: the future holds the connection and
-/// what drives it, not the builder and a second copy of the stream argument
-/// (the same for `serve_h1`).
+/// The connection rests ([`rest`]: the handshake answered, nothing of hyper's built)
+/// until the client sends what h2 must answer, usually its first request; then
+/// hyper's connection is built, boxed, and reads from the first byte the client sent.
 pub(crate) fn serve_h2(
     mut stream: RustlsStream,
     ctx: ConnContext,
 ) -> impl Future<Output = Result<(), HyperError>> {
     // HTTP/2 never moves to kernel TLS: let rustls read whole socket buffers.
     stream.get_mut().0.unbound();
+    // Boxed: the rest holds a pointer, and hyper's connection takes the box.
+    let mut stream = Box::new(stream);
+    async move {
+        let start = tokio::time::Instant::now();
+        let guarded = guard_limits(&ctx);
+        let opening = match rest::wait(&mut stream, guarded.settings_frame(), &ctx, start).await {
+            Waited::Open(opening) => opening,
+            Waited::Closed => return Ok(()),
+            Waited::NoPreface => return Err(HyperError::NoPreface),
+            Waited::Stalled => return Err(HyperError::Stalled),
+            Waited::Io(e) => return Err(HyperError::Io(e)),
+        };
+        Box::pin(serve_h2_now(stream, ctx, guarded, opening, start)).await
+    }
+}
+
+/// hyper's HTTP/2 connection over `stream`, which rested until now (`opening`: what
+/// it read and answered then); `start`: when the handshake completed.
+async fn serve_h2_now(
+    stream: Box<RustlsStream>,
+    ctx: ConnContext,
+    guarded: GuardLimits,
+    mut opening: Opening,
+    start: tokio::time::Instant,
+) -> Result<(), HyperError> {
     let settings = ctx.h2;
     let limits = ctx.limits;
     let mut builder = http2::Builder::new(TokioExecutor::new());
     // Window, frame, stream, header and send-buffer limits (lower on proxy sites),
     // and the stream errors h2 answers per connection: the guard judges by the same.
-    let guarded = guard_limits(&ctx);
     guarded.configure(&mut builder);
     builder
         .timer(TokioTimer::new())
@@ -99,30 +127,27 @@ pub(crate) fn serve_h2(
         .max_pending_accept_reset_streams(20)
         .keep_alive_interval(Some(limits.idle_timeout / 2))
         .keep_alive_timeout(Duration::from_secs(20));
-    if ctx.service.webtransport_h2() {
-        // RFC 8441 extended CONNECT, which WebTransport over HTTP/2 opens sessions with.
-        builder.enable_connect_protocol();
-    }
     let watch = Watch::new();
     let read = Arc::new(AtomicU64::new(0));
-    let stream = ReadCount::new(stream, read.clone());
+    let stream = ReadCount::new(opening.replay(stream), read.clone());
     let io = WriteBatch::new(stream, settings.tls_write_buffer_bytes);
     let guard = H2Guard::new(io, guarded);
     let head = guard.head_clock();
-    let conn = builder.serve_connection(TokioIo::new(guard), service(&ctx, &watch));
-    async move {
-        tokio::pin!(conn);
-        let h2 = H2Watch {
-            preface: &read,
-            head: &head,
-        };
-        let clock = Clock {
-            start: tokio::time::Instant::now(),
-            first_head: false,
-            h1_heads: false,
-        };
-        drive(conn, |c| c.graceful_shutdown(), &watch, Some(h2), &ctx, clock).await
-    }
+    let io = opening.answered(guard);
+    let conn = builder.serve_connection(TokioIo::new(io), service(&ctx, &watch));
+    tokio::pin!(conn);
+    let h2 = H2Watch {
+        preface: &read,
+        head: &head,
+    };
+    let clock = Clock {
+        start,
+        // Something that opens a rested connection is usually its first request.
+        idle_from: tokio::time::Instant::now(),
+        first_head: false,
+        h1_heads: false,
+    };
+    drive(conn, |c| c.graceful_shutdown(), &watch, Some(h2), &ctx, clock).await
 }
 
 /// Serves HTTP/1.1 through hyper, for connections whose certificate names a proxy
@@ -235,6 +260,7 @@ async fn serve_h1_now(
     tokio::pin!(conn);
     let clock = Clock {
         start,
+        idle_from: start,
         first_head: true,
         h1_heads: true,
     };
@@ -244,9 +270,11 @@ async fn serve_h1_now(
 /// Where [`drive`]'s clocks start.
 #[derive(Debug, Clone, Copy)]
 struct Clock {
-    /// The connection's start (the handshake's end): the idle clock, the HTTP/2
-    /// preface's and the first HTTP/1.1 head's deadlines count from here.
+    /// The connection's start (the handshake's end): the HTTP/2 preface's and the
+    /// first HTTP/1.1 head's deadlines count from here.
     start: tokio::time::Instant,
+    /// Where the idle clock starts.
+    idle_from: tokio::time::Instant,
     /// Whether the first request head must be complete within `header_read_timeout`
     /// of `start` (HTTP/1.1 built after the first bytes: hyper's own header timer
     /// started later than the connection).
@@ -350,7 +378,7 @@ where
         .min(limits.header_read_timeout);
     let mut check =
         tokio::time::interval((shortest / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)));
-    let mut idle_since = start;
+    let mut idle_since = clock.idle_from;
     let mut seen = 0;
     let mut preface = h2.map(|h2| h2.preface);
     let mut closing = false;

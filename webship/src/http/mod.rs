@@ -57,6 +57,7 @@ impl ConnError {
             ConnError::Hyper(hyper::HyperError::Stalled) => Close::SendTimeout,
             ConnError::Hyper(hyper::HyperError::HeadTimeout) => Close::HeaderTimeout,
             ConnError::Hyper(hyper::HyperError::NoPreface) => Close::HandshakeTimeout,
+            ConnError::Hyper(hyper::HyperError::Io(e)) => io(e),
             ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_timeout() => Close::HeaderTimeout,
             ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_parse() => Close::ProtocolError,
             ConnError::Hyper(hyper::HyperError::Hyper(e)) if e.is_incomplete_message() || e.is_closed() => {

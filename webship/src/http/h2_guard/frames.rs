@@ -24,6 +24,7 @@ pub(super) const END_HEADERS: u8 = 0x4;
 pub(super) const PADDED: u8 = 0x8;
 pub(super) const PRIORITY_FLAG: u8 = 0x20;
 
+pub(super) const NO_ERROR: u32 = 0x0;
 pub(super) const PROTOCOL_ERROR: u32 = 0x1;
 pub(super) const FLOW_CONTROL_ERROR: u32 = 0x3;
 pub(super) const STREAM_CLOSED: u32 = 0x5;
@@ -31,6 +32,15 @@ pub(super) const FRAME_SIZE_ERROR: u32 = 0x6;
 pub(super) const CANCEL: u32 = 0x8;
 pub(super) const COMPRESSION_ERROR: u32 = 0x9;
 pub(super) const ENHANCE_YOUR_CALM: u32 = 0xb;
+
+/// SETTINGS identifiers (RFC 9113 §6.5.2, RFC 8441 §3).
+pub(super) const SETTINGS_HEADER_TABLE_SIZE: u16 = 0x1;
+pub(super) const SETTINGS_ENABLE_PUSH: u16 = 0x2;
+pub(super) const SETTINGS_MAX_CONCURRENT_STREAMS: u16 = 0x3;
+pub(super) const SETTINGS_INITIAL_WINDOW_SIZE: u16 = 0x4;
+pub(super) const SETTINGS_MAX_FRAME_SIZE: u16 = 0x5;
+pub(super) const SETTINGS_MAX_HEADER_LIST_SIZE: u16 = 0x6;
+pub(super) const SETTINGS_ENABLE_CONNECT_PROTOCOL: u16 = 0x8;
 
 /// RFC 9113 §6.9.1: the largest flow-control window.
 pub(super) const MAX_WINDOW: i64 = (1 << 31) - 1;
@@ -127,6 +137,21 @@ pub(super) fn parse_header(h: &[u8; HEADER_LEN]) -> OutFrame {
         flags: h[4],
         stream: u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff,
     }
+}
+
+/// The connection error a SETTINGS payload's values call for (RFC 9113 §6.5.2), if
+/// any; its length must be a multiple of 6. Unknown identifiers are ignored.
+pub(super) fn settings_error(payload: &[u8]) -> Option<u32> {
+    payload.chunks_exact(6).find_map(|setting| {
+        let id = u16::from_be_bytes([setting[0], setting[1]]);
+        let value = u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]]);
+        match id {
+            SETTINGS_ENABLE_PUSH => (value > 1).then_some(PROTOCOL_ERROR),
+            SETTINGS_INITIAL_WINDOW_SIZE => (i64::from(value) > MAX_WINDOW).then_some(FLOW_CONTROL_ERROR),
+            SETTINGS_MAX_FRAME_SIZE => (!(16_384..=16_777_215).contains(&value)).then_some(PROTOCOL_ERROR),
+            _ => None,
+        }
+    })
 }
 
 /// Appends a frame to `out` (nothing allocated beyond `out`'s own growth).

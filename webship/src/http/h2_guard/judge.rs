@@ -296,18 +296,8 @@ impl<S> H2Guard<S> {
         if !f.len.is_multiple_of(6) {
             return Verdict::Connection(FRAME_SIZE_ERROR);
         }
-        for setting in payload.chunks_exact(6) {
-            let id = u16::from_be_bytes([setting[0], setting[1]]);
-            let value = u32::from_be_bytes([setting[2], setting[3], setting[4], setting[5]]);
-            let bad = match id {
-                0x2 => (value > 1).then_some(PROTOCOL_ERROR),
-                0x4 => (i64::from(value) > MAX_WINDOW).then_some(FLOW_CONTROL_ERROR),
-                0x5 => (!(16_384..=16_777_215).contains(&value)).then_some(PROTOCOL_ERROR),
-                _ => None,
-            };
-            if let Some(code) = bad {
-                return Verdict::Connection(code);
-            }
+        if let Some(code) = settings_error(payload) {
+            return Verdict::Connection(code);
         }
         Verdict::Pass
     }
@@ -515,6 +505,7 @@ mod tests {
                 max_header_bytes: 32 * 1024,
                 max_concurrent_streams: 100,
                 header_timeout: Duration::from_secs(2),
+                connect_protocol: false,
                 header_table_size: HEADER_TABLE_SIZE,
                 max_send_buffer: 1 << 20,
                 max_local_error_resets: 1024,

@@ -47,6 +47,7 @@
 
 mod frames;
 mod judge;
+pub(crate) mod rest;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -90,6 +91,9 @@ pub(crate) struct GuardLimits {
     /// Stream errors the server may answer on one connection before it ends it
     /// with GOAWAY ENHANCE_YOUR_CALM: h2 counts its own, the guard its own.
     pub(crate) max_local_error_resets: usize,
+    /// SETTINGS_ENABLE_CONNECT_PROTOCOL (RFC 8441): WebTransport over HTTP/2 opens
+    /// its sessions with extended CONNECT.
+    pub(crate) connect_protocol: bool,
 }
 
 /// h2's default stream errors per connection (stated, so the guard counts the same).
@@ -107,6 +111,7 @@ pub(crate) fn guard_limits(ctx: &crate::exchange::ConnContext) -> GuardLimits {
         max_send_buffer: h2.max_send_buffer_bytes,
         max_local_error_resets: MAX_LOCAL_ERROR_RESETS,
         header_timeout: ctx.limits.header_read_timeout,
+        connect_protocol: ctx.service.webtransport_h2(),
     };
     // A proxy site's streams relay upstream bodies: the proxy budget bounds them, and
     // the connection's total (`proxy_h2_tls_connection_send_buffer_bytes`) caps how
@@ -133,6 +138,36 @@ impl GuardLimits {
             .max_header_list_size(u32::try_from(self.max_header_bytes).unwrap_or(u32::MAX))
             .header_table_size(self.header_table_size)
             .max_local_error_reset_streams(self.max_local_error_resets);
+        if self.connect_protocol {
+            builder.enable_connect_protocol();
+        }
+    }
+
+    /// The SETTINGS frame h2 sends first for these limits (the values
+    /// [`GuardLimits::configure`] gives hyper, in h2's order): what a connection at
+    /// rest ([`rest`]) sends in h2's place.
+    pub(crate) fn settings_frame(&self) -> Vec<u8> {
+        use frames::*;
+        let mut values = vec![
+            (SETTINGS_HEADER_TABLE_SIZE, self.header_table_size),
+            (SETTINGS_MAX_CONCURRENT_STREAMS, self.max_concurrent_streams),
+            (SETTINGS_INITIAL_WINDOW_SIZE, self.stream_window),
+            (SETTINGS_MAX_FRAME_SIZE, self.max_frame_size),
+            (
+                SETTINGS_MAX_HEADER_LIST_SIZE,
+                u32::try_from(self.max_header_bytes).unwrap_or(u32::MAX),
+            ),
+        ];
+        if self.connect_protocol {
+            values.push((SETTINGS_ENABLE_CONNECT_PROTOCOL, 1));
+        }
+        let payload: Vec<u8> = values
+            .iter()
+            .flat_map(|(id, value)| id.to_be_bytes().into_iter().chain(value.to_be_bytes()))
+            .collect();
+        let mut frame = Vec::with_capacity(HEADER_LEN + payload.len());
+        put_frame(&mut frame, SETTINGS, 0, 0, &payload);
+        frame
     }
 }
 
@@ -554,6 +589,7 @@ mod tests {
                 max_send_buffer: 1 << 20,
                 max_local_error_resets: usize::MAX,
                 header_timeout: Duration::from_secs(60),
+                connect_protocol: false,
             },
         );
         let mut cx = Context::from_waker(Waker::noop());
