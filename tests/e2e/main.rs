@@ -12,6 +12,7 @@ mod files;
 mod h2;
 mod h2_conformance;
 mod h2_floods;
+mod h2_rest;
 mod h3;
 mod h3_conformance;
 mod h3_sockets;
