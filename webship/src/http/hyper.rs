@@ -11,6 +11,10 @@
 //! window holds two 16 KiB reads (the body ramps its reads up with what the client
 //! takes: `exchange::body`).
 //!
+//! An HTTP/2 connection rests until its first request (`h2_guard::rest`: the
+//! handshake answered, none of hyper's connection built), and an HTTP/1.1 one until
+//! its first bytes ([`serve_h1`]).
+//!
 //! Time, for both protocols ([`drive`]): an HTTP/2 client must send its connection
 //! preface and first SETTINGS frame header within `handshake_timeout`; a connection
 //! with no request in flight for `idle_timeout` is closed gracefully (GOAWAY), and

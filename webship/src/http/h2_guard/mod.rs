@@ -36,6 +36,10 @@
 //! frame, so both sides forget the stream. Header blocks always reach h2, so its
 //! HPACK table stays in step with the client's.
 //!
+//! The guard is built with hyper's connection, once the connection's rest ends
+//! ([`rest`]: until its first request a connection holds only what its client's
+//! handshake sent).
+//!
 //! Memory: one frame of input (up to our SETTINGS_MAX_FRAME_SIZE; DATA payloads
 //! are streamed through, never buffered), one header block (capped), a table of
 //! open streams (h2 caps those with SETTINGS_MAX_CONCURRENT_STREAMS; the guard
