@@ -69,7 +69,9 @@ async fn a_connection_at_rest_answers_its_handshake_once_and_serves_later_reques
     conn.send(&window_update(0, 15 << 20)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     for stream in [1, 3] {
-        conn.send(&headers(stream, &get("/rest.txt"), true)).await.unwrap();
+        conn.send(&headers(stream, &get("/rest.txt"), true))
+            .await
+            .unwrap();
         assert!(
             conn.until_stream_end(stream, Duration::from_secs(10)).await,
             "stream {stream}: {:?}\n{}",
@@ -79,7 +81,10 @@ async fn a_connection_at_rest_answers_its_handshake_once_and_serves_later_reques
         assert_eq!(conn.status(stream), Some(200));
         assert_eq!(body(&conn, stream), BODY);
     }
-    assert!(conn.ping_pong(Duration::from_secs(5)).await, "PING after the rest");
+    assert!(
+        conn.ping_pong(Duration::from_secs(5)).await,
+        "PING after the rest"
+    );
     assert_eq!(settings_frames(&conn), (1, 1), "frames: {:?}", conn.seen);
 
     let mut second = rested(&env, &server).await;
@@ -88,7 +93,11 @@ async fn a_connection_at_rest_answers_its_handshake_once_and_serves_later_reques
         .await
         .unwrap();
     second.send(&headers(1, &get("/rest.txt"), true)).await.unwrap();
-    assert!(second.until_stream_end(1, Duration::from_secs(10)).await, "{:?}", second.seen);
+    assert!(
+        second.until_stream_end(1, Duration::from_secs(10)).await,
+        "{:?}",
+        second.seen
+    );
     assert_eq!(body(&second, 1), BODY);
     assert_eq!(settings_frames(&second), (1, 2), "frames: {:?}", second.seen);
 }
@@ -118,7 +127,10 @@ async fn a_connection_at_rest_is_closed_with_goaway_at_the_idle_timeout() {
         (Duration::from_millis(800)..Duration::from_secs(4)).contains(&took),
         "GOAWAY after {took:?} (idle timeout 1 s)"
     );
-    assert!(conn.closes_within(Duration::from_secs(5)).await, "closed after the GOAWAY");
+    assert!(
+        conn.closes_within(Duration::from_secs(5)).await,
+        "closed after the GOAWAY"
+    );
 }
 
 /// Reads until `stream` ends (true), through the drain's first GOAWAY (which names
@@ -127,11 +139,16 @@ async fn a_connection_at_rest_is_closed_with_goaway_at_the_idle_timeout() {
 async fn served_through_the_drain(conn: &mut H2Raw, stream: u32) -> bool {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while let Ok(Some(f)) = conn.read_frame(deadline).await {
-        let last = f.payload.get(..4).map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) & 0x7fff_ffff);
+        let last = f
+            .payload
+            .get(..4)
+            .map(|b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]) & 0x7fff_ffff);
         match f.kind {
             kind::GOAWAY if last.is_some_and(|last| last < stream) => return false,
             kind::RST_STREAM if f.stream == stream => return false,
-            kind::DATA | kind::HEADERS if f.stream == stream && f.flags & flag::END_STREAM != 0 => return true,
+            kind::DATA | kind::HEADERS if f.stream == stream && f.flags & flag::END_STREAM != 0 => {
+                return true
+            }
             _ => {}
         }
     }
@@ -178,5 +195,9 @@ async fn the_drain_closes_connections_at_rest_and_answers_a_request_just_after_i
     );
     let exited = server.wait_exit(Duration::from_secs(10));
     assert!(exited.is_some_and(|s| s.success()), "{}", server.log());
-    assert!(since.elapsed() < Duration::from_secs(8), "exit took {:?}", since.elapsed());
+    assert!(
+        since.elapsed() < Duration::from_secs(8),
+        "exit took {:?}",
+        since.elapsed()
+    );
 }

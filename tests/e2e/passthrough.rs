@@ -688,7 +688,13 @@ async fn a_client_that_half_closed_before_the_link_is_still_relayed() {
     let mut copied = false;
     for _ in 0..10 {
         let (origin, task) = half_closing_origin(hello.len(), b"answer".to_vec()).await;
-        let front = Server::start(env.dir.path(), &passthrough_only(origin, "sockmap"));
+        let (admin_toml, admin) = crate::subsystem_metrics::admin();
+        let config = format!(
+            "{}
+{admin_toml}",
+            passthrough_only(origin, "sockmap")
+        );
+        let front = Server::start(env.dir.path(), &config);
         let mut tcp = TcpStream::connect(front.addr()).await.unwrap();
         tcp.write_all(&sent).await.unwrap();
         tcp.shutdown().await.unwrap();
@@ -712,10 +718,14 @@ async fn a_client_that_half_closed_before_the_link_is_still_relayed() {
         );
         drop(tcp);
         assert_nothing_left(&front, origin, "sockmap");
+        let fallbacks = crate::subsystem_metrics::Scrape::take(admin)
+            .get("webship_passthrough_sockmap_fallbacks_total{reason=\"unlinkable\"}");
         if front.log().contains("sockmap: cannot link, relayed by copy") {
+            assert_eq!(fallbacks, Some(1.0), "the fallback is counted");
             copied = true;
             break;
         }
+        assert_eq!(fallbacks, Some(0.0), "log:\n{}", front.log());
     }
     assert!(copied, "every try was linked before the client's FIN arrived");
 }

@@ -21,6 +21,8 @@
 pub mod client_hello;
 pub(crate) mod idle;
 mod sockmap;
+
+pub(crate) use sockmap::fallbacks as sockmap_fallbacks;
 mod splice;
 pub(crate) mod udp;
 

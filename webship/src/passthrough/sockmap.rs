@@ -40,6 +40,7 @@
 //! the daemon's write to the dead peer ends the connection.
 
 use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -48,6 +49,20 @@ use tokio::net::TcpStream;
 use super::{count, write_all, Counter};
 use crate::ebpf::{Programs, SocketLink};
 use crate::sys::{self, TcpBytes};
+
+/// Connections the engine could not link and relayed by copy, by why: neither
+/// socket could be linked (one already half-closed, or the map is full), or the
+/// upstream alone was refused.
+static FALLBACKS: [AtomicU64; 2] = [AtomicU64::new(0), AtomicU64::new(0)];
+
+/// Why a connection was relayed by copy instead of linked: the label of
+/// `webship_passthrough_sockmap_fallbacks_total`, and its count so far.
+pub(crate) fn fallbacks() -> [(&'static str, u64); 2] {
+    [
+        ("unlinkable", FALLBACKS[0].load(Ordering::Relaxed)),
+        ("upstream_refused", FALLBACKS[1].load(Ordering::Relaxed)),
+    ]
+}
 
 /// Userspace read size for the rare bytes the kernel did not redirect.
 const FALLBACK_BUFFER: usize = 64 * 1024;
@@ -93,11 +108,13 @@ pub(super) async fn run(
     let link = match programs.link(client.as_fd(), upstream.as_fd()) {
         Ok(link) => link,
         Err(e) => {
+            FALLBACKS[0].fetch_add(1, Ordering::Relaxed);
             tracing::debug!(error = %e, "sockmap: cannot link, relayed by copy");
             return super::copy(client, upstream).await;
         }
     };
     if let Some(e) = link.refused() {
+        FALLBACKS[1].fetch_add(1, Ordering::Relaxed);
         tracing::debug!(error = %e, "sockmap: cannot link the upstream, relayed by copy");
         // `link` lives to the end of this function, past the copy: what the
         // client sent meanwhile waits in its map entry, which unlinking discards.

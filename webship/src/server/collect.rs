@@ -255,6 +255,14 @@ impl Collector for PassthroughEngines {
                 "Sockets the sockmap engine has linked now (two per connection).",
             )
             .sample(&[], p.linked_sockets());
+            let family = out.family(
+                "webship_passthrough_sockmap_fallbacks",
+                Kind::Counter,
+                "Connections the sockmap engine could not link and relayed by copy (unlinkable: a socket already half-closed or the map full; upstream_refused).",
+            );
+            for (reason, n) in crate::passthrough::sockmap_fallbacks() {
+                family.sample(&[("reason", reason)], n);
+            }
         }
     }
 }

@@ -272,7 +272,11 @@ pub(crate) struct Replay<S> {
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Replay<S> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         if self.at < self.input.len() {
             let n = buf.remaining().min(self.input.len() - self.at);
             buf.put_slice(&self.input[self.at..self.at + n]);
@@ -425,7 +429,11 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Answered<S> {
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for Answered<S> {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         Pin::new(&mut self.inner).poll_read(cx, buf)
     }
 }
@@ -467,7 +475,9 @@ mod tests {
                 .keep_alive_interval(Some(Duration::from_secs(30)))
                 .keep_alive_timeout(Duration::from_secs(20));
             let service = hyper::service::service_fn(|_req| async {
-                Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
+                Ok::<_, std::convert::Infallible>(http::Response::new(
+                    http_body_util::Empty::<bytes::Bytes>::new(),
+                ))
             });
             let conn = tokio::spawn(builder.serve_connection(TokioIo::new(server), service));
             let ours = limits.settings_frame();
@@ -483,7 +493,12 @@ mod tests {
 
     fn preface(extra: &[Vec<u8>]) -> Vec<u8> {
         let mut input = PREFACE.to_vec();
-        input.extend(frame_bytes(SETTINGS, 0, 0, &[0, 4, 0, 0x10, 0, 0, 0, 2, 0, 0, 0, 0]));
+        input.extend(frame_bytes(
+            SETTINGS,
+            0,
+            0,
+            &[0, 4, 0, 0x10, 0, 0, 0, 2, 0, 0, 0, 0],
+        ));
         for frame in extra {
             input.extend_from_slice(frame);
         }
@@ -534,7 +549,12 @@ mod tests {
         let mut no_settings = PREFACE.to_vec();
         no_settings.extend(window_update(0, 10));
         assert_eq!(judge(&no_settings), Rest::Open);
-        for bad in [&[0, 2, 0, 0, 0, 2][..], &[0, 4, 0x80, 0, 0, 0], &[0, 5, 0, 0, 0, 1], &[0, 1, 0]] {
+        for bad in [
+            &[0, 2, 0, 0, 0, 2][..],
+            &[0, 4, 0x80, 0, 0, 0],
+            &[0, 5, 0, 0, 0, 1],
+            &[0, 1, 0],
+        ] {
             let mut input = PREFACE.to_vec();
             input.extend(frame_bytes(SETTINGS, 0, 0, bad));
             assert_eq!(judge(&input), Rest::Open, "{bad:?}");
@@ -574,7 +594,10 @@ mod tests {
             acked,
             settings: settings.to_vec(),
         };
-        let mut answered = opening.answered(Sink { out: Vec::new(), room });
+        let mut answered = opening.answered(Sink {
+            out: Vec::new(),
+            room,
+        });
         let mut cx = Context::from_waker(Waker::noop());
         let mut at = 0;
         while at < output.len() {
@@ -598,7 +621,14 @@ mod tests {
         let ack = frame_bytes(SETTINGS, ACK, 0, &[]);
         let update = window_update(0, 1 << 20);
         let headers = frame_bytes(HEADERS, 0x4, 1, &[0x88; 40]);
-        let h2 = [settings.clone(), update.clone(), ack.clone(), headers.clone(), ack.clone()].concat();
+        let h2 = [
+            settings.clone(),
+            update.clone(),
+            ack.clone(),
+            headers.clone(),
+            ack.clone(),
+        ]
+        .concat();
         for piece in [1, 2, 7, 9, 10, 64, 1000] {
             for room in [1, 3, 9, 1000] {
                 let unacked = answer(&settings, false, &h2, piece, room).unwrap();
