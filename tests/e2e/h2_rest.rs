@@ -14,6 +14,9 @@ use webship_testkit::h2raw::{block, code, flag, frame, headers, kind, setting, w
 use crate::support::{Env, HOST};
 
 const BODY: &[u8] = b"served after a rest\n";
+/// Larger than the connection's default window (64 KiB): served whole only if the
+/// WINDOW_UPDATE sent at rest took effect.
+const LARGE: usize = 300 * 1024;
 
 fn get(path: &str) -> Vec<u8> {
     block(&[
@@ -26,6 +29,7 @@ fn get(path: &str) -> Vec<u8> {
 
 fn start(env: &Env, limits: &str) -> webship_tests::Server {
     env.write("rest.txt", BODY);
+    env.write("large.bin", &crate::support::pattern(LARGE));
     env.start(&format!("[limits]\n{limits}\n"))
 }
 
@@ -56,7 +60,8 @@ fn settings_frames(conn: &H2Raw) -> (usize, usize) {
 }
 
 /// A client that finishes its handshake and then waits is answered at once, and
-/// its later requests are served over the same connection with the same settings:
+/// its later requests are served over the same connection with the settings and
+/// window it sent at rest (two 300 KiB bodies need its WINDOW_UPDATE):
 /// the server's SETTINGS and its acknowledgement of the client's come once each
 /// (what was sent at rest is not repeated by h2). A second SETTINGS from the client
 /// at rest opens the connection and is acknowledged too.
@@ -69,17 +74,23 @@ async fn a_connection_at_rest_answers_its_handshake_once_and_serves_later_reques
     conn.send(&window_update(0, 15 << 20)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     for stream in [1, 3] {
-        conn.send(&headers(stream, &get("/rest.txt"), true))
+        conn.send(&headers(stream, &get("/large.bin"), true))
             .await
             .unwrap();
         assert!(
             conn.until_stream_end(stream, Duration::from_secs(10)).await,
             "stream {stream}: {:?}\n{}",
-            conn.seen,
+            conn.seen
+                .iter()
+                .map(|f| (f.kind, f.stream, f.payload.len()))
+                .collect::<Vec<_>>(),
             server.log()
         );
         assert_eq!(conn.status(stream), Some(200));
-        assert_eq!(body(&conn, stream), BODY);
+        assert!(
+            body(&conn, stream) == crate::support::pattern(LARGE),
+            "stream {stream}'s body"
+        );
     }
     assert!(
         conn.ping_pong(Duration::from_secs(5)).await,
@@ -199,5 +210,74 @@ async fn the_drain_closes_connections_at_rest_and_answers_a_request_just_after_i
         since.elapsed() < Duration::from_secs(8),
         "exit took {:?}",
         since.elapsed()
+    );
+}
+
+/// The client's SETTINGS, read at rest, bind h2 once the connection opens: with an
+/// initial stream window of 100 bytes, exactly 100 bytes of a large body come, and
+/// no more until the client grants more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_settings_a_client_sent_at_rest_bind_the_server() {
+    let env = Env::new();
+    let server = start(&env, "idle_timeout_secs = 30");
+    let mut conn = H2Raw::connect(server.addr(), HOST, &env.client(b"h2"))
+        .await
+        .unwrap();
+    conn.handshake(&[(setting::INITIAL_WINDOW_SIZE, 100)], Duration::from_secs(5))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    conn.send(&headers(1, &get("/large.bin"), true)).await.unwrap();
+    assert!(
+        !conn.until_stream_end(1, Duration::from_millis(1500)).await,
+        "the body did not wait for the window"
+    );
+    assert_eq!(conn.status(1), Some(200));
+    assert_eq!(body(&conn, 1).len(), 100, "DATA within a 100-byte window");
+}
+
+/// A frame left incomplete at rest opens the connection, and the guard's header
+/// timeout ends it (GOAWAY PROTOCOL_ERROR) as on a connection that never rested; a
+/// client whose preface stops after the magic is dropped at the handshake timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfinished_frame_or_preface_at_rest_is_cut_in_time() {
+    let env = Env::new();
+    let server = start(
+        &env,
+        "handshake_timeout_secs = 2\nheader_read_timeout_secs = 2\nidle_timeout_secs = 30",
+    );
+    let mut partial = rested(&env, &server).await;
+    let since = Instant::now();
+    partial.send(&window_update(0, 1000)[..6]).await.unwrap();
+    let end = partial.until_end(Duration::from_secs(8)).await;
+    assert!(
+        matches!(
+            end,
+            End::GoAway {
+                code: code::PROTOCOL_ERROR,
+                ..
+            }
+        ),
+        "{end}"
+    );
+    let took = since.elapsed();
+    assert!(
+        (Duration::from_millis(1500)..Duration::from_secs(6)).contains(&took),
+        "GOAWAY {took:?} after a partial frame (header timeout 2 s)"
+    );
+
+    let mut magic_only = H2Raw::connect(server.addr(), HOST, &env.client(b"h2"))
+        .await
+        .unwrap();
+    let since = Instant::now();
+    magic_only.send(webship_testkit::h2raw::PREFACE).await.unwrap();
+    assert!(
+        magic_only.closes_within(Duration::from_secs(8)).await,
+        "a preface without SETTINGS is closed"
+    );
+    let took = since.elapsed();
+    assert!(
+        (Duration::from_millis(1500)..Duration::from_secs(6)).contains(&took),
+        "closed {took:?} after the magic (handshake timeout 2 s)"
     );
 }

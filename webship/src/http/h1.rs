@@ -31,8 +31,6 @@ use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
 use crate::message::Response;
 use crate::sys;
 
-use super::FIRST_REQUEST_GRACE;
-
 /// Most headers one request may carry.
 const MAX_HEADERS: usize = 100;
 /// A request body up to this size (on GET/HEAD) is read and dropped to keep the
@@ -187,9 +185,10 @@ impl Conn {
             let next = tokio::select! {
                 next = self.read_request(stream) => next?,
                 () = async {
-                    shutdown.requested().await;
                     if wait_first {
-                        tokio::time::sleep(FIRST_REQUEST_GRACE).await;
+                        super::drain_grace_over(&mut shutdown).await;
+                    } else {
+                        shutdown.requested().await;
                     }
                 }, if idle => Next::Close,
             };

@@ -48,9 +48,10 @@ use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-use super::h2_guard::rest::{self, Opening, Waited};
+use super::h2_guard::handshake::Opening;
 use super::h2_guard::{guard_limits, GuardLimits, H2Guard, HeadClock};
-use super::WriteBatch;
+use super::rest::{self, FirstBytes, Waited};
+use super::{WriteBatch, CLOSE_GRACE};
 use crate::exchange::{ConnContext, PullClock, Record, ResponseBody};
 use crate::files::cursor::STREAM_CHUNK;
 use crate::ktls::RustlsStream;
@@ -61,7 +62,7 @@ pub(crate) enum HyperError {
     #[error("hyper: {0}")]
     Hyper(#[from] hyper::Error),
     /// Reading or writing an HTTP/2 connection at rest.
-    #[error("connection: {0}")]
+    #[error("HTTP/2 connection at rest: {0}")]
     Io(std::io::Error),
     #[error("no HTTP/2 connection preface within the handshake timeout")]
     NoPreface,
@@ -73,16 +74,13 @@ pub(crate) enum HyperError {
     HeadTimeout,
 }
 
-/// How long a connection closed for idleness may take to finish the close (answer
-/// the GOAWAY's PING) before it is dropped.
-const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// The HTTP/2 client preface (24 bytes) and the header of its SETTINGS frame.
 const PREFACE_BYTES: u64 = 24 + 9;
 
 /// Serves one HTTP/2 connection until the client closes it, it idles out, or
 /// shutdown is requested (then GOAWAY and the open streams finish).
 ///
-/// The connection rests ([`rest`]: the handshake answered, nothing of hyper's built)
+/// The connection rests ([`rest::h2`]: the handshake answered, nothing of hyper's built)
 /// until the client sends what h2 must answer, usually its first request; then
 /// hyper's connection is built, boxed, and reads from the first byte the client sent.
 pub(crate) fn serve_h2(
@@ -96,7 +94,7 @@ pub(crate) fn serve_h2(
     async move {
         let start = tokio::time::Instant::now();
         let guarded = guard_limits(&ctx);
-        let opening = match rest::wait(&mut stream, guarded.settings_frame(), &ctx, start).await {
+        let opening = match rest::h2(&mut stream, guarded.settings_frame(), &ctx, start).await {
             Waited::Open(opening) => opening,
             Waited::Closed => return Ok(()),
             Waited::NoPreface => return Err(HyperError::NoPreface),
@@ -107,37 +105,52 @@ pub(crate) fn serve_h2(
     }
 }
 
-/// hyper's HTTP/2 connection over `stream`, which rested until now (`opening`: what
-/// it read and answered then); `start`: when the handshake completed.
-async fn serve_h2_now(
-    stream: Box<RustlsStream>,
-    ctx: ConnContext,
-    guarded: GuardLimits,
-    mut opening: Opening,
-    start: tokio::time::Instant,
-) -> Result<(), HyperError> {
-    let settings = ctx.h2;
-    let limits = ctx.limits;
+/// hyper's HTTP/2 server with every option a connection with `guarded` limits uses:
+/// the one place they are set, since what h2 sends first follows from them and a
+/// connection at rest sends it in h2's place ([`GuardLimits::settings_frame`], checked
+/// against this builder's output by a test).
+pub(super) fn h2_builder(
+    guarded: &GuardLimits,
+    connection_window: u32,
+    idle_timeout: Duration,
+) -> http2::Builder<TokioExecutor> {
     let mut builder = http2::Builder::new(TokioExecutor::new());
     // Window, frame, stream, header and send-buffer limits (lower on proxy sites),
     // and the stream errors h2 answers per connection: the guard judges by the same.
     guarded.configure(&mut builder);
     builder
         .timer(TokioTimer::new())
-        .initial_connection_window_size(settings.initial_connection_window_bytes)
+        .initial_connection_window_size(connection_window)
         // Rapid reset (CVE-2023-44487): streams the client resets before hyper takes
         // them end the connection with ENHANCE_YOUR_CALM past this count (h2's
         // default, stated here); the guard bounds resets of streams already taken.
         .max_pending_accept_reset_streams(20)
-        .keep_alive_interval(Some(limits.idle_timeout / 2))
+        .keep_alive_interval(Some(idle_timeout / 2))
         .keep_alive_timeout(Duration::from_secs(20));
+    builder
+}
+
+/// hyper's HTTP/2 connection over `stream`, which rested until now (`opening`: what
+/// it read and answered then); `start`: when the handshake completed.
+async fn serve_h2_now(
+    stream: Box<RustlsStream>,
+    ctx: ConnContext,
+    guarded: GuardLimits,
+    opening: Opening,
+    start: tokio::time::Instant,
+) -> Result<(), HyperError> {
+    let builder = h2_builder(
+        &guarded,
+        ctx.h2.initial_connection_window_bytes,
+        ctx.limits.idle_timeout,
+    );
     let watch = Watch::new();
     let read = Arc::new(AtomicU64::new(0));
-    let stream = ReadCount::new(opening.replay(stream), read.clone());
-    let io = WriteBatch::new(stream, settings.tls_write_buffer_bytes);
-    let guard = H2Guard::new(io, guarded);
+    let (replay, answer) = opening.split(stream);
+    let stream = ReadCount::new(replay, read.clone());
+    let guard = H2Guard::new(WriteBatch::new(stream, ctx.h2.tls_write_buffer_bytes), guarded);
     let head = guard.head_clock();
-    let io = opening.answered(guard);
+    let io = answer.over(guard);
     let conn = builder.serve_connection(TokioIo::new(io), service(&ctx, &watch));
     tokio::pin!(conn);
     let h2 = H2Watch {
@@ -146,8 +159,6 @@ async fn serve_h2_now(
     };
     let clock = Clock {
         start,
-        // Something that opens a rested connection is usually its first request.
-        idle_from: tokio::time::Instant::now(),
         first_head: false,
         h1_heads: false,
     };
@@ -160,7 +171,7 @@ async fn serve_h2_now(
 ///
 /// hyper's connection (its read and write buffers, header cache, timer and
 /// dispatcher) is built only when the client's first bytes are there
-/// ([`first_bytes`]); until then the connection holds the boxed stream and the wait.
+/// ([`rest::first_bytes`]); until then the connection holds the boxed stream and the wait.
 /// The limits are those hyper's connection kept from the handshake on: the first
 /// request head must be complete within `header_read_timeout` of the handshake
 /// (`header_timeout`), a shorter `idle_timeout` closes it in order, and the drain
@@ -174,7 +185,7 @@ pub(crate) fn serve_h1(
     let mut stream = Box::new(stream);
     async move {
         let start = tokio::time::Instant::now();
-        match first_bytes(&mut stream, &ctx, start).await {
+        match rest::first_bytes(&mut stream, &ctx, start).await {
             FirstBytes::Arrived => {}
             FirstBytes::Closed => {
                 // What hyper does when it closes a connection in order: close_notify.
@@ -187,56 +198,6 @@ pub(crate) fn serve_h1(
         }
         // Boxed: the connection's memory is taken now, and is its own.
         Box::pin(serve_h1_now(stream, ctx, start)).await
-    }
-}
-
-/// How the wait for an HTTP/1.1 connection's first bytes ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FirstBytes {
-    /// Bytes, the end of the stream or an error: hyper's read sees which.
-    Arrived,
-    /// The drain (after `FIRST_REQUEST_GRACE`), or `idle_timeout` when it is the
-    /// shorter: closed in order.
-    Closed,
-    /// `header_read_timeout` since the handshake, no request head begun.
-    HeadTimeout,
-}
-
-/// Waits, holding no buffer ([`super::tls_readable`]), for the first bytes of a
-/// connection that has sent none since its handshake, as long as hyper's connection
-/// would have waited for them: `header_read_timeout` (or `idle_timeout` when shorter,
-/// [`drive`]'s idle close) from `start`, or until `FIRST_REQUEST_GRACE` into the drain.
-async fn first_bytes(
-    stream: &mut RustlsStream,
-    ctx: &ConnContext,
-    start: tokio::time::Instant,
-) -> FirstBytes {
-    let limits = ctx.limits;
-    let (until, expired) = if limits.idle_timeout < limits.header_read_timeout {
-        (start + limits.idle_timeout, FirstBytes::Closed)
-    } else {
-        (start + limits.header_read_timeout, FirstBytes::HeadTimeout)
-    };
-    let mut shutdown = ctx.shutdown.clone();
-    let readable = tokio::time::timeout_at(until, super::tls_readable(stream));
-    tokio::pin!(readable);
-    let arrived = tokio::select! {
-        // Bytes already there win over a drain that began meanwhile, as they did in
-        // hyper's connection when its read came first.
-        biased;
-        readable = &mut readable => readable,
-        () = shutdown.requested() => {
-            // The drain finds it silent: a moment for a first request on its way,
-            // as Webship's own HTTP/1.1 gives one (`FIRST_REQUEST_GRACE`).
-            match tokio::time::timeout(super::FIRST_REQUEST_GRACE, &mut readable).await {
-                Ok(readable) => readable,
-                Err(_) => return FirstBytes::Closed,
-            }
-        }
-    };
-    match arrived {
-        Ok(_) => FirstBytes::Arrived,
-        Err(_) => expired,
     }
 }
 
@@ -264,7 +225,6 @@ async fn serve_h1_now(
     tokio::pin!(conn);
     let clock = Clock {
         start,
-        idle_from: start,
         first_head: true,
         h1_heads: true,
     };
@@ -274,11 +234,9 @@ async fn serve_h1_now(
 /// Where [`drive`]'s clocks start.
 #[derive(Debug, Clone, Copy)]
 struct Clock {
-    /// The connection's start (the handshake's end): the HTTP/2 preface's and the
-    /// first HTTP/1.1 head's deadlines count from here.
+    /// The connection's start (the handshake's end): the idle clock, the HTTP/2
+    /// preface's and the first HTTP/1.1 head's deadlines count from here.
     start: tokio::time::Instant,
-    /// Where the idle clock starts.
-    idle_from: tokio::time::Instant,
     /// Whether the first request head must be complete within `header_read_timeout`
     /// of `start` (HTTP/1.1 built after the first bytes: hyper's own header timer
     /// started later than the connection).
@@ -382,7 +340,7 @@ where
         .min(limits.header_read_timeout);
     let mut check =
         tokio::time::interval((shortest / 4).clamp(Duration::from_millis(50), Duration::from_secs(1)));
-    let mut idle_since = clock.idle_from;
+    let mut idle_since = start;
     let mut seen = 0;
     let mut preface = h2.map(|h2| h2.preface);
     let mut closing = false;

@@ -10,6 +10,7 @@ mod batch;
 mod h1;
 mod h2_guard;
 mod hyper;
+mod rest;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -25,6 +26,17 @@ pub(crate) use batch::{Metrics as BatchMetrics, WriteBatch};
 /// its first once the drain has begun: it may be the last one accepted before the
 /// drain (in a binary upgrade, the old process's), its client sending right now.
 const FIRST_REQUEST_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// How long closing a connection in order may take (a GOAWAY answered, close_notify
+/// written) before it is dropped.
+const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Completes `FIRST_REQUEST_GRACE` after the drain begins: when a connection that
+/// has sent no request yet, and is waiting for one, is closed.
+async fn drain_grace_over(shutdown: &mut crate::shutdown::Shutdown) {
+    shutdown.requested().await;
+    tokio::time::sleep(FIRST_REQUEST_GRACE).await;
+}
 
 /// Why a connection ended early.
 #[derive(Debug, thiserror::Error)]
@@ -138,5 +150,8 @@ mod tests {
             hyper(hyper::HyperError::NoPreface).close(),
             Close::HandshakeTimeout
         );
+        let rest = |kind| hyper(hyper::HyperError::Io(std::io::Error::from(kind)));
+        assert_eq!(rest(std::io::ErrorKind::ConnectionReset).close(), Close::Reset);
+        assert_eq!(rest(std::io::ErrorKind::Other).close(), Close::Error);
     }
 }

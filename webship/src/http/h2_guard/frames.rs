@@ -149,9 +149,18 @@ pub(super) fn settings_error(payload: &[u8]) -> Option<u32> {
             SETTINGS_ENABLE_PUSH => (value > 1).then_some(PROTOCOL_ERROR),
             SETTINGS_INITIAL_WINDOW_SIZE => (i64::from(value) > MAX_WINDOW).then_some(FLOW_CONTROL_ERROR),
             SETTINGS_MAX_FRAME_SIZE => (!(16_384..=16_777_215).contains(&value)).then_some(PROTOCOL_ERROR),
+            // RFC 8441 §3: 0 or 1.
+            SETTINGS_ENABLE_CONNECT_PROTOCOL => (value > 1).then_some(PROTOCOL_ERROR),
             _ => None,
         }
     })
+}
+
+/// A WINDOW_UPDATE's increment (its reserved bit cleared), if its payload is the
+/// 4 bytes it must be.
+pub(super) fn window_increment(payload: &[u8]) -> Option<u32> {
+    let bytes: [u8; 4] = payload.try_into().ok()?;
+    Some(u32::from_be_bytes(bytes) & 0x7fff_ffff)
 }
 
 /// Appends a frame to `out` (nothing allocated beyond `out`'s own growth).

@@ -451,14 +451,13 @@ impl<S> H2Guard<S> {
                 Some(s) => s.server_done = true,
                 None => {}
             },
-            WINDOW_UPDATE if payload.len() == 4 => {
-                let increment = i64::from(
-                    u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]) & 0x7fff_ffff,
-                );
-                if f.stream == 0 {
-                    self.connection_window += increment;
-                } else if let Some(s) = self.streams.get_mut(&f.stream) {
-                    s.window += increment;
+            WINDOW_UPDATE => {
+                if let Some(increment) = window_increment(payload).map(i64::from) {
+                    if f.stream == 0 {
+                        self.connection_window += increment;
+                    } else if let Some(s) = self.streams.get_mut(&f.stream) {
+                        s.window += increment;
+                    }
                 }
             }
             _ => {}

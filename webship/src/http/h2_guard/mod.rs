@@ -50,8 +50,8 @@
 //! one connection, GOAWAY ENHANCE_YOUR_CALM.
 
 mod frames;
+pub(crate) mod handshake;
 mod judge;
-pub(crate) mod rest;
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;

@@ -1,60 +1,37 @@
-//! An HTTP/2 connection at rest until its first request: the handshake is answered
-//! as h2 would answer it, and hyper's connection (h2's 28 KiB of codec buffers, its
-//! HPACK state, the guard's, the write batch) is built only when the client sends
-//! something only h2 can answer.
+//! The HTTP/2 handshake answered before h2 exists, for a connection at rest until
+//! its first request (`http::rest` holds it there): what h2's connection would cost
+//! (its 28 KiB of codec buffers, its HPACK state, the guard's, the write batch) is
+//! built only when the client sends something only h2 can answer.
 //!
-//! [`wait`] sends the SETTINGS frame h2 would send first
-//! ([`GuardLimits::settings_frame`]), and reads the client's preface. While the input
-//! is only the preface, its SETTINGS (valid: acknowledged here, as h2 would), the
-//! acknowledgement of ours, connection WINDOW_UPDATEs and extension frames, all
-//! complete and within `MAX_INPUT`, the connection stays at rest, holding that input
-//! and the TLS stream. Anything else (a request, a PING, a partial or wrong frame, an
-//! invalid value, a second SETTINGS) opens it: hyper's connection is built over
-//! [`Replay`], which gives h2 (through the guard) the input from its first byte, and
-//! [`Answered`], which drops from h2's output what was already sent: its SETTINGS
-//! (byte for byte ours, or the connection fails) and, if ours acknowledged the
-//! client's, h2's acknowledgement of the same frame. Errors are thus judged by the
-//! guard and h2 exactly as on a connection that never rested, only later when the
-//! client sent them while at rest.
-//!
-//! Time at rest is the connection driver's: the preface is due `handshake_timeout`
-//! after the handshake, and with no request for `idle_timeout`, or within
-//! `FIRST_REQUEST_GRACE` of the drain, the connection is closed with GOAWAY (last
-//! stream 0: nothing was processed, so a request crossing it is safe to retry).
+//! At rest the daemon sends the SETTINGS frame h2 sends first
+//! ([`GuardLimits::settings_frame`](super::GuardLimits::settings_frame)) and, once
+//! the client's preface is complete and valid, acknowledges its SETTINGS.
+//! [`classify`] says whether the input so far may rest: only the preface, its
+//! SETTINGS, one acknowledgement of ours, connection WINDOW_UPDATEs and extension
+//! frames, all complete, valid and within `MAX_INPUT`. Anything else (a request, a
+//! PING, a partial or invalid frame, a second SETTINGS) opens the connection: hyper's
+//! connection is built over [`Replay`], which gives the guard and h2 the input from
+//! its first byte, under [`Answered`], which takes out of h2's output what was sent
+//! at rest: its SETTINGS (byte for byte ours, or the connection fails) and, if the
+//! client's was acknowledged at rest, h2's acknowledgement of the same frame. So
+//! the guard and h2 judge every frame as on a connection that never rested; a frame
+//! that may rest is one both accept, and an answer to one that may not comes as
+//! soon as it arrives.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
-use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::frames::{
-    parse_header, put_frame, settings_error, ACK, CONTINUATION, DEFAULT_WINDOW, GOAWAY, HEADER_LEN,
-    MAX_WINDOW, NO_ERROR, PREFACE, SETTINGS, WINDOW_UPDATE,
+    parse_header, put_frame, settings_error, window_increment, ACK, CONTINUATION, DEFAULT_WINDOW, GOAWAY,
+    HEADER_LEN, MAX_WINDOW, NO_ERROR, PREFACE, SETTINGS, WINDOW_UPDATE,
 };
-use crate::exchange::ConnContext;
-use crate::ktls::RustlsStream;
 
 /// The most input a connection keeps at rest: a client's preface, SETTINGS and
 /// WINDOW_UPDATE are about 100 bytes.
-const MAX_INPUT: usize = 512;
-/// How long closing a connection at rest may take (GOAWAY and close_notify written).
-const CLOSE_GRACE: Duration = Duration::from_secs(2);
-
-/// How a connection's rest ended.
-#[derive(Debug)]
-pub(crate) enum Waited {
-    /// The client sent what h2 must answer: build hyper's connection over this.
-    Open(Opening),
-    /// Closed in order: the client closed, or idle or the drain closed it.
-    Closed,
-    /// No preface within `handshake_timeout`.
-    NoPreface,
-    /// The client took no bytes of ours within `send_timeout`.
-    Stalled,
-    Io(io::Error),
-}
+pub(crate) const MAX_INPUT: usize = 512;
 
 /// What a connection's rest leaves for hyper's connection.
 #[derive(Debug)]
@@ -68,19 +45,45 @@ pub(crate) struct Opening {
 }
 
 impl Opening {
-    /// The bottom of hyper's connection, under the guard (which must judge the
-    /// input): `inner`, with the input read at rest first.
-    pub(crate) fn replay<S>(&mut self, inner: S) -> Replay<S> {
-        Replay {
-            inner,
-            input: std::mem::take(&mut self.input),
-            at: 0,
+    /// `input`: everything the client sent at rest; `acked`: whether its first
+    /// SETTINGS was acknowledged then; `settings`: the SETTINGS frame sent then.
+    pub(crate) fn new(input: Vec<u8>, acked: bool, settings: Vec<u8>) -> Self {
+        Self {
+            input,
+            acked,
+            settings,
         }
     }
 
-    /// The top, right under hyper, so that only h2's frames are dropped: `inner`
-    /// with what was sent at rest taken out of h2's output.
-    pub(crate) fn answered<S>(self, inner: S) -> Answered<S> {
+    /// The bottom of hyper's I/O, to go under the guard (which must judge the
+    /// input): `inner` with the input read at rest first; and what goes on top of
+    /// it all, right under hyper ([`Answer::over`]), so that only h2's own frames
+    /// are taken out of its output.
+    pub(crate) fn split<S>(self, inner: S) -> (Replay<S>, Answer) {
+        let replay = Replay {
+            inner,
+            input: self.input,
+            at: 0,
+        };
+        let answer = Answer {
+            settings: self.settings,
+            acked: self.acked,
+        };
+        (replay, answer)
+    }
+}
+
+/// What a connection answered at rest, for [`Answered`].
+#[derive(Debug)]
+pub(crate) struct Answer {
+    settings: Vec<u8>,
+    acked: bool,
+}
+
+impl Answer {
+    /// `inner` (the connection as hyper's h2 writes to it) without what was sent at
+    /// rest.
+    pub(crate) fn over<T>(self, inner: T) -> Answered<T> {
         Answered {
             inner,
             settings: self.settings,
@@ -96,18 +99,18 @@ impl Opening {
 
 /// What the input at rest calls for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Rest {
-    /// Nothing h2 must answer; `settings`: the client's first SETTINGS is in, and
-    /// valid (the one frame answered at rest).
-    Idle { settings: bool },
+pub(crate) enum Rest {
+    /// Nothing h2 must answer. `settings_in`: the client's preface is complete (its
+    /// magic and its first SETTINGS, valid), which the rest acknowledges.
+    Waiting { settings_in: bool },
     /// Open hyper's connection.
     Open,
 }
 
-/// Judges the whole input at rest (it is at most `MAX_INPUT` bytes).
-fn judge(input: &[u8]) -> Rest {
+/// What the whole input at rest calls for (it is at most `MAX_INPUT` bytes).
+pub(crate) fn classify(input: &[u8]) -> Rest {
     if input.is_empty() {
-        return Rest::Idle { settings: false };
+        return Rest::Waiting { settings_in: false };
     }
     if input.len() >= MAX_INPUT || input.get(..PREFACE.len()) != Some(PREFACE) {
         return Rest::Open;
@@ -139,9 +142,7 @@ fn judge(input: &[u8]) -> Rest {
             // The client's SETTINGS comes first (its preface).
             _ if !settings => false,
             WINDOW_UPDATE => {
-                let increment = payload
-                    .try_into()
-                    .map_or(0, |b: [u8; 4]| u32::from_be_bytes(b) & 0x7fff_ffff);
+                let increment = window_increment(payload).unwrap_or(0);
                 window += i64::from(increment);
                 f.stream == 0 && increment > 0 && window <= MAX_WINDOW
             }
@@ -152,114 +153,25 @@ fn judge(input: &[u8]) -> Rest {
             return Rest::Open;
         }
     }
-    Rest::Idle { settings }
-}
-
-/// Holds a connection at rest until its client sends what h2 must answer, or it
-/// ends (see the module notes). `settings`: the frame h2 will send first;
-/// `start`: the handshake's end.
-pub(crate) async fn wait(
-    stream: &mut RustlsStream,
-    settings: Vec<u8>,
-    ctx: &ConnContext,
-    start: tokio::time::Instant,
-) -> Waited {
-    let limits = ctx.limits;
-    if let Err(waited) = send(stream, &settings, limits.send_timeout).await {
-        return waited;
-    }
-    let mut input = Vec::new();
-    let mut acked = false;
-    let mut shutdown = ctx.shutdown.clone();
-    let mut drain_end = None;
-    loop {
-        let preface = match judge(&input) {
-            Rest::Open => {
-                return Waited::Open(Opening {
-                    input,
-                    acked,
-                    settings,
-                })
-            }
-            Rest::Idle { settings } => settings,
-        };
-        if preface && !acked {
-            acked = true;
-            let mut ack = Vec::with_capacity(HEADER_LEN);
-            put_frame(&mut ack, SETTINGS, ACK, 0, &[]);
-            if let Err(waited) = send(stream, &ack, limits.send_timeout).await {
-                return waited;
-            }
-        }
-        let idle_end = start + limits.idle_timeout;
-        let preface_end = (!preface).then_some(start + limits.handshake_timeout);
-        let end = [Some(idle_end), preface_end, drain_end]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(idle_end);
-        let room = MAX_INPUT - input.len();
-        let arrived = tokio::select! {
-            // Bytes already there win over a drain that began meanwhile.
-            biased;
-            arrived = tokio::time::timeout_at(end, read_some(stream, room)) => arrived,
-            () = shutdown.requested(), if drain_end.is_none() => {
-                // A moment for a first request on its way, as HTTP/1.1 gives one.
-                drain_end = Some(tokio::time::Instant::now() + crate::http::FIRST_REQUEST_GRACE);
-                continue;
-            }
-        };
-        match arrived {
-            Err(_) if preface_end == Some(end) => return Waited::NoPreface,
-            Err(_) => {
-                close(stream).await;
-                return Waited::Closed;
-            }
-            Ok(Err(e)) => return Waited::Io(e),
-            Ok(Ok(bytes)) if bytes.is_empty() => {
-                let _ = tokio::time::timeout(CLOSE_GRACE, stream.shutdown()).await;
-                return Waited::Closed;
-            }
-            Ok(Ok(bytes)) => input.extend_from_slice(&bytes),
-        }
-        input.shrink_to_fit();
+    Rest::Waiting {
+        settings_in: settings,
     }
 }
 
-/// Up to `room` bytes of plaintext, read once there are some (the wait holds no
-/// buffer: [`crate::http::tls_readable`]); none at the end of the stream.
-async fn read_some(stream: &mut RustlsStream, room: usize) -> io::Result<Vec<u8>> {
-    crate::http::tls_readable(stream).await?;
-    let mut chunk = vec![0; room];
-    let n = stream.read(&mut chunk).await?;
-    chunk.truncate(n);
-    Ok(chunk)
+/// The acknowledgement of the client's SETTINGS, sent at rest.
+pub(crate) fn settings_ack() -> Vec<u8> {
+    let mut ack = Vec::with_capacity(HEADER_LEN);
+    put_frame(&mut ack, SETTINGS, ACK, 0, &[]);
+    ack
 }
 
-/// Writes `bytes` and flushes them, within `limit`.
-async fn send(stream: &mut RustlsStream, bytes: &[u8], limit: Duration) -> Result<(), Waited> {
-    let sent = tokio::time::timeout(limit, async {
-        stream.write_all(bytes).await?;
-        stream.flush().await
-    })
-    .await;
-    match sent {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(Waited::Io(e)),
-        Err(_) => Err(Waited::Stalled),
-    }
-}
-
-/// Closes a connection at rest in order: GOAWAY (last stream 0, NO_ERROR), then
-/// close_notify.
-async fn close(stream: &mut RustlsStream) {
+/// GOAWAY naming no stream (NO_ERROR): how a connection at rest is closed, since it
+/// processed nothing (a request crossing it is safe to retry).
+pub(crate) fn goaway_before_any_stream() -> Vec<u8> {
     let mut goaway = Vec::with_capacity(HEADER_LEN + 8);
-    put_frame(&mut goaway, GOAWAY, 0, 0, &[0, 0, 0, 0, 0, 0, 0, NO_ERROR as u8]);
-    let _ = tokio::time::timeout(CLOSE_GRACE, async {
-        stream.write_all(&goaway).await?;
-        stream.shutdown().await
-    })
-    .await;
+    let payload = [0u32.to_be_bytes(), NO_ERROR.to_be_bytes()].concat();
+    put_frame(&mut goaway, GOAWAY, 0, 0, &payload);
+    goaway
 }
 
 /// The connection under the guard of a connection that rested: what the client
@@ -368,8 +280,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for Answered<S> {
             let take = buf.len().min(this.settings.len() - this.settings_at);
             if buf[..take] != this.settings[this.settings_at..this.settings_at + take] {
                 tracing::error!("h2: its first SETTINGS differ from those sent while the connection rested");
-                return Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::InvalidData,
+                // The daemon's fault, not the client's: counted as an error.
+                return Poll::Ready(Err(io::Error::other(
                     "h2's first SETTINGS differ from those sent at rest",
                 )));
             }
@@ -444,6 +356,8 @@ mod tests {
     use super::super::GuardLimits;
     use super::*;
     use std::task::Waker;
+    use std::time::Duration;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn limits(max_concurrent_streams: u32, connect_protocol: bool) -> GuardLimits {
         GuardLimits {
@@ -459,27 +373,36 @@ mod tests {
         }
     }
 
+    /// hyper's HTTP/2 server as a connection uses it, over one end of a pipe.
+    fn h2_server(limits: &GuardLimits) -> (tokio::io::DuplexStream, tokio::task::JoinHandle<()>) {
+        let (server, client) = tokio::io::duplex(1 << 16);
+        let builder = crate::http::hyper::h2_builder(limits, 8 << 20, Duration::from_secs(60));
+        let service = hyper::service::service_fn(|_req| async {
+            Ok::<_, std::convert::Infallible>(http::Response::new(
+                http_body_util::Empty::<bytes::Bytes>::new(),
+            ))
+        });
+        let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(server), service);
+        (client, tokio::spawn(async move { drop(conn.await) }))
+    }
+
+    /// The next frame from `conn` (2 s at most): kind, flags, payload.
+    async fn next_frame(conn: &mut tokio::io::DuplexStream) -> Option<(u8, u8, Vec<u8>)> {
+        let mut header = [0; HEADER_LEN];
+        let read = tokio::time::timeout(Duration::from_secs(2), conn.read_exact(&mut header)).await;
+        read.ok()?.ok()?;
+        let f = parse_header(&header);
+        let mut payload = vec![0; f.len];
+        conn.read_exact(&mut payload).await.ok()?;
+        Some((f.kind, f.flags, payload))
+    }
+
     /// What a connection at rest sends must be what h2 sends first, byte for byte,
-    /// with the options `serve_h2_now` gives hyper.
+    /// with the builder every connection uses.
     #[tokio::test]
     async fn the_settings_sent_at_rest_are_the_ones_h2_sends_first() {
-        use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
         for limits in [limits(128, false), limits(3, true)] {
-            let (server, mut client) = tokio::io::duplex(4096);
-            let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-            limits.configure(&mut builder);
-            builder
-                .timer(TokioTimer::new())
-                .initial_connection_window_size(8 << 20)
-                .max_pending_accept_reset_streams(20)
-                .keep_alive_interval(Some(Duration::from_secs(30)))
-                .keep_alive_timeout(Duration::from_secs(20));
-            let service = hyper::service::service_fn(|_req| async {
-                Ok::<_, std::convert::Infallible>(http::Response::new(
-                    http_body_util::Empty::<bytes::Bytes>::new(),
-                ))
-            });
-            let conn = tokio::spawn(builder.serve_connection(TokioIo::new(server), service));
+            let (mut client, conn) = h2_server(&limits);
             let ours = limits.settings_frame();
             let mut theirs = vec![0; ours.len()];
             tokio::time::timeout(Duration::from_secs(5), client.read_exact(&mut theirs))
@@ -488,6 +411,52 @@ mod tests {
                 .unwrap();
             assert_eq!(theirs, ours, "limits {limits:?}");
             conn.abort();
+        }
+    }
+
+    /// A client SETTINGS may rest (and be acknowledged at rest) exactly when h2
+    /// acknowledges it; one h2 refuses opens the connection, so h2 answers it
+    /// (GOAWAY) as on a connection that never rested.
+    #[tokio::test]
+    async fn a_client_settings_rests_exactly_when_h2_accepts_it() {
+        let ids = [0u16, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0x10, 0xffff];
+        let values = [
+            0u32,
+            1,
+            2,
+            16_383,
+            16_384,
+            16_777_215,
+            16_777_216,
+            0x7fff_ffff,
+            0x8000_0000,
+            u32::MAX,
+        ];
+        for id in ids {
+            for value in values {
+                let payload = [id.to_be_bytes().as_slice(), &value.to_be_bytes()].concat();
+                let mut input = PREFACE.to_vec();
+                input.extend(frame_bytes(SETTINGS, 0, 0, &payload));
+                let (mut client, conn) = h2_server(&limits(100, false));
+                client.write_all(&input).await.unwrap();
+                let mut acked = false;
+                while let Some((kind, flags, _)) = next_frame(&mut client).await {
+                    match kind {
+                        SETTINGS if flags & ACK != 0 => {
+                            acked = true;
+                            break;
+                        }
+                        GOAWAY => break,
+                        _ => {}
+                    }
+                }
+                conn.abort();
+                let rests = classify(&input) == Rest::Waiting { settings_in: true };
+                assert_eq!(
+                    rests, acked,
+                    "setting {id:#x} = {value}: rests {rests}, h2 acknowledged {acked}"
+                );
+            }
         }
     }
 
@@ -511,10 +480,10 @@ mod tests {
 
     #[test]
     fn only_the_handshake_and_what_h2_ignores_rest() {
-        let idle = Rest::Idle { settings: true };
-        assert_eq!(judge(&[]), Rest::Idle { settings: false });
-        assert_eq!(judge(PREFACE), Rest::Idle { settings: false });
-        assert_eq!(judge(&preface(&[])), idle);
+        let waiting = Rest::Waiting { settings_in: true };
+        assert_eq!(classify(&[]), Rest::Waiting { settings_in: false });
+        assert_eq!(classify(PREFACE), Rest::Waiting { settings_in: false });
+        assert_eq!(classify(&preface(&[])), waiting);
         let ack = frame_bytes(SETTINGS, ACK, 0, &[]);
         let resting = [
             vec![ack.clone()],
@@ -522,7 +491,7 @@ mod tests {
             vec![frame_bytes(0xfa, 0, 0, b"grease")],
         ];
         for extra in resting {
-            assert_eq!(judge(&preface(&extra)), idle, "{extra:?}");
+            assert_eq!(classify(&preface(&extra)), waiting, "{extra:?}");
         }
         let opening = [
             // A request, and what h2 must answer or refuse.
@@ -530,48 +499,81 @@ mod tests {
             vec![frame_bytes(PING, 0, 0, &[0; 8])],
             vec![frame_bytes(PRIORITY, 0, 3, &[0, 0, 0, 1, 16])],
             vec![frame_bytes(GOAWAY, 0, 0, &[0; 8])],
-            // A second SETTINGS, a second ACK: h2 answers (or refuses) them.
+            // A second SETTINGS, a second ACK, an ACK with a payload, SETTINGS on a
+            // stream: h2 answers (or refuses) them.
             vec![frame_bytes(SETTINGS, 0, 0, &[])],
             vec![ack.clone(), ack.clone()],
-            // Invalid WINDOW_UPDATEs: zero, on a stream, past 2^31-1.
+            vec![frame_bytes(SETTINGS, ACK, 0, &[0; 6])],
+            vec![frame_bytes(SETTINGS, 0, 1, &[])],
+            // Invalid WINDOW_UPDATEs: zero, on a stream, past 2^31-1, too long.
             vec![window_update(0, 0)],
             vec![window_update(1, 10)],
             vec![window_update(0, 0x7fff_0000), window_update(0, 0x7fff_0000)],
+            vec![frame_bytes(WINDOW_UPDATE, 0, 0, &[0, 0, 0, 1, 0])],
             // A frame not complete yet: the guard times it.
             vec![window_update(0, 10)[..5].to_vec()],
         ];
         for extra in opening {
-            assert_eq!(judge(&preface(&extra)), Rest::Open, "{extra:?}");
+            assert_eq!(classify(&preface(&extra)), Rest::Open, "{extra:?}");
         }
-        // A wrong or partial preface, a preface without SETTINGS first, invalid SETTINGS.
-        assert_eq!(judge(b"GET / HTTP/1.1\r\n\r\nxxxxxxxxx"), Rest::Open);
-        assert_eq!(judge(&PREFACE[..10]), Rest::Open);
-        let mut no_settings = PREFACE.to_vec();
-        no_settings.extend(window_update(0, 10));
-        assert_eq!(judge(&no_settings), Rest::Open);
+        // A wrong or partial preface; anything, even an extension frame, before the
+        // client's SETTINGS; invalid SETTINGS.
+        assert_eq!(classify(b"GET / HTTP/1.1\r\n\r\nxxxxxxxxx"), Rest::Open);
+        assert_eq!(classify(&PREFACE[..10]), Rest::Open);
+        for first in [window_update(0, 10), frame_bytes(0xfa, 0, 0, b"x")] {
+            let mut input = PREFACE.to_vec();
+            input.extend(first);
+            assert_eq!(classify(&input), Rest::Open);
+        }
         for bad in [
             &[0, 2, 0, 0, 0, 2][..],
             &[0, 4, 0x80, 0, 0, 0],
             &[0, 5, 0, 0, 0, 1],
+            &[0, 8, 0, 0, 0, 2],
             &[0, 1, 0],
         ] {
             let mut input = PREFACE.to_vec();
             input.extend(frame_bytes(SETTINGS, 0, 0, bad));
-            assert_eq!(judge(&input), Rest::Open, "{bad:?}");
+            assert_eq!(classify(&input), Rest::Open, "{bad:?}");
         }
-        // More than a rest keeps.
-        let many: Vec<_> = (0..60).map(|_| frame_bytes(0xfa, 0, 0, b"x")).collect();
-        assert_eq!(judge(&preface(&many)), Rest::Open);
+        // At most `MAX_INPUT` bytes rest: one short of it does, all of it opens.
+        let base = preface(&[]);
+        let pad = MAX_INPUT - 1 - base.len() - HEADER_LEN;
+        let mut just = base.clone();
+        just.extend(frame_bytes(0xfa, 0, 0, &vec![0; pad]));
+        assert_eq!(just.len(), MAX_INPUT - 1);
+        assert_eq!(classify(&just), waiting);
+        let mut full = base;
+        full.extend(frame_bytes(0xfa, 0, 0, &vec![0; pad + 1]));
+        assert_eq!(classify(&full), Rest::Open);
     }
 
-    /// A writer that takes at most `room` bytes per write.
+    /// A writer that takes at most `room` bytes per write, and waits (Pending) on
+    /// every other call when `waits`.
     struct Sink {
         out: Vec<u8>,
         room: usize,
+        waits: bool,
+        calls: usize,
+    }
+
+    impl Sink {
+        fn new(room: usize, waits: bool) -> Sink {
+            Sink {
+                out: Vec::new(),
+                room,
+                waits,
+                calls: 0,
+            }
+        }
     }
 
     impl AsyncWrite for Sink {
         fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            self.calls += 1;
+            if self.waits && self.calls % 2 == 1 {
+                return Poll::Pending;
+            }
             let n = buf.len().min(self.room);
             self.out.extend_from_slice(&buf[..n]);
             Poll::Ready(Ok(n))
@@ -586,32 +588,31 @@ mod tests {
         }
     }
 
-    /// Writes `output` through an `Answered` in pieces of `piece` bytes over a sink
-    /// taking `room` bytes a write; what reached the sink.
-    fn answer(settings: &[u8], acked: bool, output: &[u8], piece: usize, room: usize) -> io::Result<Vec<u8>> {
-        let opening = Opening {
-            input: Vec::new(),
-            acked,
-            settings: settings.to_vec(),
-        };
-        let mut answered = opening.answered(Sink {
-            out: Vec::new(),
-            room,
-        });
+    /// Writes `output` through an `Answered` in pieces of `piece` bytes over `sink`,
+    /// retrying what waits; what reached the sink.
+    fn answer(settings: &[u8], acked: bool, output: &[u8], piece: usize, sink: Sink) -> io::Result<Vec<u8>> {
+        let (_, answer) = Opening::new(Vec::new(), acked, settings.to_vec()).split(());
+        let mut answered = answer.over(sink);
         let mut cx = Context::from_waker(Waker::noop());
         let mut at = 0;
+        let mut tries = 0;
         while at < output.len() {
+            tries += 1;
+            assert!(tries < 100_000, "no progress");
             let end = output.len().min(at + piece);
             match Pin::new(&mut answered).poll_write(&mut cx, &output[at..end]) {
                 Poll::Ready(Ok(n)) => {
-                    assert!(n > 0);
+                    assert!(n > 0, "Ready(0) for {} bytes", end - at);
                     at += n;
                 }
                 Poll::Ready(Err(e)) => return Err(e),
-                Poll::Pending => unreachable!("the sink never waits"),
+                Poll::Pending => {}
             }
         }
-        assert!(Pin::new(&mut answered).poll_flush(&mut cx).is_ready());
+        while Pin::new(&mut answered).poll_flush(&mut cx).is_pending() {
+            tries += 1;
+            assert!(tries < 100_000, "no progress");
+        }
         Ok(answered.inner.out)
     }
 
@@ -631,32 +632,41 @@ mod tests {
         .concat();
         for piece in [1, 2, 7, 9, 10, 64, 1000] {
             for room in [1, 3, 9, 1000] {
-                let unacked = answer(&settings, false, &h2, piece, room).unwrap();
-                assert_eq!(unacked, h2[settings.len()..], "piece {piece} room {room}");
-                let acked = answer(&settings, true, &h2, piece, room).unwrap();
-                let want = [update.clone(), headers.clone(), ack.clone()].concat();
-                assert_eq!(acked, want, "piece {piece} room {room}");
+                for waits in [false, true] {
+                    let unacked = answer(&settings, false, &h2, piece, Sink::new(room, waits)).unwrap();
+                    assert_eq!(unacked, h2[settings.len()..], "piece {piece} room {room}");
+                    let acked = answer(&settings, true, &h2, piece, Sink::new(room, waits)).unwrap();
+                    let want = [update.clone(), headers.clone(), ack.clone()].concat();
+                    assert_eq!(acked, want, "piece {piece} room {room} waits {waits}");
+                }
             }
         }
         // SETTINGS other than those sent at rest fail the connection.
         let other = limits(7, false).settings_frame();
-        let mismatch = answer(&settings, false, &[other, headers].concat(), 1000, 1000);
-        assert_eq!(mismatch.unwrap_err().kind(), io::ErrorKind::InvalidData);
+        let mismatch = answer(
+            &settings,
+            false,
+            &[other, headers].concat(),
+            1000,
+            Sink::new(1000, false),
+        );
+        assert_eq!(mismatch.unwrap_err().kind(), io::ErrorKind::Other);
     }
 
     #[tokio::test]
     async fn the_input_at_rest_is_read_first() {
         let (mut client, server) = tokio::io::duplex(64);
-        let mut opening = Opening {
-            input: b"rested".to_vec(),
-            acked: false,
-            settings: Vec::new(),
-        };
-        let mut replay = opening.replay(server);
+        let (mut replay, _) = Opening::new(b"rested".to_vec(), false, Vec::new()).split(server);
         client.write_all(b" then live").await.unwrap();
         drop(client);
         let mut read = Vec::new();
-        replay.read_to_end(&mut read).await.unwrap();
+        let mut small = [0; 4];
+        loop {
+            match replay.read(&mut small).await.unwrap() {
+                0 => break,
+                n => read.extend_from_slice(&small[..n]),
+            }
+        }
         assert_eq!(read, b"rested then live");
     }
 }

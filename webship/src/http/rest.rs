@@ -1,0 +1,194 @@
+//! Connections at rest before their first request: what hyper's drivers wait on
+//! before they build hyper's connection, holding only the boxed TLS stream and a few
+//! bytes, with the limits hyper's connection kept.
+//!
+//! - HTTP/1.1 on a proxy site ([`first_bytes`]): until the client's first bytes; the
+//!   first request head is due `header_read_timeout` after the handshake, a shorter
+//!   `idle_timeout` closes in order.
+//! - HTTP/2 ([`h2`]): until the client sends what only h2 can answer, the handshake
+//!   answered meanwhile (`h2_guard::handshake`); the client's preface (its magic and
+//!   first SETTINGS) is due `handshake_timeout` after the handshake, and
+//!   `idle_timeout` closes with GOAWAY naming no stream.
+//!
+//! The drain closes a connection at rest too, unless its first request begins
+//! within `FIRST_REQUEST_GRACE` ([`super::drain_grace_over`]).
+
+use std::io;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::h2_guard::handshake::{self, classify, Opening, Rest, MAX_INPUT};
+use super::CLOSE_GRACE;
+use crate::exchange::ConnContext;
+use crate::ktls::RustlsStream;
+
+/// How the wait for an HTTP/1.1 connection's first bytes ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum FirstBytes {
+    /// Bytes, the end of the stream or an error: hyper's read sees which.
+    Arrived,
+    /// The drain (after `FIRST_REQUEST_GRACE`), or `idle_timeout` when it is the
+    /// shorter: closed in order.
+    Closed,
+    /// `header_read_timeout` since the handshake, no request head begun.
+    HeadTimeout,
+}
+
+/// Waits, holding no buffer ([`super::tls_readable`]), for the first bytes of a
+/// connection that has sent none since its handshake, as long as hyper's connection
+/// would have waited for them: `header_read_timeout` (or `idle_timeout` when shorter,
+/// `drive`'s idle close) from `start`, or until `FIRST_REQUEST_GRACE` into the drain.
+pub(super) async fn first_bytes(
+    stream: &mut RustlsStream,
+    ctx: &ConnContext,
+    start: tokio::time::Instant,
+) -> FirstBytes {
+    let limits = ctx.limits;
+    let (until, expired) = if limits.idle_timeout < limits.header_read_timeout {
+        (start + limits.idle_timeout, FirstBytes::Closed)
+    } else {
+        (start + limits.header_read_timeout, FirstBytes::HeadTimeout)
+    };
+    let mut shutdown = ctx.shutdown.clone();
+    tokio::select! {
+        // Bytes already there win over a drain that began meanwhile, as they did in
+        // hyper's connection when its read came first.
+        biased;
+        readable = tokio::time::timeout_at(until, super::tls_readable(stream)) => match readable {
+            Ok(_) => FirstBytes::Arrived,
+            Err(_) => expired,
+        },
+        () = super::drain_grace_over(&mut shutdown) => FirstBytes::Closed,
+    }
+}
+
+/// How an HTTP/2 connection's rest ended.
+#[derive(Debug)]
+pub(super) enum Waited {
+    /// The client sent what h2 must answer: build hyper's connection over this.
+    Open(Opening),
+    /// Closed in order: the client closed, or idle or the drain closed it.
+    Closed,
+    /// The client's preface (magic and SETTINGS) not complete within
+    /// `handshake_timeout`.
+    NoPreface,
+    /// The client took no bytes of ours within `send_timeout`.
+    Stalled,
+    Io(io::Error),
+}
+
+/// Holds an HTTP/2 connection at rest until its client sends what h2 must answer,
+/// or it ends (see the module notes). `settings`: the SETTINGS frame h2 will send
+/// first; `start`: the handshake's end.
+pub(super) async fn h2(
+    stream: &mut RustlsStream,
+    settings: Vec<u8>,
+    ctx: &ConnContext,
+    start: tokio::time::Instant,
+) -> Waited {
+    let limits = ctx.limits;
+    if let Err(waited) = send(stream, &settings, limits.send_timeout).await {
+        return waited;
+    }
+    let mut input = Vec::new();
+    let mut acked = false;
+    let mut shutdown = ctx.shutdown.clone();
+    // One future for the whole rest: the grace counts from the drain's start.
+    let drained = super::drain_grace_over(&mut shutdown);
+    tokio::pin!(drained);
+    loop {
+        let settings_in = match classify(&input) {
+            Rest::Open => return Waited::Open(Opening::new(input, acked, settings)),
+            Rest::Waiting { settings_in } => settings_in,
+        };
+        if settings_in && !acked {
+            acked = true;
+            if let Err(waited) = send(stream, &handshake::settings_ack(), limits.send_timeout).await {
+                return waited;
+            }
+        }
+        let idle_end = start + limits.idle_timeout;
+        let preface_end = start + limits.handshake_timeout;
+        let (end, expired) = if !settings_in && preface_end <= idle_end {
+            (preface_end, Waited::NoPreface)
+        } else {
+            (idle_end, Waited::Closed)
+        };
+        let room = MAX_INPUT - input.len();
+        let arrived = tokio::select! {
+            // Bytes already there win over a drain that began meanwhile.
+            biased;
+            arrived = tokio::time::timeout_at(end, read_some(stream, room)) => arrived,
+            () = &mut drained => {
+                close_h2(stream).await;
+                return Waited::Closed;
+            }
+        };
+        match arrived {
+            Err(_) => {
+                if matches!(expired, Waited::Closed) {
+                    close_h2(stream).await;
+                }
+                return expired;
+            }
+            Ok(Err(e)) => return Waited::Io(e),
+            Ok(Ok(bytes)) if bytes.is_empty() => {
+                let _ = tokio::time::timeout(CLOSE_GRACE, stream.shutdown()).await;
+                return Waited::Closed;
+            }
+            Ok(Ok(bytes)) => input.extend_from_slice(&bytes),
+        }
+        input.shrink_to_fit();
+    }
+}
+
+/// Up to `room` bytes of plaintext, read once there are some (the wait holds no
+/// buffer: [`super::tls_readable`]); none at the end of the stream.
+async fn read_some(stream: &mut RustlsStream, room: usize) -> io::Result<Vec<u8>> {
+    super::tls_readable(stream).await?;
+    let mut chunk = vec![0; room];
+    let n = stream.read(&mut chunk).await?;
+    chunk.truncate(n);
+    Ok(chunk)
+}
+
+/// Writes `bytes` and flushes them, within `limit`.
+async fn send(stream: &mut RustlsStream, bytes: &[u8], limit: Duration) -> Result<(), Waited> {
+    let sent = tokio::time::timeout(limit, async {
+        stream.write_all(bytes).await?;
+        stream.flush().await
+    })
+    .await;
+    match sent {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(Waited::Io(e)),
+        Err(_) => Err(Waited::Stalled),
+    }
+}
+
+/// What a closing connection at rest reads and drops at most, waiting for its
+/// client's end.
+const LINGER_BYTES: usize = 64 * 1024;
+
+/// Closes an HTTP/2 connection at rest in order: GOAWAY naming no stream, then
+/// close_notify, then what the client still sends (a request that crossed the
+/// GOAWAY) is read and dropped until it closes too, for `CLOSE_GRACE` or
+/// `LINGER_BYTES` at most. Closing a socket with unread input would send the client
+/// a reset, which may reach it before the GOAWAY it must see to retry.
+async fn close_h2(stream: &mut RustlsStream) {
+    let _ = tokio::time::timeout(CLOSE_GRACE, async {
+        stream.write_all(&handshake::goaway_before_any_stream()).await?;
+        stream.shutdown().await?;
+        let mut sink = vec![0; 4096];
+        let mut dropped = 0;
+        while dropped < LINGER_BYTES {
+            match stream.read(&mut sink).await? {
+                0 => break,
+                n => dropped += n,
+            }
+        }
+        io::Result::Ok(())
+    })
+    .await;
+}
