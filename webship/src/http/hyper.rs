@@ -11,7 +11,7 @@
 //! window holds two 16 KiB reads (the body ramps its reads up with what the client
 //! takes: `exchange::body`).
 //!
-//! An HTTP/2 connection rests until its first request (`h2_guard::rest`: the
+//! An HTTP/2 connection rests until its first request ([`rest::h2`]: the
 //! handshake answered, none of hyper's connection built), and an HTTP/1.1 one until
 //! its first bytes ([`serve_h1`]).
 //!

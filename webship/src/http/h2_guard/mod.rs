@@ -37,7 +37,7 @@
 //! HPACK table stays in step with the client's.
 //!
 //! The guard is built with hyper's connection, once the connection's rest ends
-//! ([`rest`]: until its first request a connection holds only what its client's
+//! ([`handshake`], `http::rest`: until its first request a connection holds only what its client's
 //! handshake sent).
 //!
 //! Memory: one frame of input (up to our SETTINGS_MAX_FRAME_SIZE; DATA payloads
@@ -149,7 +149,7 @@ impl GuardLimits {
 
     /// The SETTINGS frame h2 sends first for these limits (the values
     /// [`GuardLimits::configure`] gives hyper, in h2's order): what a connection at
-    /// rest ([`rest`]) sends in h2's place.
+    /// rest ([`handshake`]) sends in h2's place.
     pub(crate) fn settings_frame(&self) -> Vec<u8> {
         use frames::*;
         let mut values = vec![
