@@ -420,6 +420,16 @@ impl H2Raw {
         }
     }
 
+    /// Ends the connection in order: close_notify, then the TCP FIN.
+    pub async fn close(&mut self) -> Result<()> {
+        self.tls.shutdown().await.context("close_notify")
+    }
+
+    /// Ends the connection without close_notify: the TCP socket is closed under TLS.
+    pub fn drop_tcp(self) {
+        drop(self.tls.into_inner().0);
+    }
+
     /// Whether the connection is closed within `within` (reading and dropping
     /// whatever comes first).
     pub async fn closes_within(&mut self, within: Duration) -> bool {

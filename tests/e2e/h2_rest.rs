@@ -281,3 +281,45 @@ async fn an_unfinished_frame_or_preface_at_rest_is_cut_in_time() {
         "closed {took:?} after the magic (handshake timeout 2 s)"
     );
 }
+
+/// Each way a rest ends is counted as what it is: an idle close and a client that
+/// goes away (with close_notify or without) as `closed`, a preface that never
+/// completes as `handshake_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ways_a_rest_ends_are_counted() {
+    use crate::subsystem_metrics::{admin, Scrape};
+    let env = Env::new();
+    let (admin_toml, admin) = admin();
+    let server = start(
+        &env,
+        &format!("handshake_timeout_secs = 1\nidle_timeout_secs = 2\n{admin_toml}"),
+    );
+    let series = |reason: &str| {
+        format!("webship_connections_closed_total{{transport=\"tcp\",protocol=\"h2\",reason=\"{reason}\"}}")
+    };
+    let idle = rested(&env, &server).await;
+    let mut magic_only = H2Raw::connect(server.addr(), HOST, &env.client(b"h2"))
+        .await
+        .unwrap();
+    magic_only.send(webship_testkit::h2raw::PREFACE).await.unwrap();
+    let mut polite = rested(&env, &server).await;
+    polite.close().await.unwrap();
+    let abrupt = rested(&env, &server).await;
+    abrupt.drop_tcp();
+    let mut counted = (0.0, 0.0);
+    webship_tests::server::eventually(Duration::from_secs(10), || {
+        let scrape = Scrape::take(admin);
+        counted = (
+            scrape.get(&series("closed")).unwrap_or(0.0),
+            scrape.get(&series("handshake_timeout")).unwrap_or(0.0),
+        );
+        counted == (3.0, 1.0)
+    });
+    assert_eq!(
+        counted,
+        (3.0, 1.0),
+        "(closed, handshake_timeout); log:\n{}",
+        server.log()
+    );
+    drop((idle, magic_only));
+}

@@ -15,12 +15,14 @@
 //! handshake answered, none of hyper's connection built), and an HTTP/1.1 one until
 //! its first bytes ([`serve_h1`]).
 //!
-//! Time, for both protocols ([`drive`]): an HTTP/2 client must send its connection
-//! preface and first SETTINGS frame header within `handshake_timeout`; a connection
-//! with no request in flight for `idle_timeout` is closed gracefully (GOAWAY), and
-//! dropped if it has not closed [`CLOSE_GRACE`] later (a client that never answers
-//! the GOAWAY's PING, or never sent its preface); and when responses wait on the
-//! client and one has waited for `send_timeout` (however others move), it is dropped.
+//! Time, once hyper's connection is built, for both protocols ([`drive`]; the
+//! limits at rest are `rest`'s): an HTTP/2 client whose preface was not complete
+//! at rest must send it, up to its first SETTINGS frame header, within
+//! `handshake_timeout` of the handshake; a connection with no request in flight for
+//! `idle_timeout` is closed gracefully (GOAWAY), and dropped if it has not closed
+//! [`CLOSE_GRACE`] later (a client that never answers the GOAWAY's PING); and when
+//! responses wait on the client and one has waited for `send_timeout` (however
+//! others move), it is dropped.
 //! Bytes that arrive without making a request never reset the idle clock. A client
 //! trickling a request head is cut at `header_read_timeout`: over HTTP/2 by the
 //! frame guard (`h2_guard`: GOAWAY PROTOCOL_ERROR for a header block or frame not
@@ -46,7 +48,7 @@ use http_body::{Frame, SizeHint};
 use http_body_util::BodyExt;
 use hyper::server::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use super::h2_guard::handshake::Opening;
 use super::h2_guard::{guard_limits, GuardLimits, H2Guard, HeadClock};
@@ -187,11 +189,8 @@ pub(crate) fn serve_h1(
         let start = tokio::time::Instant::now();
         match rest::first_bytes(&mut stream, &ctx, start).await {
             FirstBytes::Arrived => {}
-            FirstBytes::Closed => {
-                // What hyper does when it closes a connection in order: close_notify.
-                let _ = tokio::time::timeout(CLOSE_GRACE, stream.shutdown()).await;
-                return Ok(());
-            }
+            // Closed in order, as hyper closes: close_notify.
+            FirstBytes::Closed => return Ok(()),
             // hyper's header timer, which ran from its connection's start, ends the
             // connection without a response or close_notify.
             FirstBytes::HeadTimeout => return Err(HyperError::HeadTimeout),

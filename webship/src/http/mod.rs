@@ -22,13 +22,15 @@ use crate::tls::{Accepted, Alpn};
 
 pub(crate) use batch::{Metrics as BatchMetrics, WriteBatch};
 
-/// How long an HTTP/1.1 connection that has sent no request yet may take to send
-/// its first once the drain has begun: it may be the last one accepted before the
-/// drain (in a binary upgrade, the old process's), its client sending right now.
+/// How long a connection (HTTP/1.1 or HTTP/2) that has sent no request yet may take
+/// to send its first once the drain has begun: it may be the last one accepted
+/// before the drain (in a binary upgrade, the old process's), its client sending
+/// right now.
 const FIRST_REQUEST_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// How long closing a connection in order may take (a GOAWAY answered, close_notify
-/// written) before it is dropped.
+/// How long closing a connection in order may take before it is dropped: hyper's
+/// GOAWAY answered, or at rest the GOAWAY and close_notify written and what the
+/// client still sends read (`rest::close_in_order`).
 const CLOSE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Completes `FIRST_REQUEST_GRACE` after the drain begins: when a connection that

@@ -16,7 +16,7 @@
 use std::io;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use super::h2_guard::handshake::{self, classify, Opening, Rest, MAX_INPUT};
 use super::CLOSE_GRACE;
@@ -29,7 +29,7 @@ pub(super) enum FirstBytes {
     /// Bytes, the end of the stream or an error: hyper's read sees which.
     Arrived,
     /// The drain (after `FIRST_REQUEST_GRACE`), or `idle_timeout` when it is the
-    /// shorter: closed in order.
+    /// shorter: closed in order ([`close_in_order`], as hyper closes).
     Closed,
     /// `header_read_timeout` since the handshake, no request head begun.
     HeadTimeout,
@@ -51,7 +51,7 @@ pub(super) async fn first_bytes(
         (start + limits.header_read_timeout, FirstBytes::HeadTimeout)
     };
     let mut shutdown = ctx.shutdown.clone();
-    tokio::select! {
+    let waited = tokio::select! {
         // Bytes already there win over a drain that began meanwhile, as they did in
         // hyper's connection when its read came first.
         biased;
@@ -60,7 +60,11 @@ pub(super) async fn first_bytes(
             Err(_) => expired,
         },
         () = super::drain_grace_over(&mut shutdown) => FirstBytes::Closed,
+    };
+    if waited == FirstBytes::Closed {
+        close_in_order(stream, &[]).await;
     }
+    waited
 }
 
 /// How an HTTP/2 connection's rest ended.
@@ -68,7 +72,8 @@ pub(super) async fn first_bytes(
 pub(super) enum Waited {
     /// The client sent what h2 must answer: build hyper's connection over this.
     Open(Opening),
-    /// Closed in order: the client closed, or idle or the drain closed it.
+    /// Closed in order: the client went away (with close_notify or without: as h2
+    /// counted one that had sent its preface), or idle or the drain closed it.
     Closed,
     /// The client's preface (magic and SETTINGS) not complete within
     /// `handshake_timeout`.
@@ -119,38 +124,49 @@ pub(super) async fn h2(
         let arrived = tokio::select! {
             // Bytes already there win over a drain that began meanwhile.
             biased;
-            arrived = tokio::time::timeout_at(end, read_some(stream, room)) => arrived,
+            arrived = tokio::time::timeout_at(end, read_into(stream, &mut input, room)) => arrived,
             () = &mut drained => {
-                close_h2(stream).await;
+                close_in_order(stream, &handshake::goaway_before_any_stream()).await;
                 return Waited::Closed;
             }
         };
         match arrived {
             Err(_) => {
                 if matches!(expired, Waited::Closed) {
-                    close_h2(stream).await;
+                    close_in_order(stream, &handshake::goaway_before_any_stream()).await;
                 }
                 return expired;
             }
-            Ok(Err(e)) => return Waited::Io(e),
-            Ok(Ok(bytes)) if bytes.is_empty() => {
-                let _ = tokio::time::timeout(CLOSE_GRACE, stream.shutdown()).await;
+            Ok(Ok(Read::More)) => input.shrink_to_fit(),
+            Ok(Ok(Read::End)) => {
+                close_in_order(stream, &[]).await;
                 return Waited::Closed;
             }
-            Ok(Ok(bytes)) => input.extend_from_slice(&bytes),
+            Ok(Err(e)) if e.kind() == io::ErrorKind::UnexpectedEof => return Waited::Closed,
+            Ok(Err(e)) => return Waited::Io(e),
         }
-        input.shrink_to_fit();
     }
 }
 
-/// Up to `room` bytes of plaintext, read once there are some (the wait holds no
-/// buffer: [`super::tls_readable`]); none at the end of the stream.
-async fn read_some(stream: &mut RustlsStream, room: usize) -> io::Result<Vec<u8>> {
+/// What a read at rest found.
+enum Read {
+    More,
+    /// The client's close_notify.
+    End,
+}
+
+/// Appends up to `room` bytes of plaintext to `input` once there are some, taken
+/// from rustls' own buffer (the wait holds none: [`super::tls_readable`]).
+async fn read_into(stream: &mut RustlsStream, input: &mut Vec<u8>, room: usize) -> io::Result<Read> {
     super::tls_readable(stream).await?;
-    let mut chunk = vec![0; room];
-    let n = stream.read(&mut chunk).await?;
-    chunk.truncate(n);
-    Ok(chunk)
+    let available = stream.fill_buf().await?;
+    if available.is_empty() {
+        return Ok(Read::End);
+    }
+    let n = available.len().min(room);
+    input.extend_from_slice(&available[..n]);
+    stream.consume(n);
+    Ok(Read::More)
 }
 
 /// Writes `bytes` and flushes them, within `limit`.
@@ -171,22 +187,24 @@ async fn send(stream: &mut RustlsStream, bytes: &[u8], limit: Duration) -> Resul
 /// client's end.
 const LINGER_BYTES: usize = 64 * 1024;
 
-/// Closes an HTTP/2 connection at rest in order: GOAWAY naming no stream, then
-/// close_notify, then what the client still sends (a request that crossed the
-/// GOAWAY) is read and dropped until it closes too, for `CLOSE_GRACE` or
-/// `LINGER_BYTES` at most. Closing a socket with unread input would send the client
-/// a reset, which may reach it before the GOAWAY it must see to retry.
-async fn close_h2(stream: &mut RustlsStream) {
+/// Closes a connection at rest in order, within `CLOSE_GRACE`: `goodbye` (HTTP/2's
+/// GOAWAY naming no stream; nothing for HTTP/1.1), close_notify, then what the
+/// client still sends (a request that crossed the close) is read and dropped until
+/// it closes too, `LINGER_BYTES` at most, from rustls' own buffer. Closing a socket
+/// with input unread makes the kernel reset the connection, which can discard the
+/// GOAWAY and close_notify still on their way to the client.
+pub(super) async fn close_in_order(stream: &mut RustlsStream, goodbye: &[u8]) {
     let _ = tokio::time::timeout(CLOSE_GRACE, async {
-        stream.write_all(&handshake::goaway_before_any_stream()).await?;
+        stream.write_all(goodbye).await?;
         stream.shutdown().await?;
-        let mut sink = vec![0; 4096];
         let mut dropped = 0;
         while dropped < LINGER_BYTES {
-            match stream.read(&mut sink).await? {
-                0 => break,
-                n => dropped += n,
+            let n = stream.fill_buf().await?.len();
+            if n == 0 {
+                break;
             }
+            stream.consume(n);
+            dropped += n;
         }
         io::Result::Ok(())
     })

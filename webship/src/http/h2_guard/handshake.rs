@@ -17,6 +17,13 @@
 //! the guard and h2 judge every frame as on a connection that never rested; a frame
 //! that may rest is one both accept, and an answer to one that may not comes as
 //! soon as it arrives.
+//!
+//! Choices: a partial magic opens the connection (the driver then times the
+//! preface, as before), and so does PRIORITY, which h2 ignores but the guard judges
+//! (a client that sends PRIORITY frames after its SETTINGS, as older Firefox did,
+//! does not rest). h2's WINDOW_UPDATE raising the connection's receive window
+//! (`h2_initial_connection_window_bytes`) goes out when the connection opens, so a
+//! first request's upload beyond the default 64 KiB waits one round trip for it.
 
 use std::io;
 use std::pin::Pin;
@@ -460,6 +467,47 @@ mod tests {
         }
     }
 
+    /// Everything `classify` lets rest, h2 takes without a word: after each of these
+    /// inputs it answers a PING, and sends no GOAWAY first.
+    #[tokio::test]
+    async fn what_rests_h2_accepts() {
+        for extra in resting() {
+            let input = preface(&extra);
+            assert_eq!(classify(&input), Rest::Waiting { settings_in: true }, "{extra:?}");
+            let (mut client, conn) = h2_server(&limits(100, false));
+            client.write_all(&input).await.unwrap();
+            client
+                .write_all(&frame_bytes(PING, 0, 0, b"restping"))
+                .await
+                .unwrap();
+            let mut answered = false;
+            while let Some((kind, flags, payload)) = next_frame(&mut client).await {
+                assert_ne!(kind, GOAWAY, "h2 refused {extra:?}: {payload:?}");
+                if kind == PING && flags & ACK != 0 {
+                    answered = true;
+                    break;
+                }
+            }
+            conn.abort();
+            assert!(answered, "no PING answer after {extra:?}");
+        }
+    }
+
+    /// Inputs after the preface's SETTINGS that rest.
+    fn resting() -> Vec<Vec<Vec<u8>>> {
+        let ack = frame_bytes(SETTINGS, ACK, 0, &[]);
+        vec![
+            vec![],
+            vec![ack.clone()],
+            vec![window_update(0, 15 << 20), ack.clone()],
+            vec![window_update(0, 0x7fff_ffff - 65_535)],
+            vec![
+                frame_bytes(0xfa, 0, 0, b"grease"),
+                frame_bytes(0xfb, 0xff, 7, &[]),
+            ],
+        ]
+    }
+
     fn preface(extra: &[Vec<u8>]) -> Vec<u8> {
         let mut input = PREFACE.to_vec();
         input.extend(frame_bytes(
@@ -485,12 +533,7 @@ mod tests {
         assert_eq!(classify(PREFACE), Rest::Waiting { settings_in: false });
         assert_eq!(classify(&preface(&[])), waiting);
         let ack = frame_bytes(SETTINGS, ACK, 0, &[]);
-        let resting = [
-            vec![ack.clone()],
-            vec![window_update(0, 15 << 20), ack.clone()],
-            vec![frame_bytes(0xfa, 0, 0, b"grease")],
-        ];
-        for extra in resting {
+        for extra in resting() {
             assert_eq!(classify(&preface(&extra)), waiting, "{extra:?}");
         }
         let opening = [

@@ -151,7 +151,11 @@ impl GuardLimits {
     /// [`GuardLimits::configure`] gives hyper, in h2's order): what a connection at
     /// rest ([`handshake`]) sends in h2's place.
     pub(crate) fn settings_frame(&self) -> Vec<u8> {
-        use frames::*;
+        use frames::{
+            put_frame, HEADER_LEN, SETTINGS, SETTINGS_ENABLE_CONNECT_PROTOCOL, SETTINGS_HEADER_TABLE_SIZE,
+            SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_MAX_FRAME_SIZE,
+            SETTINGS_MAX_HEADER_LIST_SIZE,
+        };
         let mut values = vec![
             (SETTINGS_HEADER_TABLE_SIZE, self.header_table_size),
             (SETTINGS_MAX_CONCURRENT_STREAMS, self.max_concurrent_streams),
