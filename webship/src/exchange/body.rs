@@ -12,6 +12,14 @@
 //! [`RAMP_CHUNK_MIN`] and the driver's chunk. A stream whose client grants no window
 //! holds two small chunks, not two large ones. A pulled body's stall is seen by its
 //! connection through a [`PullClock`].
+//!
+//! HTTP/1.1 has no flow control to read, but its driver sees the socket: a
+//! [`paced`](ResponseBody::paced) body is told what left for the client while its last
+//! chunk was written ([`took`](ResponseBody::took)) and reads at most twice that
+//! next (slow start), between [`RAMP_CHUNK_MIN`] and the driver's chunk. A client that
+//! keeps up ramps to the full chunk within a few reads; one that reads slowly leaves
+//! the bytes in the socket, and its body falls back to the smallest read and gives
+//! its large buffer back (`FileCursor::set_chunk`).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -54,6 +62,18 @@ struct Pull {
     /// Handed out a chunk and not pulled since: waiting on the client, counted in
     /// this slot of the clock.
     waiting: Option<usize>,
+    gauge: Gauge,
+}
+
+/// What a ramped body's next read is sized by.
+#[derive(Debug)]
+enum Gauge {
+    /// The bytes handed out before the chunk the driver still holds (h2, h3: their
+    /// flow control decides when the driver pulls again).
+    Handed,
+    /// What the driver reported its client took while the last chunk was written
+    /// (h1), doubled; nothing reported counts as nothing taken.
+    Reported(u64),
 }
 
 /// Slots of a [`PullClock`]: a generation's slot is reused `GENERATIONS` later.
@@ -221,14 +241,37 @@ impl ResponseBody {
     /// A body of a multiplexed stream (h2, h3): file reads ramp up from
     /// [`RAMP_CHUNK_MIN`] to `chunk` as the client takes bytes.
     pub(crate) fn ramped(body: Body, chunk: usize) -> Self {
+        Self::ramp(body, chunk, Gauge::Handed)
+    }
+
+    /// A body whose driver reports what its client takes ([`took`](Self::took)):
+    /// file reads start at [`RAMP_CHUNK_MIN`] and follow the client, up to `chunk`.
+    pub(crate) fn paced(body: Body, chunk: usize) -> Self {
+        Self::ramp(body, chunk, Gauge::Reported(0))
+    }
+
+    fn ramp(body: Body, chunk: usize, gauge: Gauge) -> Self {
         let mut this = Self::new(body, chunk);
         this.pull = Some(Pull {
             clock: None,
             max_chunk: chunk,
             last: 0,
             waiting: None,
+            gauge,
         });
         this
+    }
+
+    /// A paced body's client took `bytes` while the last chunk was written: the next
+    /// read may be twice that. Other bodies ignore it.
+    pub(crate) fn took(&mut self, bytes: u64) {
+        if let Some(Pull {
+            gauge: Gauge::Reported(took),
+            ..
+        }) = &mut self.pull
+        {
+            *took = bytes;
+        }
     }
 
     /// A ramped body a driver pulls by itself (hyper): `clock` sees whether it moves.
@@ -315,8 +358,12 @@ impl http_body::Body for ResponseBody {
             // that large.
             pull.set_waiting(false);
             if let Kind::File(cursor) = &mut this.kind {
-                let taken = this.produced - pull.last;
-                let chunk = usize::try_from(taken).unwrap_or(usize::MAX);
+                let allowed = match &mut pull.gauge {
+                    Gauge::Handed => this.produced - pull.last,
+                    // Each report sizes one read only.
+                    Gauge::Reported(took) => std::mem::take(took).saturating_mul(2),
+                };
+                let chunk = usize::try_from(allowed).unwrap_or(usize::MAX);
                 cursor.set_chunk(chunk.clamp(RAMP_CHUNK_MIN.min(pull.max_chunk), pull.max_chunk));
             }
         }
@@ -400,6 +447,32 @@ mod tests {
         // Each read is at most what was handed out before the chunk still held.
         assert_eq!(sizes[..7], [16, 16, 16, 32, 48, 80, 128], "{sizes:?}");
         assert_eq!(sizes.iter().sum::<usize>(), 1024);
+    }
+
+    #[tokio::test]
+    async fn paced_reads_follow_what_the_client_took() {
+        let (_dir, body) = file_body(4 << 20);
+        let mut body = ResponseBody::paced(body, 256 * 1024);
+        // The KiB of the next read after `took` was reported (if anything was).
+        let mut next = async |took: Option<u64>| {
+            if let Some(took) = took {
+                body.took(took);
+            }
+            body.frame().await.unwrap().unwrap().into_data().unwrap().len() / 1024
+        };
+        // Nothing reported yet: the smallest read.
+        assert_eq!(next(None).await, 16);
+        // A client that takes everything doubles the read, up to the driver's chunk.
+        assert_eq!(next(Some(16 << 10)).await, 32);
+        assert_eq!(next(Some(32 << 10)).await, 64);
+        assert_eq!(next(Some(200 << 10)).await, 256);
+        assert_eq!(next(Some(256 << 10)).await, 256);
+        // One that took a little: twice that; one that took nothing, or whose
+        // driver said nothing: the smallest again.
+        assert_eq!(next(Some(20 << 10)).await, 40);
+        assert_eq!(next(Some(0)).await, 16);
+        assert_eq!(next(Some(64 << 10)).await, 128);
+        assert_eq!(next(None).await, 16);
     }
 
     /// A relayed body that yields one chunk, then fails.

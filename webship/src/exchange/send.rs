@@ -80,6 +80,13 @@ pub(crate) trait BodyWriter {
         Ok(())
     }
 
+    /// What the client took while the last data chunk was written, for a writer that
+    /// can tell (h1 sees what left its socket): a paced body sizes its next read by
+    /// it ([`ResponseBody::took`]).
+    fn taken(&mut self) -> Option<u64> {
+        None
+    }
+
     /// Whether the writer can send file ranges without reading them (h1 on kTLS).
     fn sends_files(&self) -> bool {
         false
@@ -181,6 +188,9 @@ async fn send_all<W: BodyWriter>(
                     file_left: body.has_file_left(),
                 };
                 writer.progress(progress).await?;
+                if let Some(took) = writer.taken() {
+                    body.took(took);
+                }
             }
             Err(frame) => {
                 if let Ok(trailers) = frame.into_trailers() {

@@ -69,10 +69,16 @@ impl FileCursor {
         }
     }
 
-    /// The size of the reads from now on (a pulled body ramps it up with the bytes
-    /// its client takes).
+    /// The size of the reads from now on (a ramped body follows the bytes its
+    /// client takes).
     pub(crate) fn set_chunk(&mut self, chunk: usize) {
-        self.chunk = chunk.max(1);
+        let chunk = chunk.max(1);
+        // Far smaller reads from now on: the client stopped taking bytes, and the
+        // large buffer goes back to the allocator instead of waiting with it.
+        if chunk <= self.chunk / 4 {
+            self.buf = BytesMut::new();
+        }
+        self.chunk = chunk;
     }
 
     /// Bytes not yet handed out.

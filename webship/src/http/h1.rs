@@ -9,12 +9,16 @@
 //! move to kernel TLS and `sendfile` for the rest.
 //!
 //! Memory per connection is bounded by `limits.max_header_bytes` (read side) plus one
-//! [`H1_CHUNK`] file buffer while a file response is sent, plus rustls' own buffers;
-//! a slow reader only makes the writes wait, and `send_timeout` ends a client that
+//! file buffer of at most [`H1_CHUNK`] while a file response is sent, plus rustls'
+//! own buffers. File reads are paced by the client (`ResponseBody::paced`): they
+//! start at 16 KiB and double only while what was written leaves the socket for the
+//! client, so a slow reader holds a 16 KiB chunk, and rustls holds at most one
+//! chunk's worth of records ([`Stream::bound_pending`]) instead of its default 64 KiB.
+//! A slow reader only makes the writes wait, and `send_timeout` ends a client that
 //! stops reading altogether.
 
 use std::future::Future;
-use std::io;
+use std::io::{self, IoSlice};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -25,7 +29,9 @@ use http::{Method, StatusCode, Uri, Version};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
-use crate::exchange::{send_body, BodyWriter, ConnContext, Progress, Proto, Record, ResponseBody, SendError};
+use crate::exchange::{
+    send_body, BodyWriter, ConnContext, Progress, Proto, Record, ResponseBody, SendError, RAMP_CHUNK_MIN,
+};
 use crate::files::cursor::{FileRange, H1_CHUNK};
 use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
 use crate::message::Response;
@@ -67,6 +73,17 @@ impl Stream {
         super::tls_readable(tls).await
     }
 
+    /// Lets rustls hold at most about `chunk` bytes of records the socket has not
+    /// taken (16 to 64 KiB, rustls' default): what waits for a slow client is one
+    /// paced chunk, not a chunk plus 64 KiB. Kernel TLS holds nothing of its own.
+    fn bound_pending(&mut self, chunk: usize) {
+        if let Stream::Rustls(tls) = self {
+            tls.get_mut()
+                .1
+                .set_buffer_limit(Some(chunk.clamp(RAMP_CHUNK_MIN, TLS_PENDING_MAX)));
+        }
+    }
+
     fn tcp(&self) -> Option<&TcpStream> {
         match self {
             Stream::Rustls(tls) => Some(tls.get_ref().0.get_ref()),
@@ -96,6 +113,26 @@ impl AsyncWrite for Stream {
             Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_write(cx, data),
             Stream::Kernel(k) => Pin::new(k).poll_write(cx, data),
             Stream::Promoting => Poll::Ready(Err(promoting())),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_write_vectored(cx, bufs),
+            Stream::Kernel(k) => Pin::new(k).poll_write_vectored(cx, bufs),
+            Stream::Promoting => Poll::Ready(Err(promoting())),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Rustls(tls) => tls.is_write_vectored(),
+            Stream::Kernel(k) => k.is_write_vectored(),
+            Stream::Promoting => false,
         }
     }
 
@@ -339,7 +376,7 @@ impl Conn {
         let mut body = if bodiless {
             ResponseBody::empty()
         } else {
-            ResponseBody::new(body, H1_CHUNK)
+            ResponseBody::paced(body, H1_CHUNK)
         }
         .recorded(record);
         let chunked = body.is_relay() && !headers.contains_key(header::CONTENT_LENGTH);
@@ -364,6 +401,8 @@ impl Conn {
             send_timeout: self.ctx.limits.send_timeout,
             promotion,
             peer: self.ctx.peer(),
+            written: 0,
+            unsent: 0,
         };
         // A relayed body may be slow to start (or fail first): its head goes now, not
         // with the first body bytes.
@@ -402,23 +441,50 @@ struct Writer<'a> {
     /// already decrypted), until a promotion was tried.
     promotion: Option<(std::sync::Arc<ktls::Support>, &'a mut BytesMut)>,
     peer: std::net::SocketAddr,
+    /// Bytes written since the last [`taken`](BodyWriter::taken) report, and what the
+    /// socket had not sent yet at that report.
+    written: u64,
+    unsent: u64,
 }
 
 /// A body chunk up to this size travels in the head's write (one record, one
 /// syscall for a small response).
 const COALESCE: usize = 16 * 1024;
+/// rustls' own bound on records the socket has not taken (its default).
+const TLS_PENDING_MAX: usize = 64 * 1024;
 
 impl Writer<'_> {
     /// Writes `data`, after the head if it has not gone yet (in the same write when
     /// `data` is small).
     async fn write(&mut self, data: &[u8]) -> Result<(), SendError> {
+        self.stream.bound_pending(data.len());
+        self.written += data.len() as u64;
         if !self.head_sent && data.len() <= COALESCE {
             self.head_sent = true;
-            self.head.extend_from_slice(data);
-            return timed(self.send_timeout, self.stream.write_all(self.head)).await;
+            return self.write_with_head(data).await;
         }
         self.send_head().await?;
         timed(self.send_timeout, self.stream.write_all(data)).await
+    }
+
+    /// The head and `data` in one write (one record when they fit), without copying
+    /// `data` behind the head: the head buffer lives as long as the connection.
+    async fn write_with_head(&mut self, data: &[u8]) -> Result<(), SendError> {
+        self.written += self.head.len() as u64;
+        let (mut head, mut data) = (&self.head[..], data);
+        while !head.is_empty() || !data.is_empty() {
+            let bufs = [IoSlice::new(head), IoSlice::new(data)];
+            let n = match tokio::time::timeout(self.send_timeout, self.stream.write_vectored(&bufs)).await {
+                Ok(Ok(0)) => return Err(SendError::peer(io::Error::from(io::ErrorKind::WriteZero))),
+                Ok(Ok(n)) => n,
+                Ok(Err(e)) => return Err(SendError::peer(e)),
+                Err(_) => return Err(SendError::Timeout),
+            };
+            let from_head = n.min(head.len());
+            head = &head[from_head..];
+            data = &data[n - from_head..];
+        }
+        Ok(())
     }
 
     /// The head, on the wire now.
@@ -434,6 +500,7 @@ impl Writer<'_> {
             return Ok(());
         }
         self.head_sent = true;
+        self.written += self.head.len() as u64;
         timed(self.send_timeout, self.stream.write_all(self.head)).await
     }
 
@@ -517,6 +584,16 @@ impl BodyWriter for Writer<'_> {
             self.promote().await?;
         }
         Ok(())
+    }
+
+    /// What left the socket for the client since the last report: the bytes written
+    /// meanwhile, less what the socket still holds on top of what it held then.
+    /// Bytes rustls holds count as taken; `bound_pending` keeps them to a chunk.
+    fn taken(&mut self) -> Option<u64> {
+        let unsent = sys::tcp_unsent(self.stream.tcp()?).ok()?;
+        let grew = unsent.saturating_sub(self.unsent);
+        self.unsent = unsent;
+        Some(std::mem::take(&mut self.written).saturating_sub(grew))
     }
 
     fn sends_files(&self) -> bool {

@@ -68,6 +68,21 @@ pub(crate) fn tcp_bytes<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<TcpByte
     }
 }
 
+/// Bytes written to a TCP socket that it has not sent yet (`tcpi_notsent_bytes`):
+/// they wait for the peer's receive window (or the congestion window).
+pub(crate) fn tcp_unsent<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        // Before Linux 4.6 the kernel does not write it: zero, nothing seen waiting.
+        Ok(u64::from(tcp_info(sock)?.tcpi_notsent_bytes))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = sock;
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
 /// What `TCP_INFO` says about a connection's recent traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TcpActivity {
