@@ -52,6 +52,8 @@ pub(crate) struct FileCursor {
     remaining: u64,
     chunk: usize,
     buf: BytesMut,
+    /// The largest read into `buf`'s allocation (what it holds, roughly).
+    held: usize,
     /// A read the page cache could not complete, on the blocking pool.
     pending: Option<JoinHandle<io::Result<BytesMut>>>,
 }
@@ -65,6 +67,7 @@ impl FileCursor {
             remaining: body.len,
             chunk,
             buf: BytesMut::new(),
+            held: 0,
             pending: None,
         }
     }
@@ -75,8 +78,9 @@ impl FileCursor {
         let chunk = chunk.max(1);
         // Far smaller reads from now on: the client stopped taking bytes, and the
         // large buffer goes back to the allocator instead of waiting with it.
-        if chunk <= self.chunk / 4 {
+        if chunk <= self.held / 4 {
             self.buf = BytesMut::new();
+            self.held = 0;
         }
         self.chunk = chunk;
     }
@@ -117,6 +121,7 @@ impl FileCursor {
             self.buf.clear();
             // Takes the previous chunk's allocation back when the driver dropped it.
             self.buf.reserve(n);
+            self.held = self.held.max(n);
             let filled = match fill(&self.file, &mut self.buf, n, at, true) {
                 Ok(filled) => filled,
                 Err(e) => return Poll::Ready(Some(Err(e))),

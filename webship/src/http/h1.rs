@@ -379,6 +379,11 @@ impl Conn {
             ResponseBody::paced(body, H1_CHUNK)
         }
         .recorded(record);
+        if body.has_file_left() && self.read.is_empty() {
+            // A file response may take long (a slow client); the empty read buffer
+            // would be given back before the next request anyway.
+            self.read = BytesMut::new();
+        }
         let chunked = body.is_relay() && !headers.contains_key(header::CONTENT_LENGTH);
         if chunked {
             headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
