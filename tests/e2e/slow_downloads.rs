@@ -103,7 +103,11 @@ async fn slow_h1_downloads_hold_little_and_arrive_exact() {
     // One full download first: the runtime's first response (its blocking pool, the
     // page cache) is not what a slow download costs.
     let warm = env.get(Proto::H1, &server, "/big.bin", &[]).await;
-    assert_eq!((warm.status.as_u16(), warm.len), (200, FILE_LEN as u64), "warm-up");
+    assert_eq!(
+        (warm.status.as_u16(), warm.len),
+        (200, FILE_LEN as u64),
+        "warm-up"
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
     let before = server.rss();
 

@@ -14,12 +14,11 @@
 //! connection through a [`PullClock`].
 //!
 //! HTTP/1.1 has no flow control to read, but its driver sees the socket: a
-//! [`paced`](ResponseBody::paced) body is told what left for the client while its last
-//! chunk was written ([`took`](ResponseBody::took)) and reads at most twice that
-//! next (slow start), between [`RAMP_CHUNK_MIN`] and the driver's chunk. A client that
-//! keeps up ramps to the full chunk within a few reads; one that reads slowly leaves
-//! the bytes in the socket, and its body falls back to the smallest read and gives
-//! its large buffer back (`FileCursor::set_chunk`).
+//! [`paced`](ResponseBody::paced) body reads what its driver says the client's pace
+//! is ([`pace`](ResponseBody::pace), from what left the socket: `http::pace`),
+//! between [`RAMP_CHUNK_MIN`] and the driver's chunk. A client that keeps up gets
+//! the full chunk; one that reads slowly gets the smallest read, and a buffer that
+//! had grown is given back (`FileCursor::set_chunk`).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -71,8 +70,8 @@ enum Gauge {
     /// The bytes handed out before the chunk the driver still holds (h2, h3: their
     /// flow control decides when the driver pulls again).
     Handed,
-    /// What the driver reported its client took while the last chunk was written
-    /// (h1), doubled; nothing reported counts as nothing taken.
+    /// The read size the driver reported from its client's pace (h1); nothing
+    /// reported yet: the smallest.
     Reported(u64),
 }
 
@@ -244,8 +243,8 @@ impl ResponseBody {
         Self::ramp(body, chunk, Gauge::Handed)
     }
 
-    /// A body whose driver reports what its client takes ([`took`](Self::took)):
-    /// file reads start at [`RAMP_CHUNK_MIN`] and follow the client, up to `chunk`.
+    /// A body whose driver reports its client's pace ([`pace`](Self::pace)): file
+    /// reads start at [`RAMP_CHUNK_MIN`] and follow the client, up to `chunk`.
     pub(crate) fn paced(body: Body, chunk: usize) -> Self {
         Self::ramp(body, chunk, Gauge::Reported(0))
     }
@@ -262,15 +261,15 @@ impl ResponseBody {
         this
     }
 
-    /// A paced body's client took `bytes` while the last chunk was written: the next
-    /// read may be twice that. Other bodies ignore it.
-    pub(crate) fn took(&mut self, bytes: u64) {
+    /// A paced body's next reads are `bytes` (within the ramp's bounds). Other
+    /// bodies ignore it.
+    pub(crate) fn pace(&mut self, bytes: u64) {
         if let Some(Pull {
-            gauge: Gauge::Reported(took),
+            gauge: Gauge::Reported(read),
             ..
         }) = &mut self.pull
         {
-            *took = bytes;
+            *read = bytes;
         }
     }
 
@@ -360,8 +359,7 @@ impl http_body::Body for ResponseBody {
             if let Kind::File(cursor) = &mut this.kind {
                 let allowed = match &mut pull.gauge {
                     Gauge::Handed => this.produced - pull.last,
-                    // Each report sizes one read only.
-                    Gauge::Reported(took) => std::mem::take(took).saturating_mul(2),
+                    Gauge::Reported(read) => *read,
                 };
                 let chunk = usize::try_from(allowed).unwrap_or(usize::MAX);
                 cursor.set_chunk(chunk.clamp(RAMP_CHUNK_MIN.min(pull.max_chunk), pull.max_chunk));
@@ -450,29 +448,23 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn paced_reads_follow_what_the_client_took() {
+    async fn paced_reads_follow_the_drivers_pace() {
         let (_dir, body) = file_body(4 << 20);
         let mut body = ResponseBody::paced(body, 256 * 1024);
-        // The KiB of the next read after `took` was reported (if anything was).
-        let mut next = async |took: Option<u64>| {
-            if let Some(took) = took {
-                body.took(took);
+        // The KiB of the next read after `pace` was reported (if it was).
+        let mut next = async |pace: Option<u64>| {
+            if let Some(pace) = pace {
+                body.pace(pace);
             }
             body.frame().await.unwrap().unwrap().into_data().unwrap().len() / 1024
         };
         // Nothing reported yet: the smallest read.
         assert_eq!(next(None).await, 16);
-        // A client that takes everything doubles the read, up to the driver's chunk.
-        assert_eq!(next(Some(16 << 10)).await, 32);
-        assert_eq!(next(Some(32 << 10)).await, 64);
-        assert_eq!(next(Some(200 << 10)).await, 256);
-        assert_eq!(next(Some(256 << 10)).await, 256);
-        // One that took a little: twice that; one that took nothing, or whose
-        // driver said nothing: the smallest again.
-        assert_eq!(next(Some(20 << 10)).await, 40);
+        assert_eq!(next(Some(40 << 10)).await, 40);
+        // A report holds until the next one, within the smallest and the chunk.
+        assert_eq!(next(None).await, 40);
+        assert_eq!(next(Some(8 << 20)).await, 256);
         assert_eq!(next(Some(0)).await, 16);
-        assert_eq!(next(Some(64 << 10)).await, 128);
-        assert_eq!(next(None).await, 16);
     }
 
     /// A relayed body that yields one chunk, then fails.

@@ -80,10 +80,10 @@ pub(crate) trait BodyWriter {
         Ok(())
     }
 
-    /// What the client took while the last data chunk was written, for a writer that
-    /// can tell (h1 sees what left its socket): a paced body sizes its next read by
-    /// it ([`ResponseBody::took`]).
-    fn taken(&mut self) -> Option<u64> {
+    /// The client's pace, as the size of the next read, for a writer that can tell
+    /// (h1 sees what leaves its socket): a paced body reads that much
+    /// ([`ResponseBody::pace`]).
+    fn pace(&mut self) -> Option<u64> {
         None
     }
 
@@ -188,8 +188,8 @@ async fn send_all<W: BodyWriter>(
                     file_left: body.has_file_left(),
                 };
                 writer.progress(progress).await?;
-                if let Some(took) = writer.taken() {
-                    body.took(took);
+                if let Some(pace) = writer.pace() {
+                    body.pace(pace);
                 }
             }
             Err(frame) => {

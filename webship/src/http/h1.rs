@@ -10,10 +10,10 @@
 //!
 //! Memory per connection is bounded by `limits.max_header_bytes` (read side) plus one
 //! file buffer of at most [`H1_CHUNK`] while a file response is sent, plus rustls'
-//! own buffers. File reads are paced by the client (`ResponseBody::paced`): they
-//! start at 16 KiB and double only while what was written leaves the socket for the
-//! client, so a slow reader holds a 16 KiB chunk, and rustls holds at most one
-//! chunk's worth of records ([`Stream::bound_pending`]) instead of its default 64 KiB.
+//! own buffers. File reads are paced by the client (`ResponseBody::paced`, sized by
+//! [`Pace`] from what leaves the socket): a slow reader holds a 16 KiB chunk, and
+//! rustls at most one chunk's worth of records ([`Stream::bound_pending`]) instead of
+//! its default 64 KiB.
 //! A slow reader only makes the writes wait, and `send_timeout` ends a client that
 //! stops reading altogether.
 
@@ -37,6 +37,7 @@ use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
 use crate::message::Response;
 use crate::sys;
 
+use super::pace::Pace;
 use super::FIRST_REQUEST_GRACE;
 
 /// Most headers one request may carry.
@@ -406,8 +407,7 @@ impl Conn {
             send_timeout: self.ctx.limits.send_timeout,
             promotion,
             peer: self.ctx.peer(),
-            written: 0,
-            unsent: 0,
+            pace: Pace::default(),
         };
         // A relayed body may be slow to start (or fail first): its head goes now, not
         // with the first body bytes.
@@ -446,10 +446,8 @@ struct Writer<'a> {
     /// already decrypted), until a promotion was tried.
     promotion: Option<(std::sync::Arc<ktls::Support>, &'a mut BytesMut)>,
     peer: std::net::SocketAddr,
-    /// Bytes written since the last [`taken`](BodyWriter::taken) report, and what the
-    /// socket had not sent yet at that report.
-    written: u64,
-    unsent: u64,
+    /// What left the socket for the client, for the size of the next file read.
+    pace: Pace,
 }
 
 /// A body chunk up to this size travels in the head's write (one record, one
@@ -463,7 +461,7 @@ impl Writer<'_> {
     /// `data` is small).
     async fn write(&mut self, data: &[u8]) -> Result<(), SendError> {
         self.stream.bound_pending(data.len());
-        self.written += data.len() as u64;
+        self.pace.wrote(data.len());
         if !self.head_sent && data.len() <= COALESCE {
             self.head_sent = true;
             return self.write_with_head(data).await;
@@ -475,7 +473,7 @@ impl Writer<'_> {
     /// The head and `data` in one write (one record when they fit), without copying
     /// `data` behind the head: the head buffer lives as long as the connection.
     async fn write_with_head(&mut self, data: &[u8]) -> Result<(), SendError> {
-        self.written += self.head.len() as u64;
+        self.pace.wrote(self.head.len());
         let (mut head, mut data) = (&self.head[..], data);
         while !head.is_empty() || !data.is_empty() {
             let bufs = [IoSlice::new(head), IoSlice::new(data)];
@@ -505,7 +503,7 @@ impl Writer<'_> {
             return Ok(());
         }
         self.head_sent = true;
-        self.written += self.head.len() as u64;
+        self.pace.wrote(self.head.len());
         timed(self.send_timeout, self.stream.write_all(self.head)).await
     }
 
@@ -591,14 +589,9 @@ impl BodyWriter for Writer<'_> {
         Ok(())
     }
 
-    /// What left the socket for the client since the last report: the bytes written
-    /// meanwhile, less what the socket still holds on top of what it held then.
-    /// Bytes rustls holds count as taken; `bound_pending` keeps them to a chunk.
-    fn taken(&mut self) -> Option<u64> {
+    fn pace(&mut self) -> Option<u64> {
         let unsent = sys::tcp_unsent(self.stream.tcp()?).ok()?;
-        let grew = unsent.saturating_sub(self.unsent);
-        self.unsent = unsent;
-        Some(std::mem::take(&mut self.written).saturating_sub(grew))
+        Some(self.pace.report(unsent, std::time::Instant::now()))
     }
 
     fn sends_files(&self) -> bool {

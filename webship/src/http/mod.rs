@@ -10,6 +10,7 @@ mod batch;
 mod h1;
 mod h2_guard;
 mod hyper;
+mod pace;
 
 use std::future::Future;
 use std::pin::Pin;
