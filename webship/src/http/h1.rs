@@ -11,10 +11,14 @@
 //! Memory per connection is bounded by `limits.max_header_bytes` (read side) plus one
 //! file buffer of at most [`H1_CHUNK`] while a file response is sent, plus rustls'
 //! own buffers. File reads are paced by the client (`ResponseBody::paced`, sized by
-//! [`Pace`] from what leaves the socket): a slow reader holds a 16 KiB chunk, and
-//! rustls at most one chunk's worth of records ([`Stream::bound_pending`]) instead of
-//! its default 64 KiB.
-//! A slow reader only makes the writes wait, and `send_timeout` ends a client that
+//! [`Pace`] from what leaves the socket) and are never larger than what the socket
+//! takes at that moment (`sys::tcp_send_room`), so a read is written whole unless the
+//! kernel shrinks the send buffer under memory pressure; rustls holds at most one
+//! chunk's worth of records ([`Stream::bound_pending`]) instead of its default 64 KiB.
+//! A client that reads slowly, or that read fast and then stopped, leaves the
+//! response waiting in a write with a 16 KiB chunk and about one 16 KiB record; a
+//! client that keeps up gets chunks of up to [`H1_CHUNK`] and 64 KiB of records, and
+//! holds them only while the socket takes them. `send_timeout` ends a client that
 //! stops reading altogether.
 
 use std::future::Future;
@@ -590,8 +594,10 @@ impl BodyWriter for Writer<'_> {
     }
 
     fn pace(&mut self) -> Option<u64> {
-        let unsent = sys::tcp_unsent(self.stream.tcp()?).ok()?;
-        Some(self.pace.report(unsent, std::time::Instant::now()))
+        let tcp = self.stream.tcp()?;
+        let unsent = sys::tcp_unsent(tcp).ok()?;
+        let room = sys::tcp_send_room(tcp).ok()?;
+        Some(self.pace.report(unsent, room, std::time::Instant::now()))
     }
 
     fn sends_files(&self) -> bool {

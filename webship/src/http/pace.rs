@@ -10,7 +10,9 @@
 //! start; a slow client's reads fall back as soon as its receive window is full),
 //! and [`HORIZON`] worth of the client's rate over the last window of at least
 //! [`WINDOW`] (a client taking 100 MiB/s keeps 200 KiB reads through the writes that
-//! see nothing leave; one taking 4 KiB/s gets the smallest).
+//! see nothing leave; one taking 4 KiB/s gets the smallest). Neither is more than
+//! the socket takes now (`sys::tcp_send_room`): a fast client that stops reading
+//! leaves the server waiting with the smallest read, not the largest.
 
 use std::time::{Duration, Instant};
 
@@ -39,8 +41,9 @@ impl Pace {
         self.written += bytes as u64;
     }
 
-    /// The socket holds `unsent` bytes now: the next read's size.
-    pub(super) fn report(&mut self, unsent: u64, now: Instant) -> u64 {
+    /// The socket holds `unsent` bytes now and takes `room` more without blocking:
+    /// the next read's size.
+    pub(super) fn report(&mut self, unsent: u64, room: u64, now: Instant) -> u64 {
         // What was written or waiting at the last report and is not waiting now left
         // (bytes rustls holds count as gone; the driver bounds them to a chunk).
         let left = (std::mem::take(&mut self.written) + self.unsent).saturating_sub(unsent);
@@ -54,7 +57,11 @@ impl Pace {
             self.left = 0;
             self.began = Some(now);
         }
-        left.saturating_mul(2).max(self.at_rate)
+        // The rate only changes once a write has finished: a client that read fast
+        // and stopped would leave the next large read blocked in its write (for up to
+        // `send_timeout`). A read the socket takes whole is written at once and
+        // dropped; once the socket is full, the next one is the smallest.
+        left.saturating_mul(2).max(self.at_rate).min(room)
     }
 }
 
@@ -77,7 +84,7 @@ mod tests {
                 total += chunk;
                 pace.wrote(chunk as usize);
                 let at = every * i;
-                read = pace.report(total.saturating_sub(drained(at)), start + at);
+                read = pace.report(total.saturating_sub(drained(at)), u64::MAX, start + at);
                 read / KIB
             })
             .collect()
