@@ -39,8 +39,10 @@ const FAST_READ: u64 = 8 * MIB;
 /// write with its largest read (256 KiB) and rustls' default 64 KiB of records holds
 /// ≈330 KiB; one that reads what the socket takes holds a small read.
 const MAX_KIB_PER_STOPPED: u64 = 160;
-/// A whole download, read at full speed, must end within this.
+/// All downloads, read at full speed, must end within this, plus one second per
+/// [`DRAIN_PER_SECOND`] of their bodies (the file grows with the host's TCP buffers).
 const DRAIN_LIMIT: Duration = Duration::from_secs(60);
+const DRAIN_PER_SECOND: u64 = 10 * MIB;
 
 /// The largest value of a `net.ipv4` TCP buffer sysctl (`tcp_wmem`, `tcp_rmem`).
 fn tcp_buffer_max(name: &str) -> u64 {
@@ -150,13 +152,15 @@ async fn drain_exact(downloads: Vec<Download>, want: &str) {
             d.len
         );
     }
+    let total: u64 = downloads.iter().map(|d| d.len).sum();
+    let limit = DRAIN_LIMIT + Duration::from_secs(total / DRAIN_PER_SECOND);
     let mut downloads = downloads;
     let drained = async {
         for d in &mut downloads {
             while d.read(256 * 1024).await {}
         }
     };
-    tokio::time::timeout(DRAIN_LIMIT, drained)
+    tokio::time::timeout(limit, drained)
         .await
         .expect("the downloads finished at full speed");
     for (i, d) in downloads.into_iter().enumerate() {
