@@ -273,6 +273,17 @@ impl ResponseBody {
         }
     }
 
+    /// Whether the next frame is a file read a driver's [`pace`](Self::pace) sizes.
+    pub(crate) fn reads_at_writers_size(&self) -> bool {
+        matches!(
+            self.pull,
+            Some(Pull {
+                gauge: Gauge::Reported(_),
+                ..
+            })
+        ) && self.has_file_left()
+    }
+
     /// A ramped body a driver pulls by itself (hyper): `clock` sees whether it moves.
     pub(crate) fn pulled(body: Body, chunk: usize, clock: Arc<PullClock>) -> Self {
         let mut this = Self::ramped(body, chunk);

@@ -172,6 +172,13 @@ async fn send_all<W: BodyWriter>(
                 continue;
             }
         }
+        // Only a paced file read asks the writer (one `TCP_INFO` and one
+        // `SO_MEMINFO` for h1); the first read is sized too.
+        if body.reads_at_writers_size() {
+            if let Some(pace) = writer.pace() {
+                body.pace(pace);
+            }
+        }
         let frame = match body.frame().await {
             None => break,
             Some(Ok(frame)) => frame,
@@ -188,9 +195,6 @@ async fn send_all<W: BodyWriter>(
                     file_left: body.has_file_left(),
                 };
                 writer.progress(progress).await?;
-                if let Some(pace) = writer.pace() {
-                    body.pace(pace);
-                }
             }
             Err(frame) => {
                 if let Ok(trailers) = frame.into_trailers() {

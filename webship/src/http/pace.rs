@@ -22,17 +22,23 @@ const WINDOW: Duration = Duration::from_millis(10);
 /// A read holds this long of what the client takes at its measured rate.
 const HORIZON: Duration = Duration::from_millis(2);
 
+/// A write smaller than this (a chunk-size line, a part's headers) says nothing about
+/// the client: the size it reported last stands.
+const SMALL_WRITE: u64 = 16 * 1024;
+
 #[derive(Debug, Default)]
 pub(super) struct Pace {
-    /// Bytes written since the last report.
+    /// Bytes written since the last estimate.
     written: u64,
-    /// What the socket had not sent at the last report.
+    /// What the socket had not sent at the last estimate.
     unsent: u64,
     /// Bytes that left for the client since the window began.
     left: u64,
     began: Option<Instant>,
     /// [`HORIZON`] worth of the rate measured over the last window.
     at_rate: u64,
+    /// The last estimate, before the socket's room bounded it.
+    last: Option<u64>,
 }
 
 impl Pace {
@@ -44,8 +50,27 @@ impl Pace {
     /// The socket holds `unsent` bytes now and takes `room` more without blocking:
     /// the next read's size.
     pub(super) fn report(&mut self, unsent: u64, room: u64, now: Instant) -> u64 {
-        // What was written or waiting at the last report and is not waiting now left
-        // (bytes rustls holds count as gone; the driver bounds them to a chunk).
+        let paced = match self.last {
+            Some(last) if self.written < SMALL_WRITE => last,
+            _ => {
+                let estimate = self.estimate(unsent, now);
+                self.last = Some(estimate);
+                estimate
+            }
+        };
+        // Nothing waits in the socket: the client takes what comes as fast as it is
+        // written (or nothing was written yet), so the read is what the socket takes.
+        let paced = if unsent == 0 { u64::MAX } else { paced };
+        // The rate only changes once a write has finished: a client that read fast
+        // and stopped would leave the next large read blocked in its write (for up to
+        // `send_timeout`). A read the socket takes whole is written at once and
+        // dropped; once the socket is full, the next one is the smallest.
+        paced.min(room)
+    }
+
+    fn estimate(&mut self, unsent: u64, now: Instant) -> u64 {
+        // What was written or waiting at the last estimate and is not waiting now
+        // left (bytes rustls holds count as gone; the driver bounds them to a chunk).
         let left = (std::mem::take(&mut self.written) + self.unsent).saturating_sub(unsent);
         self.unsent = unsent;
         self.left += left;
@@ -57,11 +82,7 @@ impl Pace {
             self.left = 0;
             self.began = Some(now);
         }
-        // The rate only changes once a write has finished: a client that read fast
-        // and stopped would leave the next large read blocked in its write (for up to
-        // `send_timeout`). A read the socket takes whole is written at once and
-        // dropped; once the socket is full, the next one is the smallest.
-        left.saturating_mul(2).max(self.at_rate).min(room)
+        left.saturating_mul(2).max(self.at_rate)
     }
 }
 
@@ -70,51 +91,139 @@ mod tests {
     use super::*;
 
     const KIB: u64 = 1024;
+    const MIB: u64 = 1024 * KIB;
 
-    /// Reports every `every`, each after writing the read size reported last (16 to
-    /// 256 KiB, as the body clamps it), the client having drained `drained(t)` bytes
-    /// by then; the read sizes reported, in KiB.
-    fn run(every: Duration, reports: u32, drained: impl Fn(Duration) -> u64) -> Vec<u64> {
+    /// One asked read size: what the pace said (KiB, before the body clamps it) and
+    /// whether the clamped read was larger than the socket's room (its write waits
+    /// with the chunk in hand until the client reads again).
+    #[derive(Debug, Clone, Copy)]
+    struct Read {
+        kib: u64,
+        waits: bool,
+    }
+
+    /// A socket that holds `socket` bytes, to a client that has drained `drained(t)`
+    /// bytes by `t` (its receive window included), and a server that writes one read
+    /// (16 to 256 KiB, as the body clamps it) every `every` at most: it asks for the
+    /// next read's size once the last one is in the socket. A write the socket cannot
+    /// take whole waits, like the kernel's, until a third of the socket is free.
+    fn run(every: Duration, steps: u32, socket: u64, drained: impl Fn(Duration) -> u64) -> Vec<Read> {
         let mut pace = Pace::default();
         let start = Instant::now();
-        let (mut read, mut total) = (0, 0);
-        (1..=reports)
-            .map(|i| {
-                let chunk = read.clamp(16 * KIB, 256 * KIB);
-                total += chunk;
-                pace.wrote(chunk as usize);
-                let at = every * i;
-                read = pace.report(total.saturating_sub(drained(at)), u64::MAX, start + at);
-                read / KIB
-            })
-            .collect()
+        let (mut total, mut waiting) = (0, 0);
+        let mut reads = Vec::new();
+        for i in 1..=steps {
+            let at = every * i;
+            let unsent = total - drained(at).min(total);
+            let room = socket.saturating_sub(unsent);
+            if waiting > 0 {
+                if room >= socket / 3 {
+                    let took = waiting.min(room);
+                    (total, waiting) = (total + took, waiting - took);
+                }
+                continue;
+            }
+            let asked = pace.report(unsent, room, start + at);
+            let read = asked.clamp(16 * KIB, 256 * KIB);
+            pace.wrote(read as usize);
+            let took = read.min(room);
+            (total, waiting) = (total + took, read - took);
+            reads.push(Read {
+                kib: asked.min(u64::MAX / 2) / KIB,
+                waits: read > room,
+            });
+        }
+        reads
+    }
+
+    /// Whether every read that waits in its write is the smallest.
+    fn only_small_reads_wait(reads: &[Read]) -> bool {
+        reads.iter().all(|r| !r.waits || r.kib <= 16)
     }
 
     #[test]
     fn a_slow_client_gets_small_reads_once_a_window_shows_it() {
         // Its receive window takes the first 96 KiB, then it reads 4 KiB/s.
-        let reads = run(Duration::from_millis(1), 60, |t| {
+        let reads = run(Duration::from_millis(1), 60, 4 * MIB, |t| {
             96 * KIB + (4096.0 * t.as_secs_f64()) as u64
         });
-        assert_eq!(
-            reads[..4],
-            [32, 64, 96, 0],
-            "slow start, then nothing left: {reads:?}"
-        );
-        assert!(reads.iter().all(|&r| r <= 96), "{reads:?}");
+        assert!(reads[0].kib >= 256, "nothing waits yet: a full read: {reads:?}");
         assert!(
-            reads[20..].iter().all(|&r| r < 16),
+            reads[20..].iter().all(|r| r.kib < 16),
             "a window at 4 KiB/s: {reads:?}"
         );
+        assert!(only_small_reads_wait(&reads), "{reads:?}");
+    }
+
+    #[test]
+    fn a_full_socket_gets_the_smallest_read() {
+        // A 512 KiB socket to a client that took 96 KiB, then 4 KiB/s: the server
+        // fills the socket, and every read that then waits is the smallest.
+        let reads = run(Duration::from_millis(1), 80, 512 * KIB, |t| {
+            96 * KIB + (4096.0 * t.as_secs_f64()) as u64
+        });
+        assert!(
+            reads.iter().any(|r| r.waits),
+            "the socket never filled: {reads:?}"
+        );
+        assert!(only_small_reads_wait(&reads), "{reads:?}");
     }
 
     #[test]
     fn a_fast_client_slower_than_the_server_keeps_large_reads() {
         // The server could write 1 GiB/s; the client drains 2 MiB every 4 ms (512
         // MiB/s), so most reports see nothing leave the socket.
-        let reads = run(Duration::from_micros(250), 400, |t| {
-            (t.as_micros() / 4000) as u64 * 2048 * KIB
+        let reads = run(Duration::from_micros(250), 400, 4 * MIB, |t| {
+            (t.as_micros() / 4000) as u64 * 2 * MIB
         });
-        assert!(reads[80..].iter().all(|&r| r >= 256), "{reads:?}");
+        assert_mostly_large(&reads[20..]);
+        assert!(only_small_reads_wait(&reads), "{reads:?}");
+    }
+
+    /// Four in five bytes come in the largest reads (the others fill what is left of
+    /// the socket before a write waits).
+    fn assert_mostly_large(reads: &[Read]) {
+        let bytes = |r: &Read| r.kib.clamp(16, 256);
+        let all: u64 = reads.iter().map(bytes).sum();
+        let large: u64 = reads.iter().filter(|r| r.kib >= 256).map(bytes).sum();
+        assert!(
+            large * 5 >= all * 4,
+            "{large} of {all} KiB in 256 KiB reads: {reads:?}"
+        );
+    }
+
+    #[test]
+    fn a_fast_client_that_stops_leaves_only_the_smallest_read_waiting() {
+        // 512 MiB/s for 200 ms (reads grown to their largest), then nothing: the
+        // socket fills, and the read in hand when it is full is the smallest, not the
+        // 256 KiB the rate asks for.
+        let stop = Duration::from_millis(200);
+        let reads = run(Duration::from_micros(250), 1600, 4 * MIB, |t| {
+            (t.min(stop).as_micros() / 4000) as u64 * 2 * MIB
+        });
+        let stopped = reads.len() - 1;
+        assert_mostly_large(&reads[20..stopped]);
+        assert!(reads[stopped].waits, "the last read did not wait: {reads:?}");
+        assert!(only_small_reads_wait(&reads), "{reads:?}");
+    }
+
+    #[test]
+    fn a_small_write_keeps_the_read_size() {
+        let start = Instant::now();
+        let mut pace = Pace::default();
+        assert_eq!(
+            pace.report(0, 3 * MIB, start),
+            3 * MIB,
+            "nothing waits: what the socket takes"
+        );
+        pace.wrote(256 * 1024);
+        // 64 KiB of the 256 KiB left (the rest waits): reads of twice that.
+        let at = start + Duration::from_millis(1);
+        assert_eq!(pace.report(192 * KIB, 3 * MIB, at), 128 * KIB);
+        // A part's headers or a chunk-size line leave nothing to measure.
+        pace.wrote(100);
+        assert_eq!(pace.report(192 * KIB, 3 * MIB, at), 128 * KIB);
+        // The room bounds every size.
+        assert_eq!(pace.report(192 * KIB, 20 * KIB, at), 20 * KIB);
     }
 }
