@@ -13,12 +13,13 @@
 //! holds two small chunks, not two large ones. A pulled body's stall is seen by its
 //! connection through a [`PullClock`].
 //!
-//! HTTP/1.1 has no flow control to read, but its driver sees the socket: a
-//! [`paced`](ResponseBody::paced) body reads what its driver says the client's pace
-//! is ([`pace`](ResponseBody::pace), from what left the socket: `http::pace`),
-//! between [`RAMP_CHUNK_MIN`] and the driver's chunk. A client that keeps up gets
-//! the full chunk; one that reads slowly gets the smallest read, and a buffer that
-//! had grown is given back (`FileCursor::set_chunk`).
+//! HTTP/1.1 has no flow control to read, but its driver sees the socket: a body
+//! [`sized_by_writer`](ResponseBody::sized_by_writer) reads what its writer says
+//! before each read ([`set_next_read`](ResponseBody::set_next_read), from what left
+//! the socket and what it takes now: `http::drain`), between [`RAMP_CHUNK_MIN`] and
+//! the driver's chunk. A client that keeps up gets the full chunk; one that reads
+//! slowly, or stopped, gets the smallest read, and a buffer that had grown is given
+//! back (`FileCursor::set_chunk`).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -42,8 +43,10 @@ pub(crate) struct ResponseBody {
     kind: Kind,
     /// Data bytes handed out so far.
     produced: u64,
-    /// Ramped bodies only: the size of the chunk handed out last (still held by the
-    /// driver until it pulls again), and the connection's clock if it watches.
+    /// Bodies whose file reads are sized as they go (ramped for h2 and h3, sized by
+    /// the writer for h1): how the next read is sized, the size of the chunk handed
+    /// out last (still held by the driver until it pulls again), and the
+    /// connection's clock if it watches.
     pull: Option<Pull>,
     /// The exchange this body answers, reported when the body is dropped.
     record: Option<Record>,
@@ -70,8 +73,8 @@ enum Gauge {
     /// The bytes handed out before the chunk the driver still holds (h2, h3: their
     /// flow control decides when the driver pulls again).
     Handed,
-    /// The read size the driver reported from its client's pace (h1); nothing
-    /// reported yet: the smallest.
+    /// The read size the writer set (h1: `BodyWriter::next_read_size`); nothing
+    /// set yet: the smallest.
     Reported(u64),
 }
 
@@ -243,9 +246,10 @@ impl ResponseBody {
         Self::ramp(body, chunk, Gauge::Handed)
     }
 
-    /// A body whose driver reports its client's pace ([`pace`](Self::pace)): file
-    /// reads start at [`RAMP_CHUNK_MIN`] and follow the client, up to `chunk`.
-    pub(crate) fn paced(body: Body, chunk: usize) -> Self {
+    /// A body whose writer sizes each file read ([`set_next_read`](Self::set_next_read),
+    /// from `BodyWriter::next_read_size`), within [`RAMP_CHUNK_MIN`] and `chunk`;
+    /// [`RAMP_CHUNK_MIN`] until it says.
+    pub(crate) fn sized_by_writer(body: Body, chunk: usize) -> Self {
         Self::ramp(body, chunk, Gauge::Reported(0))
     }
 
@@ -261,9 +265,9 @@ impl ResponseBody {
         this
     }
 
-    /// A paced body's next reads are `bytes` (within the ramp's bounds). Other
-    /// bodies ignore it.
-    pub(crate) fn pace(&mut self, bytes: u64) {
+    /// The next reads of a body [`sized_by_writer`](Self::sized_by_writer) are
+    /// `bytes` (within its bounds). Other bodies ignore it.
+    pub(crate) fn set_next_read(&mut self, bytes: u64) {
         if let Some(Pull {
             gauge: Gauge::Reported(read),
             ..
@@ -273,7 +277,8 @@ impl ResponseBody {
         }
     }
 
-    /// Whether the next frame is a file read a driver's [`pace`](Self::pace) sizes.
+    /// Whether the next frame is a file read its writer sizes
+    /// ([`set_next_read`](Self::set_next_read)).
     pub(crate) fn reads_at_writers_size(&self) -> bool {
         matches!(
             self.pull,
@@ -459,13 +464,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn paced_reads_follow_the_drivers_pace() {
+    async fn reads_sized_by_the_writer_follow_it() {
         let (_dir, body) = file_body(4 << 20);
-        let mut body = ResponseBody::paced(body, 256 * 1024);
-        // The KiB of the next read after `pace` was reported (if it was).
-        let mut next = async |pace: Option<u64>| {
-            if let Some(pace) = pace {
-                body.pace(pace);
+        let mut body = ResponseBody::sized_by_writer(body, 256 * 1024);
+        // The KiB of the next read after `size` was set (if it was).
+        let mut next = async |size: Option<u64>| {
+            if let Some(size) = size {
+                body.set_next_read(size);
             }
             body.frame().await.unwrap().unwrap().into_data().unwrap().len() / 1024
         };

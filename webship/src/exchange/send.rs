@@ -80,10 +80,13 @@ pub(crate) trait BodyWriter {
         Ok(())
     }
 
-    /// The client's pace, as the size of the next read, for a writer that can tell
-    /// (h1 sees what leaves its socket): a paced body reads that much
-    /// ([`ResponseBody::pace`]).
-    fn pace(&mut self) -> Option<u64> {
+    /// The size of the next file read, for a writer that can tell (h1 sees what
+    /// leaves its socket and what the socket takes): a body
+    /// [`sized_by_writer`](ResponseBody::sized_by_writer) reads that much
+    /// ([`ResponseBody::set_next_read`]). `&mut` because it updates the writer's
+    /// estimate of its client: called once before each such read, after the
+    /// previous chunk was written.
+    fn next_read_size(&mut self) -> Option<u64> {
         None
     }
 
@@ -172,11 +175,11 @@ async fn send_all<W: BodyWriter>(
                 continue;
             }
         }
-        // Only a paced file read asks the writer (one `TCP_INFO` and one
-        // `SO_MEMINFO` for h1); the first read is sized too.
+        // Only a file read of a body sized by its writer asks the writer (one
+        // `TCP_INFO` and one `SO_MEMINFO` for h1); the first read is sized too.
         if body.reads_at_writers_size() {
-            if let Some(pace) = writer.pace() {
-                body.pace(pace);
+            if let Some(size) = writer.next_read_size() {
+                body.set_next_read(size);
             }
         }
         let frame = match body.frame().await {

@@ -10,8 +10,8 @@
 //!
 //! Memory per connection is bounded by `limits.max_header_bytes` (read side) plus one
 //! file buffer of at most [`H1_CHUNK`] while a file response is sent, plus rustls'
-//! own buffers. File reads are paced by the client (`ResponseBody::paced`, sized by
-//! [`Pace`] from what leaves the socket) and are never larger than what the socket
+//! own buffers. File reads are sized by the client (`ResponseBody::sized_by_writer`, by
+//! [`DrainRate`] from what leaves the socket) and are never larger than what the socket
 //! takes at that moment (`sys::tcp_send_room`), so a read is written whole unless the
 //! kernel shrinks the send buffer under memory pressure; rustls holds at most one
 //! chunk's worth of records ([`Stream::bound_pending`]) instead of its default 64 KiB.
@@ -41,7 +41,7 @@ use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
 use crate::message::Response;
 use crate::sys;
 
-use super::pace::Pace;
+use super::drain::DrainRate;
 use super::FIRST_REQUEST_GRACE;
 
 /// Most headers one request may carry.
@@ -80,7 +80,7 @@ impl Stream {
 
     /// Lets rustls hold at most about `chunk` bytes of records the socket has not
     /// taken (16 to 64 KiB, rustls' default): what waits for a slow client is one
-    /// paced chunk, not a chunk plus 64 KiB. Kernel TLS holds nothing of its own.
+    /// chunk sized by the client, not a chunk plus 64 KiB. Kernel TLS holds nothing of its own.
     fn bound_pending(&mut self, chunk: usize) {
         if let Stream::Rustls(tls) = self {
             tls.get_mut()
@@ -381,7 +381,7 @@ impl Conn {
         let mut body = if bodiless {
             ResponseBody::empty()
         } else {
-            ResponseBody::paced(body, H1_CHUNK)
+            ResponseBody::sized_by_writer(body, H1_CHUNK)
         }
         .recorded(record);
         if body.has_file_left() && self.read.is_empty() {
@@ -411,7 +411,7 @@ impl Conn {
             send_timeout: self.ctx.limits.send_timeout,
             promotion,
             peer: self.ctx.peer(),
-            pace: Pace::default(),
+            drain: DrainRate::default(),
         };
         // A relayed body may be slow to start (or fail first): its head goes now, not
         // with the first body bytes.
@@ -451,7 +451,7 @@ struct Writer<'a> {
     promotion: Option<(std::sync::Arc<ktls::Support>, &'a mut BytesMut)>,
     peer: std::net::SocketAddr,
     /// What left the socket for the client, for the size of the next file read.
-    pace: Pace,
+    drain: DrainRate,
 }
 
 /// A body chunk up to this size travels in the head's write (one record, one
@@ -465,7 +465,7 @@ impl Writer<'_> {
     /// `data` is small).
     async fn write(&mut self, data: &[u8]) -> Result<(), SendError> {
         self.stream.bound_pending(data.len());
-        self.pace.wrote(data.len());
+        self.drain.wrote(data.len());
         if !self.head_sent && data.len() <= COALESCE {
             self.head_sent = true;
             return self.write_with_head(data).await;
@@ -477,7 +477,7 @@ impl Writer<'_> {
     /// The head and `data` in one write (one record when they fit), without copying
     /// `data` behind the head: the head buffer lives as long as the connection.
     async fn write_with_head(&mut self, data: &[u8]) -> Result<(), SendError> {
-        self.pace.wrote(self.head.len());
+        self.drain.wrote(self.head.len());
         let (mut head, mut data) = (&self.head[..], data);
         while !head.is_empty() || !data.is_empty() {
             let bufs = [IoSlice::new(head), IoSlice::new(data)];
@@ -507,7 +507,7 @@ impl Writer<'_> {
             return Ok(());
         }
         self.head_sent = true;
-        self.pace.wrote(self.head.len());
+        self.drain.wrote(self.head.len());
         timed(self.send_timeout, self.stream.write_all(self.head)).await
     }
 
@@ -593,11 +593,11 @@ impl BodyWriter for Writer<'_> {
         Ok(())
     }
 
-    fn pace(&mut self) -> Option<u64> {
+    fn next_read_size(&mut self) -> Option<u64> {
         let tcp = self.stream.tcp()?;
         let unsent = sys::tcp_unsent(tcp).ok()?;
         let room = sys::tcp_send_room(tcp).ok()?;
-        Some(self.pace.report(unsent, room, std::time::Instant::now()))
+        Some(self.drain.next_read(unsent, room, std::time::Instant::now()))
     }
 
     fn sends_files(&self) -> bool {

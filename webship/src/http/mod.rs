@@ -7,10 +7,10 @@
 //!   bodies hyper streams both ways.
 
 mod batch;
+mod drain;
 mod h1;
 mod h2_guard;
 mod hyper;
-mod pace;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,7 +1,8 @@
-//! How fast an HTTP/1.1 client takes a response, from what leaves its socket: the
-//! size of the next file read (`ResponseBody::paced`). HTTP/1.1 has no flow control
-//! to read, but the socket shows it: bytes written to it and still unsent wait for
-//! the client.
+//! How fast an HTTP/1.1 client takes a response ([`DrainRate`]), from what leaves its
+//! socket: the size of the next file read (`ResponseBody::sized_by_writer`).
+//! HTTP/1.1 has no flow control to read, but the socket shows it: bytes written to it
+//! and still unsent wait for the client. When none wait (the response's first read
+//! too), the client takes what comes, and the read is what the socket takes.
 //!
 //! One write says little: a fast client that is slower than the server keeps the
 //! socket full, and right after it drained, several writes go in while nothing
@@ -27,7 +28,7 @@ const HORIZON: Duration = Duration::from_millis(2);
 const SMALL_WRITE: u64 = 16 * 1024;
 
 #[derive(Debug, Default)]
-pub(super) struct Pace {
+pub(super) struct DrainRate {
     /// Bytes written since the last estimate.
     written: u64,
     /// What the socket had not sent at the last estimate.
@@ -41,7 +42,7 @@ pub(super) struct Pace {
     last: Option<u64>,
 }
 
-impl Pace {
+impl DrainRate {
     /// `bytes` went to the connection (rustls or the socket).
     pub(super) fn wrote(&mut self, bytes: usize) {
         self.written += bytes as u64;
@@ -49,23 +50,23 @@ impl Pace {
 
     /// The socket holds `unsent` bytes now and takes `room` more without blocking:
     /// the next read's size.
-    pub(super) fn report(&mut self, unsent: u64, room: u64, now: Instant) -> u64 {
-        let paced = match self.last {
+    pub(super) fn next_read(&mut self, unsent: u64, room: u64, now: Instant) -> u64 {
+        let estimate = match self.last {
             Some(last) if self.written < SMALL_WRITE => last,
             _ => {
-                let estimate = self.estimate(unsent, now);
-                self.last = Some(estimate);
-                estimate
+                let fresh = self.estimate(unsent, now);
+                self.last = Some(fresh);
+                fresh
             }
         };
         // Nothing waits in the socket: the client takes what comes as fast as it is
         // written (or nothing was written yet), so the read is what the socket takes.
-        let paced = if unsent == 0 { u64::MAX } else { paced };
+        let estimate = if unsent == 0 { u64::MAX } else { estimate };
         // The rate only changes once a write has finished: a client that read fast
         // and stopped would leave the next large read blocked in its write (for up to
         // `send_timeout`). A read the socket takes whole is written at once and
         // dropped; once the socket is full, the next one is the smallest.
-        paced.min(room)
+        estimate.min(room)
     }
 
     fn estimate(&mut self, unsent: u64, now: Instant) -> u64 {
@@ -93,7 +94,7 @@ mod tests {
     const KIB: u64 = 1024;
     const MIB: u64 = 1024 * KIB;
 
-    /// One asked read size: what the pace said (KiB, before the body clamps it) and
+    /// One asked read size: what the estimate said (KiB, before the body clamps it) and
     /// whether the clamped read was larger than the socket's room (its write waits
     /// with the chunk in hand until the client reads again).
     #[derive(Debug, Clone, Copy)]
@@ -108,7 +109,7 @@ mod tests {
     /// next read's size once the last one is in the socket. A write the socket cannot
     /// take whole waits, like the kernel's, until a third of the socket is free.
     fn run(every: Duration, steps: u32, socket: u64, drained: impl Fn(Duration) -> u64) -> Vec<Read> {
-        let mut pace = Pace::default();
+        let mut drain = DrainRate::default();
         let start = Instant::now();
         let (mut total, mut waiting) = (0, 0);
         let mut reads = Vec::new();
@@ -123,9 +124,9 @@ mod tests {
                 }
                 continue;
             }
-            let asked = pace.report(unsent, room, start + at);
+            let asked = drain.next_read(unsent, room, start + at);
             let read = asked.clamp(16 * KIB, 256 * KIB);
-            pace.wrote(read as usize);
+            drain.wrote(read as usize);
             let took = read.min(room);
             (total, waiting) = (total + took, read - took);
             reads.push(Read {
@@ -210,20 +211,20 @@ mod tests {
     #[test]
     fn a_small_write_keeps_the_read_size() {
         let start = Instant::now();
-        let mut pace = Pace::default();
+        let mut drain = DrainRate::default();
         assert_eq!(
-            pace.report(0, 3 * MIB, start),
+            drain.next_read(0, 3 * MIB, start),
             3 * MIB,
             "nothing waits: what the socket takes"
         );
-        pace.wrote(256 * 1024);
+        drain.wrote(256 * 1024);
         // 64 KiB of the 256 KiB left (the rest waits): reads of twice that.
         let at = start + Duration::from_millis(1);
-        assert_eq!(pace.report(192 * KIB, 3 * MIB, at), 128 * KIB);
+        assert_eq!(drain.next_read(192 * KIB, 3 * MIB, at), 128 * KIB);
         // A part's headers or a chunk-size line leave nothing to measure.
-        pace.wrote(100);
-        assert_eq!(pace.report(192 * KIB, 3 * MIB, at), 128 * KIB);
+        drain.wrote(100);
+        assert_eq!(drain.next_read(192 * KIB, 3 * MIB, at), 128 * KIB);
         // The room bounds every size.
-        assert_eq!(pace.report(192 * KIB, 20 * KIB, at), 20 * KIB);
+        assert_eq!(drain.next_read(192 * KIB, 20 * KIB, at), 20 * KIB);
     }
 }
