@@ -26,7 +26,7 @@ use crate::service::Service;
 use crate::shutdown::Shutdown;
 use crate::webtransport::{Admission, Refusal};
 
-pub(crate) use body::{PullClock, ResponseBody, RAMP_CHUNK_MIN};
+pub(crate) use body::{PullClock, ResponseBody};
 pub(crate) use record::{Outcome, Record};
 pub(crate) use send::{send_body, BodyWriter, Progress, SendError};
 pub(crate) use transfers::Transfers;

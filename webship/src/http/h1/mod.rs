@@ -23,26 +23,25 @@
 
 use std::future::Future;
 use std::io::{self, IoSlice};
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Uri, Version};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::exchange::{
-    send_body, BodyWriter, ConnContext, Progress, Proto, Record, ResponseBody, SendError, RAMP_CHUNK_MIN,
-};
+use crate::exchange::{send_body, BodyWriter, ConnContext, Progress, Proto, Record, ResponseBody, SendError};
 use crate::files::cursor::{FileRange, H1_CHUNK};
-use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
+use crate::ktls::{self, Promotion, RustlsStream};
 use crate::message::Response;
 use crate::sys;
 
 use super::drain::DrainRate;
 use super::FIRST_REQUEST_GRACE;
+
+mod stream;
+
+use stream::Stream;
 
 /// Most headers one request may carry.
 const MAX_HEADERS: usize = 100;
@@ -56,106 +55,6 @@ pub(crate) enum H1Error {
     Io(#[from] io::Error),
     #[error(transparent)]
     Send(SendError),
-}
-
-/// The connection's TLS: rustls first, the kernel after a promotion.
-#[derive(Debug)]
-enum Stream {
-    Rustls(Box<RustlsStream>),
-    Kernel(KtlsStream),
-    /// Only during a promotion attempt, never observed by I/O.
-    Promoting,
-}
-
-impl Stream {
-    /// Waits, holding no buffer, until a read will find something: plaintext rustls
-    /// already holds, or bytes (or the end) on the socket. Kernel TLS reads go
-    /// straight to the read (that connection is busy by construction).
-    async fn readable(&mut self) -> io::Result<()> {
-        let Stream::Rustls(tls) = self else {
-            return Ok(());
-        };
-        super::tls_readable(tls).await
-    }
-
-    /// Lets rustls hold at most about `chunk` bytes of records the socket has not
-    /// taken (16 to 64 KiB, rustls' default): what waits for a slow client is one
-    /// chunk sized by the client, not a chunk plus 64 KiB. Kernel TLS holds nothing of its own.
-    fn bound_pending(&mut self, chunk: usize) {
-        if let Stream::Rustls(tls) = self {
-            tls.get_mut()
-                .1
-                .set_buffer_limit(Some(chunk.clamp(RAMP_CHUNK_MIN, TLS_PENDING_MAX)));
-        }
-    }
-
-    fn tcp(&self) -> Option<&TcpStream> {
-        match self {
-            Stream::Rustls(tls) => Some(tls.get_ref().0.get_ref()),
-            Stream::Kernel(k) => Some(k.tcp()),
-            Stream::Promoting => None,
-        }
-    }
-}
-
-fn promoting() -> io::Error {
-    io::Error::other("connection is being promoted")
-}
-
-impl AsyncRead for Stream {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
-            Stream::Kernel(k) => Pin::new(k).poll_read(cx, buf),
-            Stream::Promoting => Poll::Ready(Err(promoting())),
-        }
-    }
-}
-
-impl AsyncWrite for Stream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_write(cx, data),
-            Stream::Kernel(k) => Pin::new(k).poll_write(cx, data),
-            Stream::Promoting => Poll::Ready(Err(promoting())),
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_write_vectored(cx, bufs),
-            Stream::Kernel(k) => Pin::new(k).poll_write_vectored(cx, bufs),
-            Stream::Promoting => Poll::Ready(Err(promoting())),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            Stream::Rustls(tls) => tls.is_write_vectored(),
-            Stream::Kernel(k) => k.is_write_vectored(),
-            Stream::Promoting => false,
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
-            Stream::Kernel(k) => Pin::new(k).poll_flush(cx),
-            Stream::Promoting => Poll::Ready(Err(promoting())),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
-            Stream::Kernel(k) => Pin::new(k).poll_shutdown(cx),
-            Stream::Promoting => Poll::Ready(Err(promoting())),
-        }
-    }
 }
 
 /// Serves one connection until the client closes it, a timeout fires, an error
@@ -457,8 +356,6 @@ struct Writer<'a> {
 /// A body chunk up to this size travels in the head's write (one record, one
 /// syscall for a small response).
 const COALESCE: usize = 16 * 1024;
-/// rustls' own bound on records the socket has not taken (its default).
-const TLS_PENDING_MAX: usize = 64 * 1024;
 
 impl Writer<'_> {
     /// Writes `data`, after the head if it has not gone yet (in the same write when
@@ -478,20 +375,22 @@ impl Writer<'_> {
     /// `data` behind the head: the head buffer lives as long as the connection.
     async fn write_with_head(&mut self, data: &[u8]) -> Result<(), SendError> {
         self.drain.wrote(self.head.len());
-        let (mut head, mut data) = (&self.head[..], data);
-        while !head.is_empty() || !data.is_empty() {
-            let bufs = [IoSlice::new(head), IoSlice::new(data)];
-            let n = match tokio::time::timeout(self.send_timeout, self.stream.write_vectored(&bufs)).await {
-                Ok(Ok(0)) => return Err(SendError::peer(io::Error::from(io::ErrorKind::WriteZero))),
-                Ok(Ok(n)) => n,
-                Ok(Err(e)) => return Err(SendError::peer(e)),
-                Err(_) => return Err(SendError::Timeout),
-            };
-            let from_head = n.min(head.len());
-            head = &head[from_head..];
-            data = &data[n - from_head..];
-        }
-        Ok(())
+        let (stream, mut head, mut data) = (&mut *self.stream, &self.head[..], data);
+        let all = async move {
+            while !head.is_empty() || !data.is_empty() {
+                let n = stream
+                    .write_vectored(&[IoSlice::new(head), IoSlice::new(data)])
+                    .await?;
+                if n == 0 {
+                    return Err(io::ErrorKind::WriteZero.into());
+                }
+                let from_head = n.min(head.len());
+                head = &head[from_head..];
+                data = &data[n - from_head..];
+            }
+            Ok(())
+        };
+        timed(self.send_timeout, all).await
     }
 
     /// The head, on the wire now.
