@@ -33,6 +33,7 @@ mod proxy_protocol;
 mod proxy_relay;
 mod reload;
 mod sites;
+mod slow_downloads;
 mod stalls;
 mod subsystem_metrics;
 mod support;

@@ -12,6 +12,14 @@
 //! [`RAMP_CHUNK_MIN`] and the driver's chunk. A stream whose client grants no window
 //! holds two small chunks, not two large ones. A pulled body's stall is seen by its
 //! connection through a [`PullClock`].
+//!
+//! HTTP/1.1 has no flow control to read, but its driver sees the socket: a body
+//! [`sized_by_writer`](ResponseBody::sized_by_writer) reads what its writer says
+//! before each read ([`set_next_read`](ResponseBody::set_next_read), from what left
+//! the socket and what it takes now: `http::drain`), between [`RAMP_CHUNK_MIN`] and
+//! the driver's chunk. A client that keeps up gets the full chunk; one that reads
+//! slowly, or stopped, gets the smallest read, and a buffer that had grown is given
+//! back (`FileCursor::set_chunk`).
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -35,8 +43,10 @@ pub(crate) struct ResponseBody {
     kind: Kind,
     /// Data bytes handed out so far.
     produced: u64,
-    /// Ramped bodies only: the size of the chunk handed out last (still held by the
-    /// driver until it pulls again), and the connection's clock if it watches.
+    /// Bodies whose file reads are sized as they go (ramped for h2 and h3, sized by
+    /// the writer for h1): how the next read is sized, the size of the chunk handed
+    /// out last (still held by the driver until it pulls again), and the
+    /// connection's clock if it watches.
     pull: Option<Pull>,
     /// The exchange this body answers, reported when the body is dropped.
     record: Option<Record>,
@@ -54,6 +64,18 @@ struct Pull {
     /// Handed out a chunk and not pulled since: waiting on the client, counted in
     /// this slot of the clock.
     waiting: Option<usize>,
+    gauge: Gauge,
+}
+
+/// What a ramped body's next read is sized by.
+#[derive(Debug)]
+enum Gauge {
+    /// The bytes handed out before the chunk the driver still holds (h2, h3: their
+    /// flow control decides when the driver pulls again).
+    Handed,
+    /// The read size the writer set (h1: `BodyWriter::next_read_size`); nothing
+    /// set yet: the smallest.
+    Reported(u64),
 }
 
 /// Slots of a [`PullClock`]: a generation's slot is reused `GENERATIONS` later.
@@ -221,14 +243,50 @@ impl ResponseBody {
     /// A body of a multiplexed stream (h2, h3): file reads ramp up from
     /// [`RAMP_CHUNK_MIN`] to `chunk` as the client takes bytes.
     pub(crate) fn ramped(body: Body, chunk: usize) -> Self {
+        Self::ramp(body, chunk, Gauge::Handed)
+    }
+
+    /// A body whose writer sizes each file read ([`set_next_read`](Self::set_next_read),
+    /// from `BodyWriter::next_read_size`), within [`RAMP_CHUNK_MIN`] and `chunk`;
+    /// [`RAMP_CHUNK_MIN`] until it says.
+    pub(crate) fn sized_by_writer(body: Body, chunk: usize) -> Self {
+        Self::ramp(body, chunk, Gauge::Reported(0))
+    }
+
+    fn ramp(body: Body, chunk: usize, gauge: Gauge) -> Self {
         let mut this = Self::new(body, chunk);
         this.pull = Some(Pull {
             clock: None,
             max_chunk: chunk,
             last: 0,
             waiting: None,
+            gauge,
         });
         this
+    }
+
+    /// The next reads of a body [`sized_by_writer`](Self::sized_by_writer) are
+    /// `bytes` (within its bounds). Other bodies ignore it.
+    pub(crate) fn set_next_read(&mut self, bytes: u64) {
+        if let Some(Pull {
+            gauge: Gauge::Reported(read),
+            ..
+        }) = &mut self.pull
+        {
+            *read = bytes;
+        }
+    }
+
+    /// Whether the next frame is a file read its writer sizes
+    /// ([`set_next_read`](Self::set_next_read)).
+    pub(crate) fn reads_at_writers_size(&self) -> bool {
+        matches!(
+            self.pull,
+            Some(Pull {
+                gauge: Gauge::Reported(_),
+                ..
+            })
+        ) && self.has_file_left()
     }
 
     /// A ramped body a driver pulls by itself (hyper): `clock` sees whether it moves.
@@ -315,8 +373,11 @@ impl http_body::Body for ResponseBody {
             // that large.
             pull.set_waiting(false);
             if let Kind::File(cursor) = &mut this.kind {
-                let taken = this.produced - pull.last;
-                let chunk = usize::try_from(taken).unwrap_or(usize::MAX);
+                let allowed = match &mut pull.gauge {
+                    Gauge::Handed => this.produced - pull.last,
+                    Gauge::Reported(read) => *read,
+                };
+                let chunk = usize::try_from(allowed).unwrap_or(usize::MAX);
                 cursor.set_chunk(chunk.clamp(RAMP_CHUNK_MIN.min(pull.max_chunk), pull.max_chunk));
             }
         }
@@ -400,6 +461,26 @@ mod tests {
         // Each read is at most what was handed out before the chunk still held.
         assert_eq!(sizes[..7], [16, 16, 16, 32, 48, 80, 128], "{sizes:?}");
         assert_eq!(sizes.iter().sum::<usize>(), 1024);
+    }
+
+    #[tokio::test]
+    async fn reads_sized_by_the_writer_follow_it() {
+        let (_dir, body) = file_body(4 << 20);
+        let mut body = ResponseBody::sized_by_writer(body, 256 * 1024);
+        // The KiB of the next read after `size` was set (if it was).
+        let mut next = async |size: Option<u64>| {
+            if let Some(size) = size {
+                body.set_next_read(size);
+            }
+            body.frame().await.unwrap().unwrap().into_data().unwrap().len() / 1024
+        };
+        // Nothing reported yet: the smallest read.
+        assert_eq!(next(None).await, 16);
+        assert_eq!(next(Some(40 << 10)).await, 40);
+        // A report holds until the next one, within the smallest and the chunk.
+        assert_eq!(next(None).await, 40);
+        assert_eq!(next(Some(8 << 20)).await, 256);
+        assert_eq!(next(Some(0)).await, 16);
     }
 
     /// A relayed body that yields one chunk, then fails.

@@ -80,6 +80,16 @@ pub(crate) trait BodyWriter {
         Ok(())
     }
 
+    /// The size of the next file read, for a writer that can tell (h1 sees what
+    /// leaves its socket and what the socket takes): a body
+    /// [`sized_by_writer`](ResponseBody::sized_by_writer) reads that much
+    /// ([`ResponseBody::set_next_read`]). `&mut` because it updates the writer's
+    /// estimate of its client: called once before each such read, after the
+    /// previous chunk was written.
+    fn next_read_size(&mut self) -> Option<u64> {
+        None
+    }
+
     /// Whether the writer can send file ranges without reading them (h1 on kTLS).
     fn sends_files(&self) -> bool {
         false
@@ -163,6 +173,13 @@ async fn send_all<W: BodyWriter>(
                     body.sent(sent);
                 }
                 continue;
+            }
+        }
+        // Only a file read of a body sized by its writer asks the writer (one
+        // `TCP_INFO` and one `SO_MEMINFO` for h1); the first read is sized too.
+        if body.reads_at_writers_size() {
+            if let Some(size) = writer.next_read_size() {
+                body.set_next_read(size);
             }
         }
         let frame = match body.frame().await {

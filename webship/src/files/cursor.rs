@@ -52,6 +52,8 @@ pub(crate) struct FileCursor {
     remaining: u64,
     chunk: usize,
     buf: BytesMut,
+    /// The largest read into `buf`'s allocation (what it holds, roughly).
+    held: usize,
     /// A read the page cache could not complete, on the blocking pool.
     pending: Option<JoinHandle<io::Result<BytesMut>>>,
 }
@@ -65,14 +67,22 @@ impl FileCursor {
             remaining: body.len,
             chunk,
             buf: BytesMut::new(),
+            held: 0,
             pending: None,
         }
     }
 
-    /// The size of the reads from now on (a pulled body ramps it up with the bytes
-    /// its client takes).
+    /// The size of the reads from now on (a ramped body follows the bytes its
+    /// client takes).
     pub(crate) fn set_chunk(&mut self, chunk: usize) {
-        self.chunk = chunk.max(1);
+        let chunk = chunk.max(1);
+        // Far smaller reads from now on: the client stopped taking bytes, and the
+        // large buffer goes back to the allocator instead of waiting with it.
+        if chunk <= self.held / 4 {
+            self.buf = BytesMut::new();
+            self.held = 0;
+        }
+        self.chunk = chunk;
     }
 
     /// Bytes not yet handed out.
@@ -87,6 +97,9 @@ impl FileCursor {
             let done = ready!(Pin::new(pending).poll(cx));
             self.pending = None;
             return Poll::Ready(Some(done.map_err(io::Error::other).and_then(|r| r).map(|buf| {
+                // A `set_chunk` while the read was away saw no buffer to free: this
+                // one counts from now on.
+                self.held = self.held.max(buf.capacity());
                 self.buf = buf;
                 self.hand_out()
             })));
@@ -111,6 +124,7 @@ impl FileCursor {
             self.buf.clear();
             // Takes the previous chunk's allocation back when the driver dropped it.
             self.buf.reserve(n);
+            self.held = self.held.max(n);
             let filled = match fill(&self.file, &mut self.buf, n, at, true) {
                 Ok(filled) => filled,
                 Err(e) => return Poll::Ready(Some(Err(e))),
@@ -214,6 +228,37 @@ mod tests {
         async fn next(&mut self) -> Option<io::Result<Bytes>> {
             std::future::poll_fn(|cx| self.poll_next(cx)).await
         }
+    }
+
+    #[tokio::test]
+    async fn a_far_smaller_chunk_lets_go_of_a_grown_buffer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let data: Vec<u8> = (0..1_000_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &data).unwrap();
+        let len = data.len() as u64;
+        let mut cursor = FileCursor::new(body(&path, vec![Segment::File { offset: 0, len }]), 256 * 1024);
+        let first = cursor.next().await.unwrap().unwrap();
+        assert_eq!(first.len(), 256 * 1024);
+        assert!(
+            !first.is_unique(),
+            "the cursor keeps the buffer for its next read"
+        );
+        cursor.set_chunk(128 * 1024);
+        assert!(
+            !first.is_unique(),
+            "a read half as large still fits the buffer: kept"
+        );
+        cursor.set_chunk(16 * 1024);
+        assert!(
+            first.is_unique(),
+            "reads a sixteenth as large: the cursor let go of it"
+        );
+        let next = cursor.next().await.unwrap().unwrap();
+        assert_eq!(&next[..], &data[256 * 1024..272 * 1024]);
+        drop(first);
+        let rest = drain(&mut cursor).await.unwrap();
+        assert_eq!(&rest[..], &data[272 * 1024..]);
     }
 
     async fn drain(cursor: &mut FileCursor) -> io::Result<Vec<u8>> {

@@ -7,6 +7,7 @@
 //!   bodies hyper streams both ways.
 
 mod batch;
+mod drain;
 mod h1;
 mod h2_guard;
 mod hyper;

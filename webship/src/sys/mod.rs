@@ -68,6 +68,103 @@ pub(crate) fn tcp_bytes<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<TcpByte
     }
 }
 
+/// Bytes written to a TCP socket that it has not sent yet (`tcpi_notsent_bytes`):
+/// they wait for the peer's receive window (or the congestion window).
+pub(crate) fn tcp_unsent<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        // Before Linux 4.6 the kernel does not write it: zero, nothing seen waiting.
+        Ok(u64::from(tcp_info(sock)?.tcpi_notsent_bytes))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = sock;
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+/// What a TCP socket takes now without blocking, in bytes: its send buffer's size
+/// less what is queued in it (`SO_MEMINFO`: `sk_sndbuf - sk_wmem_queued`, the
+/// numbers the kernel itself compares before it accepts a write). Both count the
+/// kernel's bookkeeping as well as the payload, so the payload that fits is at least
+/// this much.
+pub(crate) fn tcp_send_room<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<u64> {
+    #[cfg(target_os = "linux")]
+    {
+        let info = meminfo(sock)?;
+        let at = |i: libc::c_int| u64::from(info[i as usize]);
+        Ok(at(libc::SK_MEMINFO_SNDBUF).saturating_sub(at(libc::SK_MEMINFO_WMEM_QUEUED)))
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = sock;
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+/// `SO_MEMINFO` of include/uapi/asm-generic/socket.h (libc does not export it at its
+/// root); the architectures with their own numbering get `Unsupported`.
+#[cfg(all(
+    target_os = "linux",
+    not(any(
+        target_arch = "mips",
+        target_arch = "mips64",
+        target_arch = "sparc64",
+        target_arch = "powerpc",
+        target_arch = "powerpc64"
+    ))
+))]
+const SO_MEMINFO: libc::c_int = 55;
+
+/// `SK_MEMINFO_VARS`: how many values `SO_MEMINFO` writes (Linux 4.x and later).
+#[cfg(target_os = "linux")]
+const MEMINFO_VARS: usize = 9;
+
+#[cfg(target_os = "linux")]
+fn meminfo<S: std::os::fd::AsRawFd>(sock: &S) -> io::Result<[u32; MEMINFO_VARS]> {
+    #[cfg(any(
+        target_arch = "mips",
+        target_arch = "mips64",
+        target_arch = "sparc64",
+        target_arch = "powerpc",
+        target_arch = "powerpc64"
+    ))]
+    {
+        let _ = sock;
+        Err(io::ErrorKind::Unsupported.into())
+    }
+    #[cfg(not(any(
+        target_arch = "mips",
+        target_arch = "mips64",
+        target_arch = "sparc64",
+        target_arch = "powerpc",
+        target_arch = "powerpc64"
+    )))]
+    {
+        let mut info = [0u32; MEMINFO_VARS];
+        let mut len = std::mem::size_of_val(&info) as libc::socklen_t;
+        // SAFETY: `info` is writable for `len` bytes, and the kernel writes at most
+        // `len` bytes and updates `len`; the fd is borrowed for the call.
+        let rc = unsafe {
+            libc::getsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_MEMINFO,
+                info.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // The queued count is the sixth value (Linux 3.x and later).
+        if (len as usize) < (libc::SK_MEMINFO_WMEM_QUEUED as usize + 1) * 4 {
+            return Err(io::ErrorKind::Unsupported.into());
+        }
+        Ok(info)
+    }
+}
+
 /// What `TCP_INFO` says about a connection's recent traffic.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TcpActivity {

@@ -9,27 +9,38 @@
 //! move to kernel TLS and `sendfile` for the rest.
 //!
 //! Memory per connection is bounded by `limits.max_header_bytes` (read side) plus one
-//! [`H1_CHUNK`] file buffer while a file response is sent, plus rustls' own buffers;
-//! a slow reader only makes the writes wait, and `send_timeout` ends a client that
+//! file buffer of at most [`H1_CHUNK`] while a file response is sent, plus rustls'
+//! own buffers. File reads are sized by the client (`ResponseBody::sized_by_writer`, by
+//! [`DrainRate`] from what leaves the socket) and are never larger than what the socket
+//! takes at that moment (`sys::tcp_send_room`), so a read is written whole unless the
+//! kernel shrinks the send buffer under memory pressure; rustls holds at most one
+//! chunk's worth of records ([`Stream::bound_pending`]) instead of its default 64 KiB.
+//! A client that reads slowly, or that read fast and then stopped, leaves the
+//! response waiting in a write with a 16 KiB chunk and about one 16 KiB record; a
+//! client that keeps up gets chunks of up to [`H1_CHUNK`] and 64 KiB of records, and
+//! holds them only while the socket takes them. `send_timeout` ends a client that
 //! stops reading altogether.
 
 use std::future::Future;
-use std::io;
-use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::io::{self, IoSlice};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Uri, Version};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::exchange::{send_body, BodyWriter, ConnContext, Progress, Proto, Record, ResponseBody, SendError};
 use crate::files::cursor::{FileRange, H1_CHUNK};
-use crate::ktls::{self, KtlsStream, Promotion, RustlsStream};
+use crate::ktls::{self, Promotion, RustlsStream};
 use crate::message::Response;
 use crate::sys;
+
+use super::drain::DrainRate;
+
+mod stream;
+
+use stream::Stream;
 
 /// Most headers one request may carry.
 const MAX_HEADERS: usize = 100;
@@ -43,75 +54,6 @@ pub(crate) enum H1Error {
     Io(#[from] io::Error),
     #[error(transparent)]
     Send(SendError),
-}
-
-/// The connection's TLS: rustls first, the kernel after a promotion.
-#[derive(Debug)]
-enum Stream {
-    Rustls(Box<RustlsStream>),
-    Kernel(KtlsStream),
-    /// Only during a promotion attempt, never observed by I/O.
-    Promoting,
-}
-
-impl Stream {
-    /// Waits, holding no buffer, until a read will find something: plaintext rustls
-    /// already holds, or bytes (or the end) on the socket. Kernel TLS reads go
-    /// straight to the read (that connection is busy by construction).
-    async fn readable(&mut self) -> io::Result<()> {
-        let Stream::Rustls(tls) = self else {
-            return Ok(());
-        };
-        super::tls_readable(tls).await
-    }
-
-    fn tcp(&self) -> Option<&TcpStream> {
-        match self {
-            Stream::Rustls(tls) => Some(tls.get_ref().0.get_ref()),
-            Stream::Kernel(k) => Some(k.tcp()),
-            Stream::Promoting => None,
-        }
-    }
-}
-
-fn promoting() -> io::Error {
-    io::Error::other("connection is being promoted")
-}
-
-impl AsyncRead for Stream {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
-            Stream::Kernel(k) => Pin::new(k).poll_read(cx, buf),
-            Stream::Promoting => Poll::Ready(Err(promoting())),
-        }
-    }
-}
-
-impl AsyncWrite for Stream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_write(cx, data),
-            Stream::Kernel(k) => Pin::new(k).poll_write(cx, data),
-            Stream::Promoting => Poll::Ready(Err(promoting())),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
-            Stream::Kernel(k) => Pin::new(k).poll_flush(cx),
-            Stream::Promoting => Poll::Ready(Err(promoting())),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Rustls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
-            Stream::Kernel(k) => Pin::new(k).poll_shutdown(cx),
-            Stream::Promoting => Poll::Ready(Err(promoting())),
-        }
-    }
 }
 
 /// Serves one connection until the client closes it, a timeout fires, an error
@@ -338,9 +280,14 @@ impl Conn {
         let mut body = if bodiless {
             ResponseBody::empty()
         } else {
-            ResponseBody::new(body, H1_CHUNK)
+            ResponseBody::sized_by_writer(body, H1_CHUNK)
         }
         .recorded(record);
+        if body.has_file_left() && self.read.is_empty() {
+            // A file response may take long (a slow client); the empty read buffer
+            // would be given back before the next request anyway.
+            self.read = BytesMut::new();
+        }
         let chunked = body.is_relay() && !headers.contains_key(header::CONTENT_LENGTH);
         if chunked {
             headers.insert(header::TRANSFER_ENCODING, HeaderValue::from_static("chunked"));
@@ -363,6 +310,7 @@ impl Conn {
             send_timeout: self.ctx.limits.send_timeout,
             promotion,
             peer: self.ctx.peer(),
+            drain: DrainRate::default(),
         };
         // A relayed body may be slow to start (or fail first): its head goes now, not
         // with the first body bytes.
@@ -401,6 +349,8 @@ struct Writer<'a> {
     /// already decrypted), until a promotion was tried.
     promotion: Option<(std::sync::Arc<ktls::Support>, &'a mut BytesMut)>,
     peer: std::net::SocketAddr,
+    /// What left the socket for the client, for the size of the next file read.
+    drain: DrainRate,
 }
 
 /// A body chunk up to this size travels in the head's write (one record, one
@@ -411,13 +361,36 @@ impl Writer<'_> {
     /// Writes `data`, after the head if it has not gone yet (in the same write when
     /// `data` is small).
     async fn write(&mut self, data: &[u8]) -> Result<(), SendError> {
+        self.stream.bound_pending(data.len());
+        self.drain.wrote(data.len());
         if !self.head_sent && data.len() <= COALESCE {
             self.head_sent = true;
-            self.head.extend_from_slice(data);
-            return timed(self.send_timeout, self.stream.write_all(self.head)).await;
+            return self.write_with_head(data).await;
         }
         self.send_head().await?;
         timed(self.send_timeout, self.stream.write_all(data)).await
+    }
+
+    /// The head and `data` in one write (one record when they fit), without copying
+    /// `data` behind the head: the head buffer lives as long as the connection.
+    async fn write_with_head(&mut self, data: &[u8]) -> Result<(), SendError> {
+        self.drain.wrote(self.head.len());
+        let (stream, mut head, mut data) = (&mut *self.stream, &self.head[..], data);
+        let all = async move {
+            while !head.is_empty() || !data.is_empty() {
+                let n = stream
+                    .write_vectored(&[IoSlice::new(head), IoSlice::new(data)])
+                    .await?;
+                if n == 0 {
+                    return Err(io::ErrorKind::WriteZero.into());
+                }
+                let from_head = n.min(head.len());
+                head = &head[from_head..];
+                data = &data[n - from_head..];
+            }
+            Ok(())
+        };
+        timed(self.send_timeout, all).await
     }
 
     /// The head, on the wire now.
@@ -433,6 +406,7 @@ impl Writer<'_> {
             return Ok(());
         }
         self.head_sent = true;
+        self.drain.wrote(self.head.len());
         timed(self.send_timeout, self.stream.write_all(self.head)).await
     }
 
@@ -516,6 +490,13 @@ impl BodyWriter for Writer<'_> {
             self.promote().await?;
         }
         Ok(())
+    }
+
+    fn next_read_size(&mut self) -> Option<u64> {
+        let tcp = self.stream.tcp()?;
+        let unsent = sys::tcp_unsent(tcp).ok()?;
+        let room = sys::tcp_send_room(tcp).ok()?;
+        Some(self.drain.next_read(unsent, room, std::time::Instant::now()))
     }
 
     fn sends_files(&self) -> bool {
