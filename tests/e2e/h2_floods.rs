@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 
 use rustls::ClientConfig;
 use webship_testkit::h2raw::{
-    block, code, flag, frame, headers, kind, literal, rst_stream, setting, window_update, End, H2Raw,
+    code, flag, frame, headers, kind, literal, rst_stream, setting, window_update, End, H2Raw,
 };
 use webship_testkit::http::{fetch, Proto};
 use webship_testkit::proc::{FloodReport, Footprint};
 
-use crate::support::{Env, HOST, MIB};
+use crate::support::{h2_get, Env, HOST, MIB};
 
 /// How long each flood runs.
 const FLOOD: Duration = Duration::from_secs(3);
@@ -29,15 +29,6 @@ const ATTACKERS: usize = 8;
 const STREAM_BUDGET: u32 = 5_000;
 /// CONTINUATION bytes one connection may send before the server must have ended it.
 const CONTINUATION_BUDGET: usize = 4 * 1024 * 1024;
-
-fn get(path: &str) -> Vec<u8> {
-    block(&[
-        (":method", "GET"),
-        (":scheme", "https"),
-        (":authority", HOST),
-        (":path", path),
-    ])
-}
 
 /// How one attacking connection ended.
 #[derive(Debug, Clone)]
@@ -187,7 +178,7 @@ fn assert_ended(ends: &[Ended], codes: &[u32], budget: u64, what: &str) {
 async fn reset_pipelined(addr: SocketAddr, tls: Arc<ClientConfig>) -> Option<Ended> {
     let mut conn = H2Raw::connect(addr, HOST, &tls).await.ok()?;
     conn.handshake(&[], Duration::from_secs(3)).await.ok()?;
-    let request = get("/big.bin");
+    let request = h2_get("/big.bin");
     let mut stream = 1u32;
     let mut opened = 0u64;
     while opened < u64::from(STREAM_BUDGET) {
@@ -214,7 +205,7 @@ async fn reset_pipelined(addr: SocketAddr, tls: Arc<ClientConfig>) -> Option<End
 async fn reset_after_accept(addr: SocketAddr, tls: Arc<ClientConfig>) -> Option<Ended> {
     let mut conn = H2Raw::connect(addr, HOST, &tls).await.ok()?;
     conn.handshake(&[], Duration::from_secs(3)).await.ok()?;
-    let request = get("/big.bin");
+    let request = h2_get("/big.bin");
     let mut stream = 1u32;
     let mut opened = 0u64;
     while opened < u64::from(STREAM_BUDGET) {
@@ -276,7 +267,7 @@ async fn continuation(addr: SocketAddr, tls: Arc<ClientConfig>, chunk: usize) ->
     let mut conn = H2Raw::connect(addr, HOST, &tls).await.ok()?;
     conn.handshake(&[], Duration::from_secs(3)).await.ok()?;
     if conn
-        .send(&frame(kind::HEADERS, flag::END_STREAM, 1, &get("/big.bin")))
+        .send(&frame(kind::HEADERS, flag::END_STREAM, 1, &h2_get("/big.bin")))
         .await
         .is_err()
     {
@@ -380,7 +371,7 @@ async fn priority_while_not_reading(addr: SocketAddr, tls: Arc<ClientConfig>) ->
         .await
         .expect("handshake");
     let mut request = window_update(0, max - 65_535);
-    request.extend(headers(1, &get("/big.bin"), true));
+    request.extend(headers(1, &h2_get("/big.bin"), true));
     conn.send(&request).await.expect("request");
     // The response fills the socket buffers; hyper's output stops mid-frame.
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -9,23 +9,14 @@
 
 use std::time::{Duration, Instant};
 
-use webship_testkit::h2raw::{block, code, flag, frame, headers, kind, setting, window_update, End, H2Raw};
+use webship_testkit::h2raw::{code, flag, frame, headers, kind, setting, window_update, End, H2Raw};
 
-use crate::support::{Env, HOST};
+use crate::support::{h2_get, Env, HOST};
 
 const BODY: &[u8] = b"served after a rest\n";
 /// Larger than the connection's default window (64 KiB): served whole only if the
 /// WINDOW_UPDATE sent at rest took effect.
 const LARGE: usize = 300 * 1024;
-
-fn get(path: &str) -> Vec<u8> {
-    block(&[
-        (":method", "GET"),
-        (":scheme", "https"),
-        (":authority", HOST),
-        (":path", path),
-    ])
-}
 
 fn start(env: &Env, limits: &str) -> webship_tests::Server {
     env.write("rest.txt", BODY);
@@ -52,6 +43,18 @@ fn body(conn: &H2Raw, stream: u32) -> Vec<u8> {
         .collect()
 }
 
+/// Whether `end` is the GOAWAY a connection at rest is closed with: NO_ERROR,
+/// naming no stream.
+fn closed_before_any_stream(end: &End) -> bool {
+    matches!(
+        end,
+        End::GoAway {
+            code: code::NO_ERROR,
+            last_stream: 0
+        }
+    )
+}
+
 /// Server SETTINGS frames read so far: (without ACK, with ACK).
 fn settings_frames(conn: &H2Raw) -> (usize, usize) {
     let settings = conn.seen.iter().filter(|f| f.kind == kind::SETTINGS);
@@ -74,7 +77,7 @@ async fn a_connection_at_rest_answers_its_handshake_once_and_serves_later_reques
     conn.send(&window_update(0, 15 << 20)).await.unwrap();
     tokio::time::sleep(Duration::from_millis(500)).await;
     for stream in [1, 3] {
-        conn.send(&headers(stream, &get("/large.bin"), true))
+        conn.send(&headers(stream, &h2_get("/large.bin"), true))
             .await
             .unwrap();
         assert!(
@@ -103,7 +106,10 @@ async fn a_connection_at_rest_answers_its_handshake_once_and_serves_later_reques
         .send(&frame(kind::SETTINGS, 0, 0, &[0, 4, 0, 0, 0x40, 0]))
         .await
         .unwrap();
-    second.send(&headers(1, &get("/rest.txt"), true)).await.unwrap();
+    second
+        .send(&headers(1, &h2_get("/rest.txt"), true))
+        .await
+        .unwrap();
     assert!(
         second.until_stream_end(1, Duration::from_secs(10)).await,
         "{:?}",
@@ -123,17 +129,7 @@ async fn a_connection_at_rest_is_closed_with_goaway_at_the_idle_timeout() {
     let mut conn = rested(&env, &server).await;
     let end = conn.until_end(Duration::from_secs(5)).await;
     let took = since.elapsed();
-    assert!(
-        matches!(
-            end,
-            End::GoAway {
-                code: code::NO_ERROR,
-                last_stream: 0
-            }
-        ),
-        "{end}: {:?}",
-        conn.seen
-    );
+    assert!(closed_before_any_stream(&end), "{end}: {:?}", conn.seen);
     assert!(
         (Duration::from_millis(800)..Duration::from_secs(4)).contains(&took),
         "GOAWAY after {took:?} (idle timeout 1 s)"
@@ -178,7 +174,7 @@ async fn the_drain_closes_connections_at_rest_and_answers_a_request_just_after_i
     let since = Instant::now();
     server.terminate();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    late.send(&headers(1, &get("/rest.txt"), true)).await.unwrap();
+    late.send(&headers(1, &h2_get("/rest.txt"), true)).await.unwrap();
     assert!(
         served_through_the_drain(&mut late, 1).await,
         "the request after SIGTERM: {:?}\n{}",
@@ -189,16 +185,7 @@ async fn the_drain_closes_connections_at_rest_and_answers_a_request_just_after_i
     // Done: hyper's drain waits for its PING's answer, which this client never gives.
     drop(late);
     let end = silent.until_end(Duration::from_secs(10)).await;
-    assert!(
-        matches!(
-            end,
-            End::GoAway {
-                code: code::NO_ERROR,
-                last_stream: 0
-            }
-        ),
-        "{end}"
-    );
+    assert!(closed_before_any_stream(&end), "{end}");
     assert!(
         since.elapsed() < Duration::from_secs(5),
         "GOAWAY {:?} after SIGTERM",
@@ -227,7 +214,7 @@ async fn the_settings_a_client_sent_at_rest_bind_the_server() {
         .await
         .unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
-    conn.send(&headers(1, &get("/large.bin"), true)).await.unwrap();
+    conn.send(&headers(1, &h2_get("/large.bin"), true)).await.unwrap();
     assert!(
         !conn.until_stream_end(1, Duration::from_millis(1500)).await,
         "the body did not wait for the window"

@@ -284,3 +284,14 @@ pub(crate) fn curl_download(
     );
     String::from_utf8_lossy(&result.stdout).into_owned()
 }
+
+/// The header block (HPACK literals) of a GET for `path` on `HOST`, for the raw
+/// HTTP/2 client.
+pub(crate) fn h2_get(path: &str) -> Vec<u8> {
+    webship_testkit::h2raw::block(&[
+        (":method", "GET"),
+        (":scheme", "https"),
+        (":authority", HOST),
+        (":path", path),
+    ])
+}
