@@ -101,7 +101,12 @@ impl Server {
         command
             .args(args)
             .current_dir(dir)
-            .env("WEBSHIP_LOG", "info,webship=debug");
+            // `WEBSHIP_TEST_LOG` replaces the filter when a failure needs more, e.g.
+            // `info,webship=debug,quinn_proto=trace` for every QUIC frame.
+            .env(
+                "WEBSHIP_LOG",
+                std::env::var("WEBSHIP_TEST_LOG").unwrap_or_else(|_| "info,webship=debug".into()),
+            );
         let logs = Logs {
             stdout: dir.join("stdout.log"),
             stderr: dir.join(format!("webship-{port}.log")),

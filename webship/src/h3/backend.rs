@@ -147,13 +147,10 @@ impl SendStream {
 impl quic::SendStream<Bytes> for SendStream {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), StreamErrorIncoming>> {
         while let Some(frame) = self.writing.as_mut().filter(|f| f.has_remaining()) {
-            let written = ready!(Self::poll_write_frame(
-                &mut self.stream,
-                &mut self.payload,
-                frame,
-                cx
-            ))
-            .map_err(write_error)?;
+            let written = match Self::poll_write_frame(&mut self.stream, &mut self.payload, frame, cx) {
+                Poll::Ready(written) => written.map_err(write_error)?,
+                Poll::Pending => return poll_stopped(&self.stream, cx),
+            };
             frame.advance(written);
         }
         self.writing = None;
@@ -188,6 +185,26 @@ impl quic::SendStream<Bytes> for SendStream {
     }
 }
 
+/// What a write that has to wait answers: `Pending` (quinn wakes the writer when
+/// the stream or the connection gets credit, or the peer stops the stream), or the
+/// peer's STOP_SENDING if one came. quinn-proto 0.11 checks the connection's credit
+/// and send window before the stream's stop, so a write to a stopped stream is told
+/// Blocked, not Stopped, while the connection has no credit; and once the stream is
+/// at its own limit too (a peer that stopped it grants no more), no credit ever
+/// wakes the writer again. The response would then wait until `send_timeout`.
+///
+/// Asking costs one more lock of the connection per wait. quinn keeps a slot (about
+/// 80 bytes) for a stream asked about while not stopped, until the stream finishes,
+/// is stopped or the connection closes; only a stream this side resets after it
+/// waited (`send_timeout`, a failed body) keeps its slot until the connection ends.
+fn poll_stopped(stream: &quinn::SendStream, cx: &mut Context<'_>) -> Poll<Result<(), StreamErrorIncoming>> {
+    match pin!(stream.stopped()).poll(cx) {
+        Poll::Ready(Ok(Some(code))) => Poll::Ready(Err(write_error(quinn::WriteError::Stopped(code)))),
+        // Not stopped; a lost connection or a closed stream the write reports itself.
+        _ => Poll::Pending,
+    }
+}
+
 /// Raw writes (WebTransport streams): copied, as h3-quinn does.
 impl quic::SendStreamUnframed<Bytes> for SendStream {
     fn poll_send<D: Buf>(
@@ -198,7 +215,10 @@ impl quic::SendStreamUnframed<Bytes> for SendStream {
         if self.writing.is_some() {
             return Poll::Ready(Err(internal("a raw write while a frame is being written")));
         }
-        let written = ready!(Pin::new(&mut self.stream).poll_write(cx, buf.chunk())).map_err(write_error)?;
+        let written = match Pin::new(&mut self.stream).poll_write(cx, buf.chunk()) {
+            Poll::Ready(written) => written.map_err(write_error)?,
+            Poll::Pending => return poll_stopped(&self.stream, cx).map_ok(|()| 0),
+        };
         STREAM_COPIED_BYTES.fetch_add(written as u64, Ordering::Relaxed);
         buf.advance(written);
         Poll::Ready(Ok(written))
@@ -459,6 +479,7 @@ fn read_error(e: quinn::ReadError) -> StreamErrorIncoming {
 pub(crate) mod tests {
     use std::future::poll_fn;
     use std::net::{Ipv4Addr, SocketAddr};
+    use std::time::Duration;
 
     use h3::proto::frame::Frame;
     use h3::quic::SendStream as _;
@@ -467,14 +488,15 @@ pub(crate) mod tests {
 
     /// Two quinn endpoints on loopback and the connection between them. The client
     /// grants `stream_window` bytes of credit per stream, so a server write longer
-    /// than that is taken in parts as the client reads.
+    /// than that is taken in parts as the client reads, and `window` bytes for the
+    /// connection (quinn's default when `None`).
     pub(crate) struct Pair {
         pub(crate) server: quinn::Connection,
         pub(crate) client: quinn::Connection,
         _endpoints: (quinn::Endpoint, quinn::Endpoint),
     }
 
-    pub(crate) async fn quic_pair(stream_window: u32) -> Pair {
+    pub(crate) async fn quic_pair(stream_window: u32, window: Option<u32>) -> Pair {
         let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_owned()]).unwrap();
         let key = rustls::pki_types::PrivatePkcs8KeyDer::from(cert.key_pair.serialize_der());
         let server_config =
@@ -486,6 +508,9 @@ pub(crate) mod tests {
         let mut client_config = quinn::ClientConfig::with_root_certificates(Arc::new(roots)).unwrap();
         let mut transport = quinn::TransportConfig::default();
         transport.stream_receive_window(stream_window.into());
+        if let Some(window) = window {
+            transport.receive_window(window.into());
+        }
         client_config.transport_config(Arc::new(transport));
         let mut client_end = quinn::Endpoint::client(loopback).unwrap();
         client_end.set_default_client_config(client_config);
@@ -545,7 +570,7 @@ pub(crate) mod tests {
     /// exactly the frames, in order.
     #[tokio::test]
     async fn offered_chunks_go_uncopied_and_anything_else_is_copied() {
-        let pair = quic_pair(1024).await;
+        let pair = quic_pair(1024, None).await;
         let client = pair.client.clone();
         let received = tokio::spawn(async move {
             let mut recv = client.accept_uni().await.unwrap();
@@ -596,6 +621,93 @@ pub(crate) mod tests {
             got.len(),
             expected.len()
         );
+    }
+
+    /// Whether the frame handed to `stream` is still not written after 300 ms.
+    async fn pending(stream: &mut SendStream) -> bool {
+        let wait = poll_fn(|cx| stream.poll_ready(cx));
+        tokio::time::timeout(Duration::from_millis(300), wait)
+            .await
+            .is_err()
+    }
+
+    /// An unframed write of `len` bytes (as WebTransport's), given 5 s.
+    async fn raw_write(
+        stream: &mut SendStream,
+        len: usize,
+    ) -> Result<Result<usize, StreamErrorIncoming>, tokio::time::error::Elapsed> {
+        use h3::quic::SendStreamUnframed as _;
+        let mut bytes = Bytes::from(vec![5u8; len]);
+        let written = poll_fn(|cx| stream.poll_send(cx, &mut bytes));
+        tokio::time::timeout(Duration::from_secs(5), written).await
+    }
+
+    /// A write to a stream the peer stopped ends with the peer's code even while the
+    /// connection has no credit left, whether the write was waiting when the
+    /// STOP_SENDING came (`waiting`) or began after it (`after`, and `raw` for a
+    /// WebTransport stream's unframed write). quinn-proto 0.11 answers each with
+    /// Blocked, not Stopped, once the connection's credit is used up, and never wakes
+    /// the writer again: a stopped stream at its own limit gets no more credit.
+    /// Before the fix every one of these writes waited until `send_timeout`.
+    #[tokio::test]
+    async fn a_write_to_a_stopped_stream_ends_while_the_connection_has_no_credit() {
+        const STREAM: usize = 4096;
+        // 32 streams fill the connection's credit; what the three stopped streams give
+        // back (12 KiB) is under the 1/8 of the window that makes the client grant more.
+        let pair = quic_pair(STREAM as u32, Some(32 * STREAM as u32)).await;
+        let exact = || Frame::Data(Bytes::from(vec![7u8; STREAM - 3])); // + 3 header bytes
+        let open = || async { SendStream::new(pair.server.open_uni().await.unwrap()) };
+
+        let mut waiting = open().await;
+        waiting
+            .send_data(Frame::Data(Bytes::from(vec![1u8; 2 * STREAM])))
+            .unwrap();
+        assert!(
+            pending(&mut waiting).await,
+            "a write past the stream's credit waits"
+        );
+        let mut after = open().await;
+        write(&mut after, exact()).await;
+        let mut raw = open().await;
+        assert_eq!(raw_write(&mut raw, STREAM).await.unwrap().unwrap(), STREAM);
+        for _ in 0..29 {
+            write(&mut open().await, exact()).await;
+        }
+        let mut probe = open().await;
+        probe.send_data(Frame::Data(Bytes::from_static(b"x"))).unwrap();
+        assert!(pending(&mut probe).await, "the connection's credit is used up");
+
+        let stop = [waiting.stream.id(), after.stream.id(), raw.stream.id()];
+        let mut kept = Vec::new();
+        for _ in 0..32 {
+            let mut recv = pair.client.accept_uni().await.unwrap();
+            if stop.contains(&recv.id()) {
+                recv.stop(VarInt::from_u32(9)).unwrap();
+            }
+            kept.push(recv);
+        }
+        for stream in [&waiting, &after, &raw] {
+            assert_eq!(stream.stream.stopped().await, Ok(Some(VarInt::from_u32(9))));
+        }
+        fn code<T>(end: Result<Result<T, StreamErrorIncoming>, tokio::time::error::Elapsed>) -> Option<u64> {
+            match end {
+                Ok(Err(StreamErrorIncoming::StreamTerminated { error_code })) => Some(error_code),
+                _ => None,
+            }
+        }
+        after.send_data(exact()).unwrap();
+        let mut ended = Vec::new();
+        for stream in [&mut waiting, &mut after] {
+            let end = poll_fn(|cx| stream.poll_ready(cx));
+            ended.push(code(tokio::time::timeout(Duration::from_secs(5), end).await));
+        }
+        ended.push(code(raw_write(&mut raw, 1).await));
+        assert_eq!(
+            ended,
+            [Some(9); 3],
+            "the writes waiting at and begun after the STOP_SENDING, and the raw one"
+        );
+        drop(kept);
     }
 
     /// An offer the stream never took is withdrawn when its guard goes, as when a

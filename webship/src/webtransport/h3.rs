@@ -406,7 +406,7 @@ mod tests {
     /// code mapped into the HTTP/3 range, not the drop's 0.
     #[tokio::test]
     async fn stop_sends_the_mapped_code() {
-        let pair = quic_pair(64 * 1024).await;
+        let pair = quic_pair(64 * 1024, None).await;
         let (mut send, _client_recv) = pair.client.open_bi().await.unwrap();
         send.write_all(b"hello").await.unwrap();
         let (_server_send, recv) = pair.server.accept_bi().await.unwrap();
