@@ -23,7 +23,7 @@
 
 use std::future::Future;
 use std::pin::{pin, Pin};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{ready, Context, Poll};
 
@@ -87,6 +87,34 @@ impl Offer {
     }
 }
 
+/// How many streams of one connection may leave a slot behind in quinn's table of
+/// stop waiters ([`ask_stopped`]): about 100 KiB. Past it the connection's writes
+/// no longer ask, and a stopped stream's write may wait for `send_timeout` again.
+const STOP_SLOTS_LEFT_BEHIND: u32 = 1024;
+
+/// One connection's allowance of [`STOP_SLOTS_LEFT_BEHIND`], shared by every send
+/// stream of the connection.
+#[derive(Debug, Clone)]
+pub(crate) struct StopChecks(Arc<AtomicU32>);
+
+impl Default for StopChecks {
+    fn default() -> Self {
+        Self(Arc::new(AtomicU32::new(STOP_SLOTS_LEFT_BEHIND)))
+    }
+}
+
+impl StopChecks {
+    fn allowed(&self) -> bool {
+        self.0.load(Ordering::Relaxed) > 0
+    }
+
+    fn left_behind(&self) {
+        let _ = self
+            .0
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+    }
+}
+
 /// A QUIC send stream as h3 sees it.
 pub(crate) struct SendStream {
     stream: quinn::SendStream,
@@ -98,6 +126,10 @@ pub(crate) struct SendStream {
     /// the server's own streams carry an empty one, which costs an allocation per
     /// stream opened, a few per connection).
     offer: Arc<Offer>,
+    /// The connection's allowance for [`ask_stopped`], and whether this stream holds
+    /// a slot in quinn's table (asked while not stopped).
+    checks: StopChecks,
+    asked: bool,
 }
 
 impl std::fmt::Debug for SendStream {
@@ -110,12 +142,14 @@ impl std::fmt::Debug for SendStream {
 }
 
 impl SendStream {
-    fn new(stream: quinn::SendStream) -> Self {
+    pub(crate) fn new(stream: quinn::SendStream, checks: StopChecks) -> Self {
         Self {
             stream,
             writing: None,
             payload: None,
             offer: Arc::default(),
+            checks,
+            asked: false,
         }
     }
 
@@ -148,8 +182,11 @@ impl quic::SendStream<Bytes> for SendStream {
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), StreamErrorIncoming>> {
         while let Some(frame) = self.writing.as_mut().filter(|f| f.has_remaining()) {
             let written = match Self::poll_write_frame(&mut self.stream, &mut self.payload, frame, cx) {
-                Poll::Ready(written) => written.map_err(write_error)?,
-                Poll::Pending => return poll_stopped(&self.stream, cx),
+                Poll::Ready(written) => written.map_err(|e| stopped_or(e, &mut self.asked))?,
+                Poll::Pending => {
+                    return ask_stopped(&self.stream, &self.checks, &mut self.asked, cx)
+                        .map_or(Poll::Pending, |e| Poll::Ready(Err(e)))
+                }
             };
             frame.advance(written);
         }
@@ -177,6 +214,10 @@ impl quic::SendStream<Bytes> for SendStream {
     }
 
     fn reset(&mut self, reset_code: u64) {
+        // No event will take this stream's slot out of quinn's table now.
+        if std::mem::take(&mut self.asked) {
+            self.checks.left_behind();
+        }
         let _ = self.stream.reset(varint(reset_code));
     }
 
@@ -185,23 +226,48 @@ impl quic::SendStream<Bytes> for SendStream {
     }
 }
 
-/// What a write that has to wait answers: `Pending` (quinn wakes the writer when
-/// the stream or the connection gets credit, or the peer stops the stream), or the
-/// peer's STOP_SENDING if one came. quinn-proto 0.11 checks the connection's credit
-/// and send window before the stream's stop, so a write to a stopped stream is told
-/// Blocked, not Stopped, while the connection has no credit; and once the stream is
-/// at its own limit too (a peer that stopped it grants no more), no credit ever
-/// wakes the writer again. The response would then wait until `send_timeout`.
+/// A failed write's error; a stop also took the stream's slot, if any, out of
+/// quinn's table ([`ask_stopped`]).
+fn stopped_or(e: quinn::WriteError, asked: &mut bool) -> StreamErrorIncoming {
+    if matches!(e, quinn::WriteError::Stopped(_)) {
+        *asked = false;
+    }
+    write_error(e)
+}
+
+/// Asks quinn, for a write that has to wait, whether the peer stopped the stream:
+/// its STOP_SENDING as the error if so. quinn-proto 0.11 checks the connection's
+/// credit and send window before the stream's stop, so a write to a stopped stream
+/// is told Blocked, not Stopped, while the connection has none; and once the
+/// stream is at its own limit too (a peer that stopped it grants no more), no
+/// credit ever wakes the writer again. The response would wait for `send_timeout`.
+/// A writer parked when the STOP_SENDING comes is woken by quinn (it wakes blocked
+/// writers on a stop) and asks here on that poll.
 ///
-/// Asking costs one more lock of the connection per wait. quinn keeps a slot (about
-/// 80 bytes) for a stream asked about while not stopped, until the stream finishes,
-/// is stopped or the connection closes; only a stream this side resets after it
-/// waited (`send_timeout`, a failed body) keeps its slot until the connection ends.
-fn poll_stopped(stream: &quinn::SendStream, cx: &mut Context<'_>) -> Poll<Result<(), StreamErrorIncoming>> {
+/// The cost: one more lock of the connection and of a `Notify` per wait, and a
+/// slot (about 100 bytes) in quinn's table of stop waiters for a stream asked
+/// while not stopped. quinn frees the slot when the stream is stopped, finishes
+/// with every byte acknowledged, or the connection ends, but not when this side
+/// resets the stream (`send_timeout`, a failed body, a WebTransport session's
+/// end): `asked` marks such a stream, and a connection may leave at most
+/// [`STOP_SLOTS_LEFT_BEHIND`] behind before its writes stop asking.
+fn ask_stopped(
+    stream: &quinn::SendStream,
+    checks: &StopChecks,
+    asked: &mut bool,
+    cx: &mut Context<'_>,
+) -> Option<StreamErrorIncoming> {
+    if !checks.allowed() {
+        return None;
+    }
     match pin!(stream.stopped()).poll(cx) {
-        Poll::Ready(Ok(Some(code))) => Poll::Ready(Err(write_error(quinn::WriteError::Stopped(code)))),
-        // Not stopped; a lost connection or a closed stream the write reports itself.
-        _ => Poll::Pending,
+        Poll::Ready(Ok(Some(code))) => Some(stopped_or(quinn::WriteError::Stopped(code), asked)),
+        Poll::Pending => {
+            *asked = true;
+            None
+        }
+        // A lost connection or a closed stream: the write reports it itself.
+        Poll::Ready(_) => None,
     }
 }
 
@@ -216,8 +282,11 @@ impl quic::SendStreamUnframed<Bytes> for SendStream {
             return Poll::Ready(Err(internal("a raw write while a frame is being written")));
         }
         let written = match Pin::new(&mut self.stream).poll_write(cx, buf.chunk()) {
-            Poll::Ready(written) => written.map_err(write_error)?,
-            Poll::Pending => return poll_stopped(&self.stream, cx).map_ok(|()| 0),
+            Poll::Ready(written) => written.map_err(|e| stopped_or(e, &mut self.asked))?,
+            Poll::Pending => {
+                return ask_stopped(&self.stream, &self.checks, &mut self.asked, cx)
+                    .map_or(Poll::Pending, |e| Poll::Ready(Err(e)))
+            }
         };
         STREAM_COPIED_BYTES.fetch_add(written as u64, Ordering::Relaxed);
         buf.advance(written);
@@ -272,10 +341,10 @@ pub(crate) struct BidiStream {
 
 impl BidiStream {
     /// A stream of either side; its send half takes the chunks offered through
-    /// [`Self::offer_slot`].
-    pub(crate) fn new(send: quinn::SendStream, recv: quinn::RecvStream) -> Self {
+    /// [`Self::offer_slot`] and asks within its connection's `checks`.
+    pub(crate) fn new(send: quinn::SendStream, recv: quinn::RecvStream, checks: StopChecks) -> Self {
         Self {
-            send: SendStream::new(send),
+            send: SendStream::new(send, checks),
             recv: RecvStream::new(recv),
         }
     }
@@ -362,6 +431,7 @@ pub(crate) fn poll_waiting<T>(
 /// Opens the server's own streams (control, QPACK, WebTransport).
 pub(crate) struct Opener {
     quic: quinn::Connection,
+    checks: StopChecks,
     bidi: Option<Waiting<(quinn::SendStream, quinn::RecvStream)>>,
     uni: Option<Waiting<quinn::SendStream>>,
 }
@@ -375,9 +445,10 @@ impl std::fmt::Debug for Opener {
 }
 
 impl Opener {
-    pub(crate) fn new(quic: quinn::Connection) -> Self {
+    pub(crate) fn new(quic: quinn::Connection, checks: StopChecks) -> Self {
         Self {
             quic,
+            checks,
             bidi: None,
             uni: None,
         }
@@ -399,7 +470,7 @@ impl quic::OpenStreams<Bytes> for Opener {
             cx,
         );
         opened
-            .map_ok(|(send, recv)| BidiStream::new(send, recv))
+            .map_ok(|(send, recv)| BidiStream::new(send, recv, self.checks.clone()))
             .map_err(|connection_error| StreamErrorIncoming::ConnectionErrorIncoming { connection_error })
     }
 
@@ -414,7 +485,7 @@ impl quic::OpenStreams<Bytes> for Opener {
             cx,
         );
         opened
-            .map_ok(SendStream::new)
+            .map_ok(|send| SendStream::new(send, self.checks.clone()))
             .map_err(|connection_error| StreamErrorIncoming::ConnectionErrorIncoming { connection_error })
     }
 
@@ -576,7 +647,7 @@ pub(crate) mod tests {
             let mut recv = client.accept_uni().await.unwrap();
             recv.read_to_end(1 << 20).await.unwrap()
         });
-        let mut stream = SendStream::new(pair.server.open_uni().await.unwrap());
+        let mut stream = SendStream::new(pair.server.open_uni().await.unwrap(), StopChecks::default());
         let offer = stream.offer.clone();
         let chunk = Bytes::from((0..3000u32).map(|i| (i * 7) as u8).collect::<Vec<_>>());
         let mut expected = Vec::new();
@@ -643,27 +714,32 @@ pub(crate) mod tests {
     }
 
     /// A write to a stream the peer stopped ends with the peer's code even while the
-    /// connection has no credit left, whether the write was waiting when the
-    /// STOP_SENDING came (`waiting`) or began after it (`after`, and `raw` for a
-    /// WebTransport stream's unframed write). quinn-proto 0.11 answers each with
-    /// Blocked, not Stopped, once the connection's credit is used up, and never wakes
-    /// the writer again: a stopped stream at its own limit gets no more credit.
-    /// Before the fix every one of these writes waited until `send_timeout`.
+    /// connection has no credit left: a write parked when the STOP_SENDING came
+    /// (`waiting`), one begun after it (`after`), and a WebTransport stream's
+    /// unframed write (`raw`). quinn-proto 0.11 answers each with Blocked, not
+    /// Stopped, once the connection's credit is used up, and never wakes the writer
+    /// again: a stopped stream at its own limit gets no more credit. Before the fix
+    /// every one of these writes waited until `send_timeout`.
     #[tokio::test]
     async fn a_write_to_a_stopped_stream_ends_while_the_connection_has_no_credit() {
         const STREAM: usize = 4096;
         // 32 streams fill the connection's credit; what the three stopped streams give
         // back (12 KiB) is under the 1/8 of the window that makes the client grant more.
         let pair = quic_pair(STREAM as u32, Some(32 * STREAM as u32)).await;
+        let checks = StopChecks::default();
         let exact = || Frame::Data(Bytes::from(vec![7u8; STREAM - 3])); // + 3 header bytes
-        let open = || async { SendStream::new(pair.server.open_uni().await.unwrap()) };
+        let open = || async { SendStream::new(pair.server.open_uni().await.unwrap(), checks.clone()) };
 
         let mut waiting = open().await;
+        let waiting_id = waiting.stream.id();
+        let waiting_stopped = waiting.stream.stopped();
         waiting
             .send_data(Frame::Data(Bytes::from(vec![1u8; 2 * STREAM])))
             .unwrap();
+        let mut parked = pin!(poll_fn(|cx| waiting.poll_ready(cx)));
+        let short = Duration::from_millis(300);
         assert!(
-            pending(&mut waiting).await,
+            tokio::time::timeout(short, &mut parked).await.is_err(),
             "a write past the stream's credit waits"
         );
         let mut after = open().await;
@@ -677,7 +753,7 @@ pub(crate) mod tests {
         probe.send_data(Frame::Data(Bytes::from_static(b"x"))).unwrap();
         assert!(pending(&mut probe).await, "the connection's credit is used up");
 
-        let stop = [waiting.stream.id(), after.stream.id(), raw.stream.id()];
+        let stop = [waiting_id, after.stream.id(), raw.stream.id()];
         let mut kept = Vec::new();
         for _ in 0..32 {
             let mut recv = pair.client.accept_uni().await.unwrap();
@@ -686,28 +762,84 @@ pub(crate) mod tests {
             }
             kept.push(recv);
         }
-        for stream in [&waiting, &after, &raw] {
-            assert_eq!(stream.stream.stopped().await, Ok(Some(VarInt::from_u32(9))));
+        let nine = Ok(Some(VarInt::from_u32(9)));
+        assert_eq!(waiting_stopped.await, nine);
+        for stream in [&after, &raw] {
+            assert_eq!(stream.stream.stopped().await, nine);
         }
+        assert!(
+            pending(&mut probe).await,
+            "the stops gave the connection no credit back"
+        );
         fn code<T>(end: Result<Result<T, StreamErrorIncoming>, tokio::time::error::Elapsed>) -> Option<u64> {
             match end {
                 Ok(Err(StreamErrorIncoming::StreamTerminated { error_code })) => Some(error_code),
                 _ => None,
             }
         }
+        let within = Duration::from_secs(5);
+        let mut ended = vec![code(tokio::time::timeout(within, parked).await)];
         after.send_data(exact()).unwrap();
-        let mut ended = Vec::new();
-        for stream in [&mut waiting, &mut after] {
-            let end = poll_fn(|cx| stream.poll_ready(cx));
-            ended.push(code(tokio::time::timeout(Duration::from_secs(5), end).await));
-        }
+        let end = poll_fn(|cx| after.poll_ready(cx));
+        ended.push(code(tokio::time::timeout(within, end).await));
         ended.push(code(raw_write(&mut raw, 1).await));
         assert_eq!(
             ended,
             [Some(9); 3],
-            "the writes waiting at and begun after the STOP_SENDING, and the raw one"
+            "the writes parked at and begun after the STOP_SENDING, and the raw one"
         );
         drop(kept);
+    }
+
+    /// A stream that waited while not stopped holds a slot in quinn's table, which a
+    /// reset of ours leaves behind: it counts against the connection's allowance. A
+    /// stream the peer stopped, or a connection whose allowance is spent, does not.
+    #[tokio::test]
+    async fn a_reset_after_a_wait_counts_against_the_connections_allowance() {
+        let pair = quic_pair(1024, None).await;
+        let checks = StopChecks::default();
+        let left = || checks.0.load(Ordering::Relaxed);
+        let mut stream = SendStream::new(pair.server.open_uni().await.unwrap(), checks.clone());
+        stream
+            .send_data(Frame::Data(Bytes::from(vec![1u8; 4096])))
+            .unwrap();
+        assert!(pending(&mut stream).await, "past the stream's credit");
+        assert!(stream.asked);
+        stream.reset(1);
+        assert_eq!(left(), STOP_SLOTS_LEFT_BEHIND - 1);
+
+        // Stopped by the client: the stop emptied its slot.
+        let mut stopped = SendStream::new(pair.server.open_uni().await.unwrap(), checks.clone());
+        stopped
+            .send_data(Frame::Data(Bytes::from(vec![2u8; 4096])))
+            .unwrap();
+        assert!(pending(&mut stopped).await);
+        let mut recv = loop {
+            let recv = pair.client.accept_uni().await.unwrap();
+            if recv.id() == stopped.stream.id() {
+                break recv;
+            }
+        };
+        recv.stop(VarInt::from_u32(3)).unwrap();
+        let ended = poll_fn(|cx| stopped.poll_ready(cx));
+        assert!(tokio::time::timeout(Duration::from_secs(5), ended)
+            .await
+            .unwrap()
+            .is_err());
+        assert!(!stopped.asked);
+        stopped.reset(1);
+        assert_eq!(left(), STOP_SLOTS_LEFT_BEHIND - 1);
+
+        // Spent: a waiting write no longer asks.
+        checks.0.store(0, Ordering::Relaxed);
+        let mut spent = SendStream::new(pair.server.open_uni().await.unwrap(), checks.clone());
+        spent
+            .send_data(Frame::Data(Bytes::from(vec![3u8; 4096])))
+            .unwrap();
+        assert!(pending(&mut spent).await);
+        assert!(!spent.asked);
+        spent.reset(1);
+        assert_eq!(left(), 0);
     }
 
     /// An offer the stream never took is withdrawn when its guard goes, as when a

@@ -178,7 +178,12 @@ async fn connection(
             .enable_datagram(true)
             .max_webtransport_sessions(ctx.webtransport_sessions as u64);
     }
-    let mut h3 = match builder.build::<_, Bytes>(uni::Connection::new(conn)).await {
+    // One allowance for every send stream of the connection, WebTransport's too.
+    let checks = backend::StopChecks::default();
+    let mut h3 = match builder
+        .build::<_, Bytes>(uni::Connection::new(conn, checks.clone()))
+        .await
+    {
         Ok(h3) => h3,
         Err(e) => {
             tracked.close(Protocol::H3, Close::ProtocolError);
@@ -186,7 +191,7 @@ async fn connection(
         }
     };
     let permit = Arc::new(permit);
-    let wt = (ctx.webtransport_sessions > 0).then(|| WtConn::new(quic.clone()));
+    let wt = (ctx.webtransport_sessions > 0).then(|| WtConn::new(quic.clone(), checks));
     let mut shutdown = ctx.shutdown.clone();
     let mut closing = false;
     let mut check = tokio::time::interval(Duration::from_millis(100));

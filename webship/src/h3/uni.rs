@@ -11,7 +11,7 @@ use std::task::{Context, Poll};
 use bytes::Bytes;
 use h3::quic::{self, ConnectionErrorIncoming, StreamErrorIncoming, StreamId};
 
-use super::backend::{poll_waiting, BidiStream, Opener, RecvStream, SendStream, Waiting};
+use super::backend::{poll_waiting, BidiStream, Opener, RecvStream, SendStream, StopChecks, Waiting};
 
 /// Unidirectional stream type of a push stream (RFC 9114 §6.2.2).
 const PUSH_STREAM: u64 = 0x01;
@@ -25,12 +25,15 @@ pub(crate) struct Connection {
     bidi: Option<Waiting<(quinn::SendStream, quinn::RecvStream)>>,
     uni: Option<Waiting<quinn::RecvStream>>,
     opener: Opener,
+    /// Every send stream's allowance (`backend::StopChecks`), the connection's.
+    checks: StopChecks,
 }
 
 impl Connection {
-    pub(crate) fn new(quic: quinn::Connection) -> Self {
+    pub(crate) fn new(quic: quinn::Connection, checks: StopChecks) -> Self {
         Self {
-            opener: Opener::new(quic.clone()),
+            opener: Opener::new(quic.clone(), checks.clone()),
+            checks,
             quic,
             bidi: None,
             uni: None,
@@ -71,11 +74,11 @@ impl quic::Connection<Bytes> for Connection {
             },
             cx,
         );
-        accepted.map_ok(|(send, recv)| BidiStream::new(send, recv))
+        accepted.map_ok(|(send, recv)| BidiStream::new(send, recv, self.checks.clone()))
     }
 
     fn opener(&self) -> Opener {
-        Opener::new(self.quic.clone())
+        Opener::new(self.quic.clone(), self.checks.clone())
     }
 }
 

@@ -277,6 +277,19 @@ impl Connections {
     pub(crate) fn refused(&self, transport: Transport) {
         self.refused[transport as usize].fetch_add(1, Ordering::Relaxed);
     }
+
+    /// Connections open now over transport index `t`: accepted less closed. Closes
+    /// are read first and both only grow, so it is never negative.
+    fn open_over(&self, t: usize) -> u64 {
+        let closed: u64 = self.closed[t].iter().flatten().map(load).sum();
+        load(&self.accepted[t]).saturating_sub(closed)
+    }
+
+    /// Connections open now, every transport: what `webship_connections_open` adds
+    /// up to, and what the service manager's status line shows.
+    pub(crate) fn open(&self) -> u64 {
+        (0..TRANSPORTS.len()).map(|t| self.open_over(t)).sum()
+    }
 }
 
 /// Every metric of the process; one per daemon, shared by every generation.
@@ -303,6 +316,11 @@ impl std::fmt::Debug for Registry {
 }
 
 impl Registry {
+    /// Connection counters.
+    pub(crate) fn connections(&self) -> &Connections {
+        &self.connections
+    }
+
     pub(crate) fn new() -> Arc<Self> {
         Arc::new(Self {
             started: Instant::now(),
@@ -460,14 +478,8 @@ impl Registry {
             Kind::Gauge,
             "Connections open now, by transport.",
         );
-        let mut closed_by_transport = [0u64; TRANSPORTS.len()];
-        // Closes first, then accepts (both only grow): never negative.
-        for (t, closed) in closed_by_transport.iter_mut().enumerate() {
-            *closed = c.closed[t].iter().flatten().map(load).sum();
-        }
         for (t, name) in TRANSPORTS.iter().enumerate() {
-            let open = load(&c.accepted[t]).saturating_sub(closed_by_transport[t]);
-            out.sample(&[("transport", name)], open);
+            out.sample(&[("transport", name)], c.open_over(t));
         }
         out.family("webship_connections_closed", Kind::Counter, "Connections closed, by transport, what they carried and why they ended (series appear once non-zero).");
         for (t, transport) in TRANSPORTS.iter().enumerate() {

@@ -275,7 +275,7 @@ pub async fn run(
     };
     metrics.set_ready(true);
     // READY=1 (systemd): bound, preflight passed, privileges dropped, serving.
-    let mut reporter = systemd::Reporter::serving(current.clone(), permits.clone(), limit);
+    let mut reporter = systemd::Reporter::serving(current.clone(), metrics.clone());
     let control_file = control.as_ref().map(|c| reload::SocketFile::of(c.path()));
     let reloader = reload::Reloader {
         current: current.clone(),

@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 
 use super::generation::Current;
 use crate::config::Config;
+use crate::metrics::Registry;
 use crate::sys::notify;
 
 /// How often the status line is refreshed when no watchdog asks for more often.
@@ -22,20 +22,20 @@ const STATUS_EVERY: Duration = Duration::from_secs(5);
 pub(super) struct Reporter {
     task: Option<JoinHandle<()>>,
     draining: Arc<AtomicBool>,
-    permits: Arc<Semaphore>,
-    limit: usize,
+    /// Where the open connections are counted (not the connection permits: the
+    /// accept loop holds one while it waits for the next connection).
+    metrics: Arc<Registry>,
 }
 
 impl Reporter {
     /// Tells the manager the server is up (status first, so `systemctl status` has
     /// it when the unit turns active) and starts the watchdog and status task.
-    pub(super) fn serving(current: Arc<Current>, permits: Arc<Semaphore>, limit: usize) -> Self {
+    pub(super) fn serving(current: Arc<Current>, metrics: Arc<Registry>) -> Self {
         let draining = Arc::new(AtomicBool::new(false));
         let mut reporter = Self {
             task: None,
             draining: draining.clone(),
-            permits: permits.clone(),
-            limit,
+            metrics: metrics.clone(),
         };
         if !notify::enabled() {
             return reporter;
@@ -62,11 +62,10 @@ impl Reporter {
                     notify::watchdog_ping();
                 }
                 if draining.load(Ordering::Relaxed) {
-                    // The drain's waiters hold the permits they collect, so they no
-                    // longer count connections: the status keeps the drain's start.
+                    // The status keeps the drain's start.
                     continue;
                 }
-                let open = limit - permits.available_permits();
+                let open = metrics.connections().open();
                 let line = format!("serving {}; {open} connections open", what());
                 if line != shown {
                     notify::status(&line);
@@ -78,15 +77,13 @@ impl Reporter {
     }
 
     /// `STOPPING=1`, and the status says how many connections the drain waits for.
-    /// Call it before the shutdown is requested: then the permits still count the
-    /// open connections.
     pub(super) fn draining(&self) {
         if !notify::enabled() {
             return;
         }
         self.draining.store(true, Ordering::Relaxed);
         notify::stopping();
-        let open = self.limit - self.permits.available_permits();
+        let open = self.metrics.connections().open();
         notify::status(&format!("draining {open} connections"));
     }
 }

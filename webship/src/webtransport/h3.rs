@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 
 use super::session::{self, ClientStream, Clocks, Dispatch};
 use super::{capsule, Admission, BoxFuture, Code, RecvHalf, SendHalf, SessionState, Transport};
+use crate::h3::backend::{SendStream, StopChecks};
 use crate::shutdown::Shutdown;
 
 /// A client bidirectional stream after its WEBTRANSPORT_STREAM header.
@@ -67,6 +68,9 @@ struct Route {
 /// The WebTransport sessions of one QUIC connection.
 pub(crate) struct WtConn {
     quic: quinn::Connection,
+    /// The connection's allowance for the send streams it opens
+    /// (`h3::backend::StopChecks`).
+    checks: StopChecks,
     sessions: Mutex<HashMap<u64, Route>>,
     datagram_reader: std::sync::Once,
     /// WebTransport streams this connection has carried.
@@ -83,9 +87,10 @@ impl std::fmt::Debug for WtConn {
 }
 
 impl WtConn {
-    pub(crate) fn new(quic: quinn::Connection) -> Arc<Self> {
+    pub(crate) fn new(quic: quinn::Connection, checks: StopChecks) -> Arc<Self> {
         Arc::new(Self {
             quic,
+            checks,
             sessions: Mutex::new(HashMap::new()),
             datagram_reader: std::sync::Once::new(),
             streams: std::sync::atomic::AtomicU64::new(0),
@@ -172,6 +177,7 @@ async fn read_datagrams(conn: std::sync::Weak<WtConn>, quic: quinn::Connection) 
 
 struct H3Transport {
     quic: quinn::Connection,
+    checks: StopChecks,
     session: u64,
     /// The datagram prefix: the session's quarter stream id.
     prefix: Bytes,
@@ -179,11 +185,12 @@ struct H3Transport {
 
 impl H3Transport {
     /// The transport of the session whose CONNECT stream is `session`.
-    fn new(quic: quinn::Connection, session: u64) -> Self {
+    fn new(quic: quinn::Connection, checks: StopChecks, session: u64) -> Self {
         let mut prefix = BytesMut::new();
         capsule::put_varint(&mut prefix, session / 4);
         Self {
             quic,
+            checks,
             session,
             prefix: prefix.freeze(),
         }
@@ -200,11 +207,14 @@ impl H3Transport {
 impl Transport for H3Transport {
     fn open_uni(&self) -> BoxFuture<'_, std::io::Result<Box<dyn SendHalf>>> {
         Box::pin(async move {
-            let mut send = self.quic.open_uni().await.map_err(std::io::Error::other)?;
+            let send = self.quic.open_uni().await.map_err(std::io::Error::other)?;
+            // Through the backend, as every other send stream: a write to a stream
+            // the client stopped ends (`h3::backend::ask_stopped`).
+            let mut send = BufRecvStream::<_, Bytes>::new(SendStream::new(send, self.checks.clone()));
             let mut header = BytesMut::with_capacity(16);
             capsule::put_varint(&mut header, UNI_STREAM_TYPE);
             capsule::put_varint(&mut header, self.session);
-            send.write_all(&header).await?;
+            tokio::io::AsyncWriteExt::write_all(&mut send, &header).await?;
             Ok(Box::new(send) as Box<dyn SendHalf>)
         })
     }
@@ -227,13 +237,6 @@ impl Transport for H3Transport {
             .max_datagram_size()
             .unwrap_or(0)
             .saturating_sub(self.prefix.len())
-    }
-}
-
-impl SendHalf for quinn::SendStream {
-    fn reset(&mut self, code: u32) {
-        let code = quinn::VarInt::from_u64(super::stream_error_code(code)).unwrap_or(quinn::VarInt::MAX);
-        let _ = quinn::SendStream::reset(self, code);
     }
 }
 
@@ -295,7 +298,7 @@ pub(crate) async fn run(
     state.touch();
     let (mut send, mut recv) = stream.split();
     let mut capsules = capsule::Reader::new(state.config().max_capsule_bytes);
-    let transport = Arc::new(H3Transport::new(conn.quic.clone(), id));
+    let transport = Arc::new(H3Transport::new(conn.quic.clone(), conn.checks.clone(), id));
     let mut work = Dispatch::new(state.clone(), transport);
     let mut clocks = Clocks::new();
     let mut connect_open = true;
