@@ -172,7 +172,7 @@ async fn cancelled_download_frees_the_stream_and_the_connection_lives_on() {
     // The server learns of each cancellation from the client's STOP_SENDING. A
     // response whose write waited while another filled the connection's window used
     // to miss it and wait for the send timeout (quinn answered Blocked, not Stopped:
-    // `h3::backend::poll_stopped`); this failed about one run in six on a loaded
+    // `h3::backend::ask_stopped`); this failed about one run in six on a loaded
     // host. 20 s of slack for a loaded host stays well inside the 60 s send timeout,
     // so a server that ended the streams by timeout still fails here.
     assert!(

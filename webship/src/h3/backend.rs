@@ -90,6 +90,8 @@ impl Offer {
 /// How many streams of one connection may leave a slot behind in quinn's table of
 /// stop waiters ([`ask_stopped`]): about 100 KiB. Past it the connection's writes
 /// no longer ask, and a stopped stream's write may wait for `send_timeout` again.
+/// The bound is this plus the streams that had asked when the allowance ran out
+/// (at most the connection's concurrent streams).
 const STOP_SLOTS_LEFT_BEHIND: u32 = 1024;
 
 /// One connection's allowance of [`STOP_SLOTS_LEFT_BEHIND`], shared by every send
@@ -215,7 +217,7 @@ impl quic::SendStream<Bytes> for SendStream {
 
     fn reset(&mut self, reset_code: u64) {
         // No event will take this stream's slot out of quinn's table now.
-        if std::mem::take(&mut self.asked) {
+        if std::mem::take(&mut self.asked) && holds_slot(&self.stream) {
             self.checks.left_behind();
         }
         let _ = self.stream.reset(varint(reset_code));
@@ -224,6 +226,15 @@ impl quic::SendStream<Bytes> for SendStream {
     fn send_id(&self) -> StreamId {
         stream_id(self.stream.id())
     }
+}
+
+/// Whether the stream still holds a slot in quinn's table of stop waiters, for a
+/// stream that asked: it does unless a stop, an acknowledged finish or the
+/// connection's end freed it since (the slot is looked up, never added: quinn reuses
+/// the one the stream holds).
+fn holds_slot(stream: &quinn::SendStream) -> bool {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    pin!(stream.stopped()).poll(&mut cx).is_pending()
 }
 
 /// A failed write's error; a stop also took the stream's slot, if any, out of
@@ -249,7 +260,7 @@ fn stopped_or(e: quinn::WriteError, asked: &mut bool) -> StreamErrorIncoming {
 /// while not stopped. quinn frees the slot when the stream is stopped, finishes
 /// with every byte acknowledged, or the connection ends, but not when this side
 /// resets the stream (`send_timeout`, a failed body, a WebTransport session's
-/// end): `asked` marks such a stream, and a connection may leave at most
+/// end): `asked` marks a stream that may hold one, and a connection may leave
 /// [`STOP_SLOTS_LEFT_BEHIND`] behind before its writes stop asking.
 fn ask_stopped(
     stream: &quinn::SendStream,
@@ -736,12 +747,10 @@ pub(crate) mod tests {
         waiting
             .send_data(Frame::Data(Bytes::from(vec![1u8; 2 * STREAM])))
             .unwrap();
-        let mut parked = pin!(poll_fn(|cx| waiting.poll_ready(cx)));
-        let short = Duration::from_millis(300);
-        assert!(
-            tokio::time::timeout(short, &mut parked).await.is_err(),
-            "a write past the stream's credit waits"
-        );
+        // Parked on its own task: only quinn's wake can end it.
+        let parked = tokio::spawn(async move { poll_fn(|cx| waiting.poll_ready(cx)).await });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!parked.is_finished(), "a write past the stream's credit waits");
         let mut after = open().await;
         write(&mut after, exact()).await;
         let mut raw = open().await;
@@ -778,7 +787,8 @@ pub(crate) mod tests {
             }
         }
         let within = Duration::from_secs(5);
-        let mut ended = vec![code(tokio::time::timeout(within, parked).await)];
+        let parked = tokio::time::timeout(within, parked).await;
+        let mut ended = vec![code(parked.map(|joined| joined.unwrap()))];
         after.send_data(exact()).unwrap();
         let end = poll_fn(|cx| after.poll_ready(cx));
         ended.push(code(tokio::time::timeout(within, end).await));
@@ -822,10 +832,11 @@ pub(crate) mod tests {
         };
         recv.stop(VarInt::from_u32(3)).unwrap();
         let ended = poll_fn(|cx| stopped.poll_ready(cx));
-        assert!(tokio::time::timeout(Duration::from_secs(5), ended)
-            .await
-            .unwrap()
-            .is_err());
+        let ended = tokio::time::timeout(Duration::from_secs(5), ended).await.unwrap();
+        assert!(matches!(
+            ended,
+            Err(StreamErrorIncoming::StreamTerminated { error_code: 3 })
+        ));
         assert!(!stopped.asked);
         stopped.reset(1);
         assert_eq!(left(), STOP_SLOTS_LEFT_BEHIND - 1);

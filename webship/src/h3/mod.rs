@@ -12,7 +12,8 @@
 //! acknowledged); smaller ones are copied, so that a trickle of tiny relayed chunks
 //! cannot pin an upstream read buffer each ([`backend::OFFER_MIN`]). Memory per
 //! connection is bounded by a small multiple of `h3_send_window_bytes` (quinn holds no
-//! more unacknowledged stream data than that; `send_data` waits) plus two
+//! more unacknowledged stream data than that; `send_data` waits), up to about 100 KiB
+//! of stop checks left in quinn ([`backend::StopChecks`]), plus two
 //! [`STREAM_CHUNK`]s per active stream, two 16 KiB reads on a stream whose client
 //! grants no credit (file reads ramp up with the credit the client gives:
 //! `exchange::body`). A write that waits for credit longer than `send_timeout` resets

@@ -702,6 +702,7 @@ mod tests {
         closed.close(Protocol::H1, Close::SendTimeout);
         drop(closed);
         let _quic = Tracked::accepted(c, Transport::Quic);
+        assert_eq!(c.open(), 2, "every transport");
         let text = registry.render(Format::OpenMetrics);
         assert!(
             text.contains("webship_connections_open{transport=\"tcp\"} 1\n"),
