@@ -137,7 +137,15 @@ pub(super) async fn h2(
                 }
                 return expired;
             }
-            Ok(Ok(Read::More)) => input.shrink_to_fit(),
+            Ok(Ok(Read::More)) => {
+                input.shrink_to_fit();
+                // What a resting connection reads (the client's acknowledgement of our
+                // SETTINGS, a WINDOW_UPDATE) gets no answer that would carry the TCP
+                // ACK, and a client with Nagle's algorithm on holds its request back
+                // until that ACK comes: 40 ms of delayed ACK on the first request
+                // (measured: 3 of 12 single 1 MiB downloads took 45 ms, not 3).
+                let _ = crate::sys::ack_now(stream.get_ref().0.get_ref());
+            }
             Ok(Ok(Read::End)) => {
                 close_in_order(stream, &[]).await;
                 return Waited::Closed;

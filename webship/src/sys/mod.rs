@@ -29,6 +29,22 @@ pub(crate) fn set_cork<S: std::os::fd::AsFd>(sock: &S, cork: bool) -> io::Result
     }
 }
 
+/// Sends the ACK of what was just read now instead of after the delayed-ACK timer
+/// (Linux `TCP_QUICKACK`; best effort elsewhere): for a read that nothing of ours
+/// answers, when a client that holds small writes back until its last one is
+/// acknowledged (Nagle's algorithm) may be waiting on that ACK.
+pub(crate) fn ack_now<S: std::os::fd::AsFd>(sock: &S) -> io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        socket2::SockRef::from(sock).set_quickack(true)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = sock;
+        Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
 /// Sets the congestion-control algorithm of one TCP socket (`TCP_CONGESTION`).
 pub(crate) fn set_congestion<S: std::os::fd::AsFd>(sock: &S, name: &str) -> io::Result<()> {
     #[cfg(target_os = "linux")]
