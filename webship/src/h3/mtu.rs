@@ -1,8 +1,10 @@
 //! DPLPMTUD's ceiling for one connection (`h3_mtu_upper_bound_bytes`). With `auto`
 //! it follows the route to the client, as TCP's MSS does: loopback and jumbo-frame
 //! LANs carry datagrams of several KB, and HTTP/3's cost is per datagram; a route
-//! of 1500 bytes or less keeps the 1452-byte ceiling every connection had before,
-//! so internet paths probe exactly as they did.
+//! of 1500 bytes or less keeps the 1452-byte ceiling. `auto` is not the default: the
+//! route's MTU is the first hop's, and where the default route itself is a jumbo
+//! one (AWS's 9001, jumbo VPCs) internet clients behind a 1500-byte hop would cost
+//! every connection a dozen lost probes, again every ten minutes.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -49,7 +51,8 @@ pub(crate) fn without_peer(setting: MtuBound) -> u16 {
 /// bytes for IPv4, 48 for IPv6) up to [`JUMBO`] when the route is larger than
 /// Ethernet's 1500, else [`ORDINARY`]. Below 1500 (a tunnel, a PPPoE link) it is
 /// still [`ORDINARY`], as before: DPLPMTUD starts at 1200, and a probe the path
-/// drops only costs that probe (quinn stops probing upwards after three losses).
+/// drops only costs that probe (quinn sends each probe three times, then searches
+/// lower).
 pub(crate) fn ceiling(route_mtu: u32, ipv6: bool) -> u16 {
     if route_mtu <= ETHERNET_MTU {
         return ORDINARY;
@@ -99,10 +102,12 @@ mod tests {
             JUMBO
         );
         assert_eq!(upper_bound(MtuBound::Fixed(1400), None, peer), 1400);
-        assert_eq!(
-            upper_bound(MtuBound::Auto, Some("192.0.2.1".parse().unwrap()), peer),
-            ORDINARY
-        );
+        if std::net::UdpSocket::bind("192.0.2.1:0").is_err() {
+            assert_eq!(
+                upper_bound(MtuBound::Auto, Some("192.0.2.1".parse().unwrap()), peer),
+                ORDINARY
+            );
+        }
         assert_eq!(without_peer(MtuBound::Auto), ORDINARY);
         assert_eq!(without_peer(MtuBound::Fixed(9000)), 9000);
     }
