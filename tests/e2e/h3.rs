@@ -228,6 +228,21 @@ async fn bulk_responses_switch_their_connection_to_bbr() {
     assert!(!server.log().contains("switches to BBR"));
 }
 
+/// Downloads 32 MiB over HTTP/3 with a client that accepts any payload size;
+/// returns the datagrams the client received and their average size.
+async fn bulk_datagrams(env: &Env, server: &Server) -> (u64, u64) {
+    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::bulk())
+        .await
+        .unwrap();
+    let got = h3
+        .fetch("GET", "/fixture.bin", &[("range", "bytes=0-33554431")])
+        .await;
+    assert_eq!((got.status.as_u16(), got.len), (206, 32 * MIB));
+    let rx = h3.connection().stats().udp_rx;
+    h3.close().await;
+    (rx.datagrams, rx.bytes / rx.datagrams.max(1))
+}
+
 /// With GSO on (the default) and a DPLPMTUD ceiling of 9000 bytes, the bulk of a
 /// download arrives in datagrams of the discovered size. quinn batched ten of them
 /// into one 90 KB GSO send, which the kernel refuses whole (EMSGSIZE): before the
@@ -237,21 +252,34 @@ async fn gso_sends_at_the_large_mtu_dplpmtud_found() {
     let env = Env::new();
     fixture().place(&env.root, "fixture.bin").unwrap();
     let server = env.start("[runtime.settings]\nh3_mtu_upper_bound_bytes = \"9000\"\n");
-    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::bulk())
-        .await
-        .unwrap();
-    let got = h3
-        .fetch("GET", "/fixture.bin", &[("range", "bytes=0-33554431")])
-        .await;
-    assert_eq!((got.status.as_u16(), got.len), (206, 32 * MIB));
-    let rx = h3.connection().stats().udp_rx;
-    let average = rx.bytes / rx.datagrams.max(1);
+    let (datagrams, average) = bulk_datagrams(&env, &server).await;
     assert!(
         average > 7000,
-        "{} datagrams averaging {average} bytes: the server did not send at the 9000-byte MTU",
-        rx.datagrams
+        "{datagrams} datagrams averaging {average} bytes: the server did not send at the 9000-byte MTU"
     );
-    h3.close().await;
+}
+
+/// With `h3_mtu_upper_bound_bytes = "auto"`, DPLPMTUD's ceiling follows the
+/// route: loopback's 65536-byte MTU gives 8972-byte datagrams, as TCP takes a
+/// 65483-byte MSS there. The default (1452) still holds every connection to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_auto_mtu_ceiling_follows_the_loopback_route() {
+    let env = Env::new();
+    fixture().place(&env.root, "fixture.bin").unwrap();
+    let server = env.start("[runtime.settings]\nh3_mtu_upper_bound_bytes = \"auto\"\n");
+    let (datagrams, average) = bulk_datagrams(&env, &server).await;
+    assert!(
+        average > 7000,
+        "{datagrams} datagrams averaging {average} bytes: the auto ceiling did not follow loopback's MTU"
+    );
+    drop(server);
+
+    let server = env.start("");
+    let (datagrams, average) = bulk_datagrams(&env, &server).await;
+    assert!(
+        average <= 1452,
+        "{datagrams} datagrams averaging {average} bytes: the default 1452 ceiling was not kept"
+    );
 }
 
 #[tokio::test]

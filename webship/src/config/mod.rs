@@ -21,9 +21,9 @@ pub use load::{builtin_default, load, parse, BUILTIN_SOURCE};
 pub use model::default_control_socket;
 pub use model::{
     AccessFormat, AccessLog, AcmeChallenge, AcmeSource, Admin, Config, DomainPattern, Dotfiles, Engine,
-    H2Settings, H3Settings, IpNet, Kernel, Limits, PassthroughRoute, Policy, Protocols, ProxyH2Settings,
-    ProxyProtocol, Route, Serve, Site, TlsSource, UdpEngine, UdpPassthrough, UpstreamProtocol, WebTransport,
-    WtMode, CONTROL_DIR, DEFAULT_OCSP_CACHE, DEFAULT_PIN_DIR,
+    H2Settings, H3Settings, IpNet, Kernel, Limits, MtuBound, PassthroughRoute, Policy, Protocols,
+    ProxyH2Settings, ProxyProtocol, Route, Serve, Site, TlsSource, UdpEngine, UdpPassthrough,
+    UpstreamProtocol, WebTransport, WtMode, CONTROL_DIR, DEFAULT_OCSP_CACHE, DEFAULT_PIN_DIR,
 };
 /// The bearer token of `[admin] token_file` (what validation checked).
 pub(crate) use validate::{read_token as read_admin_token, MAX_TOKEN_BYTES};

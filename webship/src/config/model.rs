@@ -696,8 +696,8 @@ pub struct H3Settings {
     pub stream_receive_window_bytes: u32,
     pub receive_window_bytes: u32,
     pub max_concurrent_streams: u32,
-    /// DPLPMTUD probes up to this UDP payload size.
-    pub mtu_upper_bound_bytes: u16,
+    /// The largest UDP payload DPLPMTUD probes for.
+    pub mtu_upper_bound_bytes: MtuBound,
     /// UDP generic segmentation offload (one sendmsg for many datagrams).
     pub gso: bool,
     /// Body bytes after which a response switches its connection to BBR.
@@ -711,6 +711,17 @@ pub struct H3Settings {
     /// Cross-connection send batching: the longest a QUIC packet waits in the
     /// socket's send queue, in microseconds (0: off, each connection sends itself).
     pub send_batch_delay_us: u64,
+}
+
+/// `h3_mtu_upper_bound_bytes`: the ceiling DPLPMTUD probes up to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MtuBound {
+    /// Per connection, from the MTU of the route to the client (like TCP's MSS):
+    /// above 1500 (loopback, jumbo-frame LANs) that MTU less the IP and UDP headers,
+    /// at most 8972; 1452 otherwise, and when the route cannot be read.
+    Auto,
+    /// This UDP payload size for every connection.
+    Fixed(u16),
 }
 
 /// Process-wide HTTP/2 settings for proxied streams, validated now, used by the proxy

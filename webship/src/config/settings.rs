@@ -6,11 +6,13 @@
 //! line in the README's example (a unit test compares the two).
 //!
 //! Values are strings holding whole numbers (the spec writes
-//! `h2_tls_write_buffer_bytes = "131072"`); a flag is "0" or "1".
+//! `h2_tls_write_buffer_bytes = "131072"`); a flag is "0" or "1". A key may also
+//! accept one word (`h3_mtu_upper_bound_bytes = "auto"`), stored as a number outside
+//! its range so the table stays one of numbers.
 
 use std::ops::RangeInclusive;
 
-use super::{H2Settings, H3Settings, ProxyH2Settings};
+use super::{H2Settings, H3Settings, MtuBound, ProxyH2Settings};
 
 /// One `[runtime.settings]` key.
 pub(super) struct Setting {
@@ -18,6 +20,9 @@ pub(super) struct Setting {
     /// Every accepted value fits the field's type; `every_range_fits_its_field`
     /// checks both ends.
     pub(super) range: RangeInclusive<u64>,
+    /// A word the key accepts besides numbers, and the number (outside `range`) it
+    /// stands for in the field.
+    pub(super) word: Option<(&'static str, u64)>,
     set: fn(&mut Tuned, u64),
     get: fn(&Tuned) -> u64,
 }
@@ -25,11 +30,11 @@ pub(super) struct Setting {
 impl Setting {
     /// The key's value as a number in its range, or `None`.
     pub(super) fn parse(&self, value: &str) -> Option<u64> {
-        value
-            .trim()
-            .parse::<u64>()
-            .ok()
-            .filter(|n| self.range.contains(n))
+        let value = value.trim();
+        if let Some((_, n)) = self.word.filter(|(word, _)| *word == value) {
+            return Some(n);
+        }
+        value.parse::<u64>().ok().filter(|n| self.range.contains(n))
     }
 
     /// Stores an in-range value in its field.
@@ -40,6 +45,40 @@ impl Setting {
     /// The value the key has when the file does not set it.
     pub(super) fn default_value(&self) -> u64 {
         (self.get)(&Tuned::default())
+    }
+
+    /// The default as the file would write it: the word when it stands for it.
+    #[cfg(test)]
+    pub(super) fn default_text(&self) -> String {
+        let n = self.default_value();
+        match self.word {
+            Some((word, w)) if w == n => word.to_owned(),
+            _ => n.to_string(),
+        }
+    }
+
+    /// What the key accepts, for error messages.
+    pub(super) fn accepted(&self) -> String {
+        let numbers = format!(
+            "a whole number from {} to {}",
+            self.range.start(),
+            self.range.end()
+        );
+        match self.word {
+            Some((word, _)) => format!("\"{word}\" or {numbers}"),
+            None => numbers,
+        }
+    }
+
+    /// How to write a value the key accepts, for error messages.
+    pub(super) fn fix(&self) -> String {
+        match self.word {
+            Some((word, _)) => format!(
+                "write \"{word}\" or a quoted number, e.g. \"{}\"",
+                self.range.start()
+            ),
+            None => format!("write it as a quoted number, e.g. \"{}\"", self.default_value()),
+        }
     }
 
     #[cfg(test)]
@@ -80,6 +119,22 @@ macro_rules! int_value {
 
 int_value!(u16, u32, u64, usize);
 
+/// 0 is `auto` (the key's word; below its range).
+impl Value for MtuBound {
+    fn from_setting(n: u64) -> Self {
+        match n {
+            0 => MtuBound::Auto,
+            n => MtuBound::Fixed(Value::from_setting(n)),
+        }
+    }
+    fn to_setting(self) -> u64 {
+        match self {
+            MtuBound::Auto => 0,
+            MtuBound::Fixed(n) => n.to_setting(),
+        }
+    }
+}
+
 impl Value for bool {
     fn from_setting(n: u64) -> Self {
         n == 1
@@ -95,7 +150,7 @@ impl Value for bool {
 macro_rules! runtime_settings {
     ($(
         $group:ident: $ty:ident {
-            $($name:literal => $field:ident = $default:expr, $range:expr;)*
+            $($name:literal => $field:ident = $default:expr, $range:expr $(, or $word:literal = $code:expr)?;)*
         }
     )*) => {
         $(impl Default for $ty {
@@ -113,13 +168,24 @@ macro_rules! runtime_settings {
         const SETTINGS: &[Setting] = &[$($(Setting {
             name: $name,
             range: $range,
+            word: word!($($word, $code)?),
             set: |t, n| t.$group.$field = Value::from_setting(n),
             get: |t| t.$group.$field.to_setting(),
         },)*)*];
     };
 }
 
-// "key" => field = default, accepted range;
+/// A setting's optional word, as [`Setting::word`] holds it.
+macro_rules! word {
+    () => {
+        None
+    };
+    ($word:literal, $code:expr) => {
+        Some(($word, $code))
+    };
+}
+
+// "key" => field = default, accepted range[, or "word" = the number it stores];
 runtime_settings! {
     h2: H2Settings {
         "h2_tls_write_buffer_bytes" => tls_write_buffer_bytes = 128 * 1024, 16 * 1024..=16 * 1024 * 1024;
@@ -135,7 +201,8 @@ runtime_settings! {
         "h3_stream_receive_window_bytes" => stream_receive_window_bytes = 1024 * 1024, 16 * 1024..=1 << 30;
         "h3_receive_window_bytes" => receive_window_bytes = 8 * 1024 * 1024, 16 * 1024..=1 << 30;
         "h3_max_concurrent_streams" => max_concurrent_streams = 256, 1..=10_000;
-        "h3_mtu_upper_bound_bytes" => mtu_upper_bound_bytes = 1452, 1200..=65_527;
+        "h3_mtu_upper_bound_bytes" =>
+            mtu_upper_bound_bytes = MtuBound::Fixed(1452), 1200..=65_527, or "auto" = 0;
         "h3_gso" => gso = true, 0..=1;
         "h3_bbr_switch_bytes" => bbr_switch_bytes = 1024 * 1024, 0..=1 << 40;
         "h3_retry" => always_retry = false, 0..=1;

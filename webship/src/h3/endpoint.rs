@@ -14,7 +14,7 @@ use tokio::sync::Semaphore;
 use super::congestion::BulkSignal;
 use super::generation::{CidGenerator, ForwardStats, GenerationKey, Handshakes, Predecessor, QuicSocket};
 use super::routing::{Group, MAX_SOCKETS};
-use super::{connection, quic_crypto, transport, H3Error, Handshake, Serving};
+use super::{connection, mtu, quic_crypto, transport, H3Error, Handshake, Serving};
 use crate::config::{H3Settings, Limits};
 use crate::metrics::Transport;
 
@@ -127,6 +127,7 @@ impl H3Endpoint {
         let mut base = quinn::ServerConfig::with_crypto(crypto);
         base.transport_config(Arc::new(transport(
             settings,
+            mtu::without_peer(settings.mtu_upper_bound_bytes),
             limits,
             false,
             BulkSignal::default(),
@@ -141,7 +142,6 @@ impl H3Endpoint {
             socket.set_nonblocking(true).map_err(bind_err)?;
             udp.push(Arc::new(socket.try_clone().map_err(bind_err)?));
             let socket = QuicSocket::new(socket, index, group.clone()).map_err(bind_err)?;
-            socket.allow_datagrams_up_to(settings.mtu_upper_bound_bytes);
             socket
                 .batch_sends(settings.send_batch_delay_us)
                 .map_err(bind_err)?;
@@ -285,15 +285,18 @@ impl Intake {
             let signal = BulkSignal::default();
             let mut config = with_crypto(&self.base, crypto);
             let webtransport = drivers.webtransport_sessions > 0;
+            let mtu_upper_bound = mtu::upper_bound(
+                drivers.h3.mtu_upper_bound_bytes,
+                incoming.local_ip(),
+                incoming.remote_address(),
+            );
             config.transport_config(Arc::new(transport(
                 &drivers.h3,
+                mtu_upper_bound,
                 &drivers.limits,
                 webtransport,
                 signal.clone(),
             )));
-            // Before the connection exists, so its first GSO batch already fits.
-            self.socket
-                .allow_datagrams_up_to(drivers.h3.mtu_upper_bound_bytes);
             // A reload may turn batching on or off; what is queued still leaves.
             if let Err(e) = self.socket.batch_sends(drivers.h3.send_batch_delay_us) {
                 tracing::warn!(error = %e, "h3: cannot batch sends; sending per connection");

@@ -48,7 +48,6 @@ use std::io::{self, IoSliceMut, Read};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -272,10 +271,6 @@ pub(crate) struct QuicSocket {
     group: Arc<Group>,
     mode: Mutex<Mode>,
     stats: Mutex<ForwardStats>,
-    /// The largest datagram any connection on this endpoint may send: the highest
-    /// `h3_mtu_upper_bound_bytes` a generation has used (only ever raised, since
-    /// connections keep the bound they started with).
-    largest_datagram: AtomicUsize,
     /// Cross-connection send batching (`h3_send_batch_delay_us`), built the first
     /// time it is turned on; see [`Batcher`].
     batch: std::sync::OnceLock<Arc<Batcher>>,
@@ -285,7 +280,8 @@ pub(crate) struct QuicSocket {
 
 /// The most UDP payload one `sendmsg` may carry, GSO batch included: the IP length
 /// field's 65,535 less an IPv6 header and the UDP header (IPv4 allows 20 bytes
-/// more). Beyond it the kernel answers EMSGSIZE and quinn-udp drops the whole batch.
+/// more). Beyond it the kernel answers EMSGSIZE and quinn-udp drops the whole batch;
+/// [`QuicSocket::try_send`] splits larger batches into sends of at most this.
 const GSO_BATCH_BYTES: usize = 65_535 - 40 - 8;
 
 impl QuicSocket {
@@ -306,7 +302,6 @@ impl QuicSocket {
             group,
             mode: Mutex::new(Mode::Direct),
             stats: Mutex::new(ForwardStats::default()),
-            largest_datagram: AtomicUsize::new(1200),
         }))
     }
 
@@ -328,11 +323,12 @@ impl QuicSocket {
         self.switch(Mode::Demux(predecessor));
     }
 
-    /// Connections accepted from now on may send datagrams of up to `bytes`
-    /// (their DPLPMTUD upper bound); GSO batches shrink to fit.
-    pub(crate) fn allow_datagrams_up_to(&self, bytes: u16) {
-        self.largest_datagram
-            .fetch_max(usize::from(bytes), Ordering::Relaxed);
+    /// One send: through the cross-connection queue when batching is on.
+    fn send_part(&self, transmit: &Transmit<'_>) -> io::Result<()> {
+        match self.batch.get() {
+            Some(b) => b.send(transmit, |t| self.udp.try_send(t)),
+            None => self.udp.try_send(transmit),
+        }
     }
 
     /// Batches sends across connections with at most `delay_us` of delay (0: off;
@@ -565,11 +561,29 @@ impl AsyncUdpSocket for QuicSocket {
         })
     }
 
+    /// quinn batches up to 10 datagrams of the connection's current MTU into one
+    /// transmit: at a 9000-byte MTU that is 90 KB, which the kernel refuses whole
+    /// (EMSGSIZE). Such a batch leaves as several sends of whole datagrams (see
+    /// [`gso_parts`]), so a jumbo-MTU connection does not shrink every other
+    /// connection's batches. The first part's error is the transmit's (quinn tries
+    /// it again on `WouldBlock`); once a part has left, a later part's failure drops
+    /// the rest, which QUIC's loss recovery resends like any lost datagrams: the
+    /// transmit must not be retried whole, or its first datagrams would leave twice.
     fn try_send(&self, transmit: &Transmit<'_>) -> io::Result<()> {
-        match self.batch.get() {
-            Some(b) => b.send(transmit, |t| self.udp.try_send(t)),
-            None => self.udp.try_send(transmit),
+        let mut parts = gso_parts(transmit);
+        let first = parts.next().unwrap_or_else(|| transmit.clone());
+        self.send_part(&first)?;
+        for part in parts {
+            if let Err(e) = self.send_part(&part) {
+                tracing::debug!(
+                    peer = %transmit.destination,
+                    error = %e,
+                    "h3: the rest of a split GSO batch dropped (recovered as loss)"
+                );
+                break;
+            }
         }
+        Ok(())
     }
 
     fn poll_recv(
@@ -587,18 +601,13 @@ impl AsyncUdpSocket for QuicSocket {
         self.udp.local_addr()
     }
 
-    /// quinn batches up to 10 datagrams of the connection's current MTU into one
-    /// GSO send; at a 9000-byte MTU that is 90 KB, which the kernel refuses whole
-    /// (EMSGSIZE): every full batch was lost and only the loss probes, clamped to
-    /// 1200 bytes, got through. A batch here never exceeds [`GSO_BATCH_BYTES`].
+    /// quinn's batch size, whatever the MTU: [`QuicSocket::try_send`] splits a
+    /// batch too large for one send. 1 once batched sends found GSO unusable.
     fn max_transmit_segments(&self) -> usize {
         if self.batch.get().is_some_and(|b| b.gso_failed()) {
             return 1;
         }
-        gso_segments(
-            self.udp.max_transmit_segments(),
-            self.largest_datagram.load(Ordering::Relaxed),
-        )
+        self.udp.max_transmit_segments()
     }
 
     fn max_receive_segments(&self) -> usize {
@@ -629,9 +638,23 @@ impl UdpPoller for Poller {
     }
 }
 
-/// How many datagrams of up to `datagram` bytes one send may batch.
-fn gso_segments(socket_max: usize, datagram: usize) -> usize {
-    socket_max.min(GSO_BATCH_BYTES / datagram.max(1)).max(1)
+/// `t` as sends of at most [`GSO_BATCH_BYTES`] each, every one whole datagrams of
+/// `t`'s segment size (the last datagram may be short, as in `t`); `t` itself when
+/// it fits one send or is one datagram. A part of one datagram has no segment size.
+fn gso_parts<'a>(t: &Transmit<'a>) -> impl Iterator<Item = Transmit<'a>> + 'a {
+    let segment = t
+        .segment_size
+        .filter(|&s| s > 0 && t.contents.len() > GSO_BATCH_BYTES)
+        .unwrap_or(t.contents.len().max(1));
+    let per_part = (GSO_BATCH_BYTES / segment).max(1) * segment;
+    let (destination, ecn, src_ip, segment_size) = (t.destination, t.ecn, t.src_ip, t.segment_size);
+    t.contents.chunks(per_part).map(move |contents| Transmit {
+        destination,
+        ecn,
+        contents,
+        segment_size: segment_size.filter(|&s| contents.len() > s),
+        src_ip,
+    })
 }
 
 #[cfg(test)]
@@ -639,13 +662,107 @@ mod tests {
     use super::*;
     use crate::h3::testing::{long, loopback_udp, runtime, short};
 
+    /// The parts' lengths and segment sizes for `len` bytes of `segment`-byte datagrams.
+    fn parts(len: usize, segment: Option<usize>) -> Vec<(usize, Option<usize>)> {
+        let contents = vec![7u8; len];
+        let t = Transmit {
+            destination: "127.0.0.1:443".parse().unwrap(),
+            ecn: None,
+            contents: &contents,
+            segment_size: segment,
+            src_ip: None,
+        };
+        let parts: Vec<Transmit<'_>> = gso_parts(&t).collect();
+        assert_eq!(parts.iter().map(|p| p.contents.len()).sum::<usize>(), len);
+        for p in &parts {
+            assert!(p.contents.len() <= GSO_BATCH_BYTES || segment.is_none_or(|s| s >= GSO_BATCH_BYTES));
+            assert_eq!(p.destination, t.destination);
+        }
+        parts.iter().map(|p| (p.contents.len(), p.segment_size)).collect()
+    }
+
+    /// A GSO batch over one send's limit leaves as sends of whole datagrams, each at
+    /// most [`GSO_BATCH_BYTES`]; one that fits is sent as it is.
     #[test]
-    fn a_gso_batch_fits_one_send() {
-        assert_eq!(gso_segments(64, 1452), 45);
-        assert_eq!(gso_segments(64, 9000), 7);
-        assert_eq!(gso_segments(10, 1200), 10);
-        assert_eq!(gso_segments(64, 65_527), 1);
-        assert_eq!(gso_segments(1, 9000), 1);
+    fn a_gso_batch_too_large_for_one_send_is_split_at_datagrams() {
+        // Ten 8972-byte datagrams: 7 (62,804 bytes) and 3.
+        assert_eq!(
+            parts(89_720, Some(8972)),
+            [(62_804, Some(8972)), (26_916, Some(8972))]
+        );
+        // A short last datagram stays last; a part of one datagram has no segment size.
+        assert_eq!(
+            parts(14 * 8972 + 100, Some(8972)),
+            [(62_804, Some(8972)), (62_804, Some(8972)), (100, None)]
+        );
+        assert_eq!(
+            parts(8 * 8972 + 100, Some(8972)),
+            [(62_804, Some(8972)), (9072, Some(8972))]
+        );
+        assert_eq!(parts(8 * 8972, Some(8972)), [(62_804, Some(8972)), (8972, None)]);
+        // Exactly at the limit, or under it: one send, untouched.
+        assert_eq!(
+            parts(GSO_BATCH_BYTES, Some(1200)),
+            [(GSO_BATCH_BYTES, Some(1200))]
+        );
+        assert_eq!(parts(14_520, Some(1452)), [(14_520, Some(1452))]);
+        assert_eq!(parts(1200, None), [(1200, None)]);
+        assert!(parts(0, None).is_empty(), "nothing to send, no part");
+        // One byte over: the last whole datagrams that do not fit go next.
+        let over = GSO_BATCH_BYTES + 1;
+        assert_eq!(
+            parts(over, Some(1200)),
+            [(54 * 1200, Some(1200)), (over - 54 * 1200, None)]
+        );
+        // Loopback-sized datagrams: one per send.
+        assert_eq!(
+            parts(3 * 65_000, Some(65_000)),
+            [(65_000, None), (65_000, None), (65_000, None)]
+        );
+    }
+
+    /// Ten 8972-byte datagrams in one transmit (quinn's batch at loopback's `auto`
+    /// ceiling, 89,720 bytes) reach the peer whole and in order, sent directly and
+    /// through the cross-connection queue. Before the split the kernel refused the
+    /// one 90 KB send (EMSGSIZE) and nothing arrived.
+    #[test]
+    fn a_transmit_over_one_send_s_limit_arrives_whole() {
+        let rt = runtime();
+        let _guard = rt.enter();
+        for delay_us in [0, 1] {
+            let group = Group::new(GenerationKey::random().unwrap(), 1, Arc::default());
+            let socket = QuicSocket::new(loopback_udp().0, 0, group).unwrap();
+            socket.batch_sends(delay_us).unwrap();
+            let rx = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+            socket2::SockRef::from(&rx).set_recv_buffer_size(4 << 20).unwrap();
+            rx.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let contents: Vec<u8> = (0..10u8).flat_map(|i| [i; 8972]).collect();
+            let transmit = Transmit {
+                destination: rx.local_addr().unwrap(),
+                ecn: None,
+                contents: &contents,
+                segment_size: Some(8972),
+                src_ip: None,
+            };
+            // As quinn does: wait until the socket is writable, then send.
+            let mut poller = socket.clone().create_io_poller();
+            rt.block_on(std::future::poll_fn(|cx| poller.as_mut().poll_writable(cx)))
+                .unwrap();
+            socket.try_send(&transmit).unwrap();
+            // The queue's task sends what batching queued.
+            rt.block_on(tokio::time::sleep(Duration::from_millis(20)));
+            let mut buf = vec![0u8; 65_536];
+            for i in 0..10u8 {
+                let n = rx
+                    .recv(&mut buf)
+                    .unwrap_or_else(|e| panic!("delay {delay_us}: datagram {i} of 10 missing: {e}"));
+                assert_eq!(n, 8972, "delay {delay_us}: datagram {i}");
+                assert!(
+                    buf[..n].iter().all(|&b| b == i),
+                    "delay {delay_us}: datagram {i} out of order"
+                );
+            }
+        }
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub(crate) mod congestion;
 mod endpoint;
 mod fields;
 pub(crate) mod generation;
+mod mtu;
 pub(crate) mod routing;
 pub(crate) mod stats;
 #[cfg(test)]
@@ -88,8 +89,11 @@ pub(crate) fn quic_crypto(tls: Arc<rustls::ServerConfig>) -> Result<Arc<QuicServ
         .map_err(|e| H3Error::Crypto(e.to_string()))
 }
 
+/// One connection's transport parameters; `mtu_upper_bound` is its DPLPMTUD ceiling
+/// (see [`mtu`]).
 fn transport(
     settings: &H3Settings,
+    mtu_upper_bound: u16,
     limits: &Limits,
     webtransport: bool,
     signal: BulkSignal,
@@ -114,7 +118,7 @@ fn transport(
         .enable_segmentation_offload(settings.gso)
         .congestion_controller_factory(Arc::new(SwitchingFactory::new(signal)));
     let mut mtud = quinn::MtuDiscoveryConfig::default();
-    mtud.upper_bound(settings.mtu_upper_bound_bytes);
+    mtud.upper_bound(mtu_upper_bound);
     t.mtu_discovery_config(Some(mtud));
     t
 }

@@ -93,6 +93,28 @@ pub(crate) fn sendmmsg(fd: BorrowedFd<'_>, buf: &[u8], msgs: &[Message], tos: bo
     }
 }
 
+/// The MTU of the kernel's route from `local` (the address a connection arrived on,
+/// if known) to `peer`, as `IP_MTU`/`IPV6_MTU` reports it: a UDP socket of the peer's
+/// family, bound to `local` so the kernel picks the route replies take, `connect`ed
+/// to `peer` (nothing is sent), asked, and closed. An IPv4-mapped IPv6 address (a
+/// dual-stack socket's view of an IPv4 peer) is looked up as the IPv4 address.
+pub(crate) fn route_mtu(local: Option<IpAddr>, peer: SocketAddr) -> io::Result<u32> {
+    let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
+    let local = local
+        .map(|ip| ip.to_canonical())
+        .filter(|ip| !ip.is_unspecified() && ip.is_ipv4() == peer.is_ipv4());
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(peer),
+        socket2::Type::DGRAM,
+        Some(socket2::Protocol::UDP),
+    )?;
+    if let Some(ip) = local {
+        socket.bind(&SocketAddr::new(ip, 0).into())?;
+    }
+    socket.connect(&peer.into())?;
+    imp::path_mtu(&socket, peer.is_ipv6())
+}
+
 #[cfg(target_os = "linux")]
 mod imp {
     use std::io;
@@ -234,6 +256,33 @@ mod imp {
             }
         }
     }
+
+    /// `IP_MTU` (`IPV6_MTU` with `ipv6`) of a connected socket: its route's MTU.
+    pub(super) fn path_mtu(socket: &socket2::Socket, ipv6: bool) -> io::Result<u32> {
+        let (level, name) = if ipv6 {
+            (libc::IPPROTO_IPV6, libc::IPV6_MTU)
+        } else {
+            (libc::IPPROTO_IP, libc::IP_MTU)
+        };
+        let mut mtu: libc::c_int = 0;
+        let mut len = size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: the descriptor is the open socket `socket` borrows for the call;
+        // `mtu` and `len` are live locals and `len` holds `mtu`'s size, so the kernel
+        // writes at most that many bytes into `mtu`.
+        let rc = unsafe {
+            libc::getsockopt(
+                socket.as_raw_fd(),
+                level,
+                name,
+                (&raw mut mtu).cast(),
+                &raw mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        u32::try_from(mtu).map_err(|_| io::Error::other("negative route MTU"))
+    }
 }
 
 #[cfg(not(target_os = "linux"))]
@@ -250,12 +299,43 @@ mod imp {
     pub(super) fn refusal(_: &io::Error) -> super::Refusal {
         super::Refusal::Other
     }
+
+    pub(super) fn path_mtu(_: &socket2::Socket, _: bool) -> io::Result<u32> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
 }
 
 #[cfg(all(test, target_os = "linux"))]
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
+
+    /// The route to a loopback peer is `lo`'s (65536 on Linux, as `ip link show lo`
+    /// says; IPv4 reports 65535, its largest packet): above any Ethernet MTU, from
+    /// either family, a dual-stack socket's mapped address, with or without the
+    /// local address; a local address that is not this host's is an error (unless
+    /// the host allows binding to foreign addresses).
+    #[test]
+    fn the_route_mtu_to_loopback_is_lo_s() {
+        let v4: SocketAddr = "127.0.0.1:443".parse().unwrap();
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:443".parse().unwrap();
+        let v6: SocketAddr = "[::1]:443".parse().unwrap();
+        let lo = route_mtu(None, v4).unwrap();
+        assert!(lo > 1500, "{lo}");
+        assert_eq!(route_mtu(Some("127.0.0.1".parse().unwrap()), v4).unwrap(), lo);
+        assert_eq!(
+            route_mtu(Some("::ffff:127.0.0.1".parse().unwrap()), mapped).unwrap(),
+            lo
+        );
+        assert_eq!(route_mtu(Some("::".parse().unwrap()), mapped).unwrap(), lo);
+        if std::net::UdpSocket::bind("[::1]:0").is_ok() {
+            assert!(route_mtu(Some("::1".parse().unwrap()), v6).unwrap() > 1500);
+        }
+        // Not an address of this host: the bind fails, and the caller falls back.
+        if std::net::UdpSocket::bind("192.0.2.1:0").is_err() {
+            assert!(route_mtu(Some("192.0.2.1".parse().unwrap()), v4).is_err());
+        }
+    }
 
     #[test]
     fn one_call_reaches_two_destinations_and_splits_gso_batches() {

@@ -174,12 +174,17 @@ fn h3_settings() {
     assert_eq!(f.parse(base).unwrap().h3.send_batch_delay_us, 0);
     assert!(!config.h3.gso);
     assert!(config.h3.always_retry);
-    assert_eq!(config.h3.mtu_upper_bound_bytes, 9000);
+    assert_eq!(config.h3.mtu_upper_bound_bytes, MtuBound::Fixed(9000));
     assert_eq!(config.h3.send_window_bytes, 1 << 20);
     assert_eq!(config.h3.bbr_switch_bytes, 0);
     let problems = f.problems(&format!(
         "{base}h3_gso = \"2\"\nh3_mtu_upper_bound_bytes = \"70000\"\nh3_send_batch_delay_us = \"1001\"\n"
     ));
+    assert_eq!(
+        problems[1].to_string(),
+        "`runtime.settings.h3_mtu_upper_bound_bytes`: `70000` is not \"auto\" or a whole number \
+         from 1200 to 65527 (fix: write \"auto\" or a quoted number, e.g. \"1200\")"
+    );
     let keys: Vec<&str> = problems.iter().map(|p| p.key.as_str()).collect();
     assert_eq!(
         keys,
@@ -189,6 +194,37 @@ fn h3_settings() {
             "runtime.settings.h3_send_batch_delay_us"
         ]
     );
+}
+
+/// `h3_mtu_upper_bound_bytes`: 1452 by default, a number for one ceiling everywhere,
+/// or "auto" (the ceiling follows the route); "0" is not a way to write "auto".
+#[test]
+fn h3_mtu_upper_bound_is_auto_or_a_number() {
+    let f = Files::new();
+    let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[runtime.settings]\n";
+    assert_eq!(f.parse(base).unwrap().h3.mtu_upper_bound_bytes, MtuBound::Fixed(1452));
+    for (value, bound) in [
+        ("auto", MtuBound::Auto),
+        (" auto ", MtuBound::Auto),
+        ("1200", MtuBound::Fixed(1200)),
+        ("1452", MtuBound::Fixed(1452)),
+        ("65527", MtuBound::Fixed(65_527)),
+    ] {
+        let config = f
+            .parse(&format!("{base}h3_mtu_upper_bound_bytes = \"{value}\"\n"))
+            .unwrap();
+        assert_eq!(config.h3.mtu_upper_bound_bytes, bound, "{value}");
+    }
+    for value in ["0", "1199", "65528", "Auto", "automatic", ""] {
+        let problems = f.problems(&format!("{base}h3_mtu_upper_bound_bytes = \"{value}\"\n"));
+        assert_eq!(problems.len(), 1, "{value}: {problems:?}");
+        assert!(
+            problems[0]
+                .to_string()
+                .contains("is not \"auto\" or a whole number"),
+            "{value}"
+        );
+    }
 }
 
 /// `h3_sockets`: today's one socket by default, "0" for one per worker thread, at
@@ -337,10 +373,17 @@ fn every_range_fits_its_field() {
             setting.set(&mut tuned, n);
             assert_eq!(setting.get(&tuned), n, "{name} = {n} does not fit its field");
         }
+        let default = setting.default_value();
         assert!(
-            setting.range.contains(&setting.default_value()),
+            setting.range.contains(&default) || setting.word.is_some_and(|(_, n)| n == default),
             "{name}: the default is out of range"
         );
+        if let Some((word, n)) = setting.word {
+            assert!(!setting.range.contains(&n), "{name}: {word} is also a number");
+            let mut tuned = settings::Tuned::default();
+            setting.set(&mut tuned, n);
+            assert_eq!(setting.get(&tuned), n, "{name} = {word} does not fit its field");
+        }
     }
 }
 
@@ -364,8 +407,8 @@ fn the_readme_lists_every_setting_with_its_default() {
         .collect();
     let table: Vec<(String, String)> = settings::names()
         .map(|name| {
-            let default = settings::find(name).unwrap().default_value();
-            (name.to_owned(), default.to_string())
+            let default = settings::find(name).unwrap().default_text();
+            (name.to_owned(), default)
         })
         .collect();
     assert_eq!(documented, table);

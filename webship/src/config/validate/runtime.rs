@@ -30,15 +30,8 @@ impl Validator<'_> {
                 Some(n) => setting.set(&mut tuned, n),
                 None => self.problem(
                     key,
-                    format!(
-                        "`{value}` is not a whole number from {} to {}",
-                        setting.range.start(),
-                        setting.range.end()
-                    ),
-                    format!(
-                        "write it as a quoted number, e.g. \"{}\"",
-                        setting.default_value()
-                    ),
+                    format!("`{value}` is not {}", setting.accepted()),
+                    setting.fix(),
                 ),
             }
         }
