@@ -202,7 +202,10 @@ fn h3_settings() {
 fn h3_mtu_upper_bound_is_auto_or_a_number() {
     let f = Files::new();
     let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[runtime.settings]\n";
-    assert_eq!(f.parse(base).unwrap().h3.mtu_upper_bound_bytes, MtuBound::Fixed(1452));
+    assert_eq!(
+        f.parse(base).unwrap().h3.mtu_upper_bound_bytes,
+        MtuBound::Fixed(1452)
+    );
     for (value, bound) in [
         ("auto", MtuBound::Auto),
         (" auto ", MtuBound::Auto),
