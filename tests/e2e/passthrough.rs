@@ -363,8 +363,9 @@ async fn h3_through_passthrough(udp_engine: &str) {
         counter(&stats, "bytes_down", "total") > 2 * FIXTURE_LEN,
         "{stats}"
     );
+    // At least a datagram per 8,972 bytes: the origin's ceiling on loopback's route.
     assert!(
-        counter(&stats, "udp_packets_down", "total") > 2 * FIXTURE_LEN / 1500,
+        counter(&stats, "udp_packets_down", "total") > 2 * FIXTURE_LEN / 8972,
         "{stats}"
     );
     assert!(counter(&stats, "udp_packets_up", "total") > 10, "{stats}");

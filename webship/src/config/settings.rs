@@ -202,7 +202,7 @@ runtime_settings! {
         "h3_receive_window_bytes" => receive_window_bytes = 8 * 1024 * 1024, 16 * 1024..=1 << 30;
         "h3_max_concurrent_streams" => max_concurrent_streams = 256, 1..=10_000;
         "h3_mtu_upper_bound_bytes" =>
-            mtu_upper_bound_bytes = MtuBound::Fixed(1452), 1200..=65_527, or "auto" = 0;
+            mtu_upper_bound_bytes = MtuBound::Auto, 1200..=65_527, or "auto" = 0;
         "h3_gso" => gso = true, 0..=1;
         "h3_bbr_switch_bytes" => bbr_switch_bytes = 1024 * 1024, 0..=1 << 40;
         "h3_retry" => always_retry = false, 0..=1;

@@ -1,14 +1,16 @@
 //! DPLPMTUD's ceiling for one connection (`h3_mtu_upper_bound_bytes`). With `auto`
-//! it follows the route to the client, as TCP's MSS does: loopback and jumbo-frame
-//! LANs carry datagrams of several KB, and HTTP/3's cost is per datagram; a route
-//! of 1500 bytes or less keeps the 1452-byte ceiling. `auto` is not the default: the
-//! route's MTU is the first hop's, and where the default route itself is a jumbo
-//! one (AWS's 9001, jumbo VPCs) internet clients behind a 1500-byte hop would cost
-//! every connection a dozen lost probes, again every ten minutes.
+//! (the default) it follows the route to the client, as TCP's MSS does: loopback and
+//! jumbo-frame LANs carry datagrams of several KB, and HTTP/3's cost is per datagram.
+//! A route's MTU is its first hop's, so it is taken only for a client on that link
+//! (no gateway on the route) or on this host; behind a gateway, and on routes of
+//! 1500 bytes or less, the ceiling stays 1452. Otherwise a host whose default route
+//! is a jumbo one (AWS's 9001, jumbo VPCs) would cost internet clients behind a
+//! 1500-byte hop a dozen lost probes per connection, again every ten minutes.
 
 use std::net::{IpAddr, SocketAddr};
 
 use crate::config::MtuBound;
+use crate::sys::route;
 use crate::sys::udp::route_mtu;
 
 /// The ceiling on ordinary paths, and whenever the route cannot be read: a
@@ -30,7 +32,16 @@ pub(crate) fn upper_bound(setting: MtuBound, local: Option<IpAddr>, peer: Socket
     match setting {
         MtuBound::Fixed(n) => n,
         MtuBound::Auto => match route_mtu(local, peer) {
-            Ok(mtu) => ceiling(mtu, !peer.ip().to_canonical().is_ipv4()),
+            // The common case costs no second lookup: 1500 and below is ORDINARY.
+            Ok(mtu) if mtu <= ETHERNET_MTU => ORDINARY,
+            Ok(mtu) => match route::lookup(local, peer.ip()) {
+                Ok(r) if !r.via_gateway => ceiling(mtu, !peer.ip().to_canonical().is_ipv4()),
+                Ok(_) => ORDINARY,
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "h3: route unknown; DPLPMTUD ceiling {ORDINARY}");
+                    ORDINARY
+                }
+            },
             Err(e) => {
                 tracing::debug!(%peer, error = %e, "h3: route MTU unknown; DPLPMTUD ceiling {ORDINARY}");
                 ORDINARY
@@ -110,5 +121,143 @@ mod tests {
         }
         assert_eq!(without_peer(MtuBound::Auto), ORDINARY);
         assert_eq!(without_peer(MtuBound::Fixed(9000)), 9000);
+    }
+
+    /// A network namespace of the test's own (root and `ip` needed), removed on drop.
+    struct Namespace(String);
+
+    impl Namespace {
+        fn new() -> Self {
+            let ns = Self(format!("wsmtu{}", std::process::id()));
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &ns.0])
+                .output();
+            ns.ip(&["netns", "add", &ns.0]);
+            ns
+        }
+
+        /// Runs `ip` (with `-n` and the namespace unless `args` starts with "netns").
+        fn ip(&self, args: &[&str]) {
+            let mut cmd = std::process::Command::new("ip");
+            if args.first() != Some(&"netns") {
+                cmd.args(["-n", &self.0]);
+            }
+            let out = cmd.args(args).output().expect("running ip (iproute2)");
+            assert!(
+                out.status.success(),
+                "ip {args:?}: {} (this test needs root)",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+
+        /// Runs `f` on a thread inside the namespace (sockets it opens belong there).
+        fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+            let file = std::fs::File::open(format!("/run/netns/{}", self.0)).expect("the namespace's file");
+            std::thread::spawn(move || {
+                rustix::thread::move_into_link_name_space(
+                    std::os::fd::AsFd::as_fd(&file),
+                    Some(rustix::thread::LinkNameSpaceType::Network),
+                )
+                .expect("setns into the test's namespace");
+                f()
+            })
+            .join()
+            .expect("the namespace thread")
+        }
+    }
+
+    impl Drop for Namespace {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &self.0])
+                .output();
+        }
+    }
+
+    /// In a namespace of its own: a 9000-byte link with a client on it and a
+    /// gateway on it to a network beyond, and a 1500-byte link. The route's MTU is
+    /// 9000 for both jumbo cases; only the client on the link gets the jumbo
+    /// ceiling, so a host whose default route is a jumbo one does not make internet
+    /// clients probe sizes their paths drop.
+    #[test]
+    fn auto_takes_a_jumbo_route_only_to_a_client_on_its_link() {
+        let ns = Namespace::new();
+        ns.ip(&["link", "set", "lo", "up"]);
+        for (a, b, mtu, v4, v6) in [
+            ("jumbo0", "jumbo1", "9000", "10.88.0.1/24", "fd00:88::1/64"),
+            ("plain0", "plain1", "1500", "10.89.0.1/24", "fd00:89::1/64"),
+        ] {
+            ns.ip(&[
+                "link", "add", a, "mtu", mtu, "type", "veth", "peer", "name", b, "mtu", mtu,
+            ]);
+            ns.ip(&["link", "set", a, "up"]);
+            ns.ip(&["link", "set", b, "up"]);
+            ns.ip(&["addr", "add", v4, "dev", a]);
+            ns.ip(&["addr", "add", v6, "dev", a, "nodad"]);
+        }
+        ns.ip(&[
+            "route",
+            "add",
+            "198.51.100.0/24",
+            "via",
+            "10.88.0.2",
+            "dev",
+            "jumbo0",
+        ]);
+        ns.ip(&[
+            "route",
+            "add",
+            "2001:db8:99::/64",
+            "via",
+            "fd00:88::2",
+            "dev",
+            "jumbo0",
+        ]);
+
+        let got = ns.run(|| {
+            let bound = |local: Option<&str>, peer: &str| {
+                let peer: SocketAddr = peer.parse().unwrap();
+                let local = local.map(|l| l.parse().unwrap());
+                let mtu = route_mtu(local, peer).map_err(|e| e.to_string());
+                (peer.to_string(), mtu, upper_bound(MtuBound::Auto, local, peer))
+            };
+            vec![
+                bound(None, "10.88.0.2:443"),
+                bound(Some("10.88.0.1"), "10.88.0.2:443"),
+                bound(None, "[fd00:88::2]:443"),
+                bound(None, "198.51.100.7:443"),
+                bound(Some("10.88.0.1"), "198.51.100.7:443"),
+                bound(None, "[2001:db8:99::7]:443"),
+                bound(None, "10.89.0.2:443"),
+                bound(Some("::"), "[::ffff:10.88.0.2]:443"),
+                bound(None, "127.0.0.1:443"),
+            ]
+        });
+        let want = [
+            ("10.88.0.2:443", 9000, JUMBO),
+            ("10.88.0.2:443", 9000, JUMBO),
+            ("[fd00:88::2]:443", 9000, 8952),
+            ("198.51.100.7:443", 9000, ORDINARY),
+            ("198.51.100.7:443", 9000, ORDINARY),
+            ("[2001:db8:99::7]:443", 9000, ORDINARY),
+            ("10.89.0.2:443", 1500, ORDINARY),
+            ("[::ffff:10.88.0.2]:443", 9000, JUMBO),
+        ];
+        for ((peer, mtu, bound), (want_peer, want_mtu, want_bound)) in got.iter().zip(want) {
+            assert_eq!(peer, want_peer);
+            assert_eq!(*mtu, Ok(want_mtu), "route MTU to {peer}");
+            assert_eq!(*bound, want_bound, "ceiling for {peer}");
+        }
+        // This host itself: loopback's MTU (65535 or 65536, by kernel), no gateway.
+        let (peer, mtu, bound) = got.last().unwrap();
+        assert!(
+            mtu.as_ref().is_ok_and(|&m| m > 9000),
+            "route MTU to {peer}: {mtu:?}"
+        );
+        assert_eq!(*bound, JUMBO, "ceiling for {peer}");
+        let gateway = ns.run(|| route::lookup(None, "198.51.100.7".parse().unwrap()).unwrap());
+        assert!(gateway.via_gateway && !gateway.local, "{gateway:?}");
+        let local = ns.run(|| route::lookup(None, "10.88.0.1".parse().unwrap()).unwrap());
+        assert!(local.local && !local.via_gateway, "{local:?}");
     }
 }

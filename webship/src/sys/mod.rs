@@ -10,6 +10,7 @@ pub(crate) mod file;
 pub mod notify;
 pub(crate) mod privilege;
 pub(crate) mod rlimit;
+pub(crate) mod route;
 pub(crate) mod udp;
 
 use std::io;

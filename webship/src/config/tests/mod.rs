@@ -196,16 +196,14 @@ fn h3_settings() {
     );
 }
 
-/// `h3_mtu_upper_bound_bytes`: 1452 by default, a number for one ceiling everywhere,
-/// or "auto" (the ceiling follows the route); "0" is not a way to write "auto".
+/// `h3_mtu_upper_bound_bytes`: "auto" by default (the ceiling follows the route to a
+/// client on its link), a number for one ceiling everywhere; "0" is not a way to
+/// write "auto".
 #[test]
 fn h3_mtu_upper_bound_is_auto_or_a_number() {
     let f = Files::new();
     let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[runtime.settings]\n";
-    assert_eq!(
-        f.parse(base).unwrap().h3.mtu_upper_bound_bytes,
-        MtuBound::Fixed(1452)
-    );
+    assert_eq!(f.parse(base).unwrap().h3.mtu_upper_bound_bytes, MtuBound::Auto);
     for (value, bound) in [
         ("auto", MtuBound::Auto),
         (" auto ", MtuBound::Auto),
