@@ -435,7 +435,7 @@ impl Report {
         let mut out = String::new();
         let mtu = self
             .h3_mtu
-            .map_or_else(|| "default".to_owned(), |m| m.to_string());
+            .map_or_else(|| "auto (the default)".to_owned(), |m| m.to_string());
         let _ = writeln!(
             out,
             "\nfixture {FIXTURE_LEN} bytes, {} accepted sample(s) per cell{}, {} worker(s) per server, \

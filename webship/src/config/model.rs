@@ -716,9 +716,10 @@ pub struct H3Settings {
 /// `h3_mtu_upper_bound_bytes`: the ceiling DPLPMTUD probes up to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MtuBound {
-    /// Per connection, from the MTU of the route to the client (like TCP's MSS):
-    /// above 1500 (loopback, jumbo-frame LANs) that MTU less the IP and UDP headers,
-    /// at most 8972; 1452 otherwise, and when the route cannot be read.
+    /// The default. Per connection, from the MTU of the route to the client (like
+    /// TCP's MSS): for a client on a link above 1500 (loopback, a jumbo-frame LAN;
+    /// no gateway, not a tunnel's far end) that MTU less the IP and UDP headers, at
+    /// most 8972; 1452 otherwise, and when the route cannot be read (`h3/mtu.rs`).
     Auto,
     /// This UDP payload size for every connection.
     Fixed(u16),

@@ -34,9 +34,9 @@ pub(crate) fn upper_bound(setting: MtuBound, local: Option<IpAddr>, peer: Socket
         MtuBound::Auto => match route_mtu(local, peer) {
             // The common case costs no second lookup: 1500 and below is ORDINARY.
             Ok(mtu) if mtu <= ETHERNET_MTU => ORDINARY,
-            Ok(mtu) => match route::lookup(local, peer.ip()) {
-                Ok(r) if !r.via_gateway => ceiling(mtu, !peer.ip().to_canonical().is_ipv4()),
-                Ok(_) => ORDINARY,
+            Ok(mtu) => match route::on_link(local, peer) {
+                Ok(true) => ceiling(mtu, !peer.ip().to_canonical().is_ipv4()),
+                Ok(false) => ORDINARY,
                 Err(e) => {
                     tracing::debug!(%peer, error = %e, "h3: route unknown; DPLPMTUD ceiling {ORDINARY}");
                     ORDINARY
@@ -123,79 +123,62 @@ mod tests {
         assert_eq!(without_peer(MtuBound::Fixed(9000)), 9000);
     }
 
-    /// A network namespace of the test's own (root and `ip` needed), removed on drop.
-    struct Namespace(String);
-
-    impl Namespace {
-        fn new() -> Self {
-            let ns = Self(format!("wsmtu{}", std::process::id()));
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", &ns.0])
-                .output();
-            ns.ip(&["netns", "add", &ns.0]);
-            ns
+    /// Runs `setup` (arguments to `ip`, one command each) and then `f` on a thread in
+    /// a network namespace of its own, which goes with the thread. `None` when this
+    /// is not root (the namespace and `ip` need it).
+    fn in_own_namespace<T: Send + 'static>(
+        setup: &'static [&'static [&'static str]],
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Option<T> {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: needs root for a network namespace");
+            return None;
         }
-
-        /// Runs `ip` (with `-n` and the namespace unless `args` starts with "netns").
-        fn ip(&self, args: &[&str]) {
-            let mut cmd = std::process::Command::new("ip");
-            if args.first() != Some(&"netns") {
-                cmd.args(["-n", &self.0]);
+        let thread = std::thread::spawn(move || {
+            crate::sys::route::enter_own_network_namespace().expect("unshare(CLONE_NEWNET)");
+            for args in setup {
+                // Started from this thread, so inside its namespace.
+                let out = std::process::Command::new("ip")
+                    .args(*args)
+                    .output()
+                    .expect("running ip (iproute2)");
+                assert!(
+                    out.status.success(),
+                    "ip {args:?}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
             }
-            let out = cmd.args(args).output().expect("running ip (iproute2)");
-            assert!(
-                out.status.success(),
-                "ip {args:?}: {} (this test needs root)",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-
-        /// Runs `f` on a thread inside the namespace (sockets it opens belong there).
-        fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
-            let file = std::fs::File::open(format!("/run/netns/{}", self.0)).expect("the namespace's file");
-            std::thread::spawn(move || {
-                rustix::thread::move_into_link_name_space(
-                    std::os::fd::AsFd::as_fd(&file),
-                    Some(rustix::thread::LinkNameSpaceType::Network),
-                )
-                .expect("setns into the test's namespace");
-                f()
-            })
-            .join()
-            .expect("the namespace thread")
-        }
+            f()
+        });
+        Some(thread.join().expect("the namespace thread"))
     }
 
-    impl Drop for Namespace {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("ip")
-                .args(["netns", "del", &self.0])
-                .output();
-        }
-    }
-
-    /// In a namespace of its own: a 9000-byte link with a client on it and a
-    /// gateway on it to a network beyond, and a 1500-byte link. The route's MTU is
-    /// 9000 for both jumbo cases; only the client on the link gets the jumbo
-    /// ceiling, so a host whose default route is a jumbo one does not make internet
-    /// clients probe sizes their paths drop.
-    #[test]
-    fn auto_takes_a_jumbo_route_only_to_a_client_on_its_link() {
-        let ns = Namespace::new();
-        ns.ip(&["link", "set", "lo", "up"]);
-        for (a, b, mtu, v4, v6) in [
-            ("jumbo0", "jumbo1", "9000", "10.88.0.1/24", "fd00:88::1/64"),
-            ("plain0", "plain1", "1500", "10.89.0.1/24", "fd00:89::1/64"),
-        ] {
-            ns.ip(&[
-                "link", "add", a, "mtu", mtu, "type", "veth", "peer", "name", b, "mtu", mtu,
-            ]);
-            ns.ip(&["link", "set", a, "up"]);
-            ns.ip(&["link", "set", b, "up"]);
-            ns.ip(&["addr", "add", v4, "dev", a]);
-            ns.ip(&["addr", "add", v6, "dev", a, "nodad"]);
-        }
-        ns.ip(&[
+    /// The namespace [`auto_takes_a_jumbo_route_only_to_a_client_on_its_link`]
+    /// builds: a 9000-byte link with clients on it, a gateway on it to networks
+    /// beyond (a route, a default route, a next-hop object), a policy rule that
+    /// sends one local address's replies through that gateway, a 9000-byte
+    /// point-to-point tunnel, and a 1500-byte link.
+    const TOPOLOGY: &[&[&str]] = &[
+        &["link", "set", "lo", "up"],
+        &[
+            "link", "add", "jumbo0", "mtu", "9000", "type", "veth", "peer", "name", "jumbo1", "mtu", "9000",
+        ],
+        &[
+            "link", "add", "plain0", "mtu", "1500", "type", "veth", "peer", "name", "plain1", "mtu", "1500",
+        ],
+        &["tuntap", "add", "mode", "tun", "name", "tun9"],
+        &["link", "set", "tun9", "mtu", "9000", "up"],
+        &["link", "set", "jumbo0", "up"],
+        &["link", "set", "jumbo1", "up"],
+        &["link", "set", "plain0", "up"],
+        &["link", "set", "plain1", "up"],
+        &["addr", "add", "10.88.0.1/24", "dev", "jumbo0"],
+        &["addr", "add", "10.88.0.11/24", "dev", "jumbo0"],
+        &["addr", "add", "fd00:88::1/64", "dev", "jumbo0", "nodad"],
+        &["addr", "add", "fe80::88:1/64", "dev", "jumbo0", "nodad"],
+        &["addr", "add", "10.89.0.1/24", "dev", "plain0"],
+        &["route", "add", "default", "via", "10.88.0.2", "dev", "jumbo0"],
+        &[
             "route",
             "add",
             "198.51.100.0/24",
@@ -203,8 +186,9 @@ mod tests {
             "10.88.0.2",
             "dev",
             "jumbo0",
-        ]);
-        ns.ip(&[
+        ],
+        &[
+            "-6",
             "route",
             "add",
             "2001:db8:99::/64",
@@ -212,52 +196,91 @@ mod tests {
             "fd00:88::2",
             "dev",
             "jumbo0",
-        ]);
+        ],
+        &["nexthop", "add", "id", "7", "via", "10.88.0.2", "dev", "jumbo0"],
+        &["route", "add", "192.0.2.0/24", "nhid", "7"],
+        &["route", "add", "203.0.113.0/24", "dev", "tun9"],
+        &[
+            "rule",
+            "add",
+            "from",
+            "10.88.0.11",
+            "lookup",
+            "100",
+            "pref",
+            "100",
+        ],
+        &[
+            "route",
+            "add",
+            "10.88.0.0/24",
+            "via",
+            "10.88.0.3",
+            "dev",
+            "jumbo0",
+            "onlink",
+            "table",
+            "100",
+        ],
+    ];
 
-        let got = ns.run(|| {
-            let bound = |local: Option<&str>, peer: &str| {
-                let peer: SocketAddr = peer.parse().unwrap();
-                let local = local.map(|l| l.parse().unwrap());
-                let mtu = route_mtu(local, peer).map_err(|e| e.to_string());
-                (peer.to_string(), mtu, upper_bound(MtuBound::Auto, local, peer))
-            };
-            vec![
-                bound(None, "10.88.0.2:443"),
-                bound(Some("10.88.0.1"), "10.88.0.2:443"),
-                bound(None, "[fd00:88::2]:443"),
-                bound(None, "198.51.100.7:443"),
-                bound(Some("10.88.0.1"), "198.51.100.7:443"),
-                bound(None, "[2001:db8:99::7]:443"),
-                bound(None, "10.89.0.2:443"),
-                bound(Some("::"), "[::ffff:10.88.0.2]:443"),
-                bound(None, "127.0.0.1:443"),
-            ]
-        });
-        let want = [
-            ("10.88.0.2:443", 9000, JUMBO),
-            ("10.88.0.2:443", 9000, JUMBO),
-            ("[fd00:88::2]:443", 9000, 8952),
-            ("198.51.100.7:443", 9000, ORDINARY),
-            ("198.51.100.7:443", 9000, ORDINARY),
-            ("[2001:db8:99::7]:443", 9000, ORDINARY),
-            ("10.89.0.2:443", 1500, ORDINARY),
-            ("[::ffff:10.88.0.2]:443", 9000, JUMBO),
-        ];
-        for ((peer, mtu, bound), (want_peer, want_mtu, want_bound)) in got.iter().zip(want) {
-            assert_eq!(peer, want_peer);
-            assert_eq!(*mtu, Ok(want_mtu), "route MTU to {peer}");
-            assert_eq!(*bound, want_bound, "ceiling for {peer}");
+    /// In a namespace of its own ([`TOPOLOGY`]): the route's MTU is 9000 in every
+    /// jumbo case, and only a client on the 9000-byte link (or this host) gets the
+    /// jumbo ceiling, so a host whose default route is a jumbo one does not make
+    /// internet clients probe sizes their paths drop.
+    #[test]
+    fn auto_takes_a_jumbo_route_only_to_a_client_on_its_link() {
+        let Some(got) = in_own_namespace(TOPOLOGY, || {
+            let jumbo0 = std::net::UdpSocket::bind("127.0.0.1:0")
+                .and_then(|s| rustix::net::netdevice::name_to_index(&s, "jumbo0").map_err(Into::into))
+                .expect("jumbo0's index");
+            let link_local = format!("[fe80::88:2%{jumbo0}]:443");
+            let cases: Vec<(Option<&str>, String, Option<u32>, u16)> = vec![
+                (None, "10.88.0.2:443".into(), Some(9000), JUMBO),
+                (Some("10.88.0.1"), "10.88.0.2:443".into(), Some(9000), JUMBO),
+                (None, "[fd00:88::2]:443".into(), Some(9000), 8952),
+                (None, link_local, Some(9000), 8952),
+                (Some("::"), "[::ffff:10.88.0.2]:443".into(), Some(9000), JUMBO),
+                (None, "127.0.0.1:443".into(), None, JUMBO),
+                (None, "10.88.0.1:443".into(), None, JUMBO),
+                // Through the gateway: a route, the default route, a next-hop
+                // object, a source address whose rule picks the gateway.
+                (None, "198.51.100.7:443".into(), Some(9000), ORDINARY),
+                (Some("10.88.0.1"), "198.51.100.7:443".into(), Some(9000), ORDINARY),
+                (None, "[2001:db8:99::7]:443".into(), Some(9000), ORDINARY),
+                (None, "198.18.0.9:443".into(), Some(9000), ORDINARY),
+                (None, "192.0.2.5:443".into(), Some(9000), ORDINARY),
+                (Some("10.88.0.11"), "10.88.0.2:443".into(), Some(9000), ORDINARY),
+                // The far end of a tunnel, a 1500-byte link, no unicast peer.
+                (None, "203.0.113.9:443".into(), Some(9000), ORDINARY),
+                (None, "10.89.0.2:443".into(), Some(1500), ORDINARY),
+                (None, "224.1.2.3:443".into(), Some(9000), ORDINARY),
+                (None, "0.0.0.0:443".into(), None, ORDINARY),
+            ];
+            cases
+                .into_iter()
+                .map(|(local, peer, want_mtu, want)| {
+                    let local = local.map(|l| l.parse().unwrap());
+                    let addr: SocketAddr = peer.parse().unwrap();
+                    let mtu = route_mtu(local, addr).map_err(|e| e.to_string());
+                    (
+                        format!("{local:?} → {peer}"),
+                        mtu,
+                        want_mtu,
+                        upper_bound(MtuBound::Auto, local, addr),
+                        want,
+                    )
+                })
+                .collect::<Vec<_>>()
+        }) else {
+            return;
+        };
+        assert_eq!(got.len(), 17);
+        for (case, mtu, want_mtu, bound, want) in got {
+            if let Some(want_mtu) = want_mtu {
+                assert_eq!(mtu, Ok(want_mtu), "route MTU, {case}");
+            }
+            assert_eq!(bound, want, "ceiling, {case}");
         }
-        // This host itself: loopback's MTU (65535 or 65536, by kernel), no gateway.
-        let (peer, mtu, bound) = got.last().unwrap();
-        assert!(
-            mtu.as_ref().is_ok_and(|&m| m > 9000),
-            "route MTU to {peer}: {mtu:?}"
-        );
-        assert_eq!(*bound, JUMBO, "ceiling for {peer}");
-        let gateway = ns.run(|| route::lookup(None, "198.51.100.7".parse().unwrap()).unwrap());
-        assert!(gateway.via_gateway && !gateway.local, "{gateway:?}");
-        let local = ns.run(|| route::lookup(None, "10.88.0.1".parse().unwrap()).unwrap());
-        assert!(local.local && !local.via_gateway, "{local:?}");
     }
 }

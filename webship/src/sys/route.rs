@@ -1,65 +1,123 @@
-//! Whether the kernel's route to a peer goes through a gateway: one rtnetlink
-//! `RTM_GETROUTE` query, the question `ip route get <peer> from <local>` asks.
+//! Whether a peer sits on the link the kernel's route to it leaves by: rtnetlink
+//! queries, the questions `ip route get <peer> from <local>` and `ip link show`
+//! ask.
 //!
 //! HTTP/3's `h3_mtu_upper_bound_bytes = "auto"` needs it: a route's MTU is its first
-//! hop's, which is the whole path's only when the peer sits on that link (or is this
-//! host). Behind a gateway the path crosses links this host cannot see.
+//! hop's, which is the whole path's only when the peer is on that link (or is this
+//! host). Behind a gateway, or at the far end of a point-to-point tunnel, the path
+//! crosses links this host cannot see.
 //!
-//! The kernel answers a route query within the `sendto` that asks it, so the reply is
-//! read without waiting (`MSG_DONTWAIT`): no reply there is an error, never a wait.
+//! The kernel answers these queries within the `sendto` that asks them (the route
+//! and link handlers run in the sender's context without the RTNL lock), so each
+//! reply is read without waiting (`MSG_DONTWAIT`): no reply there is an error,
+//! never a wait.
 
 use std::io;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr, SocketAddrV6};
 
-/// The parts of a route lookup's answer the MTU ceiling reads.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Route {
-    /// Replies reach the peer through a router (`RTA_GATEWAY`, `RTA_VIA` or a
-    /// multipath next hop), not directly on the outgoing link.
-    pub via_gateway: bool,
-    /// The peer is one of this host's own addresses (`RTN_LOCAL`: loopback).
-    pub local: bool,
-}
-
-/// Looks up the route from `local` (the address a connection arrived on, if known:
-/// policy routing may choose by source) to `peer`. IPv4-mapped IPv6 addresses are
-/// looked up as IPv4.
-pub(crate) fn lookup(local: Option<IpAddr>, peer: IpAddr) -> io::Result<Route> {
-    let peer = peer.to_canonical();
+/// The addresses a route lookup from `local` (the address a connection arrived on,
+/// if known) to `peer` asks about: IPv4-mapped IPv6 addresses as IPv4 (a dual-stack
+/// socket's view of an IPv4 peer), an IPv6 peer's scope kept (a link-local peer is
+/// on the interface it names), and `local` only when it is a specified address of
+/// the peer's family. Both [`on_link`] and [`super::udp::route_mtu`] ask this.
+pub(crate) fn endpoints(local: Option<IpAddr>, peer: SocketAddr) -> (Option<IpAddr>, SocketAddr) {
+    let peer = match peer {
+        SocketAddr::V6(v6) if v6.ip().to_ipv4_mapped().is_none() => {
+            SocketAddr::V6(SocketAddrV6::new(*v6.ip(), v6.port(), 0, v6.scope_id()))
+        }
+        other => SocketAddr::new(other.ip().to_canonical(), other.port()),
+    };
     let local = local
         .map(|ip| ip.to_canonical())
         .filter(|ip| !ip.is_unspecified() && ip.is_ipv4() == peer.is_ipv4());
-    imp::lookup(local, peer)
+    (local, peer)
 }
 
-/// The rtnetlink wire format, as `linux/netlink.h` and `linux/rtnetlink.h` define it
-/// (native byte order): pure functions, so the parsing is tested on bytes.
+/// Whether `peer` is on the link the route from `local` leaves by, so that link's
+/// MTU is the path's: this host's own address (a local route), or a unicast route
+/// with no gateway (`RTA_GATEWAY`, `RTA_VIA`, a multipath next hop) out of a device
+/// that has neighbours (not point-to-point, not `NOARP`: a tunnel's far end is
+/// further away than its MTU says). Unspecified, multicast and broadcast peers are
+/// never on a link.
+pub(crate) fn on_link(local: Option<IpAddr>, peer: SocketAddr) -> io::Result<bool> {
+    let (local, peer) = endpoints(local, peer);
+    let odd = match peer.ip() {
+        IpAddr::V4(a) => a.is_unspecified() || a.is_multicast() || a.is_broadcast(),
+        IpAddr::V6(a) => a.is_unspecified() || a.is_multicast(),
+    };
+    if odd {
+        return Ok(false);
+    }
+    let scope = match peer {
+        SocketAddr::V6(v6) if v6.scope_id() != 0 => Some(v6.scope_id()),
+        _ => None,
+    };
+    let route = imp::route(local, peer.ip(), scope)?;
+    Ok(match route.kind {
+        wire::Kind::Local => true,
+        wire::Kind::Unicast if !route.via_gateway => match route.device {
+            Some(index) => imp::has_neighbours(index)?,
+            None => false,
+        },
+        _ => false,
+    })
+}
+
+/// The rtnetlink wire format, as `linux/netlink.h`, `linux/rtnetlink.h` and
+/// `linux/if_link.h` define it (native byte order): pure functions, so the parsing
+/// is tested on bytes.
 mod wire {
     use std::io;
     use std::net::IpAddr;
 
-    use super::Route;
-
     const NLMSG_ERROR: u16 = 2;
+    const RTM_NEWLINK: u16 = 16;
+    const RTM_GETLINK: u16 = 18;
     const RTM_NEWROUTE: u16 = 24;
     const RTM_GETROUTE: u16 = 26;
     const NLM_F_REQUEST: u16 = 1;
     const RTA_DST: u16 = 1;
     const RTA_SRC: u16 = 2;
+    const RTA_OIF: u16 = 4;
     const RTA_GATEWAY: u16 = 5;
     const RTA_MULTIPATH: u16 = 9;
     const RTA_VIA: u16 = 18;
+    const RTN_UNICAST: u8 = 1;
     const RTN_LOCAL: u8 = 2;
     const AF_INET: u8 = 2;
     const AF_INET6: u8 = 10;
+    const IFF_POINTOPOINT: u32 = 0x10;
+    const IFF_NOARP: u32 = 0x80;
 
     /// `struct nlmsghdr`: length, type, flags, sequence, port id.
     const HEADER: usize = 16;
     /// `struct rtmsg`: family, dst_len, src_len, tos, table, protocol, scope, type,
     /// flags.
     const RTMSG: usize = 12;
+    /// `struct ifinfomsg`: family, pad, type, index, flags, change.
+    const IFINFOMSG: usize = 16;
     /// `struct rtattr`: length, type; payloads are padded to 4 bytes.
     const ATTR: usize = 4;
+
+    /// What kind of route the kernel chose (`rtm_type`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) enum Kind {
+        Unicast,
+        /// One of this host's own addresses.
+        Local,
+        /// Broadcast, multicast, blackhole, unreachable and the rest.
+        Other,
+    }
+
+    /// The parts of a route lookup's answer [`super::on_link`] reads.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) struct Route {
+        pub kind: Kind,
+        /// A router in between: `RTA_GATEWAY`, `RTA_VIA` or multipath next hops.
+        pub via_gateway: bool,
+        /// The outgoing device's index (`RTA_OIF`).
+        pub device: Option<u32>,
+    }
 
     fn align4(n: usize) -> usize {
         (n + 3) & !3
@@ -80,9 +138,20 @@ mod wire {
         out.resize(align4(out.len()), 0);
     }
 
-    /// An `RTM_GETROUTE` request for the route from `local` to `peer`, both of one
-    /// family (the caller's duty).
-    pub(super) fn request(seq: u32, local: Option<IpAddr>, peer: IpAddr) -> Vec<u8> {
+    /// Fills in the header of a request whose body follows it in `out`.
+    fn seal(mut out: Vec<u8>, kind: u16, seq: u32) -> Vec<u8> {
+        let len = out.len() as u32;
+        out[0..4].copy_from_slice(&len.to_ne_bytes());
+        out[4..6].copy_from_slice(&kind.to_ne_bytes());
+        out[6..8].copy_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+        out[8..12].copy_from_slice(&seq.to_ne_bytes());
+        out
+    }
+
+    /// An `RTM_GETROUTE` request for the route from `local` to `peer` (both of one
+    /// family: the caller's duty), out of device `oif` when the peer's scope names
+    /// one.
+    pub(super) fn route_request(seq: u32, local: Option<IpAddr>, peer: IpAddr, oif: Option<u32>) -> Vec<u8> {
         let (family, bits) = if peer.is_ipv4() {
             (AF_INET, 32)
         } else {
@@ -95,12 +164,17 @@ mod wire {
         if let Some(ip) = local {
             attr(&mut out, RTA_SRC, &octets(ip));
         }
-        let len = out.len() as u32;
-        out[0..4].copy_from_slice(&len.to_ne_bytes());
-        out[4..6].copy_from_slice(&RTM_GETROUTE.to_ne_bytes());
-        out[6..8].copy_from_slice(&NLM_F_REQUEST.to_ne_bytes());
-        out[8..12].copy_from_slice(&seq.to_ne_bytes());
-        out
+        if let Some(index) = oif {
+            attr(&mut out, RTA_OIF, &index.to_ne_bytes());
+        }
+        seal(out, RTM_GETROUTE, seq)
+    }
+
+    /// An `RTM_GETLINK` request for device `index`.
+    pub(super) fn link_request(seq: u32, index: u32) -> Vec<u8> {
+        let mut out = vec![0; HEADER + IFINFOMSG];
+        out[HEADER + 4..HEADER + 8].copy_from_slice(&index.to_ne_bytes());
+        seal(out, RTM_GETLINK, seq)
     }
 
     fn u16_at(b: &[u8], at: usize) -> Option<u16> {
@@ -115,48 +189,70 @@ mod wire {
         io::Error::new(io::ErrorKind::InvalidData, format!("rtnetlink: {what}"))
     }
 
-    /// Reads the kernel's answer to request `seq`: the route, or the error the
-    /// kernel reported (`NLMSG_ERROR`), or `InvalidData` for anything else.
-    pub(super) fn answer(seq: u32, b: &[u8]) -> io::Result<Route> {
+    /// The body of the reply to request `seq` if it is a message of type `want`;
+    /// the kernel's error (`NLMSG_ERROR`) as the error it names; `InvalidData` for
+    /// anything else. `b` may be cut short of the message's length (`truncated`:
+    /// only what the caller reads from a fixed header is then there).
+    fn body(seq: u32, want: u16, b: &[u8], truncated: bool) -> io::Result<&[u8]> {
         let len = u32_at(b, 0).ok_or_else(|| malformed("short reply"))? as usize;
         let kind = u16_at(b, 4).ok_or_else(|| malformed("short reply"))?;
-        if len < HEADER || len > b.len() {
+        if len < HEADER || (len > b.len() && !truncated) {
             return Err(malformed("bad message length"));
         }
         if u32_at(b, 8) != Some(seq) {
             return Err(malformed("a reply to another request"));
         }
-        let body = &b[HEADER..len];
+        let body = &b[HEADER..len.min(b.len())];
         match kind {
             NLMSG_ERROR => {
                 let code = u32_at(body, 0).ok_or_else(|| malformed("short error"))? as i32;
-                // 0 would be an acknowledgement, which this request does not ask for.
+                // 0 would be an acknowledgement, which these requests do not ask for.
                 Err(match code {
-                    0 => malformed("an acknowledgement instead of a route"),
+                    0 => malformed("an acknowledgement instead of an answer"),
                     n => io::Error::from_raw_os_error(n.saturating_neg()),
                 })
             }
-            RTM_NEWROUTE => {
-                let rtm_type = *body.get(7).ok_or_else(|| malformed("short route"))?;
-                let mut via_gateway = false;
-                let mut at = RTMSG;
-                while at + ATTR <= body.len() {
-                    let alen = usize::from(u16_at(body, at).unwrap_or(0));
-                    if alen < ATTR || at + alen > body.len() {
-                        return Err(malformed("bad attribute length"));
-                    }
-                    if matches!(u16_at(body, at + 2), Some(RTA_GATEWAY | RTA_VIA | RTA_MULTIPATH)) {
-                        via_gateway = true;
-                    }
-                    at += align4(alen);
-                }
-                Ok(Route {
-                    via_gateway,
-                    local: rtm_type == RTN_LOCAL,
-                })
-            }
+            k if k == want => Ok(body),
             other => Err(malformed(&format!("unexpected message type {other}"))),
         }
+    }
+
+    /// Reads the kernel's answer to route request `seq`.
+    pub(super) fn route_answer(seq: u32, b: &[u8]) -> io::Result<Route> {
+        let body = body(seq, RTM_NEWROUTE, b, false)?;
+        let kind = match *body.get(7).ok_or_else(|| malformed("short route"))? {
+            RTN_UNICAST => Kind::Unicast,
+            RTN_LOCAL => Kind::Local,
+            _ => Kind::Other,
+        };
+        let mut route = Route {
+            kind,
+            via_gateway: false,
+            device: None,
+        };
+        let mut at = RTMSG;
+        while at + ATTR <= body.len() {
+            let alen = usize::from(u16_at(body, at).unwrap_or(0));
+            if alen < ATTR || at + alen > body.len() {
+                return Err(malformed("bad attribute length"));
+            }
+            match u16_at(body, at + 2) {
+                Some(RTA_GATEWAY | RTA_VIA | RTA_MULTIPATH) => route.via_gateway = true,
+                Some(RTA_OIF) => route.device = u32_at(body, at + ATTR).filter(|_| alen >= ATTR + 4),
+                _ => {}
+            }
+            at += align4(alen);
+        }
+        Ok(route)
+    }
+
+    /// Reads the kernel's answer to link request `seq` (only its fixed header is
+    /// needed, so a reply cut short by a small buffer is fine): whether the device
+    /// has neighbours on its link (neither point-to-point nor `NOARP`).
+    pub(super) fn link_answer(seq: u32, b: &[u8]) -> io::Result<bool> {
+        let body = body(seq, RTM_NEWLINK, b, true)?;
+        let flags = u32_at(body, 8).ok_or_else(|| malformed("short link"))?;
+        Ok(flags & (IFF_POINTOPOINT | IFF_NOARP) == 0)
     }
 
     #[cfg(test)]
@@ -182,12 +278,19 @@ mod wire {
             body
         }
 
+        fn link(flags: u32) -> Vec<u8> {
+            let mut body = vec![0; IFINFOMSG];
+            body[8..12].copy_from_slice(&flags.to_ne_bytes());
+            attr(&mut body, 3, b"eth0\0");
+            body
+        }
+
         #[test]
-        fn a_request_carries_the_destination_and_the_source() {
+        fn a_request_carries_the_destination_the_source_and_the_device() {
             let peer: IpAddr = "2001:db8::7".parse().unwrap();
             let local: IpAddr = "2001:db8::1".parse().unwrap();
-            let b = request(9, Some(local), peer);
-            assert_eq!(b.len(), HEADER + RTMSG + 2 * (ATTR + 16));
+            let b = route_request(9, Some(local), peer, Some(3));
+            assert_eq!(b.len(), HEADER + RTMSG + 2 * (ATTR + 16) + ATTR + 4);
             assert_eq!(u32_at(&b, 0), Some(b.len() as u32));
             assert_eq!(u16_at(&b, 4), Some(RTM_GETROUTE));
             assert_eq!(u32_at(&b, 8), Some(9));
@@ -197,58 +300,95 @@ mod wire {
                 &b[HEADER + RTMSG + ATTR..HEADER + RTMSG + ATTR + 16],
                 &octets(peer)[..]
             );
-            let b = request(1, None, "10.0.0.1".parse().unwrap());
+            assert_eq!(u16_at(&b, b.len() - 6), Some(RTA_OIF));
+            assert_eq!(u32_at(&b, b.len() - 4), Some(3));
+            let b = route_request(1, None, "10.0.0.1".parse().unwrap(), None);
             assert_eq!(b.len(), HEADER + RTMSG + ATTR + 4);
             assert_eq!(&b[HEADER..HEADER + 3], &[AF_INET, 32, 0]);
+            let b = link_request(4, 7);
+            assert_eq!(
+                (b.len(), u16_at(&b, 4), u32_at(&b, HEADER + 4)),
+                (HEADER + IFINFOMSG, Some(RTM_GETLINK), Some(7))
+            );
         }
 
         #[test]
-        fn gateways_in_any_form_are_seen() {
+        fn gateways_devices_and_route_kinds_are_read() {
             let oif: &[u8] = &3u32.to_ne_bytes();
-            let direct = route(1, &[(RTA_DST, &[10, 0, 0, 7]), (4, oif)]);
+            let direct = route(RTN_UNICAST, &[(RTA_DST, &[10, 0, 0, 7]), (RTA_OIF, oif)]);
             assert_eq!(
-                answer(5, &reply(5, RTM_NEWROUTE, &direct)).unwrap(),
+                route_answer(5, &reply(5, RTM_NEWROUTE, &direct)).unwrap(),
                 Route {
+                    kind: Kind::Unicast,
                     via_gateway: false,
-                    local: false
+                    device: Some(3)
                 }
             );
             for kind in [RTA_GATEWAY, RTA_VIA, RTA_MULTIPATH] {
-                let via = route(1, &[(RTA_DST, &[10, 0, 0, 7]), (kind, &[10, 0, 0, 1]), (4, oif)]);
+                let via = route(
+                    RTN_UNICAST,
+                    &[(RTA_DST, &[10, 0, 0, 7]), (kind, &[10, 0, 0, 1]), (RTA_OIF, oif)],
+                );
                 assert!(
-                    answer(5, &reply(5, RTM_NEWROUTE, &via)).unwrap().via_gateway,
+                    route_answer(5, &reply(5, RTM_NEWROUTE, &via))
+                        .unwrap()
+                        .via_gateway,
                     "{kind}"
                 );
             }
             let local = route(RTN_LOCAL, &[(RTA_DST, &[127, 0, 0, 1])]);
             assert_eq!(
-                answer(5, &reply(5, RTM_NEWROUTE, &local)).unwrap(),
-                Route {
-                    via_gateway: false,
-                    local: true
-                }
+                route_answer(5, &reply(5, RTM_NEWROUTE, &local)).unwrap().kind,
+                Kind::Local
             );
+            for other in [0, 3, 5, 6, 7] {
+                let r = route(other, &[(RTA_OIF, oif)]);
+                assert_eq!(
+                    route_answer(5, &reply(5, RTM_NEWROUTE, &r)).unwrap().kind,
+                    Kind::Other,
+                    "{other}"
+                );
+            }
         }
 
         #[test]
-        fn errors_and_garbage_are_errors_not_routes() {
+        fn point_to_point_and_noarp_devices_have_no_neighbours() {
+            assert!(link_answer(6, &reply(6, RTM_NEWLINK, &link(0x1043))).unwrap());
+            assert!(!link_answer(6, &reply(6, RTM_NEWLINK, &link(0x1043 | IFF_POINTOPOINT))).unwrap());
+            assert!(!link_answer(6, &reply(6, RTM_NEWLINK, &link(0x10c1))).unwrap());
+            // Only the fixed header is read: a reply cut after it is enough.
+            let whole = reply(6, RTM_NEWLINK, &link(0x1043));
+            assert!(link_answer(6, &whole[..HEADER + IFINFOMSG]).unwrap());
+            assert!(link_answer(6, &whole[..HEADER + 11]).is_err());
+        }
+
+        #[test]
+        fn errors_and_garbage_are_errors_not_answers() {
             let refused = reply(2, NLMSG_ERROR, &(-libc::ENETUNREACH).to_ne_bytes());
             assert_eq!(
-                answer(2, &refused).unwrap_err().raw_os_error(),
+                route_answer(2, &refused).unwrap_err().raw_os_error(),
                 Some(libc::ENETUNREACH)
             );
-            assert!(answer(2, &reply(2, NLMSG_ERROR, &0i32.to_ne_bytes())).is_err());
-            let good = reply(3, RTM_NEWROUTE, &route(1, &[]));
-            assert!(answer(4, &good).is_err(), "another request's reply");
+            assert_eq!(
+                link_answer(2, &refused).unwrap_err().raw_os_error(),
+                Some(libc::ENETUNREACH)
+            );
+            assert!(route_answer(2, &reply(2, NLMSG_ERROR, &0i32.to_ne_bytes())).is_err());
+            let good = reply(3, RTM_NEWROUTE, &route(RTN_UNICAST, &[]));
+            assert!(route_answer(4, &good).is_err(), "another request's reply");
+            assert!(link_answer(3, &good).is_err(), "a route is not a link");
             for cut in 0..good.len() {
-                assert!(answer(3, &good[..cut]).is_err(), "cut at {cut}");
+                assert!(route_answer(3, &good[..cut]).is_err(), "cut at {cut}");
             }
-            let mut bad_attr = route(1, &[(RTA_DST, &[10, 0, 0, 7])]);
+            let mut bad_attr = route(RTN_UNICAST, &[(RTA_DST, &[10, 0, 0, 7])]);
             bad_attr[RTMSG..RTMSG + 2].copy_from_slice(&200u16.to_ne_bytes());
-            assert!(answer(3, &reply(3, RTM_NEWROUTE, &bad_attr)).is_err());
+            assert!(route_answer(3, &reply(3, RTM_NEWROUTE, &bad_attr)).is_err());
             bad_attr[RTMSG..RTMSG + 2].copy_from_slice(&2u16.to_ne_bytes());
-            assert!(answer(3, &reply(3, RTM_NEWROUTE, &bad_attr)).is_err());
-            assert!(answer(3, &reply(3, 99, &route(1, &[]))).is_err());
+            assert!(route_answer(3, &reply(3, RTM_NEWROUTE, &bad_attr)).is_err());
+            assert!(route_answer(3, &reply(3, 99, &route(RTN_UNICAST, &[]))).is_err());
+            let mut short = reply(3, RTM_NEWROUTE, &route(RTN_UNICAST, &[]));
+            short[0..4].copy_from_slice(&8u32.to_ne_bytes());
+            assert!(route_answer(3, &short).is_err(), "a length under the header's");
         }
     }
 }
@@ -257,49 +397,86 @@ mod wire {
 mod imp {
     use std::io;
     use std::net::IpAddr;
+    use std::os::fd::OwnedFd;
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use rustix::net::netlink::SocketAddrNetlink;
     use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType};
 
-    use super::{wire, Route};
+    use super::wire;
 
-    /// Room for one route reply: a few hundred bytes; more is refused as truncated.
+    /// Room for one route reply (a few hundred bytes; a longer one is refused as
+    /// truncated) and for a link reply's fixed header (the rest may be cut off).
     const REPLY_BYTES: usize = 4096;
 
     static SEQ: AtomicU32 = AtomicU32::new(1);
 
-    pub(super) fn lookup(local: Option<IpAddr>, peer: IpAddr) -> io::Result<Route> {
+    /// Sends `request` (built for sequence number `seq`) on a fresh NETLINK_ROUTE
+    /// socket and returns the reply's bytes read and whole length.
+    fn ask(request: impl FnOnce(u32) -> Vec<u8>, reply: &mut [u8]) -> io::Result<(u32, usize, usize)> {
         // `None`: NETLINK_ROUTE, the family's protocol 0.
-        let fd = rustix::net::socket_with(
+        let fd: OwnedFd = rustix::net::socket_with(
             AddressFamily::NETLINK,
             SocketType::DGRAM,
             SocketFlags::CLOEXEC,
             None,
         )?;
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        let request = wire::request(seq, local, peer);
-        rustix::net::sendto(&fd, &request, SendFlags::empty(), &SocketAddrNetlink::new(0, 0))?;
+        rustix::net::sendto(
+            &fd,
+            &request(seq),
+            SendFlags::empty(),
+            &SocketAddrNetlink::new(0, 0),
+        )?;
+        let (got, whole) = rustix::net::recv(&fd, reply, RecvFlags::DONTWAIT | RecvFlags::TRUNC)?;
+        Ok((seq, got, whole))
+    }
+
+    pub(super) fn route(local: Option<IpAddr>, peer: IpAddr, oif: Option<u32>) -> io::Result<wire::Route> {
         let mut reply = [0u8; REPLY_BYTES];
-        let (got, whole) = rustix::net::recv(&fd, &mut reply[..], RecvFlags::DONTWAIT | RecvFlags::TRUNC)?;
+        let (seq, got, whole) = ask(|seq| wire::route_request(seq, local, peer, oif), &mut reply)?;
         if whole > got {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
-                "rtnetlink: reply truncated",
+                "rtnetlink: route reply truncated",
             ));
         }
-        wire::answer(seq, &reply[..got])
+        wire::route_answer(seq, &reply[..got])
+    }
+
+    pub(super) fn has_neighbours(index: u32) -> io::Result<bool> {
+        let mut reply = [0u8; REPLY_BYTES];
+        let (seq, got, _) = ask(|seq| wire::link_request(seq, index), &mut reply)?;
+        wire::link_answer(seq, &reply[..got])
+    }
+
+    /// Moves the calling thread into a network namespace of its own, which goes
+    /// away with the thread (and with it every device a test created there);
+    /// processes the thread starts afterwards are inside it too.
+    #[cfg(test)]
+    pub(crate) fn enter_own_network_namespace() -> io::Result<()> {
+        // SAFETY: only CLONE_NEWNET: the file table and filesystem context stay
+        // shared with the other threads, which is what `unshare_unsafe` warns of.
+        unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNET) }?;
+        Ok(())
     }
 }
+
+#[cfg(test)]
+pub(crate) use imp::enter_own_network_namespace;
 
 #[cfg(not(target_os = "linux"))]
 mod imp {
     use std::io;
     use std::net::IpAddr;
 
-    use super::Route;
+    use super::wire;
 
-    pub(super) fn lookup(_: Option<IpAddr>, _: IpAddr) -> io::Result<Route> {
+    pub(super) fn route(_: Option<IpAddr>, _: IpAddr, _: Option<u32>) -> io::Result<wire::Route> {
+        Err(io::ErrorKind::Unsupported.into())
+    }
+
+    pub(super) fn has_neighbours(_: u32) -> io::Result<bool> {
         Err(io::ErrorKind::Unsupported.into())
     }
 }

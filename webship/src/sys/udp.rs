@@ -96,13 +96,10 @@ pub(crate) fn sendmmsg(fd: BorrowedFd<'_>, buf: &[u8], msgs: &[Message], tos: bo
 /// The MTU of the kernel's route from `local` (the address a connection arrived on,
 /// if known) to `peer`, as `IP_MTU`/`IPV6_MTU` reports it: a UDP socket of the peer's
 /// family, bound to `local` so the kernel picks the route replies take, `connect`ed
-/// to `peer` (nothing is sent), asked, and closed. An IPv4-mapped IPv6 address (a
-/// dual-stack socket's view of an IPv4 peer) is looked up as the IPv4 address.
+/// to `peer` (nothing is sent), asked, and closed. The addresses are those
+/// [`super::route::endpoints`] gives (IPv4-mapped as IPv4, an IPv6 scope kept).
 pub(crate) fn route_mtu(local: Option<IpAddr>, peer: SocketAddr) -> io::Result<u32> {
-    let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
-    let local = local
-        .map(|ip| ip.to_canonical())
-        .filter(|ip| !ip.is_unspecified() && ip.is_ipv4() == peer.is_ipv4());
+    let (local, peer) = super::route::endpoints(local, peer);
     let socket = socket2::Socket::new(
         socket2::Domain::for_address(peer),
         socket2::Type::DGRAM,
