@@ -563,16 +563,25 @@ struct Writer<'a> {
 }
 
 impl BodyWriter for Writer<'_> {
+    /// Hands one chunk to quinn, then yields: quinn takes a chunk at once while the
+    /// connection's send window (`h3_send_window_bytes`, 16 MiB) has room, so
+    /// without the yield a response task would read and queue a whole file before
+    /// the connection's driver, on the same worker, sent its first packet (a 1 MiB
+    /// file: thirteen reads, then the first datagram). After each chunk the driver
+    /// sends it while the next one is read, and other streams' tasks get their turn.
     async fn data(&mut self, data: Bytes) -> Result<(), SendError> {
         if data.len() < backend::OFFER_MIN {
             // Copied: quinn would keep the chunk's whole allocation until it is
             // acknowledged, and the window counts only the chunk.
-            return self.stream.send_data(data).await.map_err(SendError::peer);
+            self.stream.send_data(data).await.map_err(SendError::peer)?;
+        } else {
+            // A refcount, not a copy; the backend takes it with the frame. The guard
+            // withdraws it if the write ends (or is cancelled) before that.
+            let _offered = self.offer_slot.lend(data.clone());
+            self.stream.send_data(data).await.map_err(SendError::peer)?;
         }
-        // A refcount, not a copy; the backend takes it with the frame. The guard
-        // withdraws it if the write ends (or is cancelled) before that.
-        let _offered = self.offer_slot.lend(data.clone());
-        self.stream.send_data(data).await.map_err(SendError::peer)
+        tokio::task::yield_now().await;
+        Ok(())
     }
 
     async fn trailers(&mut self, trailers: http::HeaderMap) -> Result<(), SendError> {
