@@ -75,7 +75,7 @@ pub(crate) trait BodyWriter {
     fn abort(&mut self);
 
     /// After each data chunk: the driver may act on the bytes sent so far (h1's
-    /// kernel TLS promotion, h3's switch to BBR).
+    /// kernel TLS promotion, h3's switch to BBR and its yield to the connection).
     async fn progress(&mut self, _progress: Progress) -> Result<(), SendError> {
         Ok(())
     }

@@ -563,25 +563,16 @@ struct Writer<'a> {
 }
 
 impl BodyWriter for Writer<'_> {
-    /// Hands one chunk to quinn, then yields: quinn takes a chunk at once while the
-    /// connection's send window (`h3_send_window_bytes`, 16 MiB) has room, so
-    /// without the yield a response task would read and queue a whole file before
-    /// the connection's driver, on the same worker, sent its first packet (a 1 MiB
-    /// file: thirteen reads, then the first datagram). After each chunk the driver
-    /// sends it while the next one is read, and other streams' tasks get their turn.
     async fn data(&mut self, data: Bytes) -> Result<(), SendError> {
         if data.len() < backend::OFFER_MIN {
             // Copied: quinn would keep the chunk's whole allocation until it is
             // acknowledged, and the window counts only the chunk.
-            self.stream.send_data(data).await.map_err(SendError::peer)?;
-        } else {
-            // A refcount, not a copy; the backend takes it with the frame. The guard
-            // withdraws it if the write ends (or is cancelled) before that.
-            let _offered = self.offer_slot.lend(data.clone());
-            self.stream.send_data(data).await.map_err(SendError::peer)?;
+            return self.stream.send_data(data).await.map_err(SendError::peer);
         }
-        tokio::task::yield_now().await;
-        Ok(())
+        // A refcount, not a copy; the backend takes it with the frame. The guard
+        // withdraws it if the write ends (or is cancelled) before that.
+        let _offered = self.offer_slot.lend(data.clone());
+        self.stream.send_data(data).await.map_err(SendError::peer)
     }
 
     async fn trailers(&mut self, trailers: http::HeaderMap) -> Result<(), SendError> {
@@ -598,11 +589,22 @@ impl BodyWriter for Writer<'_> {
         self.stream.stop_stream(h3::error::Code::H3_INTERNAL_ERROR);
     }
 
-    /// Switches the connection to BBR once a response (file or relayed) proves bulk.
+    /// Switches the connection to BBR once a response (file or relayed) proves bulk,
+    /// and yields between the chunks of a file. quinn takes a chunk at once while
+    /// the connection's send window (`h3_send_window_bytes`, 16 MiB) has room, so
+    /// without the yield the task would read and queue a whole file before the
+    /// connection's driver, on the same worker, sent its first packet (a 1 MiB
+    /// file: thirteen reads, then the first datagram); now the driver sends each
+    /// chunk while the next is read. Not after a file's last chunk (its end then
+    /// leaves in the same packet) nor for relayed bodies, whose chunks arrive when
+    /// the upstream sends them (`Coalesced` hands over what is ready and waits).
     async fn progress(&mut self, progress: Progress) -> Result<(), SendError> {
         let sent = progress.sent;
         if self.ctx.bbr && sent >= self.ctx.h3.bbr_switch_bytes && self.signal.raise() {
             tracing::info!(peer = %self.ctx.peer(), sent, "h3: bulk response, connection switches to BBR");
+        }
+        if progress.file_left {
+            tokio::task::yield_now().await;
         }
         Ok(())
     }

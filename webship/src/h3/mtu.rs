@@ -124,33 +124,46 @@ mod tests {
     }
 
     /// Runs `setup` (arguments to `ip`, one command each) and then `f` on a thread in
-    /// a network namespace of its own, which goes with the thread. `None` when this
-    /// is not root (the namespace and `ip` need it).
+    /// a network namespace of its own, which goes with the thread. `None` (the test
+    /// skips, saying why) where namespaces, `ip` or TUN devices are not to be had:
+    /// not root, a container without CAP_SYS_ADMIN, no iproute2, no /dev/net/tun.
     fn in_own_namespace<T: Send + 'static>(
         setup: &'static [&'static [&'static str]],
         f: impl FnOnce() -> T + Send + 'static,
     ) -> Option<T> {
+        let skip = |why: &str| eprintln!("skipped: {why}");
         if !rustix::process::geteuid().is_root() {
-            eprintln!("skipped: needs root for a network namespace");
+            skip("needs root for a network namespace");
+            return None;
+        }
+        if !std::path::Path::new("/dev/net/tun").exists() {
+            skip("no /dev/net/tun");
             return None;
         }
         let thread = std::thread::spawn(move || {
-            crate::sys::route::enter_own_network_namespace().expect("unshare(CLONE_NEWNET)");
+            if let Err(e) = crate::sys::route::enter_own_network_namespace() {
+                skip(&format!("unshare(CLONE_NEWNET): {e}"));
+                return None;
+            }
             for args in setup {
                 // Started from this thread, so inside its namespace.
-                let out = std::process::Command::new("ip")
-                    .args(*args)
-                    .output()
-                    .expect("running ip (iproute2)");
+                let out = match std::process::Command::new("ip").args(*args).output() {
+                    Ok(out) => out,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        skip("no ip (iproute2)");
+                        return None;
+                    }
+                    Err(e) => panic!("running ip: {e}"),
+                };
                 assert!(
                     out.status.success(),
                     "ip {args:?}: {}",
                     String::from_utf8_lossy(&out.stderr)
                 );
             }
-            f()
+            Some(f())
         });
-        Some(thread.join().expect("the namespace thread"))
+        thread.join().expect("the namespace thread")
     }
 
     /// The namespace [`auto_takes_a_jumbo_route_only_to_a_client_on_its_link`]
@@ -239,7 +252,9 @@ mod tests {
                 (None, "10.88.0.2:443".into(), Some(9000), JUMBO),
                 (Some("10.88.0.1"), "10.88.0.2:443".into(), Some(9000), JUMBO),
                 (None, "[fd00:88::2]:443".into(), Some(9000), 8952),
-                (None, link_local, Some(9000), 8952),
+                (None, link_local.clone(), Some(9000), 8952),
+                // The address it arrived on is link-local too (quinn knows it).
+                (Some("fe80::88:1"), link_local, Some(9000), 8952),
                 (Some("::"), "[::ffff:10.88.0.2]:443".into(), Some(9000), JUMBO),
                 (None, "127.0.0.1:443".into(), None, JUMBO),
                 (None, "10.88.0.1:443".into(), None, JUMBO),
@@ -275,7 +290,7 @@ mod tests {
         }) else {
             return;
         };
-        assert_eq!(got.len(), 17);
+        assert_eq!(got.len(), 18);
         for (case, mtu, want_mtu, bound, want) in got {
             if let Some(want_mtu) = want_mtu {
                 assert_eq!(mtu, Ok(want_mtu), "route MTU, {case}");

@@ -1,16 +1,17 @@
-//! Whether a peer sits on the link the kernel's route to it leaves by: rtnetlink
-//! queries, the questions `ip route get <peer> from <local>` and `ip link show`
-//! ask.
+//! Whether a peer sits on the link the kernel's route to it leaves by: an
+//! rtnetlink route query (what `ip route get <peer> from <local>` asks) and the
+//! outgoing device's flags (`SIOCGIFNAME`, `SIOCGIFFLAGS`).
 //!
 //! HTTP/3's `h3_mtu_upper_bound_bytes = "auto"` needs it: a route's MTU is its first
 //! hop's, which is the whole path's only when the peer is on that link (or is this
 //! host). Behind a gateway, or at the far end of a point-to-point tunnel, the path
 //! crosses links this host cannot see.
 //!
-//! The kernel answers these queries within the `sendto` that asks them (the route
-//! and link handlers run in the sender's context without the RTNL lock), so each
-//! reply is read without waiting (`MSG_DONTWAIT`): no reply there is an error,
-//! never a wait.
+//! Nothing here waits or takes the kernel's RTNL lock (the accept loop calls it):
+//! the kernel answers a route query within the `sendto` that asks it, without the
+//! lock, so the reply is read with `MSG_DONTWAIT` (no reply there is an error); the
+//! two ioctls read the device under RCU. (An `RTM_GETLINK` query would take the
+//! lock.)
 
 use std::io;
 use std::net::{IpAddr, SocketAddr, SocketAddrV6};
@@ -19,7 +20,9 @@ use std::net::{IpAddr, SocketAddr, SocketAddrV6};
 /// if known) to `peer` asks about: IPv4-mapped IPv6 addresses as IPv4 (a dual-stack
 /// socket's view of an IPv4 peer), an IPv6 peer's scope kept (a link-local peer is
 /// on the interface it names), and `local` only when it is a specified address of
-/// the peer's family. Both [`on_link`] and [`super::udp::route_mtu`] ask this.
+/// the peer's family that can be bound without a scope (not an IPv6 link-local
+/// one: the peer's scope already names the device). Both [`on_link`] and
+/// [`super::udp::route_mtu`] ask this.
 pub(crate) fn endpoints(local: Option<IpAddr>, peer: SocketAddr) -> (Option<IpAddr>, SocketAddr) {
     let peer = match peer {
         SocketAddr::V6(v6) if v6.ip().to_ipv4_mapped().is_none() => {
@@ -27,9 +30,10 @@ pub(crate) fn endpoints(local: Option<IpAddr>, peer: SocketAddr) -> (Option<IpAd
         }
         other => SocketAddr::new(other.ip().to_canonical(), other.port()),
     };
-    let local = local
-        .map(|ip| ip.to_canonical())
-        .filter(|ip| !ip.is_unspecified() && ip.is_ipv4() == peer.is_ipv4());
+    let local = local.map(|ip| ip.to_canonical()).filter(|ip| {
+        let link_local = matches!(ip, IpAddr::V6(a) if a.segments()[0] & 0xffc0 == 0xfe80);
+        !ip.is_unspecified() && !link_local && ip.is_ipv4() == peer.is_ipv4()
+    });
     (local, peer)
 }
 
@@ -56,23 +60,32 @@ pub(crate) fn on_link(local: Option<IpAddr>, peer: SocketAddr) -> io::Result<boo
     Ok(match route.kind {
         wire::Kind::Local => true,
         wire::Kind::Unicast if !route.via_gateway => match route.device {
-            Some(index) => imp::has_neighbours(index)?,
+            Some(index) => has_neighbours(imp::device_flags(index)?),
             None => false,
         },
         _ => false,
     })
 }
 
-/// The rtnetlink wire format, as `linux/netlink.h`, `linux/rtnetlink.h` and
-/// `linux/if_link.h` define it (native byte order): pure functions, so the parsing
+/// `IFF_POINTOPOINT` and `IFF_NOARP` (`linux/if.h`).
+const IFF_POINTOPOINT: u32 = 0x10;
+const IFF_NOARP: u32 = 0x80;
+
+/// Whether a device with these flags has neighbours on its link: not a
+/// point-to-point device and not one without ARP (tunnels: their far end can be
+/// anywhere, whatever their MTU).
+fn has_neighbours(flags: u32) -> bool {
+    flags & (IFF_POINTOPOINT | IFF_NOARP) == 0
+}
+
+/// The rtnetlink wire format of a route query, as `linux/netlink.h` and
+/// `linux/rtnetlink.h` define it (native byte order): pure functions, so the parsing
 /// is tested on bytes.
 mod wire {
     use std::io;
     use std::net::IpAddr;
 
     const NLMSG_ERROR: u16 = 2;
-    const RTM_NEWLINK: u16 = 16;
-    const RTM_GETLINK: u16 = 18;
     const RTM_NEWROUTE: u16 = 24;
     const RTM_GETROUTE: u16 = 26;
     const NLM_F_REQUEST: u16 = 1;
@@ -86,16 +99,12 @@ mod wire {
     const RTN_LOCAL: u8 = 2;
     const AF_INET: u8 = 2;
     const AF_INET6: u8 = 10;
-    const IFF_POINTOPOINT: u32 = 0x10;
-    const IFF_NOARP: u32 = 0x80;
 
     /// `struct nlmsghdr`: length, type, flags, sequence, port id.
     const HEADER: usize = 16;
     /// `struct rtmsg`: family, dst_len, src_len, tos, table, protocol, scope, type,
     /// flags.
     const RTMSG: usize = 12;
-    /// `struct ifinfomsg`: family, pad, type, index, flags, change.
-    const IFINFOMSG: usize = 16;
     /// `struct rtattr`: length, type; payloads are padded to 4 bytes.
     const ATTR: usize = 4;
 
@@ -170,13 +179,6 @@ mod wire {
         seal(out, RTM_GETROUTE, seq)
     }
 
-    /// An `RTM_GETLINK` request for device `index`.
-    pub(super) fn link_request(seq: u32, index: u32) -> Vec<u8> {
-        let mut out = vec![0; HEADER + IFINFOMSG];
-        out[HEADER + 4..HEADER + 8].copy_from_slice(&index.to_ne_bytes());
-        seal(out, RTM_GETLINK, seq)
-    }
-
     fn u16_at(b: &[u8], at: usize) -> Option<u16> {
         Some(u16::from_ne_bytes(b.get(at..at + 2)?.try_into().ok()?))
     }
@@ -191,22 +193,20 @@ mod wire {
 
     /// The body of the reply to request `seq` if it is a message of type `want`;
     /// the kernel's error (`NLMSG_ERROR`) as the error it names; `InvalidData` for
-    /// anything else. `b` may be cut short of the message's length (`truncated`:
-    /// only what the caller reads from a fixed header is then there).
-    fn body(seq: u32, want: u16, b: &[u8], truncated: bool) -> io::Result<&[u8]> {
+    /// anything else, a reply cut short included.
+    fn body(seq: u32, want: u16, b: &[u8]) -> io::Result<&[u8]> {
         let len = u32_at(b, 0).ok_or_else(|| malformed("short reply"))? as usize;
         let kind = u16_at(b, 4).ok_or_else(|| malformed("short reply"))?;
-        if len < HEADER || (len > b.len() && !truncated) {
-            return Err(malformed("bad message length"));
-        }
         if u32_at(b, 8) != Some(seq) {
             return Err(malformed("a reply to another request"));
         }
-        let body = &b[HEADER..len.min(b.len())];
+        let body = b
+            .get(HEADER..len)
+            .ok_or_else(|| malformed("bad message length"))?;
         match kind {
             NLMSG_ERROR => {
                 let code = u32_at(body, 0).ok_or_else(|| malformed("short error"))? as i32;
-                // 0 would be an acknowledgement, which these requests do not ask for.
+                // 0 would be an acknowledgement, which the request does not ask for.
                 Err(match code {
                     0 => malformed("an acknowledgement instead of an answer"),
                     n => io::Error::from_raw_os_error(n.saturating_neg()),
@@ -219,7 +219,7 @@ mod wire {
 
     /// Reads the kernel's answer to route request `seq`.
     pub(super) fn route_answer(seq: u32, b: &[u8]) -> io::Result<Route> {
-        let body = body(seq, RTM_NEWROUTE, b, false)?;
+        let body = body(seq, RTM_NEWROUTE, b)?;
         let kind = match *body.get(7).ok_or_else(|| malformed("short route"))? {
             RTN_UNICAST => Kind::Unicast,
             RTN_LOCAL => Kind::Local,
@@ -246,15 +246,6 @@ mod wire {
         Ok(route)
     }
 
-    /// Reads the kernel's answer to link request `seq` (only its fixed header is
-    /// needed, so a reply cut short by a small buffer is fine): whether the device
-    /// has neighbours on its link (neither point-to-point nor `NOARP`).
-    pub(super) fn link_answer(seq: u32, b: &[u8]) -> io::Result<bool> {
-        let body = body(seq, RTM_NEWLINK, b, true)?;
-        let flags = u32_at(body, 8).ok_or_else(|| malformed("short link"))?;
-        Ok(flags & (IFF_POINTOPOINT | IFF_NOARP) == 0)
-    }
-
     #[cfg(test)]
     mod tests {
         use super::*;
@@ -278,13 +269,6 @@ mod wire {
             body
         }
 
-        fn link(flags: u32) -> Vec<u8> {
-            let mut body = vec![0; IFINFOMSG];
-            body[8..12].copy_from_slice(&flags.to_ne_bytes());
-            attr(&mut body, 3, b"eth0\0");
-            body
-        }
-
         #[test]
         fn a_request_carries_the_destination_the_source_and_the_device() {
             let peer: IpAddr = "2001:db8::7".parse().unwrap();
@@ -305,11 +289,6 @@ mod wire {
             let b = route_request(1, None, "10.0.0.1".parse().unwrap(), None);
             assert_eq!(b.len(), HEADER + RTMSG + ATTR + 4);
             assert_eq!(&b[HEADER..HEADER + 3], &[AF_INET, 32, 0]);
-            let b = link_request(4, 7);
-            assert_eq!(
-                (b.len(), u16_at(&b, 4), u32_at(&b, HEADER + 4)),
-                (HEADER + IFINFOMSG, Some(RTM_GETLINK), Some(7))
-            );
         }
 
         #[test]
@@ -352,31 +331,16 @@ mod wire {
         }
 
         #[test]
-        fn point_to_point_and_noarp_devices_have_no_neighbours() {
-            assert!(link_answer(6, &reply(6, RTM_NEWLINK, &link(0x1043))).unwrap());
-            assert!(!link_answer(6, &reply(6, RTM_NEWLINK, &link(0x1043 | IFF_POINTOPOINT))).unwrap());
-            assert!(!link_answer(6, &reply(6, RTM_NEWLINK, &link(0x10c1))).unwrap());
-            // Only the fixed header is read: a reply cut after it is enough.
-            let whole = reply(6, RTM_NEWLINK, &link(0x1043));
-            assert!(link_answer(6, &whole[..HEADER + IFINFOMSG]).unwrap());
-            assert!(link_answer(6, &whole[..HEADER + 11]).is_err());
-        }
-
-        #[test]
         fn errors_and_garbage_are_errors_not_answers() {
             let refused = reply(2, NLMSG_ERROR, &(-libc::ENETUNREACH).to_ne_bytes());
             assert_eq!(
                 route_answer(2, &refused).unwrap_err().raw_os_error(),
                 Some(libc::ENETUNREACH)
             );
-            assert_eq!(
-                link_answer(2, &refused).unwrap_err().raw_os_error(),
-                Some(libc::ENETUNREACH)
-            );
             assert!(route_answer(2, &reply(2, NLMSG_ERROR, &0i32.to_ne_bytes())).is_err());
             let good = reply(3, RTM_NEWROUTE, &route(RTN_UNICAST, &[]));
             assert!(route_answer(4, &good).is_err(), "another request's reply");
-            assert!(link_answer(3, &good).is_err(), "a route is not a link");
+            assert!(body(3, 99, &good).is_err(), "not the type asked for");
             for cut in 0..good.len() {
                 assert!(route_answer(3, &good[..cut]).is_err(), "cut at {cut}");
             }
@@ -397,7 +361,7 @@ mod wire {
 mod imp {
     use std::io;
     use std::net::IpAddr;
-    use std::os::fd::OwnedFd;
+    use std::os::fd::{AsRawFd, OwnedFd};
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use rustix::net::netlink::SocketAddrNetlink;
@@ -405,15 +369,12 @@ mod imp {
 
     use super::wire;
 
-    /// Room for one route reply (a few hundred bytes; a longer one is refused as
-    /// truncated) and for a link reply's fixed header (the rest may be cut off).
+    /// Room for one route reply: a few hundred bytes; a longer one is refused.
     const REPLY_BYTES: usize = 4096;
 
     static SEQ: AtomicU32 = AtomicU32::new(1);
 
-    /// Sends `request` (built for sequence number `seq`) on a fresh NETLINK_ROUTE
-    /// socket and returns the reply's bytes read and whole length.
-    fn ask(request: impl FnOnce(u32) -> Vec<u8>, reply: &mut [u8]) -> io::Result<(u32, usize, usize)> {
+    pub(super) fn route(local: Option<IpAddr>, peer: IpAddr, oif: Option<u32>) -> io::Result<wire::Route> {
         // `None`: NETLINK_ROUTE, the family's protocol 0.
         let fd: OwnedFd = rustix::net::socket_with(
             AddressFamily::NETLINK,
@@ -422,19 +383,10 @@ mod imp {
             None,
         )?;
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-        rustix::net::sendto(
-            &fd,
-            &request(seq),
-            SendFlags::empty(),
-            &SocketAddrNetlink::new(0, 0),
-        )?;
-        let (got, whole) = rustix::net::recv(&fd, reply, RecvFlags::DONTWAIT | RecvFlags::TRUNC)?;
-        Ok((seq, got, whole))
-    }
-
-    pub(super) fn route(local: Option<IpAddr>, peer: IpAddr, oif: Option<u32>) -> io::Result<wire::Route> {
+        let request = wire::route_request(seq, local, peer, oif);
+        rustix::net::sendto(&fd, &request, SendFlags::empty(), &SocketAddrNetlink::new(0, 0))?;
         let mut reply = [0u8; REPLY_BYTES];
-        let (seq, got, whole) = ask(|seq| wire::route_request(seq, local, peer, oif), &mut reply)?;
+        let (got, whole) = rustix::net::recv(&fd, &mut reply[..], RecvFlags::DONTWAIT | RecvFlags::TRUNC)?;
         if whole > got {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -444,19 +396,44 @@ mod imp {
         wire::route_answer(seq, &reply[..got])
     }
 
-    pub(super) fn has_neighbours(index: u32) -> io::Result<bool> {
-        let mut reply = [0u8; REPLY_BYTES];
-        let (seq, got, _) = ask(|seq| wire::link_request(seq, index), &mut reply)?;
-        wire::link_answer(seq, &reply[..got])
+    /// The flags of device `index` (`IFF_*`): its name by `SIOCGIFNAME`, then
+    /// `SIOCGIFFLAGS`, on a throwaway UDP socket of this namespace. A device renamed
+    /// between the two calls answers for whatever now has the name, or fails.
+    pub(super) fn device_flags(index: u32) -> io::Result<u32> {
+        let socket =
+            rustix::net::socket_with(AddressFamily::INET, SocketType::DGRAM, SocketFlags::CLOEXEC, None)?;
+        let name = rustix::net::netdevice::index_to_name(&socket, index)?;
+        // SAFETY: `ifreq` is plain data (a name and a union of integers and
+        // addresses), for which all zeroes is a valid value.
+        let mut request: libc::ifreq = unsafe { std::mem::zeroed() };
+        // Names are under IFNAMSIZ bytes; the last byte stays the terminating NUL.
+        let room = request.ifr_name.len() - 1;
+        if name.len() > room {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "device name too long"));
+        }
+        for (slot, byte) in request.ifr_name.iter_mut().zip(name.bytes()) {
+            *slot = byte as libc::c_char;
+        }
+        // SAFETY: SIOCGIFFLAGS reads the NUL-terminated name and writes the flags
+        // into the `ifreq` it is given, which lives for the call; the socket is
+        // open for the call.
+        let rc = unsafe { libc::ioctl(socket.as_raw_fd(), libc::SIOCGIFFLAGS, &mut request) };
+        if rc < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: SIOCGIFFLAGS succeeded, so the union holds `ifru_flags`.
+        let flags = unsafe { request.ifr_ifru.ifru_flags };
+        Ok(u32::from(flags as u16))
     }
 
-    /// Moves the calling thread into a network namespace of its own, which goes
-    /// away with the thread (and with it every device a test created there);
-    /// processes the thread starts afterwards are inside it too.
+    /// Moves the calling thread into a network namespace of its own; processes the
+    /// thread starts afterwards are inside it too. The caller must be a thread of
+    /// its own that ends afterwards (never a pool's or a runtime's): the namespace,
+    /// and every device made in it, goes away with the thread.
     #[cfg(test)]
     pub(crate) fn enter_own_network_namespace() -> io::Result<()> {
-        // SAFETY: only CLONE_NEWNET: the file table and filesystem context stay
-        // shared with the other threads, which is what `unshare_unsafe` warns of.
+        // SAFETY: only CLONE_NEWNET: the file table and filesystem context, which
+        // `unshare_unsafe` warns about, stay shared with the other threads.
         unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::NEWNET) }?;
         Ok(())
     }
@@ -476,7 +453,42 @@ mod imp {
         Err(io::ErrorKind::Unsupported.into())
     }
 
-    pub(super) fn has_neighbours(_: u32) -> io::Result<bool> {
+    pub(super) fn device_flags(_: u32) -> io::Result<u32> {
         Err(io::ErrorKind::Unsupported.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn point_to_point_and_noarp_devices_have_no_neighbours() {
+        // UP|BROADCAST|RUNNING|MULTICAST, an Ethernet or veth device.
+        assert!(has_neighbours(0x1043));
+        // A TUN device: UP|POINTOPOINT|NOARP|MULTICAST; a GRE tunnel: UP|NOARP.
+        assert!(!has_neighbours(0x10d1));
+        assert!(!has_neighbours(0x81));
+        assert!(!has_neighbours(0x1043 | IFF_POINTOPOINT));
+    }
+
+    /// The device flags of this namespace's loopback: read, and not a tunnel's.
+    #[test]
+    fn device_flags_are_read_from_the_kernel() {
+        let lo = imp::device_flags(1).unwrap();
+        assert_ne!(lo & 0x8, 0, "IFF_LOOPBACK on device 1: {lo:#x}");
+        assert!(imp::device_flags(u32::MAX).is_err());
+    }
+
+    #[test]
+    fn link_local_sources_are_left_to_the_peers_scope() {
+        let peer: SocketAddr = "[fe80::2%3]:443".parse().unwrap();
+        assert_eq!(endpoints(Some("fe80::1".parse().unwrap()), peer), (None, peer));
+        let peer: SocketAddr = "[2001:db8::2]:443".parse().unwrap();
+        let local: IpAddr = "2001:db8::1".parse().unwrap();
+        assert_eq!(endpoints(Some(local), peer), (Some(local), peer));
+        let mapped: SocketAddr = "[::ffff:10.0.0.2]:443".parse().unwrap();
+        let v4: SocketAddr = "10.0.0.2:443".parse().unwrap();
+        assert_eq!(endpoints(Some("::".parse().unwrap()), mapped), (None, v4));
     }
 }
