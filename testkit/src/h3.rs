@@ -31,8 +31,9 @@ pub struct H3Options {
     pub window: u32,
     /// quinn's default (30 s) when `None`.
     pub idle_timeout: Option<Duration>,
-    /// Requested kernel socket buffers, receive and send (best effort: capped by
-    /// net.core.{r,w}mem_max); the kernel's defaults when `None`.
+    /// Requested kernel socket buffers, receive and send; the receive buffer is
+    /// forced past net.core.rmem_max where the process may (root), the send buffer
+    /// is capped by net.core.wmem_max; the kernel's defaults when `None`.
     pub socket_buffers: Option<(usize, usize)>,
     /// The largest UDP payload advertised; quinn's default when `None`.
     pub max_udp_payload: Option<u16>,
@@ -97,8 +98,12 @@ pub fn endpoint(
     };
     let socket = Socket::new(domain, Type::DGRAM, Some(Protocol::UDP)).context("creating the UDP socket")?;
     if let Some((receive, send)) = options.socket_buffers {
-        // Best effort: the kernel caps both at net.core.{r,w}mem_max.
-        let _ = socket.set_recv_buffer_size(receive);
+        // The receive buffer past net.core.rmem_max where this may (root: tests
+        // and benches run so), else what the cap allows: a client that drops
+        // datagrams on its own socket would measure itself, not the server.
+        if rustix::net::sockopt::set_socket_recv_buffer_size_force(&socket, receive).is_err() {
+            let _ = socket.set_recv_buffer_size(receive);
+        }
         let _ = socket.set_send_buffer_size(send);
     }
     let rcvbuf = socket.recv_buffer_size().unwrap_or(0);
