@@ -71,7 +71,13 @@ pub(crate) fn quic_tls(ca: &Path) -> Result<Arc<rustls::ClientConfig>> {
 }
 
 async fn get(args: &H3GetArgs) -> Result<Download> {
-    let options = H3Options::bulk();
+    // One client per download: its receive buffer may pass rmem_max (root), so a
+    // burst the server or a relay sends while this process is off its CPU is not
+    // lost on its own socket and counted against the server.
+    let options = H3Options {
+        force_receive_buffer: true,
+        ..H3Options::bulk()
+    };
     let tls = quic_tls(&args.ca)?;
     let (endpoint, rcvbuf) = endpoint(args.addr, &tls, &options)?;
 

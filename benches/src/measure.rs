@@ -319,8 +319,18 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
             )?),
             Mode::Passthrough => {
                 let origin_dir = dir("origin-webship")?;
+                let mut origin_spec = webship_spec(args, ORIGIN_WEBSHIP, true);
+                // The origin stands for a host behind the relay: its datagrams are
+                // Ethernet-sized, as across a network, not loopback's 8972 bytes
+                // (the default's ceiling here), at which an origin on the same 2
+                // cores outran the userspace relay and every sample lost packets.
+                if args.h3_mtu.is_none() {
+                    origin_spec
+                        .runtime
+                        .push(("h3_mtu_upper_bound_bytes", "1452".to_owned()));
+                }
                 let origin = servers::start_webship(
-                    &webship_spec(args, ORIGIN_WEBSHIP, true),
+                    &origin_spec,
                     &Settings {
                         dir: &origin_dir,
                         ..base

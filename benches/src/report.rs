@@ -424,7 +424,8 @@ impl Report {
             }
             Mode::Passthrough => {
                 "passthrough: each server routes by SNI to one TLS origin (Webship direct: h1/h2 over \
-                 TCP, h3 over UDP) and never decrypts; `webship` runs the default engine. Server CPU is \
+                 TCP, h3 over UDP with 1452-byte datagrams, as from a host across a network, unless \
+                 --h3-mtu is given) and never decrypts; `webship` runs the default engine. Server CPU is \
                  the process's: the sockmap engine's redirection runs in kernel softirq and workqueue \
                  context, which no process is charged for"
             }

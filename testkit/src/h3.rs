@@ -31,9 +31,8 @@ pub struct H3Options {
     pub window: u32,
     /// quinn's default (30 s) when `None`.
     pub idle_timeout: Option<Duration>,
-    /// Requested kernel socket buffers, receive and send; the receive buffer is
-    /// forced past net.core.rmem_max where the process may (root), the send buffer
-    /// is capped by net.core.wmem_max; the kernel's defaults when `None`.
+    /// Requested kernel socket buffers, receive and send (best effort: capped by
+    /// net.core.{r,w}mem_max); the kernel's defaults when `None`.
     pub socket_buffers: Option<(usize, usize)>,
     /// The largest UDP payload advertised; quinn's default when `None`.
     pub max_udp_payload: Option<u16>,
@@ -43,6 +42,10 @@ pub struct H3Options {
     pub webtransport: bool,
     /// QUIC PINGs at this interval keep the connection alive; none when `None`.
     pub keep_alive: Option<Duration>,
+    /// The receive buffer of `socket_buffers` past net.core.rmem_max where the
+    /// process may (`SO_RCVBUFFORCE`, root): for one bulk client that must not drop
+    /// on its own socket, never for many clients at once (each would pin it).
+    pub force_receive_buffer: bool,
 }
 
 impl Default for H3Options {
@@ -58,6 +61,7 @@ impl Default for H3Options {
             datagram_receive_buffer: None,
             webtransport: false,
             keep_alive: None,
+            force_receive_buffer: false,
         }
     }
 }
@@ -98,10 +102,11 @@ pub fn endpoint(
     };
     let socket = Socket::new(domain, Type::DGRAM, Some(Protocol::UDP)).context("creating the UDP socket")?;
     if let Some((receive, send)) = options.socket_buffers {
-        // The receive buffer past net.core.rmem_max where this may (root: tests
-        // and benches run so), else what the cap allows: a client that drops
-        // datagrams on its own socket would measure itself, not the server.
-        if rustix::net::sockopt::set_socket_recv_buffer_size_force(&socket, receive).is_err() {
+        // Best effort: the kernel caps both at net.core.{r,w}mem_max, unless the
+        // receive buffer is forced and the process may.
+        let forced = options.force_receive_buffer
+            && rustix::net::sockopt::set_socket_recv_buffer_size_force(&socket, receive).is_ok();
+        if !forced {
             let _ = socket.set_recv_buffer_size(receive);
         }
         let _ = socket.set_send_buffer_size(send);

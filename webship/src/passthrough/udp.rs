@@ -36,9 +36,8 @@ use crate::config::UdpPassthrough;
 const BATCH_BYTES: usize = 64 * 1024;
 /// Receive buffers per `recvmmsg` on the listener.
 const BATCHES: usize = 8;
-/// Socket buffer size asked for on every relay socket (the kernel doubles it for
-/// its bookkeeping), as for the HTTP/3 endpoint's sockets.
-const SOCKET_BUFFER: usize = 8 * 1024 * 1024;
+/// Socket buffer size asked for on every relay socket.
+const SOCKET_BUFFER: usize = 4 * 1024 * 1024;
 /// The "flow table full" warning comes at most this often.
 const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
 
@@ -61,13 +60,7 @@ impl Side {
     fn new(socket: std::net::UdpSocket) -> io::Result<Self> {
         socket.set_nonblocking(true)?;
         let state = UdpSocketState::new((&socket).into())?;
-        // An origin on a fast path (loopback's 8972-byte datagrams) outruns a relay
-        // that is off its CPU for a scheduling slice, and what the buffer cannot
-        // hold is lost. Where the process may (root), the receive buffer is taken
-        // past net.core.rmem_max; elsewhere the cap decides.
-        if rustix::net::sockopt::set_socket_recv_buffer_size_force(&socket, SOCKET_BUFFER).is_err() {
-            let _ = state.set_recv_buffer_size((&socket).into(), SOCKET_BUFFER);
-        }
+        let _ = state.set_recv_buffer_size((&socket).into(), SOCKET_BUFFER);
         let _ = state.set_send_buffer_size((&socket).into(), SOCKET_BUFFER);
         Ok(Self {
             socket: UdpSocket::from_std(socket)?,
