@@ -31,23 +31,21 @@ const ETHERNET_MTU: u32 = 1500;
 pub(crate) fn upper_bound(setting: MtuBound, local: Option<IpAddr>, peer: SocketAddr) -> u16 {
     match setting {
         MtuBound::Fixed(n) => n,
-        MtuBound::Auto => match route_mtu(local, peer) {
-            // The common case costs no second lookup: 1500 and below is ORDINARY.
-            Ok(mtu) if mtu <= ETHERNET_MTU => ORDINARY,
-            Ok(mtu) => match route::on_link(local, peer) {
-                Ok(true) => ceiling(mtu, !peer.ip().to_canonical().is_ipv4()),
-                Ok(false) => ORDINARY,
-                Err(e) => {
-                    tracing::debug!(%peer, error = %e, "h3: route unknown; DPLPMTUD ceiling {ORDINARY}");
-                    ORDINARY
-                }
-            },
-            Err(e) => {
-                tracing::debug!(%peer, error = %e, "h3: route MTU unknown; DPLPMTUD ceiling {ORDINARY}");
-                ORDINARY
-            }
-        },
+        MtuBound::Auto => route_ceiling(local, peer).unwrap_or_else(|e| {
+            tracing::debug!(%peer, error = %e, "h3: route unknown; DPLPMTUD ceiling {ORDINARY}");
+            ORDINARY
+        }),
     }
+}
+
+/// `auto`'s ceiling: the route's MTU for a client on its link, else [`ORDINARY`].
+/// The common case costs one lookup: a route of 1500 or less needs no second.
+fn route_ceiling(local: Option<IpAddr>, peer: SocketAddr) -> std::io::Result<u16> {
+    let mtu = route_mtu(local, peer)?;
+    if mtu <= ETHERNET_MTU || !route::on_link(local, peer)? {
+        return Ok(ORDINARY);
+    }
+    Ok(ceiling(mtu, !peer.ip().to_canonical().is_ipv4()))
 }
 
 /// The bound a setting gives before any peer is known (the endpoint's base config).
