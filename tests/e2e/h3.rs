@@ -2,8 +2,12 @@
 //! semantics as h1/h2, concurrency, cancellation, Alt-Svc and the per-connection BBR
 //! switch.
 
+use std::net::SocketAddr;
 use std::process::Command;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::net::UdpSocket;
 
 use webship_tests::client::{fetch_h3, hex, recv_body, request, H3Client, H3Options, Proto};
 use webship_tests::server::eventually;
@@ -363,5 +367,152 @@ fn ngtcp2_fixture(config: &str) {
     assert_eq!(
         hex(&webship_tests::fixture::sha256_file(&file).unwrap()),
         hex(&fixture().sha256)
+    );
+}
+
+/// What a [`DelayedReturn`] saw the server send, in the order it arrived.
+type Arrivals = Arc<Mutex<Vec<(Instant, usize)>>>;
+
+/// A UDP relay on loopback that holds every client datagram for `delay` before it
+/// reaches the server and passes the server's on at once, recording when each
+/// arrived and its size: a path with a round trip of `delay`, on which the server
+/// cannot have seen an acknowledgement of what it sent less than `delay` ago.
+struct DelayedReturn {
+    addr: SocketAddr,
+    arrivals: Arrivals,
+    /// When the relay received each client datagram, and when it forwarded it.
+    forwarded: Arc<Mutex<Vec<(Instant, Instant)>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl DelayedReturn {
+    async fn start(server: SocketAddr, delay: Duration) -> Self {
+        let front = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        let back = Arc::new(UdpSocket::bind("127.0.0.1:0").await.unwrap());
+        back.connect(server).await.unwrap();
+        let addr = front.local_addr().unwrap();
+        let client = Arc::new(Mutex::new(None::<SocketAddr>));
+        let arrivals = Arrivals::default();
+        let forwarded = Arc::new(Mutex::new(Vec::new()));
+        // Bounded: a test's handshake and one download's acknowledgements.
+        let (held, mut due) = tokio::sync::mpsc::channel::<(Instant, Vec<u8>)>(4096);
+        let inbound = {
+            let (front, client) = (front.clone(), client.clone());
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65_535];
+                while let Ok((n, from)) = front.recv_from(&mut buf).await {
+                    *client.lock().unwrap() = Some(from);
+                    if held.send((Instant::now(), buf[..n].to_vec())).await.is_err() {
+                        break;
+                    }
+                }
+            })
+        };
+        let release = {
+            let (back, forwarded) = (back.clone(), forwarded.clone());
+            tokio::spawn(async move {
+                while let Some((received, datagram)) = due.recv().await {
+                    tokio::time::sleep_until((received + delay).into()).await;
+                    forwarded.lock().unwrap().push((received, Instant::now()));
+                    let _ = back.send(&datagram).await;
+                }
+            })
+        };
+        let outbound = {
+            let arrivals = arrivals.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 65_535];
+                while let Ok(n) = back.recv(&mut buf).await {
+                    arrivals.lock().unwrap().push((Instant::now(), n));
+                    let to = *client.lock().unwrap();
+                    if let Some(to) = to {
+                        let _ = front.send_to(&buf[..n], to).await;
+                    }
+                }
+            })
+        };
+        Self {
+            addr,
+            arrivals,
+            forwarded,
+            tasks: vec![inbound, release, outbound],
+        }
+    }
+
+    /// The full-size datagrams (the 1200-byte starting size) the server sent in its
+    /// first round trip after the request reached it: from the first datagram after
+    /// `request_forwarded_after`, up to the moment the relay forwarded the first
+    /// client datagram it received after that datagram (the client's first
+    /// acknowledgement of the response). Nothing the server sent before that moment
+    /// can have been clocked by an acknowledgement of the response.
+    fn first_round(&self, request_forwarded_after: Instant) -> usize {
+        let arrivals = self.arrivals.lock().unwrap();
+        let forwarded = self.forwarded.lock().unwrap();
+        let Some(&(start, _)) = arrivals.iter().find(|(at, _)| *at > request_forwarded_after) else {
+            return 0;
+        };
+        // The client's acknowledgements of the first data leave after it arrived
+        // and reach the server no earlier than `delay` later.
+        let Some(&(_, acked)) = forwarded.iter().find(|(received, _)| *received > start) else {
+            return 0;
+        };
+        arrivals
+            .iter()
+            .filter(|(at, len)| *at >= start && *at < acked && *len >= 1200)
+            .count()
+    }
+}
+
+impl Drop for DelayedReturn {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+/// How many full datagrams a 1 MiB response puts on a 200 ms path in its first round
+/// trip, with `settings` under `[runtime.settings]`. The MTU stays at 1200 (no
+/// DPLPMTUD probes take part of the window).
+async fn first_round_datagrams(settings: &str) -> usize {
+    const DELAY: Duration = Duration::from_millis(200);
+    let env = Env::new();
+    let body = pattern(MIB as usize);
+    env.write("one.bin", &body);
+    env.write("small.txt", b"small");
+    let server = env.start(&format!(
+        "[runtime.settings]\nh3_mtu_upper_bound_bytes = \"1200\"\n{settings}"
+    ));
+    let relay = DelayedReturn::start(server.addr(), DELAY).await;
+    let mut h3 = H3Client::connect(relay.addr, HOST, &env.client(b"h3"), &H3Options::default())
+        .await
+        .unwrap();
+    // One small exchange first: the handshake is confirmed and the server has its
+    // round-trip estimate; an idle connection's window does not grow on its acks.
+    assert_eq!(h3.fetch("GET", "/small.txt", &[]).await.body, b"small");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let sent = Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(20), h3.fetch("GET", "/one.bin", &[]))
+        .await
+        .expect("1 MiB across a 200 ms path within 20 s");
+    assert_eq!(got.body, body);
+    h3.close().await;
+    relay.first_round(sent + DELAY)
+}
+
+/// A new connection's first round trip carries `h3_initial_window_packets`
+/// datagrams: the default 32 (quic-go's and Chromium's), against RFC 9002's ten when
+/// set so. Counted on the wire by a relay that delays the client's datagrams.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_round_trip_carries_the_initial_window() {
+    let default = first_round_datagrams("").await;
+    assert!(
+        (27..=36).contains(&default),
+        "{default} full datagrams in the first round trip; the default window is 32"
+    );
+    let ten = first_round_datagrams("h3_initial_window_packets = \"10\"\n").await;
+    assert!(
+        (7..=12).contains(&ten),
+        "{ten} full datagrams in the first round trip with a window of 10"
     );
 }

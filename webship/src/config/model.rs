@@ -702,6 +702,9 @@ pub struct H3Settings {
     pub gso: bool,
     /// Body bytes after which a response switches its connection to BBR.
     pub bbr_switch_bytes: u64,
+    /// A new connection's congestion window, in datagrams of its starting size
+    /// (1200 bytes): what it may send in its first round trip.
+    pub initial_window_packets: u16,
     /// Address validation (Retry) for every new connection, not only under load.
     pub always_retry: bool,
     /// UDP sockets (quinn endpoints) the listener serves on, `SO_REUSEPORT` group;

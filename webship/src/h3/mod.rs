@@ -116,7 +116,10 @@ fn transport(
         .send_window(settings.send_window_bytes)
         .max_idle_timeout(quinn::IdleTimeout::try_from(limits.idle_timeout).ok())
         .enable_segmentation_offload(settings.gso)
-        .congestion_controller_factory(Arc::new(SwitchingFactory::new(signal)));
+        .congestion_controller_factory(Arc::new(SwitchingFactory::new(
+            signal,
+            settings.initial_window_packets,
+        )));
     let mut mtud = quinn::MtuDiscoveryConfig::default();
     mtud.upper_bound(mtu_upper_bound);
     t.mtu_discovery_config(Some(mtud));

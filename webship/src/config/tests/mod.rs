@@ -167,9 +167,11 @@ fn h3_settings() {
     let base = "root = \"media\"\n[tls]\ncert = \"cert.pem\"\nkey = \"key.pem\"\n[runtime.settings]\n";
     let config = f
         .parse(&format!(
-            "{base}h3_gso = \"0\"\nh3_mtu_upper_bound_bytes = \"9000\"\nh3_send_window_bytes = \"1048576\"\nh3_retry = \"1\"\nh3_bbr_switch_bytes = \"0\"\nh3_send_batch_delay_us = \"250\"\n"
+            "{base}h3_gso = \"0\"\nh3_mtu_upper_bound_bytes = \"9000\"\nh3_send_window_bytes = \"1048576\"\nh3_retry = \"1\"\nh3_bbr_switch_bytes = \"0\"\nh3_send_batch_delay_us = \"250\"\nh3_initial_window_packets = \"10\"\n"
         ))
         .unwrap();
+    assert_eq!(config.h3.initial_window_packets, 10);
+    assert_eq!(f.parse(base).unwrap().h3.initial_window_packets, 32);
     assert_eq!(config.h3.send_batch_delay_us, 250);
     assert_eq!(f.parse(base).unwrap().h3.send_batch_delay_us, 0);
     assert!(!config.h3.gso);
@@ -178,10 +180,11 @@ fn h3_settings() {
     assert_eq!(config.h3.send_window_bytes, 1 << 20);
     assert_eq!(config.h3.bbr_switch_bytes, 0);
     let problems = f.problems(&format!(
-        "{base}h3_gso = \"2\"\nh3_mtu_upper_bound_bytes = \"70000\"\nh3_send_batch_delay_us = \"1001\"\n"
+        "{base}h3_gso = \"2\"\nh3_mtu_upper_bound_bytes = \"70000\"\nh3_send_batch_delay_us = \"1001\"\n\
+         h3_initial_window_packets = \"1\"\n"
     ));
     assert_eq!(
-        problems[1].to_string(),
+        problems[2].to_string(),
         "`runtime.settings.h3_mtu_upper_bound_bytes`: `70000` is not \"auto\" or a whole number \
          from 1200 to 65527 (fix: write \"auto\" or a quoted number, e.g. \"1200\")"
     );
@@ -190,6 +193,7 @@ fn h3_settings() {
         keys,
         [
             "runtime.settings.h3_gso",
+            "runtime.settings.h3_initial_window_packets",
             "runtime.settings.h3_mtu_upper_bound_bytes",
             "runtime.settings.h3_send_batch_delay_us"
         ]
@@ -349,7 +353,7 @@ fn runtime_setting_messages_are_exact() {
         h2_tls_write_buffer_bytes, h2_initial_stream_window_bytes, h2_initial_connection_window_bytes, \
         h2_max_frame_size_bytes, h2_max_concurrent_streams, h2_max_send_buffer_bytes, h3_send_window_bytes, \
         h3_stream_receive_window_bytes, h3_receive_window_bytes, h3_max_concurrent_streams, \
-        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_retry, h3_sockets, h3_send_batch_delay_us, proxy_h2_tls_max_send_buffer_bytes, \
+        h3_mtu_upper_bound_bytes, h3_gso, h3_bbr_switch_bytes, h3_initial_window_packets, h3_retry, h3_sockets, h3_send_batch_delay_us, proxy_h2_tls_max_send_buffer_bytes, \
         proxy_h2_tls_connection_send_buffer_bytes)\n  \
         - `runtime.settings.h3_gso`: `2` is not a whole number from 0 to 1 \
         (fix: write it as a quoted number, e.g. \"1\")\n  \
