@@ -703,7 +703,8 @@ pub struct H3Settings {
     /// Body bytes after which a response switches its connection to BBR.
     pub bbr_switch_bytes: u64,
     /// A new connection's congestion window, in datagrams of its starting size
-    /// (1200 bytes): what it may send in its first round trip.
+    /// (1200 bytes): what it may have in flight in its first round trip (quinn
+    /// stops one datagram short of a full window).
     pub initial_window_packets: u16,
     /// Address validation (Retry) for every new connection, not only under load.
     pub always_retry: bool,

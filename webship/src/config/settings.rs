@@ -205,7 +205,7 @@ runtime_settings! {
             mtu_upper_bound_bytes = MtuBound::Auto, 1200..=65_527, or "auto" = 0;
         "h3_gso" => gso = true, 0..=1;
         "h3_bbr_switch_bytes" => bbr_switch_bytes = 1024 * 1024, 0..=1 << 40;
-        "h3_initial_window_packets" => initial_window_packets = 32, 2..=200;
+        "h3_initial_window_packets" => initial_window_packets = 32, 10..=200;
         "h3_retry" => always_retry = false, 0..=1;
         "h3_sockets" => sockets = 1, 0..=32;
         "h3_send_batch_delay_us" => send_batch_delay_us = 0, 0..=1000;

@@ -49,10 +49,12 @@ impl SwitchingFactory {
 
 impl ControllerFactory for SwitchingFactory {
     /// CUBIC starts from `initial_window_packets` datagrams of the connection's
-    /// starting size. quinn's own default is RFC 9002's ten (12,000 bytes at 1200);
-    /// the setting's default, 32, is what quic-go (Caddy) and Chromium's QUIC start
-    /// from: about two round trips less of slow start before a 1 MiB response is out
-    /// (docs/benchmarks.md, "The initial window").
+    /// starting size: quinn passes `TransportConfig::initial_mtu` here (1200, which
+    /// Webship leaves as it is) for every new path, reset and migration, not the
+    /// MTU DPLPMTUD found. quinn's own default is RFC 9002's ten (12,000 bytes); the
+    /// setting's default, 32 (38,400 bytes), is the packet count quic-go (Caddy) and
+    /// Chromium's QUIC start from: 1.5–2 round trips less of slow start before a
+    /// 1 MiB response is out (docs/benchmarks.md, "The initial window").
     fn build(self: Arc<Self>, now: Instant, current_mtu: u16) -> Box<dyn Controller> {
         let mut cubic = CubicConfig::default();
         cubic.initial_window(u64::from(self.initial_window_packets) * u64::from(current_mtu));
@@ -89,9 +91,14 @@ impl Switching {
         if self.bbr.is_some() || !self.signal.is_raised() {
             return;
         }
-        // BBR starts from the window CUBIC reached, not from its 10-packet default.
+        // BBR starts from the window CUBIC reached (not from quinn's BBR default of
+        // 200 packets), and from no less than RFC 9002's initial window at the
+        // current datagram size. Not from `h3_initial_window_packets`: a CUBIC that
+        // has just backed off after a loss would be lifted back to it.
+        let mtu = u64::from(self.mtu);
+        let rfc9002 = (10 * mtu).min(14_720.max(2 * mtu));
         let mut config = BbrConfig::default();
-        config.initial_window(self.cubic.window().max(self.cubic.initial_window()));
+        config.initial_window(self.cubic.window().max(rfc9002));
         self.bbr = Some(Arc::new(config).build(now, self.mtu));
         super::stats::BBR_SWITCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -207,6 +214,31 @@ mod tests {
         c.on_sent(now, 1200, 1);
         assert_eq!(c.window(), 38_400);
         assert!(switching(c).bbr.is_some());
+    }
+
+    /// A switch right after a loss starts BBR from the window CUBIC backed off to
+    /// (or RFC 9002's initial window at the current size, if that is more), not
+    /// from the configured initial window the loss just proved too much.
+    #[test]
+    fn a_switch_after_a_loss_does_not_restore_the_initial_window() {
+        let now = Instant::now();
+        let signal = BulkSignal::default();
+        let mut c = Arc::new(SwitchingFactory::new(signal.clone(), 200)).build(now, 1200);
+        c.on_mtu_update(1452);
+        for pn in 0..20 {
+            c.on_sent(now, 1452, pn);
+        }
+        c.on_congestion_event(now, now, false, 1452);
+        let backed_off = c.window();
+        assert!(
+            backed_off < 200 * 1200,
+            "CUBIC must have backed off: {backed_off}"
+        );
+        signal.raise();
+        c.on_sent(now, 1452, 20);
+        let switched = switching(c);
+        let bbr = switched.bbr.as_ref().unwrap().window();
+        assert_eq!(bbr, backed_off.max(14_520), "RFC 9002's window at 1452 is 14,520");
     }
 
     #[test]

@@ -181,8 +181,17 @@ fn h3_settings() {
     assert_eq!(config.h3.bbr_switch_bytes, 0);
     let problems = f.problems(&format!(
         "{base}h3_gso = \"2\"\nh3_mtu_upper_bound_bytes = \"70000\"\nh3_send_batch_delay_us = \"1001\"\n\
-         h3_initial_window_packets = \"1\"\n"
+         h3_initial_window_packets = \"9\"\n"
     ));
+    assert_eq!(
+        problems[1].to_string(),
+        "`runtime.settings.h3_initial_window_packets`: `9` is not a whole number from 10 to 200 \
+         (fix: write it as a quoted number, e.g. \"32\")"
+    );
+    assert_eq!(
+        f.problems(&format!("{base}h3_initial_window_packets = \"201\"\n"))[0].key,
+        "runtime.settings.h3_initial_window_packets"
+    );
     assert_eq!(
         problems[2].to_string(),
         "`runtime.settings.h3_mtu_upper_bound_bytes`: `70000` is not \"auto\" or a whole number \
