@@ -285,14 +285,14 @@ impl Intake {
             let signal = BulkSignal::default();
             let mut config = with_crypto(&self.base, crypto);
             let webtransport = drivers.webtransport_sessions > 0;
-            let sizes = mtu::sizes(
+            let mtu_upper_bound = mtu::upper_bound(
                 drivers.h3.mtu_upper_bound_bytes,
                 incoming.local_ip(),
                 incoming.remote_address(),
             );
             config.transport_config(Arc::new(transport(
                 &drivers.h3,
-                sizes,
+                mtu_upper_bound,
                 &drivers.limits,
                 webtransport,
                 signal.clone(),

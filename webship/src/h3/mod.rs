@@ -89,11 +89,11 @@ pub(crate) fn quic_crypto(tls: Arc<rustls::ServerConfig>) -> Result<Arc<QuicServ
         .map_err(|e| H3Error::Crypto(e.to_string()))
 }
 
-/// One connection's transport parameters; `sizes` are its starting datagram size
-/// and DPLPMTUD's ceiling (see [`mtu`]).
+/// One connection's transport parameters; `mtu_upper_bound` is its DPLPMTUD ceiling
+/// (see [`mtu`]).
 fn transport(
     settings: &H3Settings,
-    sizes: mtu::Sizes,
+    mtu_upper_bound: u16,
     limits: &Limits,
     webtransport: bool,
     signal: BulkSignal,
@@ -121,8 +121,8 @@ fn transport(
             settings.initial_window_packets,
         )));
     let mut mtud = quinn::MtuDiscoveryConfig::default();
-    mtud.upper_bound(sizes.ceiling);
-    t.mtu_discovery_config(Some(mtud)).initial_mtu(sizes.start);
+    mtud.upper_bound(mtu_upper_bound);
+    t.mtu_discovery_config(Some(mtud));
     t
 }
 

@@ -6,25 +6,11 @@
 //! 1500 bytes or less, the ceiling stays 1452. Otherwise a host whose default route
 //! is a jumbo one (AWS's 9001, jumbo VPCs) would cost internet clients behind a
 //! 1500-byte hop a dozen lost probes per connection, again every ten minutes.
-//!
-//! A client on this host (a local route: its datagrams never leave the host) starts
-//! at that ceiling instead of 1200, as TCP's first segment to a loopback peer is
-//! already 64 KB. TCP sends min(its route's MSS, the peer's MSS option) without
-//! probing; here the path is the host itself, and the peer's limit is its
-//! `max_udp_payload_size` transport parameter, which quinn applies before the
-//! server sends anything (a client advertising 1472 gets 1472). A short response
-//! then leaves in a seventh of the datagrams instead of mostly at 1200 bytes while
-//! DPLPMTUD's dozen probes are out one after another, and the initial window
-//! (`h3_initial_window_packets` datagrams of the starting size) is as large in
-//! bytes. A client that advertises more than it reads loses those datagrams to
-//! quinn's black-hole detection, which drops to 1200. A client on a jumbo link
-//! starts at 1200 and probes: its device's MTU may be smaller than the route's,
-//! and `max_udp_payload_size` speaks of its buffers, not its link.
 
 use std::net::{IpAddr, SocketAddr};
 
 use crate::config::MtuBound;
-use crate::sys::route::{self, Reach};
+use crate::sys::route;
 use crate::sys::udp::route_mtu;
 
 /// The ceiling on ordinary paths, and whenever the route cannot be read: a
@@ -40,63 +26,33 @@ pub(crate) const JUMBO: u16 = 8972;
 /// Routes with an MTU above this are taken for loopback or jumbo-frame LANs.
 const ETHERNET_MTU: u32 = 1500;
 
-/// QUIC's smallest datagram, where quinn starts (and DPLPMTUD searches up from).
-pub(crate) const START: u16 = 1200;
-
-/// One connection's datagram sizes: the payload it starts with and DPLPMTUD's
-/// ceiling.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Sizes {
-    pub start: u16,
-    pub ceiling: u16,
-}
-
-impl Sizes {
-    /// Start at 1200 and probe up to `ceiling`.
-    const fn probing(ceiling: u16) -> Self {
-        Self {
-            start: START,
-            ceiling,
-        }
-    }
-}
-
-/// The sizes for a connection from `peer` that arrived on `local` (when quinn knows
-/// it; the kernel then picks the route the replies take).
-pub(crate) fn sizes(setting: MtuBound, local: Option<IpAddr>, peer: SocketAddr) -> Sizes {
+/// The upper bound for a connection from `peer` that arrived on `local` (when
+/// quinn knows it; the kernel then picks the route the replies take).
+pub(crate) fn upper_bound(setting: MtuBound, local: Option<IpAddr>, peer: SocketAddr) -> u16 {
     match setting {
-        MtuBound::Fixed(n) => Sizes::probing(n),
-        MtuBound::Auto => route_sizes(local, peer).unwrap_or_else(|e| {
+        MtuBound::Fixed(n) => n,
+        MtuBound::Auto => route_ceiling(local, peer).unwrap_or_else(|e| {
             tracing::debug!(%peer, error = %e, "h3: route unknown; DPLPMTUD ceiling {ORDINARY}");
-            Sizes::probing(ORDINARY)
+            ORDINARY
         }),
     }
 }
 
-/// `auto`'s sizes: up to the route's MTU for a client on its link, starting there
-/// for a client on this host; else up to [`ORDINARY`]. The common case costs one
-/// lookup: a route of 1500 or less needs no second.
-fn route_sizes(local: Option<IpAddr>, peer: SocketAddr) -> std::io::Result<Sizes> {
+/// `auto`'s ceiling: the route's MTU for a client on its link, else [`ORDINARY`].
+/// The common case costs one lookup: a route of 1500 or less needs no second.
+fn route_ceiling(local: Option<IpAddr>, peer: SocketAddr) -> std::io::Result<u16> {
     let mtu = route_mtu(local, peer)?;
-    if mtu <= ETHERNET_MTU {
-        return Ok(Sizes::probing(ORDINARY));
+    if mtu <= ETHERNET_MTU || !route::on_link(local, peer)? {
+        return Ok(ORDINARY);
     }
-    let jumbo = ceiling(mtu, !peer.ip().to_canonical().is_ipv4());
-    Ok(match route::reach(local, peer)? {
-        Reach::ThisHost => Sizes {
-            start: jumbo,
-            ceiling: jumbo,
-        },
-        Reach::Link => Sizes::probing(jumbo),
-        Reach::Beyond => Sizes::probing(ORDINARY),
-    })
+    Ok(ceiling(mtu, !peer.ip().to_canonical().is_ipv4()))
 }
 
 /// The bound a setting gives before any peer is known (the endpoint's base config).
-pub(crate) fn without_peer(setting: MtuBound) -> Sizes {
+pub(crate) fn without_peer(setting: MtuBound) -> u16 {
     match setting {
-        MtuBound::Fixed(n) => Sizes::probing(n),
-        MtuBound::Auto => Sizes::probing(ORDINARY),
+        MtuBound::Fixed(n) => n,
+        MtuBound::Auto => ORDINARY,
     }
 }
 
@@ -142,29 +98,27 @@ mod tests {
         }
     }
 
-    /// Loopback's route (65536 here) gives the jumbo ceiling, and a client on this
-    /// host starts there; a number is used as written, without a lookup, from
-    /// 1200; a local address that is not this host's (so no route can be read)
-    /// gives the ordinary ceiling.
+    /// Loopback's route (65536 here) gives the jumbo ceiling; a number is used as
+    /// written, without a lookup; a local address that is not this host's (so no
+    /// route can be read) gives the ordinary ceiling.
     #[test]
     fn auto_reads_the_route_and_a_number_does_not() {
         let peer: SocketAddr = "127.0.0.1:4433".parse().unwrap();
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:4433".parse().unwrap();
-        let here = Sizes {
-            start: JUMBO,
-            ceiling: JUMBO,
-        };
-        assert_eq!(sizes(MtuBound::Auto, None, peer), here);
-        assert_eq!(sizes(MtuBound::Auto, Some("::".parse().unwrap()), mapped), here);
-        assert_eq!(sizes(MtuBound::Fixed(1400), None, peer), Sizes::probing(1400));
+        assert_eq!(upper_bound(MtuBound::Auto, None, peer), JUMBO);
+        assert_eq!(
+            upper_bound(MtuBound::Auto, Some("::".parse().unwrap()), mapped),
+            JUMBO
+        );
+        assert_eq!(upper_bound(MtuBound::Fixed(1400), None, peer), 1400);
         if std::net::UdpSocket::bind("192.0.2.1:0").is_err() {
             assert_eq!(
-                sizes(MtuBound::Auto, Some("192.0.2.1".parse().unwrap()), peer),
-                Sizes::probing(ORDINARY)
+                upper_bound(MtuBound::Auto, Some("192.0.2.1".parse().unwrap()), peer),
+                ORDINARY
             );
         }
-        assert_eq!(without_peer(MtuBound::Auto), Sizes::probing(ORDINARY));
-        assert_eq!(without_peer(MtuBound::Fixed(9000)), Sizes::probing(9000));
+        assert_eq!(without_peer(MtuBound::Auto), ORDINARY);
+        assert_eq!(without_peer(MtuBound::Fixed(9000)), 9000);
     }
 
     /// Runs `setup` (arguments to `ip`, one command each) and then `f` on a thread in
@@ -284,8 +238,7 @@ mod tests {
     /// In a namespace of its own ([`TOPOLOGY`]): the route's MTU is 9000 in every
     /// jumbo case, and only a client on the 9000-byte link (or this host) gets the
     /// jumbo ceiling, so a host whose default route is a jumbo one does not make
-    /// internet clients probe sizes their paths drop. Only a client on this host
-    /// starts there.
+    /// internet clients probe sizes their paths drop.
     #[test]
     fn auto_takes_a_jumbo_route_only_to_a_client_on_its_link() {
         let Some(got) = in_own_namespace(TOPOLOGY, || {
@@ -301,7 +254,6 @@ mod tests {
                 // The address it arrived on is link-local too (quinn knows it).
                 (Some("fe80::88:1"), link_local, Some(9000), 8952),
                 (Some("::"), "[::ffff:10.88.0.2]:443".into(), Some(9000), JUMBO),
-                // This host's own addresses: the only ones that start large.
                 (None, "127.0.0.1:443".into(), None, JUMBO),
                 (None, "10.88.0.1:443".into(), None, JUMBO),
                 // Through the gateway: a route, the default route, a next-hop
@@ -324,20 +276,11 @@ mod tests {
                     let local = local.map(|l| l.parse().unwrap());
                     let addr: SocketAddr = peer.parse().unwrap();
                     let mtu = route_mtu(local, addr).map_err(|e| e.to_string());
-                    let this_host = ["127.0.0.1", "10.88.0.1"].contains(&addr.ip().to_string().as_str());
-                    let want = if this_host {
-                        Sizes {
-                            start: want,
-                            ceiling: want,
-                        }
-                    } else {
-                        Sizes::probing(want)
-                    };
                     (
                         format!("{local:?} → {peer}"),
                         mtu,
                         want_mtu,
-                        sizes(MtuBound::Auto, local, addr),
+                        upper_bound(MtuBound::Auto, local, addr),
                         want,
                     )
                 })
@@ -350,7 +293,7 @@ mod tests {
             if let Some(want_mtu) = want_mtu {
                 assert_eq!(mtu, Ok(want_mtu), "route MTU, {case}");
             }
-            assert_eq!(bound, want, "sizes, {case}");
+            assert_eq!(bound, want, "ceiling, {case}");
         }
     }
 }

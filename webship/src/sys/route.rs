@@ -21,7 +21,7 @@ use std::net::{IpAddr, SocketAddr, SocketAddrV6};
 /// socket's view of an IPv4 peer), an IPv6 peer's scope kept (a link-local peer is
 /// on the interface it names), and `local` only when it is a specified address of
 /// the peer's family that can be bound without a scope (not an IPv6 link-local
-/// one: the peer's scope already names the device). Both [`reach`] and
+/// one: the peer's scope already names the device). Both [`on_link`] and
 /// [`super::udp::route_mtu`] ask this.
 pub(crate) fn endpoints(local: Option<IpAddr>, peer: SocketAddr) -> (Option<IpAddr>, SocketAddr) {
     let peer = match peer {
@@ -37,30 +37,20 @@ pub(crate) fn endpoints(local: Option<IpAddr>, peer: SocketAddr) -> (Option<IpAd
     (local, peer)
 }
 
-/// Where a peer is, as far as the route to it tells.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Reach {
-    /// One of this host's own addresses (a local route): datagrams never leave it.
-    ThisHost,
-    /// On the link the route leaves by, so that link's MTU is the path's.
-    Link,
-    /// Behind a gateway or a tunnel, or not a unicast peer: links this host cannot see.
-    Beyond,
-}
-
-/// Where `peer` is from `local`: this host's own address (a local route); on the
-/// link, for a unicast route with no gateway (`RTA_GATEWAY`, `RTA_VIA`, a
-/// multipath next hop) out of a device that has neighbours (not point-to-point,
-/// not `NOARP`: a tunnel's far end is further away than its MTU says); else beyond.
-/// Unspecified, multicast and broadcast peers are always beyond.
-pub(crate) fn reach(local: Option<IpAddr>, peer: SocketAddr) -> io::Result<Reach> {
+/// Whether `peer` is on the link the route from `local` leaves by, so that link's
+/// MTU is the path's: this host's own address (a local route), or a unicast route
+/// with no gateway (`RTA_GATEWAY`, `RTA_VIA`, a multipath next hop) out of a device
+/// that has neighbours (not point-to-point, not `NOARP`: a tunnel's far end is
+/// further away than its MTU says). Unspecified, multicast and broadcast peers are
+/// never on a link.
+pub(crate) fn on_link(local: Option<IpAddr>, peer: SocketAddr) -> io::Result<bool> {
     let (local, peer) = endpoints(local, peer);
     let odd = match peer.ip() {
         IpAddr::V4(a) => a.is_unspecified() || a.is_multicast() || a.is_broadcast(),
         IpAddr::V6(a) => a.is_unspecified() || a.is_multicast(),
     };
     if odd {
-        return Ok(Reach::Beyond);
+        return Ok(false);
     }
     let scope = match peer {
         SocketAddr::V6(v6) if v6.scope_id() != 0 => Some(v6.scope_id()),
@@ -68,12 +58,12 @@ pub(crate) fn reach(local: Option<IpAddr>, peer: SocketAddr) -> io::Result<Reach
     };
     let route = imp::route(local, peer.ip(), scope)?;
     Ok(match route.kind {
-        wire::Kind::Local => Reach::ThisHost,
+        wire::Kind::Local => true,
         wire::Kind::Unicast if !route.via_gateway => match route.device {
-            Some(index) if has_neighbours(imp::device_flags(index)?) => Reach::Link,
-            _ => Reach::Beyond,
+            Some(index) => has_neighbours(imp::device_flags(index)?),
+            None => false,
         },
-        _ => Reach::Beyond,
+        _ => false,
     })
 }
 
@@ -128,7 +118,7 @@ mod wire {
         Other,
     }
 
-    /// The parts of a route lookup's answer [`super::reach`] reads.
+    /// The parts of a route lookup's answer [`super::on_link`] reads.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub(super) struct Route {
         pub kind: Kind,
