@@ -510,17 +510,18 @@ async fn first_round_datagrams(settings: &str) -> usize {
 /// window: the default 32 (quic-go's and Chromium's packet count), against RFC
 /// 9002's ten when set so. Counted on the wire by a relay that delays the client's
 /// datagrams. quinn sends while a full datagram still fits under the window, so a
-/// window of N × 1200 bytes carries N − 1 of them (31 and 9).
+/// window of N × 1200 bytes carries N − 1 of them (31 and 9); runs on a loaded host
+/// also counted N (10).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_first_round_trip_carries_the_initial_window() {
     let default = first_round_datagrams("").await;
     assert!(
-        (27..=31).contains(&default),
+        (27..=32).contains(&default),
         "{default} full datagrams in the first round trip; the default window is 32 × 1200 bytes"
     );
     let ten = first_round_datagrams("h3_initial_window_packets = \"10\"\n").await;
     assert!(
-        (7..=9).contains(&ten),
+        (7..=10).contains(&ten),
         "{ten} full datagrams in the first round trip with a window of 10 × 1200 bytes"
     );
 }
