@@ -172,15 +172,22 @@ mod tests {
 
     use super::*;
 
+    /// A connection's controller with an `initial_window_packets` window, built at
+    /// quinn's starting size, and the signal that switches it.
+    fn controller(initial_window_packets: u16, now: Instant) -> (BulkSignal, Box<dyn Controller>) {
+        let signal = BulkSignal::default();
+        let factory = SwitchingFactory::new(signal.clone(), initial_window_packets);
+        (signal, Arc::new(factory).build(now, 1200))
+    }
+
     fn switching(c: Box<dyn Controller>) -> Box<Switching> {
         c.into_any().downcast::<Switching>().unwrap()
     }
 
     #[test]
     fn switches_only_when_signalled() {
-        let signal = BulkSignal::default();
         let now = Instant::now();
-        let mut c = Arc::new(SwitchingFactory::new(signal.clone(), 10)).build(now, 1200);
+        let (signal, mut c) = controller(10, now);
         c.on_sent(now, 1200, 1);
         assert!(switching(c.clone_box()).bbr.is_none());
         assert!(signal.raise());
@@ -205,10 +212,9 @@ mod tests {
     #[test]
     fn a_connection_starts_from_the_configured_window() {
         let now = Instant::now();
-        let signal = BulkSignal::default();
-        let mut c = Arc::new(SwitchingFactory::new(signal.clone(), 32)).build(now, 1200);
+        let (signal, mut c) = controller(32, now);
         assert_eq!((c.window(), c.initial_window()), (38_400, 38_400));
-        let ten = Arc::new(SwitchingFactory::new(BulkSignal::default(), 10)).build(now, 1200);
+        let (_, ten) = controller(10, now);
         assert_eq!(ten.window(), 12_000, "quinn's and RFC 9002's ten");
         signal.raise();
         c.on_sent(now, 1200, 1);
@@ -222,8 +228,7 @@ mod tests {
     #[test]
     fn a_switch_after_a_loss_does_not_restore_the_initial_window() {
         let now = Instant::now();
-        let signal = BulkSignal::default();
-        let mut c = Arc::new(SwitchingFactory::new(signal.clone(), 200)).build(now, 1200);
+        let (signal, mut c) = controller(200, now);
         c.on_mtu_update(1452);
         for pn in 0..20 {
             c.on_sent(now, 1452, pn);
@@ -244,9 +249,8 @@ mod tests {
     #[test]
     fn connections_do_not_share_a_policy() {
         let now = Instant::now();
-        let (a, b) = (BulkSignal::default(), BulkSignal::default());
-        let mut ca = Arc::new(SwitchingFactory::new(a.clone(), 10)).build(now, 1200);
-        let mut cb = Arc::new(SwitchingFactory::new(b, 10)).build(now, 1200);
+        let (a, mut ca) = controller(10, now);
+        let (_, mut cb) = controller(10, now);
         a.raise();
         ca.on_sent(now, 1200, 1);
         cb.on_sent(now, 1200, 1);
@@ -260,8 +264,7 @@ mod tests {
     #[test]
     fn the_switch_never_shrinks_the_window_below_cubic() {
         let start = Instant::now();
-        let signal = BulkSignal::default();
-        let mut c = Arc::new(SwitchingFactory::new(signal.clone(), 10)).build(start, 1200);
+        let (signal, mut c) = controller(10, start);
         let mut cubic = Arc::new(CubicConfig::default()).build(start, 1200);
         let before = c.window();
         signal.raise();
