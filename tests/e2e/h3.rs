@@ -441,13 +441,13 @@ impl DelayedReturn {
         }
     }
 
-    /// The full-size datagrams (the 1200-byte starting size) the server sent in its
-    /// first round trip after the request reached it: from the first datagram after
-    /// `request_forwarded_after`, up to the moment the relay forwarded the first
-    /// client datagram it received after that datagram (the client's first
-    /// acknowledgement of the response). Nothing the server sent before that moment
-    /// can have been clocked by an acknowledgement of the response.
-    fn first_round(&self, request_forwarded_after: Instant) -> usize {
+    /// The sizes of the datagrams the server sent in its first round trip after the
+    /// request reached it: from the first datagram after `request_forwarded_after`,
+    /// up to the moment the relay forwarded the first client datagram it received
+    /// after that datagram (the client's first acknowledgement of the response).
+    /// Nothing the server sent before that moment can have been clocked by an
+    /// acknowledgement of the response.
+    fn first_round(&self, request_forwarded_after: Instant) -> Vec<usize> {
         let arrivals = self.arrivals.lock().unwrap();
         let forwarded = self.forwarded.lock().unwrap();
         let (start, _) = *arrivals
@@ -462,8 +462,9 @@ impl DelayedReturn {
             .expect("no client datagram after the response began");
         arrivals
             .iter()
-            .filter(|(at, len)| *at >= start && *at < acked && *len >= 1200)
-            .count()
+            .filter(|(at, _)| *at >= start && *at < acked)
+            .map(|&(_, len)| len)
+            .collect()
     }
 }
 
@@ -503,7 +504,59 @@ async fn first_round_datagrams(settings: &str) -> usize {
         .expect("1 MiB across a 400 ms path within 20 s");
     assert_eq!(got.body, body);
     h3.close().await;
-    relay.first_round(sent + DELAY)
+    let round = relay.first_round(sent + DELAY);
+    round.iter().filter(|&&len| len >= 1200).count()
+}
+
+/// The initial window is counted in datagrams of the size DPLPMTUD has confirmed,
+/// as TCP counts it in segments: on loopback, once probes of several KB have come
+/// back (the client idles for a few round trips of a 400 ms path first), a 4 MiB
+/// response's first round trip carries about 32 datagrams of that size, not the
+/// 38,400 bytes 32 × 1200 make (what quinn's byte-counted CUBIC alone sends). Seen:
+/// 278–285 KB; the build before counted 52 KB (38,400 and a probe).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_initial_window_counts_datagrams_of_the_confirmed_size() {
+    const DELAY: Duration = Duration::from_millis(400);
+    let env = Env::new();
+    let body = pattern(4 * MIB as usize);
+    env.write("four.bin", &body);
+    env.write("small.txt", b"small");
+    // `auto`: the relay is on loopback, so the ceiling is 8972; the client takes
+    // datagrams that large (quinn's own default would cap them at 1472).
+    let server = env.start("");
+    let relay = DelayedReturn::start(server.addr(), DELAY).await;
+    let options = H3Options {
+        max_udp_payload: Some(65_527),
+        ..H3Options::default()
+    };
+    let mut h3 = H3Client::connect(relay.addr, HOST, &env.client(b"h3"), &options)
+        .await
+        .unwrap();
+    assert_eq!(h3.fetch("GET", "/small.txt", &[]).await.body, b"small");
+    // DPLPMTUD probes one size per round trip (5086, 7029, 8000, 8486, ...); an
+    // idle connection's window does not grow on their acknowledgements.
+    tokio::time::sleep(6 * DELAY).await;
+    let sent = Instant::now();
+    let got = tokio::time::timeout(Duration::from_secs(30), h3.fetch("GET", "/four.bin", &[]))
+        .await
+        .expect("4 MiB across a 400 ms path within 30 s");
+    assert_eq!(got.body, body);
+    h3.close().await;
+    let round = relay.first_round(sent + DELAY);
+    let bytes: usize = round.iter().sum();
+    let largest = round.iter().copied().max().unwrap_or(0);
+    assert!(
+        largest > 5000,
+        "DPLPMTUD confirmed no size above 5000 before the response: {round:?}"
+    );
+    // Within the window: 32 datagrams of the largest size, plus what it does not
+    // count: one DPLPMTUD probe (one is in flight at a time) and acknowledgements.
+    assert!(
+        (100_000..=33 * largest + 1200).contains(&bytes),
+        "{bytes} bytes in {} datagrams (largest {largest}) in the first round trip; \
+         32 × 1200 bytes would be 38,400",
+        round.len()
+    );
 }
 
 /// A new connection's first round trip carries its `h3_initial_window_packets`
