@@ -395,7 +395,7 @@ impl DelayedReturn {
         let arrivals = Arrivals::default();
         let forwarded = Arc::new(Mutex::new(Vec::new()));
         // The queue between receiving and forwarding is bounded (back-pressure on
-        // the client's socket); the records grow by one per datagram of one 1 MiB
+        // the client's socket); the records grow by one per datagram of one download of a few MiB
         // download.
         let (held, mut due) = tokio::sync::mpsc::channel::<(Instant, Vec<u8>)>(4096);
         let inbound = {
@@ -547,7 +547,7 @@ async fn the_initial_window_counts_datagrams_of_the_confirmed_size() {
     let largest = round.iter().copied().max().unwrap_or(0);
     assert!(
         largest > 5000,
-        "DPLPMTUD confirmed no size above 5000 before the response: {round:?}"
+        "no datagram above 5000 bytes in the first round trip (DPLPMTUD had not raised the size): {round:?}"
     );
     // Within the window: 32 datagrams of the largest size, plus what it does not
     // count: one DPLPMTUD probe (one is in flight at a time) and acknowledgements.

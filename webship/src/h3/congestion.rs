@@ -2,8 +2,8 @@
 //! carries a response that proves bulk, then BBR beside CUBIC — for that connection
 //! only, and never with a smaller window than CUBIC alone would have. The initial
 //! window is counted in datagrams, as TCP counts it in segments: when DPLPMTUD
-//! confirms a larger datagram before the first loss, the window is at least that
-//! many datagrams of the new size.
+//! confirms a larger datagram before the first congestion event, CUBIC starts over
+//! from that many datagrams of the new size.
 //!
 //! quinn builds one controller per connection from a factory. Each accepted
 //! connection gets its own factory holding a [`BulkSignal`]; the response path raises
@@ -68,7 +68,8 @@ impl ControllerFactory for SwitchingFactory {
             signal: self.signal.clone(),
             mtu: current_mtu,
             initial_window_packets: self.initial_window_packets,
-            initial_window: Some(initial),
+            recounting: true,
+            now,
         })
     }
 }
@@ -92,15 +93,18 @@ struct Switching {
     mtu: u16,
     /// `h3_initial_window_packets`.
     initial_window_packets: u16,
-    /// The initial window recounted at the largest datagram size DPLPMTUD has
-    /// confirmed (a probe of that size was acknowledged), which CUBIC's window is
-    /// kept at or above; `None` from the first congestion event on. quinn's CUBIC
-    /// counts bytes, so without it a connection that starts at 1200 bytes and finds
-    /// 8972 keeps a window of 38 KB while TCP's ten segments on the same loopback
-    /// are 640 KB: on loopback a 1 MiB response spent a third longer in slow start
-    /// (docs/benchmarks.md, "The initial window, counted in datagrams"). The floor
-    /// only follows sizes the path has carried, and a loss ends it for good.
-    initial_window: Option<u64>,
+    /// Whether the initial window is still recounted: until the first congestion
+    /// event (a loss or an ECN mark) and the first fall back to a smaller size, each
+    /// larger size DPLPMTUD confirms (a probe of that size was acknowledged) starts
+    /// CUBIC over from `initial_window_packets` datagrams of it, or from the window
+    /// it reached if that is more. quinn's CUBIC counts bytes, so without it a
+    /// connection that starts at 1200 bytes and finds 8972 keeps a window of 38 KB,
+    /// where TCP's ten segments on the same loopback are 640 KB, and a lone 1 MiB
+    /// response spent 0.25–0.55 ms longer in slow start (docs/benchmarks.md, "The
+    /// initial window, counted in datagrams"). Only sizes the path has carried count.
+    recounting: bool,
+    /// The latest time quinn has passed in, for building a controller.
+    now: Instant,
 }
 
 impl Switching {
@@ -115,14 +119,20 @@ impl Switching {
         let mtu = u64::from(self.mtu);
         let rfc9002 = (10 * mtu).min(14_720.max(2 * mtu));
         let mut config = BbrConfig::default();
-        config.initial_window(self.cubic_window().max(rfc9002));
+        config.initial_window(self.cubic.window().max(rfc9002));
         self.bbr = Some(Arc::new(config).build(now, self.mtu));
         super::stats::BBR_SWITCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// CUBIC's window, held at the recounted initial window until the first loss.
-    fn cubic_window(&self) -> u64 {
-        self.cubic.window().max(self.initial_window.unwrap_or(0))
+    /// CUBIC started over from the initial window recounted at `mtu`. Nothing but
+    /// the window is lost: before its first congestion event quinn's CUBIC holds
+    /// only its window and datagram size (no threshold, recovery or cubic state
+    /// yet); `a_loss_cuts_the_recounted_window_as_cubic_would` pins the outcome.
+    fn recount(&mut self, mtu: u16) {
+        let recounted = u64::from(self.initial_window_packets) * u64::from(mtu);
+        let mut config = CubicConfig::default();
+        config.initial_window(self.cubic.window().max(recounted));
+        self.cubic = Arc::new(config).build(self.now, mtu);
     }
 
     fn each(&mut self, mut f: impl FnMut(&mut dyn Controller)) {
@@ -135,11 +145,13 @@ impl Switching {
 
 impl Controller for Switching {
     fn on_sent(&mut self, now: Instant, bytes: u64, last_packet_number: u64) {
+        self.now = now;
         self.maybe_switch(now);
         self.each(|c| c.on_sent(now, bytes, last_packet_number));
     }
 
     fn on_ack(&mut self, now: Instant, sent: Instant, bytes: u64, app_limited: bool, rtt: &RttEstimator) {
+        self.now = now;
         self.each(|c| c.on_ack(now, sent, bytes, app_limited, rtt));
     }
 
@@ -148,25 +160,28 @@ impl Controller for Switching {
     }
 
     fn on_congestion_event(&mut self, now: Instant, sent: Instant, persistent: bool, lost_bytes: u64) {
-        self.initial_window = None;
+        self.recounting = false;
+        self.now = now;
         self.each(|c| c.on_congestion_event(now, sent, persistent, lost_bytes));
     }
 
-    /// quinn calls this when a probe of a larger size is acknowledged, which raises
-    /// the recounted initial window, and when black hole detection falls back to a
-    /// smaller size, which ends it: the path no longer carries what it was counted in.
+    /// quinn calls this when a probe of a larger size is acknowledged, which
+    /// recounts the initial window while [`Switching::recounting`], and when black
+    /// hole detection falls back to a smaller size, which ends the recounting (CUBIC
+    /// keeps its window in bytes; quinn reports the losses that detected the black
+    /// hole as a congestion event right after).
     fn on_mtu_update(&mut self, new_mtu: u16) {
         if new_mtu < self.mtu {
-            self.initial_window = None;
-        } else if let Some(initial) = self.initial_window.as_mut() {
-            *initial = (*initial).max(u64::from(self.initial_window_packets) * u64::from(new_mtu));
+            self.recounting = false;
+        } else if new_mtu > self.mtu && self.recounting {
+            self.recount(new_mtu);
         }
         self.mtu = new_mtu;
         self.each(|c| c.on_mtu_update(new_mtu));
     }
 
     fn window(&self) -> u64 {
-        let cubic = self.cubic_window();
+        let cubic = self.cubic.window();
         self.bbr.as_ref().map_or(cubic, |bbr| bbr.window().max(cubic))
     }
 
@@ -186,7 +201,8 @@ impl Controller for Switching {
             signal: self.signal.clone(),
             mtu: self.mtu,
             initial_window_packets: self.initial_window_packets,
-            initial_window: self.initial_window,
+            recounting: self.recounting,
+            now: self.now,
         })
     }
 
@@ -279,9 +295,9 @@ mod tests {
         assert_eq!(bbr, backed_off.max(14_520), "RFC 9002's window at 1452 is 14,520");
     }
 
-    /// When DPLPMTUD confirms a larger datagram before any loss, the window is at
-    /// least the configured count of datagrams of that size (32 × 8972 on loopback),
-    /// and a switch to BBR starts from it.
+    /// When DPLPMTUD confirms a larger datagram before any congestion event, CUBIC
+    /// starts over from the configured count of datagrams of that size (32 × 8972
+    /// on loopback), and a switch to BBR starts from that window.
     #[test]
     fn the_initial_window_is_counted_in_confirmed_datagrams() {
         let now = Instant::now();
@@ -297,37 +313,35 @@ mod tests {
         assert_eq!(switched.bbr.as_ref().unwrap().window(), 32 * 8972);
     }
 
-    /// A congestion event ends the recount for the connection's life: the window is
-    /// CUBIC's backed-off one, and a larger size confirmed afterwards does not lift it.
+    /// The recounted window is CUBIC's own: a loss cuts it as CUBIC cuts any window
+    /// (to 0.7 of it), and ends the recounting, so a larger size confirmed after
+    /// the loss leaves the window where the loss put it.
     #[test]
-    fn a_loss_ends_the_recounted_initial_window() {
+    fn a_loss_cuts_the_recounted_window_as_cubic_would() {
         let now = Instant::now();
         let (_, mut c) = controller(32, now);
-        c.on_mtu_update(8972);
+        c.on_mtu_update(5086);
         for pn in 0..20 {
-            c.on_sent(now, 8972, pn);
+            c.on_sent(now, 5086, pn);
         }
-        c.on_congestion_event(now, now, false, 8972);
-        let backed_off = c.window();
-        assert!(
-            backed_off < 38_400,
-            "CUBIC's own window, backed off: {backed_off}"
-        );
+        c.on_congestion_event(now, now, false, 5086);
+        let cut = c.window();
+        assert_eq!(cut, (32.0 * 5086.0 * 0.7) as u64, "CUBIC's beta of 0.7");
         c.on_mtu_update(8972);
-        assert_eq!(c.window(), backed_off);
+        assert_eq!(c.window(), cut);
     }
 
-    /// Black hole detection falling back to a smaller size ends the recount too,
-    /// whichever order quinn reports the size and the losses in.
+    /// Black hole detection falling back to a smaller size ends the recounting: a
+    /// larger size confirmed later leaves the window as it was.
     #[test]
-    fn a_smaller_datagram_size_ends_the_recounted_initial_window() {
+    fn a_smaller_datagram_size_ends_the_recounting() {
         let now = Instant::now();
         let (_, mut c) = controller(32, now);
-        c.on_mtu_update(8972);
+        c.on_mtu_update(5086);
         c.on_mtu_update(1200);
-        assert_eq!(c.window(), 38_400, "CUBIC's initial window in bytes");
-        c.on_mtu_update(1452);
-        assert_eq!(c.window(), 38_400);
+        assert_eq!(c.window(), 32 * 5086, "CUBIC keeps its window in bytes");
+        c.on_mtu_update(8972);
+        assert_eq!(c.window(), 32 * 5086);
     }
 
     #[test]
