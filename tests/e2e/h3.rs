@@ -476,73 +476,74 @@ impl Drop for DelayedReturn {
     }
 }
 
-/// How many full datagrams a 1 MiB response puts on a 400 ms path in its first round
-/// trip, with `settings` under `[runtime.settings]`. The MTU stays at 1200 (no
-/// DPLPMTUD probes take part of the window). quinn paces the round in bursts of ten
-/// datagrams about a quarter of the round trip apart, so the last leaves ~0.75 of
-/// it after the first: a 400 ms trip leaves ~100 ms for a loaded host's stalls.
-async fn first_round_datagrams(settings: &str) -> usize {
+/// The sizes of the datagrams a response of `len` bytes puts on a 400 ms path in its
+/// first round trip: a server with `settings` under `[runtime.settings]`, a client
+/// with `options`, one small exchange first (the handshake is confirmed and the
+/// server has its round-trip estimate; an idle connection's window does not grow on
+/// its acks), then `idle` without traffic, then the response, its body checked.
+/// quinn paces a round in bursts of at least ten datagrams about a quarter of the
+/// round trip apart, so the last leaves ~0.75 of it after the first: a 400 ms trip
+/// leaves ~100 ms for a loaded host's stalls.
+async fn first_round_on_a_slow_path(
+    settings: &str,
+    options: &H3Options,
+    len: usize,
+    idle: Duration,
+) -> Vec<usize> {
     const DELAY: Duration = Duration::from_millis(400);
     let env = Env::new();
-    let body = pattern(MIB as usize);
-    env.write("one.bin", &body);
+    let body = pattern(len);
+    env.write("body.bin", &body);
     env.write("small.txt", b"small");
-    let server = env.start(&format!(
-        "[runtime.settings]\nh3_mtu_upper_bound_bytes = \"1200\"\n{settings}"
-    ));
+    let server = env.start(&format!("[runtime.settings]\n{settings}"));
     let relay = DelayedReturn::start(server.addr(), DELAY).await;
-    let mut h3 = H3Client::connect(relay.addr, HOST, &env.client(b"h3"), &H3Options::default())
+    let mut h3 = H3Client::connect(relay.addr, HOST, &env.client(b"h3"), options)
         .await
         .unwrap();
-    // One small exchange first: the handshake is confirmed and the server has its
-    // round-trip estimate; an idle connection's window does not grow on its acks.
     assert_eq!(h3.fetch("GET", "/small.txt", &[]).await.body, b"small");
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    tokio::time::sleep(idle).await;
     let sent = Instant::now();
-    let got = tokio::time::timeout(Duration::from_secs(20), h3.fetch("GET", "/one.bin", &[]))
+    let got = tokio::time::timeout(Duration::from_secs(30), h3.fetch("GET", "/body.bin", &[]))
         .await
-        .expect("1 MiB across a 400 ms path within 20 s");
+        .expect("the response across a 400 ms path within 30 s");
     assert_eq!(got.body, body);
     h3.close().await;
-    let round = relay.first_round(sent + DELAY);
+    relay.first_round(sent + DELAY)
+}
+
+/// How many full datagrams a 1 MiB response puts in its first round trip on the
+/// 400 ms path, with `settings`. The MTU stays at 1200 (no DPLPMTUD probes take
+/// part of the window).
+async fn first_round_datagrams(settings: &str) -> usize {
+    let settings = format!("h3_mtu_upper_bound_bytes = \"1200\"\n{settings}");
+    let round = first_round_on_a_slow_path(
+        &settings,
+        &H3Options::default(),
+        MIB as usize,
+        Duration::from_millis(50),
+    )
+    .await;
     round.iter().filter(|&&len| len >= 1200).count()
 }
 
 /// The initial window is counted in datagrams of the size DPLPMTUD has confirmed,
 /// as TCP counts it in segments: on loopback, once probes of several KB have come
-/// back (the client idles for a few round trips of a 400 ms path first), a 4 MiB
+/// back (the client idles for a few round trips of the 400 ms path first), a 4 MiB
 /// response's first round trip carries about 32 datagrams of that size, not the
 /// 38,400 bytes 32 × 1200 make (what quinn's byte-counted CUBIC alone sends). Seen:
-/// 278–285 KB; the build before counted 52 KB (38,400 and a probe).
+/// 287 KB (278–285 with a first version); the build before counted 52 KB (38,400
+/// and a probe).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_initial_window_counts_datagrams_of_the_confirmed_size() {
-    const DELAY: Duration = Duration::from_millis(400);
-    let env = Env::new();
-    let body = pattern(4 * MIB as usize);
-    env.write("four.bin", &body);
-    env.write("small.txt", b"small");
     // `auto`: the relay is on loopback, so the ceiling is 8972; the client takes
-    // datagrams that large (quinn's own default would cap them at 1472).
-    let server = env.start("");
-    let relay = DelayedReturn::start(server.addr(), DELAY).await;
+    // datagrams that large (quinn's own default would cap them at 1472). DPLPMTUD
+    // probes one size per round trip (5086, 7029, 8000, 8486, ...) meanwhile; an
+    // idle connection's window does not grow on their acknowledgements.
     let options = H3Options {
         max_udp_payload: Some(65_527),
         ..H3Options::default()
     };
-    let mut h3 = H3Client::connect(relay.addr, HOST, &env.client(b"h3"), &options)
-        .await
-        .unwrap();
-    assert_eq!(h3.fetch("GET", "/small.txt", &[]).await.body, b"small");
-    // DPLPMTUD probes one size per round trip (5086, 7029, 8000, 8486, ...); an
-    // idle connection's window does not grow on their acknowledgements.
-    tokio::time::sleep(6 * DELAY).await;
-    let sent = Instant::now();
-    let got = tokio::time::timeout(Duration::from_secs(30), h3.fetch("GET", "/four.bin", &[]))
-        .await
-        .expect("4 MiB across a 400 ms path within 30 s");
-    assert_eq!(got.body, body);
-    h3.close().await;
-    let round = relay.first_round(sent + DELAY);
+    let round = first_round_on_a_slow_path("", &options, 4 * MIB as usize, Duration::from_millis(2400)).await;
     let bytes: usize = round.iter().sum();
     let largest = round.iter().copied().max().unwrap_or(0);
     assert!(

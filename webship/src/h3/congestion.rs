@@ -53,8 +53,8 @@ impl SwitchingFactory {
 impl ControllerFactory for SwitchingFactory {
     /// CUBIC starts from `initial_window_packets` datagrams of the connection's
     /// starting size: quinn passes `TransportConfig::initial_mtu` here (1200, which
-    /// Webship leaves as it is) for every new path, reset and migration, not the
-    /// MTU DPLPMTUD found. quinn's own default is RFC 9002's ten (12,000 bytes); the
+    /// Webship leaves as it is) for every new path and reset, not the MTU DPLPMTUD
+    /// found (a NAT rebinding clones the controller instead: [`Controller::clone_box`]). quinn's own default is RFC 9002's ten (12,000 bytes); the
     /// setting's default, 32 (38,400 bytes), is the packet count quic-go (Caddy) and
     /// Chromium's QUIC start from: 1.5–2 round trips less of slow start before a
     /// 1 MiB response is out (docs/benchmarks.md, "The initial window").
@@ -94,7 +94,8 @@ struct Switching {
     /// `h3_initial_window_packets`.
     initial_window_packets: u16,
     /// Whether the initial window is still recounted: until the first congestion
-    /// event (a loss or an ECN mark) and the first fall back to a smaller size, each
+    /// event (a lost packet other than a DPLPMTUD probe, or an ECN mark) or the first
+    /// fall back to a smaller size, and never on a path cloned for a NAT rebinding, each
     /// larger size DPLPMTUD confirms (a probe of that size was acknowledged) starts
     /// CUBIC over from `initial_window_packets` datagrams of it, or from the window
     /// it reached if that is more. quinn's CUBIC counts bytes, so without it a
@@ -124,10 +125,12 @@ impl Switching {
         super::stats::BBR_SWITCHES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// CUBIC started over from the initial window recounted at `mtu`. Nothing but
-    /// the window is lost: before its first congestion event quinn's CUBIC holds
-    /// only its window and datagram size (no threshold, recovery or cubic state
-    /// yet); `a_loss_cuts_the_recounted_window_as_cubic_would` pins the outcome.
+    /// CUBIC started over from the initial window recounted at `mtu`, or from the
+    /// window it reached if that is more. Only the window (and the initial window
+    /// CUBIC reports, which quinn reads from fresh controllers only) changes: before
+    /// its first congestion event quinn's CUBIC holds nothing but its window and
+    /// datagram size (no threshold, recovery or cubic state yet), and its `now` is
+    /// unused; `a_loss_cuts_the_recounted_window_as_cubic_would` pins the outcome.
     fn recount(&mut self, mtu: u16) {
         let recounted = u64::from(self.initial_window_packets) * u64::from(mtu);
         let mut config = CubicConfig::default();
@@ -194,6 +197,11 @@ impl Controller for Switching {
         metrics
     }
 
+    /// quinn clones the controller for a path a NAT rebinding moved the client to,
+    /// with its DPLPMTUD state and any probe in flight on the old path, and holds
+    /// back acknowledgements from the controller until the new path is validated.
+    /// The clone keeps the window but recounts no further: a probe the old path
+    /// carried proves nothing about the new one.
     fn clone_box(&self) -> Box<dyn Controller> {
         Box::new(Switching {
             cubic: self.cubic.clone_box(),
@@ -201,7 +209,7 @@ impl Controller for Switching {
             signal: self.signal.clone(),
             mtu: self.mtu,
             initial_window_packets: self.initial_window_packets,
-            recounting: self.recounting,
+            recounting: false,
             now: self.now,
         })
     }
@@ -231,6 +239,14 @@ mod tests {
 
     fn switching(c: Box<dyn Controller>) -> Box<Switching> {
         c.into_any().downcast::<Switching>().unwrap()
+    }
+
+    /// Twenty datagrams of `size` sent, then a congestion event.
+    fn lose_one(c: &mut dyn Controller, now: Instant, size: u16) {
+        for pn in 0..20 {
+            c.on_sent(now, size.into(), pn);
+        }
+        c.on_congestion_event(now, now, false, size.into());
     }
 
     #[test]
@@ -279,10 +295,7 @@ mod tests {
         let now = Instant::now();
         let (signal, mut c) = controller(200, now);
         c.on_mtu_update(1452);
-        for pn in 0..20 {
-            c.on_sent(now, 1452, pn);
-        }
-        c.on_congestion_event(now, now, false, 1452);
+        lose_one(c.as_mut(), now, 1452);
         let backed_off = c.window();
         assert!(
             backed_off < 200 * 1200,
@@ -315,16 +328,15 @@ mod tests {
 
     /// The recounted window is CUBIC's own: a loss cuts it as CUBIC cuts any window
     /// (to 0.7 of it), and ends the recounting, so a larger size confirmed after
-    /// the loss leaves the window where the loss put it.
+    /// the loss leaves the window where the loss put it. (Being CUBIC's own, slow
+    /// start adds to it as well; acknowledgements are not driven here, as only
+    /// quinn can build the `RttEstimator` they take.)
     #[test]
     fn a_loss_cuts_the_recounted_window_as_cubic_would() {
         let now = Instant::now();
         let (_, mut c) = controller(32, now);
         c.on_mtu_update(5086);
-        for pn in 0..20 {
-            c.on_sent(now, 5086, pn);
-        }
-        c.on_congestion_event(now, now, false, 5086);
+        lose_one(c.as_mut(), now, 5086);
         let cut = c.window();
         assert_eq!(cut, (32.0 * 5086.0 * 0.7) as u64, "CUBIC's beta of 0.7");
         c.on_mtu_update(8972);
@@ -342,6 +354,21 @@ mod tests {
         assert_eq!(c.window(), 32 * 5086, "CUBIC keeps its window in bytes");
         c.on_mtu_update(8972);
         assert_eq!(c.window(), 32 * 5086);
+    }
+
+    /// A controller cloned for a NAT rebinding keeps the window and recounts no
+    /// further.
+    #[test]
+    fn a_cloned_controller_recounts_no_further() {
+        let now = Instant::now();
+        let (_, mut c) = controller(32, now);
+        c.on_mtu_update(5086);
+        let mut clone = c.clone_box();
+        assert_eq!(clone.window(), 32 * 5086);
+        clone.on_mtu_update(8972);
+        assert_eq!(clone.window(), 32 * 5086);
+        c.on_mtu_update(8972);
+        assert_eq!(c.window(), 32 * 8972, "the original still recounts");
     }
 
     #[test]
