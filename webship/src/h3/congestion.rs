@@ -54,10 +54,11 @@ impl ControllerFactory for SwitchingFactory {
     /// CUBIC starts from `initial_window_packets` datagrams of the connection's
     /// starting size: quinn passes `TransportConfig::initial_mtu` here (1200, which
     /// Webship leaves as it is) for every new path and reset, not the MTU DPLPMTUD
-    /// found (a NAT rebinding clones the controller instead: [`Controller::clone_box`]). quinn's own default is RFC 9002's ten (12,000 bytes); the
-    /// setting's default, 32 (38,400 bytes), is the packet count quic-go (Caddy) and
-    /// Chromium's QUIC start from: 1.5–2 round trips less of slow start before a
-    /// 1 MiB response is out (docs/benchmarks.md, "The initial window").
+    /// found (a NAT rebinding clones the controller instead: `clone_box`). quinn's
+    /// own default is RFC 9002's ten (12,000 bytes); the setting's default, 32
+    /// (38,400 bytes), is the packet count quic-go (Caddy) and Chromium's QUIC start
+    /// from: 1.5–2 round trips less of slow start before a 1 MiB response is out
+    /// (docs/benchmarks.md, "The initial window").
     fn build(self: Arc<Self>, now: Instant, current_mtu: u16) -> Box<dyn Controller> {
         let initial = u64::from(self.initial_window_packets) * u64::from(current_mtu);
         let mut cubic = CubicConfig::default();
@@ -94,11 +95,11 @@ struct Switching {
     /// `h3_initial_window_packets`.
     initial_window_packets: u16,
     /// Whether the initial window is still recounted: until the first congestion
-    /// event (a lost packet other than a DPLPMTUD probe, or an ECN mark) or the first
-    /// fall back to a smaller size, and never on a path cloned for a NAT rebinding, each
-    /// larger size DPLPMTUD confirms (a probe of that size was acknowledged) starts
-    /// CUBIC over from `initial_window_packets` datagrams of it, or from the window
-    /// it reached if that is more. quinn's CUBIC counts bytes, so without it a
+    /// event (a lost packet other than a DPLPMTUD probe, or an ECN mark) or the
+    /// first fall back to a smaller size, and never on a path cloned for a NAT
+    /// rebinding, each larger size DPLPMTUD confirms (a probe of that size was
+    /// acknowledged) starts CUBIC over from `initial_window_packets` datagrams of
+    /// it, or from the window it reached if that is more. quinn's CUBIC counts bytes, so without it a
     /// connection that starts at 1200 bytes and finds 8972 keeps a window of 38 KB,
     /// where TCP's ten segments on the same loopback are 640 KB, and a lone 1 MiB
     /// response spent 0.25–0.55 ms longer in slow start (docs/benchmarks.md, "The
