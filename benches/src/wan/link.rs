@@ -11,7 +11,7 @@
 //! Each thread sleeps in `poll` until its input is readable or its oldest packet
 //! is due (no spinning), then reads every packet waiting (a batch) and writes
 //! every packet due. Buffers are recycled, and packets in flight are capped
-//! ([`MAX_IN_FLIGHT`]), so memory is bounded whatever the peers send.
+//! ([`MEMORY_BOUND`] of buffers), so memory is bounded whatever the peers send.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -23,12 +23,17 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
-/// Packets one direction holds at once (queued and in the delay line): above the
-/// bandwidth-delay product of every cell (1 Gbit/s × 41 ms ≈ 3,500 packets) plus
-/// the largest queue, and a bound on memory (× [`BUF_LEN`] = 32 MiB).
-const MAX_IN_FLIGHT: usize = 16_384;
-/// Larger than the TUN devices' MTU (1500), so no packet is ever truncated.
-const BUF_LEN: usize = 2048;
+/// The packet buffers one direction holds at most (queued and in the delay line):
+/// 16,384 packets of 1500 bytes, 3,527 of 9000, above the bandwidth-delay product
+/// of every cell (1 Gbit/s × 41 ms ≈ 3,500 packets of 1500 bytes, 570 of 9000)
+/// plus the largest queue.
+const MEMORY_BOUND: usize = 32 << 20;
+
+/// A packet buffer for a TUN device of `mtu`: larger than the MTU, so no packet is
+/// ever truncated (2048 bytes up to 1536).
+fn buffer_len(mtu: u32) -> usize {
+    (mtu as usize + 512).max(2048)
+}
 /// Packets read per wake-up before due packets are written again.
 const READ_BATCH: usize = 64;
 /// The longest a thread sleeps before looking at its stop flag.
@@ -59,7 +64,7 @@ pub(crate) struct Counts {
     pub lost: u64,
     /// Tail-dropped: the queue was full.
     pub overflow: u64,
-    /// Dropped because [`MAX_IN_FLIGHT`] packets were already held.
+    /// Dropped because [`MEMORY_BOUND`] of packets were already held.
     pub over_cap: u64,
     /// The longest queue seen, in bytes.
     pub max_queue_bytes: u64,
@@ -159,7 +164,8 @@ pub(crate) struct Relay {
 }
 
 impl Relay {
-    pub(crate) fn start(a: &File, b: &File, ab: Shape, ba: Shape) -> io::Result<Self> {
+    /// `mtu`: the TUN devices' MTU, which sizes the packet buffers.
+    pub(crate) fn start(a: &File, b: &File, ab: Shape, ba: Shape, mtu: u32) -> io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = Vec::with_capacity(2);
         for (from, to, shape, name) in [(a, b, ab, "wan a→b"), (b, a, ba, "wan b→a")] {
@@ -167,7 +173,7 @@ impl Relay {
             threads.push(
                 std::thread::Builder::new()
                     .name(name.to_owned())
-                    .spawn(move || forward(&from, &to, shape, &stop))?,
+                    .spawn(move || forward(&from, &to, shape, mtu, &stop))?,
             );
         }
         Ok(Self { stop, threads })
@@ -208,10 +214,12 @@ struct Held {
 }
 
 /// One direction's loop until `stop`: read, shape, hold, write when due.
-fn forward(from: &File, to: &File, shape: Shape, stop: &AtomicBool) -> io::Result<Counts> {
+fn forward(from: &File, to: &File, shape: Shape, mtu: u32, stop: &AtomicBool) -> io::Result<Counts> {
     let mut model = Model::new(shape, Instant::now());
     let mut held: VecDeque<Held> = VecDeque::new();
-    // Buffers of delivered or dropped packets, reused (at most MAX_IN_FLIGHT + 1 exist).
+    let buf_len = buffer_len(mtu);
+    let max_in_flight = MEMORY_BOUND / buf_len;
+    // Buffers of delivered or dropped packets, reused (at most max_in_flight + 1 exist).
     let mut spare: Vec<Box<[u8]>> = Vec::new();
     let (mut from_r, mut to_w) = (from, to);
     while !stop.load(Ordering::Relaxed) {
@@ -243,7 +251,7 @@ fn forward(from: &File, to: &File, shape: Shape, stop: &AtomicBool) -> io::Resul
         for _ in 0..READ_BATCH {
             let mut buf = spare
                 .pop()
-                .unwrap_or_else(|| vec![0u8; BUF_LEN].into_boxed_slice());
+                .unwrap_or_else(|| vec![0u8; buf_len].into_boxed_slice());
             let len = match from_r.read(&mut buf) {
                 Ok(len) => len,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
@@ -252,7 +260,7 @@ fn forward(from: &File, to: &File, shape: Shape, stop: &AtomicBool) -> io::Resul
                 }
                 Err(e) => return Err(e),
             };
-            if held.len() >= MAX_IN_FLIGHT {
+            if held.len() >= max_in_flight {
                 model.counts.packets += 1;
                 model.counts.over_cap += 1;
                 spare.push(buf);

@@ -82,6 +82,11 @@ pub(crate) struct WanArgs {
     /// 1 MiB download per Webship mode, no bulk download, no Caddy; fails if any fails.
     #[arg(long)]
     pub smoke: bool,
+    /// The TUN links' MTU: 1500 (Ethernet) or up to 9000 for a jumbo-frame path.
+    /// Above 1500 Webship's DPLPMTUD ceiling is set to the link's UDP payload
+    /// (`auto` keeps 1452 on a TUN device, which is point-to-point).
+    #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(1280..=9000))]
+    pub mtu: u32,
 }
 
 /// The plain-TCP self-test's own client and server (`wan-tcp`), run inside the namespaces.
@@ -250,7 +255,7 @@ fn measure(args: &WanArgs) -> Result<Section> {
         write_prefix(&root.join(FIXTURE_FILE), args.fixture_mib << 20)?;
     }
     let identity = servers::write_identity(scratch.path())?;
-    let wan = Wan::create()?;
+    let wan = Wan::create(args.mtu)?;
     // What `bbr = "off"` leaves each TCP socket with, and the self-test's sender.
     wan.server_congestion("cubic")?;
 
@@ -302,10 +307,17 @@ fn measure(args: &WanArgs) -> Result<Section> {
         0 => String::new(),
         ms => format!(", jitter 0-{ms} ms one way"),
     };
+    let mtu = match args.mtu {
+        1500 => String::new(),
+        mtu => format!(
+            ", links of MTU {mtu} (Webship's h3 DPLPMTUD ceiling {})",
+            mtu - 28
+        ),
+    };
     let _ = writeln!(
         markdown,
         "\nPer link and sender, {bulk}{} of 1 MiB, in interleaved rounds; loss applies in each \
-         direction, the queue holds {} ms of the rate (tail drop){jitter}. Goodput is the median of \
+         direction, the queue holds {} ms of the rate (tail drop){jitter}{mtu}. Goodput is the median of \
          bytes / time to last byte (handshake included); p99 of a few samples is their maximum; a \
          sample over {} s counts as failed. Link drops are the link's, shared by the cell's senders.\n",
         args.samples, args.queue_ms, args.max_secs,
@@ -340,6 +352,7 @@ fn measure(args: &WanArgs) -> Result<Section> {
                     &wan.client_tun,
                     cell.shape(args, seed),
                     cell.shape(args, seed ^ 0x5555),
+                    args.mtu,
                 )?;
                 seed += 1;
                 if first {
@@ -406,13 +419,19 @@ fn webship_command(args: &WanArgs, s: &Settings<'_>, instance: Instance) -> Resu
     let config = format!(
         "listen = \"{SERVER_ADDR}:{port}\"\nworkers = {workers}\nroot = {root:?}\n\n\
          [tls]\ncert = {cert:?}\nkey = {key:?}\n\n\
-         [kernel]\nktls = \"auto\"\nbbr = \"{bbr}\"\nbpf_pin_dir = \"/sys/fs/bpf/webship-bench-wan-{pid}-{port}\"\n",
+         [kernel]\nktls = \"auto\"\nbbr = \"{bbr}\"\nbpf_pin_dir = \"/sys/fs/bpf/webship-bench-wan-{pid}-{port}\"\n{mtu}",
         port = instance.port(),
         workers = s.workers,
         root = s.root,
         cert = s.identity.cert,
         key = s.identity.key,
         pid = std::process::id(),
+        // The link's IPv4 UDP payload; at 1500 `auto` gives the same 1452 bound.
+        mtu = if args.mtu > 1500 {
+            format!("\n[runtime.settings]\nh3_mtu_upper_bound_bytes = \"{}\"\n", args.mtu - 28)
+        } else {
+            String::new()
+        },
     );
     let path = s.dir.join("webship.toml");
     fs::write(&path, config).with_context(|| format!("writing {}", path.display()))?;
@@ -690,7 +709,7 @@ fn self_test(
             },
             |c| c.shape(args, 0),
         );
-        let relay = Relay::start(&wan.server_tun, &wan.client_tun, shape, shape)?;
+        let relay = Relay::start(&wan.server_tun, &wan.client_tun, shape, shape, args.mtu)?;
         let mbits = tcp_stream(wan, args.selftest_secs);
         let (down, up) = relay.stop()?;
         let mbits = mbits?;

@@ -44,8 +44,8 @@ pub(crate) struct Wan {
 }
 
 impl Wan {
-    /// Creates both namespaces and their devices, addressed and up.
-    pub(crate) fn create() -> Result<Self> {
+    /// Creates both namespaces and their devices of `mtu`, addressed and up.
+    pub(crate) fn create(mtu: u32) -> Result<Self> {
         remove_stale();
         let pid = std::process::id();
         let (server_ns, client_ns) = (format!("{PREFIX}{pid}s"), format!("{PREFIX}{pid}c"));
@@ -67,7 +67,7 @@ impl Wan {
                 "dev",
                 ns,
                 "mtu",
-                "1500",
+                &mtu.to_string(),
                 "txqueuelen",
                 TXQUEUELEN,
                 "up",
