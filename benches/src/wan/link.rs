@@ -11,7 +11,7 @@
 //! Each thread sleeps in `poll` until its input is readable or its oldest packet
 //! is due (no spinning), then reads every packet waiting (a batch) and writes
 //! every packet due. Buffers are recycled, and packets in flight are capped
-//! ([`MEMORY_BOUND`] of buffers), so memory is bounded whatever the peers send.
+//! ([`MAX_IN_FLIGHT`]), so memory is bounded whatever the peers send.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -23,11 +23,12 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
-/// The packet buffers one direction holds at most (queued and in the delay line):
-/// 16,384 packets of 1500 bytes, 3,527 of 9000, above the bandwidth-delay product
-/// of every cell (1 Gbit/s × 41 ms ≈ 3,500 packets of 1500 bytes, 570 of 9000)
-/// plus the largest queue.
-const MEMORY_BOUND: usize = 32 << 20;
+/// Packets one direction holds at once (queued and in the delay line): above the
+/// bandwidth-delay product of every cell (1 Gbit/s × 41 ms ≈ 3,500 packets of 1500
+/// bytes) plus the largest queue, whatever size the senders' packets are (at
+/// `--mtu 9000` Caddy's still carry 1452 bytes). Times the buffers' size
+/// ([`buffer_len`]), it bounds memory: 32 MiB at the default MTU, 149 MiB at 9000.
+const MAX_IN_FLIGHT: usize = 16_384;
 
 /// A packet buffer for a TUN device of `mtu`: larger than the MTU, so no packet is
 /// ever truncated (2048 bytes up to 1536).
@@ -64,7 +65,7 @@ pub(crate) struct Counts {
     pub lost: u64,
     /// Tail-dropped: the queue was full.
     pub overflow: u64,
-    /// Dropped because [`MEMORY_BOUND`] of packets were already held.
+    /// Dropped because [`MAX_IN_FLIGHT`] packets were already held.
     pub over_cap: u64,
     /// The longest queue seen, in bytes.
     pub max_queue_bytes: u64,
@@ -218,8 +219,7 @@ fn forward(from: &File, to: &File, shape: Shape, mtu: u32, stop: &AtomicBool) ->
     let mut model = Model::new(shape, Instant::now());
     let mut held: VecDeque<Held> = VecDeque::new();
     let buf_len = buffer_len(mtu);
-    let max_in_flight = MEMORY_BOUND / buf_len;
-    // Buffers of delivered or dropped packets, reused (at most max_in_flight + 1 exist).
+    // Buffers of delivered or dropped packets, reused (at most MAX_IN_FLIGHT + 1 exist).
     let mut spare: Vec<Box<[u8]>> = Vec::new();
     let (mut from_r, mut to_w) = (from, to);
     while !stop.load(Ordering::Relaxed) {
@@ -260,7 +260,7 @@ fn forward(from: &File, to: &File, shape: Shape, mtu: u32, stop: &AtomicBool) ->
                 }
                 Err(e) => return Err(e),
             };
-            if held.len() >= max_in_flight {
+            if held.len() >= MAX_IN_FLIGHT {
                 model.counts.packets += 1;
                 model.counts.over_cap += 1;
                 spare.push(buf);
@@ -278,6 +278,14 @@ fn forward(from: &File, to: &File, shape: Shape, mtu: u32, stop: &AtomicBool) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The default MTU keeps the buffers of before: 2048 bytes, 32 MiB at the cap.
+    #[test]
+    fn buffers_fit_the_mtu() {
+        assert_eq!(buffer_len(1500), 2048);
+        assert_eq!(buffer_len(1500) * MAX_IN_FLIGHT, 32 << 20);
+        assert!(buffer_len(9000) > 9000);
+    }
 
     fn shape(rate_bps: u64, queue_bytes: u64) -> Shape {
         Shape {

@@ -82,9 +82,9 @@ pub(crate) struct WanArgs {
     /// 1 MiB download per Webship mode, no bulk download, no Caddy; fails if any fails.
     #[arg(long)]
     pub smoke: bool,
-    /// The TUN links' MTU: 1500 (Ethernet) or up to 9000 for a jumbo-frame path.
-    /// Above 1500 Webship's DPLPMTUD ceiling is set to the link's UDP payload
-    /// (`auto` keeps 1452 on a TUN device, which is point-to-point).
+    /// The TUN links' MTU: 1500 (Ethernet), 1280 to 9000 for a tunnel or a
+    /// jumbo-frame path. Other than 1500, Webship's DPLPMTUD ceiling is set to the
+    /// link's UDP payload ([`h3_ceiling`]).
     #[arg(long, default_value_t = 1500, value_parser = clap::value_parser!(u32).range(1280..=9000))]
     pub mtu: u32,
 }
@@ -307,13 +307,12 @@ fn measure(args: &WanArgs) -> Result<Section> {
         0 => String::new(),
         ms => format!(", jitter 0-{ms} ms one way"),
     };
-    let mtu = match args.mtu {
-        1500 => String::new(),
-        mtu => format!(
-            ", links of MTU {mtu} (Webship's h3 DPLPMTUD ceiling {})",
-            mtu - 28
-        ),
-    };
+    let mtu = h3_ceiling(args.mtu).map_or_else(String::new, |ceiling| {
+        format!(
+            ", links of MTU {} (Webship's h3 DPLPMTUD ceiling {ceiling})",
+            args.mtu
+        )
+    });
     let _ = writeln!(
         markdown,
         "\nPer link and sender, {bulk}{} of 1 MiB, in interleaved rounds; loss applies in each \
@@ -368,7 +367,7 @@ fn measure(args: &WanArgs) -> Result<Section> {
                     let row = r.row(args, &cell, &down, &up, relay_limited);
                     eprintln!("wan: {row}");
                     let _ = writeln!(markdown, "{row}");
-                    json_rows.push(r.json(&cell, &down, &up));
+                    json_rows.push(r.json(&cell, args.mtu, &down, &up));
                     if let Some(mbits) = median(&r.small) {
                         bars.push((
                             format!("wan {} {}", cell.label(), r.sender.label()),
@@ -412,6 +411,13 @@ fn write_prefix(path: &Path, len: u64) -> Result<()> {
     Ok(())
 }
 
+/// Webship's h3 DPLPMTUD ceiling for links of `mtu`: their IPv4 UDP payload, or
+/// `None` at 1500, where `auto` already gives 1452. (`auto` takes 1452 on any TUN
+/// device, which is point-to-point, so other sizes need the number.)
+fn h3_ceiling(mtu: u32) -> Option<u32> {
+    (mtu != 1500).then(|| mtu - 28)
+}
+
 /// Webship's command line for `instance`, its configuration written: one worker,
 /// listening on the server namespace's address, `[kernel] bbr` as the instance says.
 fn webship_command(args: &WanArgs, s: &Settings<'_>, instance: Instance) -> Result<Command> {
@@ -426,12 +432,9 @@ fn webship_command(args: &WanArgs, s: &Settings<'_>, instance: Instance) -> Resu
         cert = s.identity.cert,
         key = s.identity.key,
         pid = std::process::id(),
-        // The link's IPv4 UDP payload; at 1500 `auto` gives the same 1452 bound.
-        mtu = if args.mtu > 1500 {
-            format!("\n[runtime.settings]\nh3_mtu_upper_bound_bytes = \"{}\"\n", args.mtu - 28)
-        } else {
-            String::new()
-        },
+        mtu = h3_ceiling(args.mtu).map_or_else(String::new, |ceiling| {
+            format!("\n[runtime.settings]\nh3_mtu_upper_bound_bytes = \"{ceiling}\"\n")
+        }),
     );
     let path = s.dir.join("webship.toml");
     fs::write(&path, config).with_context(|| format!("writing {}", path.display()))?;
@@ -630,10 +633,10 @@ impl SenderResult {
         )
     }
 
-    fn json(&self, cell: &Cell, down: &Counts, up: &Counts) -> serde_json::Value {
+    fn json(&self, cell: &Cell, mtu: u32, down: &Counts, up: &Counts) -> serde_json::Value {
         let opt = |v: Option<f64>| v.map(|v| fixed(v, 3));
         json!({
-            "link": { "mbit_s": cell.mbit, "rtt_ms": cell.rtt_ms, "loss_pct": cell.loss_pct },
+            "link": { "mbit_s": cell.mbit, "rtt_ms": cell.rtt_ms, "loss_pct": cell.loss_pct, "mtu": mtu },
             "sender": self.sender.label(),
             "bulk_mbit_s": self.bulk.iter().map(|v| fixed(*v, 3)).collect::<Vec<_>>(),
             "bulk_ttlb_ms": self.bulk_ms.iter().map(|v| fixed(*v, 1)).collect::<Vec<_>>(),
