@@ -704,7 +704,8 @@ pub struct H3Settings {
     pub bbr_switch_bytes: u64,
     /// A new connection's congestion window, in datagrams of its starting size
     /// (1200 bytes): what it may have in flight in its first round trip (quinn
-    /// stops one datagram short of a full window).
+    /// stops one datagram short of a full window). Recounted at each larger size
+    /// DPLPMTUD confirms until the first congestion event (`h3/congestion.rs`).
     pub initial_window_packets: u16,
     /// Address validation (Retry) for every new connection, not only under load.
     pub always_retry: bool,
