@@ -612,6 +612,46 @@ fn passthrough_figures(engine: &str, front: &Server, admin: SocketAddr, len: f64
     println!("{engine}: /metrics and webship stats agree: {compared:?}");
 }
 
+/// Without a delay, one connection's GSO batches leave together: at 1452 bytes (the
+/// ceiling every internet client gets) the sends of a bulk download carry more
+/// datagrams than quinn puts in one transmit (ten), and the body arrives byte-exact.
+/// Before the sends were gathered, nothing went through the queue (0 messages).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_s_gso_batches_leave_as_larger_sends() {
+    use webship_tests::client::hex;
+    use webship_tests::fixture::sha256_file;
+
+    /// quinn's most datagrams per transmit (`MAX_TRANSMIT_SEGMENTS`).
+    const QUINN_BATCH: f64 = 10.0;
+    let env = Env::new();
+    env.write("eight.bin", &pattern(8 * MIB as usize));
+    let want = hex(&sha256_file(&env.root.join("eight.bin")).unwrap());
+    let (toml, admin) = admin();
+    let server = env.start(&format!(
+        "{toml}[runtime.settings]\nh3_mtu_upper_bound_bytes = \"1452\"\n"
+    ));
+    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::bulk())
+        .await
+        .expect("h3 connection");
+    let got = h3.fetch("GET", "/eight.bin", &[]).await;
+    h3.close().await;
+    assert_eq!(got.status, 200);
+    assert_eq!(hex(&got.sha256), want, "body digest");
+    let s = Scrape::take(admin);
+    let messages = s.value("webship_quic_send_batch_messages_sum");
+    let datagrams = s.value("webship_quic_send_batch_datagrams_total");
+    println!("{datagrams} datagrams in {messages} GSO sends");
+    assert!(messages > 0.0, "no send was gathered");
+    assert!(
+        datagrams * 1452.0 > 4.0 * MIB as f64,
+        "{datagrams} gathered datagrams carry under half the body"
+    );
+    assert!(
+        datagrams / messages > QUINN_BATCH,
+        "{datagrams} datagrams in {messages} sends: none larger than quinn's own"
+    );
+}
+
 /// With `h3_send_batch_delay_us` on, sixteen h3 connections downloading at once get
 /// byte-exact bodies and their packets leave together: the batching `sendmmsg` calls
 /// carry more than one message (connection GSO batch) on average.

@@ -1,9 +1,22 @@
-//! Micro-batching of QUIC sends: the datagrams of many connections leave together.
+//! Micro-batching of QUIC sends: a connection's GSO batches leave as one, and with a
+//! delay the datagrams of many connections leave together.
+//!
+//! quinn's connection driver asks quinn-proto for at most ten datagrams per GSO batch
+//! (a constant of the `quinn` crate), 14.5 KB at 1452 bytes where one UDP send takes
+//! 64 KB. So every task quinn spawns on an endpoint (its driver and each connection's)
+//! runs under [`Runtime`], which polls it inside [`Batcher::coalescing`]: what the task
+//! sends during that poll is queued, each transmit that continues the queue's last
+//! message (the same peer, and datagrams of the size quinn already batched: see
+//! [`Queue::joins`]) joins it as more datagrams of one GSO send, and the queue leaves
+//! when the poll ends. Nothing waits beyond the poll that made it; a driver sends up to
+//! 20 datagrams per poll, so at 1452 bytes a send carries 20 instead of 10.
+//!
+//! Across connections, with `h3_send_batch_delay_us` set:
 //!
 //! Every quinn connection driver hands its packets to the socket on its own
-//! (`try_send`: one GSO batch to one peer, one `sendmsg`). With
-//! `h3_send_batch_delay_us` set, [`Batcher`] copies each of them into one bounded
-//! per-socket queue instead, and one `sendmmsg` sends the whole queue:
+//! (`try_send`). With `h3_send_batch_delay_us` set, [`Batcher`] copies each of them
+//! into the same bounded per-socket queue at any time, and one `sendmmsg` sends the
+//! whole queue:
 //!
 //! * **When.** A task woken by the first queued transmit lets the worker run every
 //!   task that is already ready (one `yield_now`: their transmits join the batch),
@@ -25,8 +38,14 @@
 //! * **End.** When the socket goes, what is still queued is sent once without waiting
 //!   and anything the kernel does not take is dropped and counted; the task ends.
 //!
-//! The cost is one copy of each packet into the queue (`try_send` only borrows it).
+//! Both ways share the bounds, the order, the error handling and the end. A queue that
+//! a poll's end cannot send (the socket's buffer is full) is sent by the same task
+//! once the socket is writable. The cost is one copy of each packet into the queue
+//! (`try_send` only borrows it); at 1452 bytes the larger sends save about a sixth of
+//! the server's CPU per byte (docs/benchmarks.md).
 
+use std::cell::Cell;
+use std::future::Future;
 use std::io;
 use std::os::fd::AsFd;
 use std::pin::Pin;
@@ -38,9 +57,11 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use quinn::udp::Transmit;
+use quinn::{AsyncTimer, AsyncUdpSocket};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
+use super::generation::{QuicSocket, GSO_BATCH_BYTES};
 use crate::metrics::{Encoder, Kind, Values};
 pub(crate) use crate::sys::udp::MAX_MESSAGES;
 use crate::sys::udp::{self, Message, Refusal};
@@ -51,6 +72,15 @@ pub(crate) const QUEUE_BYTES: usize = 256 * 1024;
 /// How long the flushing task waits for a full socket buffer to drain before it drops
 /// what is queued (counted).
 const WRITABLE_TIMEOUT: Duration = Duration::from_secs(1);
+/// Datagrams one GSO send may carry: the kernel's `UDP_MAX_SEGMENTS` (64 until Linux
+/// 6.11 raised it to 128).
+const MAX_SEGMENTS: usize = 64;
+
+thread_local! {
+    /// The batcher whose task this thread is polling inside [`Batcher::coalescing`]
+    /// (its address, compared and never dereferenced; 0: none).
+    static COALESCING: Cell<usize> = const { Cell::new(0) };
+}
 
 /// `sendmmsg` calls, by the messages (transmits) each carried.
 static MESSAGES_PER_CALL: Values = Values::new(&[1, 2, 4, 8, 16, 32, 64], 1.0);
@@ -75,6 +105,9 @@ pub(crate) struct Batcher {
     blocked: AtomicBool,
     /// Signalled when a refused queue has been sent (or dropped).
     drained: Notify,
+    /// The end of a poll could not send the queue; the task sends it once the socket
+    /// is writable, and polls ending meanwhile do not try again.
+    stalled: AtomicBool,
     wake: Arc<Notify>,
     /// The kernel refused a GSO message as the device's (`EIO`/`EINVAL`): one
     /// datagram per transmit from now on.
@@ -98,16 +131,70 @@ impl Queue {
         self.msgs.len() < MAX_MESSAGES && self.bytes.len() + len <= QUEUE_BYTES
     }
 
+    /// Queues `t`: as many of its datagrams as [fit](Queue::room) join the last
+    /// message, the rest make a message of their own.
     fn push(&mut self, t: &Transmit<'_>) {
+        let joining = self.room(t);
+        if joining > 0 {
+            self.bytes.extend_from_slice(&t.contents[..joining]);
+            let end = self.bytes.len();
+            if let Some(last) = self.msgs.last_mut() {
+                last.range.end = end;
+            }
+        }
+        let rest = &t.contents[joining..];
+        if rest.is_empty() {
+            return;
+        }
         let start = self.bytes.len();
-        self.bytes.extend_from_slice(t.contents);
+        self.bytes.extend_from_slice(rest);
         self.msgs.push(Message {
             dest: t.destination,
             src_ip: t.src_ip,
-            ecn: t.ecn.map_or(0, |e| e as u8),
+            ecn: ecn_bits(t),
             segment_size: t.segment_size.and_then(|s| u16::try_from(s).ok()),
             range: start..self.bytes.len(),
         });
+    }
+
+    /// How many of `t`'s bytes continue the last queued message as more datagrams of
+    /// one GSO send (0: none):
+    ///
+    /// * the message is unsent and [may grow](grows), to the same peer from the same
+    ///   source with the same ECN codepoint (the same connection and path);
+    /// * `t` is datagrams of the message's size (quinn batched it: GSO is on for the
+    ///   connection), or one datagram no larger;
+    /// * as many as fit within one send; all of `t` when it fits, its last datagram
+    ///   possibly short (which ends the message's growth).
+    fn room(&self, t: &Transmit<'_>) -> usize {
+        let Some(last) = self.msgs.last().filter(|_| self.msgs.len() > self.sent) else {
+            return 0;
+        };
+        let Some(segment) = grows(last) else { return 0 };
+        if last.dest != t.destination || last.src_ip != t.src_ip || last.ecn != ecn_bits(t) {
+            return 0;
+        }
+        let size = t.contents.len();
+        let fits = match t.segment_size.filter(|&s| s < size) {
+            Some(s) => s == segment,
+            None => size <= segment,
+        };
+        if !fits {
+            return 0;
+        }
+        let free = send_limit(segment) - last.range.len();
+        if size <= free {
+            size
+        } else {
+            free / segment * segment
+        }
+    }
+
+    /// Whether the queue holds a message that can take nothing more: all but the
+    /// last, or a last that cannot [grow](grows).
+    fn has_complete(&self) -> bool {
+        let pending = self.pending();
+        pending.len() > 1 || pending.last().is_some_and(|m| grows(m).is_none())
     }
 
     fn pending(&self) -> &[Message] {
@@ -123,6 +210,36 @@ impl Queue {
             self.since = None;
         }
     }
+}
+
+/// Whether `t`, queued alone, would make a message that may take more datagrams.
+fn may_grow(t: &Transmit<'_>) -> bool {
+    let len = t.contents.len();
+    t.segment_size
+        .filter(|&s| s > 0 && s < len && len.is_multiple_of(s))
+        .is_some_and(|s| len + s <= send_limit(s))
+}
+
+/// The segment size with which `m` may take more datagrams: quinn made its first
+/// transmit a GSO batch (single datagrams never start one: with `h3_gso` off, or the
+/// device refusing GSO, quinn batches nothing, and a path MTU probe, larger than the
+/// rest and possibly refused by the path, never shares a send), every datagram in it
+/// is full (only a send's last may be short), and one more fits in one send.
+fn grows(m: &Message) -> Option<usize> {
+    let segment = usize::from(m.segment_size?);
+    let len = m.range.len();
+    (segment > 0 && len.is_multiple_of(segment) && len + segment <= send_limit(segment)).then_some(segment)
+}
+
+/// The most bytes one GSO send of `segment`-byte datagrams carries:
+/// [`GSO_BATCH_BYTES`] and [`MAX_SEGMENTS`].
+fn send_limit(segment: usize) -> usize {
+    GSO_BATCH_BYTES.min(MAX_SEGMENTS * segment)
+}
+
+/// The two ECN bits `t` is to be sent with.
+fn ecn_bits(t: &Transmit<'_>) -> u8 {
+    t.ecn.map_or(0, |e| e as u8)
 }
 
 impl Batcher {
@@ -142,6 +259,7 @@ impl Batcher {
             queued: AtomicUsize::new(0),
             blocked: AtomicBool::new(false),
             drained: Notify::new(),
+            stalled: AtomicBool::new(false),
             wake: wake.clone(),
             gso_failed: AtomicBool::new(false),
             no_ecn: AtomicBool::new(false),
@@ -159,9 +277,56 @@ impl Batcher {
         self.gso_failed.load(Ordering::Relaxed)
     }
 
-    /// Whether transmits go through the queue now.
+    /// Whether transmits go through the queue now: with a delay, inside a poll
+    /// [coalescing](Batcher::coalescing) on this thread, or behind what is queued.
     pub(crate) fn active(&self) -> bool {
-        self.delay_us.load(Ordering::Relaxed) > 0 || self.queued.load(Ordering::Acquire) > 0
+        self.delay_us.load(Ordering::Relaxed) > 0
+            || self.coalescing_here()
+            || self.queued.load(Ordering::Acquire) > 0
+    }
+
+    /// Whether this thread is inside [`Batcher::coalescing`] of this batcher.
+    fn coalescing_here(&self) -> bool {
+        COALESCING.get() == std::ptr::from_ref(self) as usize
+    }
+
+    /// Runs `poll` (one poll of a task that sends on this socket) with its transmits
+    /// queued, then sends the queue, unless a delay gathers other connections' too.
+    pub(crate) fn coalescing<T>(&self, poll: impl FnOnce() -> T) -> T {
+        /// Restores the thread's marker, even if `poll` unwinds.
+        struct Restore(usize);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                COALESCING.set(self.0);
+            }
+        }
+        let outer = Restore(COALESCING.replace(std::ptr::from_ref(self) as usize));
+        let polled = poll();
+        drop(outer);
+        self.end_poll();
+        polled
+    }
+
+    /// The end of a coalescing poll: the queue leaves now, or the task sends it once
+    /// the socket is writable.
+    fn end_poll(&self) {
+        let fd = self.fd.get_ref().as_fd();
+        self.end_poll_with(|q, tos| udp::sendmmsg(fd, &q.bytes, q.pending(), tos));
+    }
+
+    /// [`Batcher::end_poll`] with the system call given (tests give a full socket).
+    fn end_poll_with(&self, sendmmsg: impl FnMut(&Queue, bool) -> io::Result<usize>) {
+        if self.delay_us.load(Ordering::Relaxed) > 0
+            || self.queued.load(Ordering::Acquire) == 0
+            || self.stalled.load(Ordering::Acquire)
+        {
+            return;
+        }
+        let sent = self.flush_with(&mut lock(&self.queue), sendmmsg);
+        if sent.is_err() {
+            self.stalled.store(true, Ordering::Release);
+            self.wake.notify_one();
+        }
     }
 
     /// Queues `t` (sending the queue first if `t` does not fit), or sends it with
@@ -189,7 +354,15 @@ impl Batcher {
             // Larger than any GSO batch can be; never queued, so never stuck.
             return direct(t);
         }
+        let delayed = self.delay_us.load(Ordering::Relaxed) > 0;
+        // Within a poll and without a delay, only a batch that may still grow waits
+        // (for the poll's end): anything else leaves at once.
+        let coalescing = !delayed && self.coalescing_here();
         let mut q = lock(&self.queue);
+        if coalescing && q.pending().is_empty() && !may_grow(t) {
+            drop(q);
+            return direct(t);
+        }
         if !q.fits(t.contents.len()) {
             if let Err(e) = self.flush_with(&mut q, &mut sendmmsg) {
                 self.blocked.store(true, Ordering::Relaxed);
@@ -202,12 +375,16 @@ impl Batcher {
         if first {
             q.since = Some(Instant::now());
         }
-        if q.msgs.len() == MAX_MESSAGES {
-            // Sent now if the socket takes it; otherwise the task sends it later.
+        if q.msgs.len() == MAX_MESSAGES || coalescing && q.has_complete() {
+            // Sent now if the socket takes it; otherwise the task (or the poll's end)
+            // sends it later.
             let _ = self.flush_with(&mut q, &mut sendmmsg);
         }
         self.queued.store(q.pending().len(), Ordering::Release);
-        if first {
+        // The task sends a queue that no poll's end will: one waiting out a delay,
+        // or started outside a coalescing poll (behind a queue another thread's poll
+        // has sent meanwhile).
+        if first && !coalescing {
             self.wake.notify_one();
         }
         Ok(())
@@ -408,6 +585,56 @@ async fn flusher(batcher: Weak<Batcher>, wake: Arc<Notify>) {
             }
         }
         b.flush_when_writable().await;
+        b.stalled.store(false, Ordering::Release);
+    }
+}
+
+/// quinn's runtime for the endpoint on one socket: tokio's, except that each task
+/// quinn spawns (the endpoint's driver, every connection's) is polled inside
+/// [`Batcher::coalescing`] of the socket's batcher, when it has one.
+#[derive(Debug)]
+pub(crate) struct Runtime {
+    socket: Arc<QuicSocket>,
+}
+
+impl Runtime {
+    pub(crate) fn new(socket: Arc<QuicSocket>) -> Self {
+        Self { socket }
+    }
+}
+
+impl quinn::Runtime for Runtime {
+    fn new_timer(&self, at: Instant) -> Pin<Box<dyn AsyncTimer>> {
+        quinn::TokioRuntime.new_timer(at)
+    }
+
+    fn spawn(&self, future: Pin<Box<dyn Future<Output = ()> + Send>>) {
+        tokio::spawn(Coalesced {
+            future,
+            socket: self.socket.clone(),
+        });
+    }
+
+    fn wrap_udp_socket(&self, socket: std::net::UdpSocket) -> io::Result<Arc<dyn AsyncUdpSocket>> {
+        quinn::TokioRuntime.wrap_udp_socket(socket)
+    }
+}
+
+/// A task quinn spawned, polled as [`Runtime`] says.
+struct Coalesced {
+    future: Pin<Box<dyn Future<Output = ()> + Send>>,
+    socket: Arc<QuicSocket>,
+}
+
+impl Future for Coalesced {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        let this = self.get_mut();
+        match this.socket.batcher() {
+            Some(b) => b.coalescing(|| this.future.as_mut().poll(cx)),
+            None => this.future.as_mut().poll(cx),
+        }
     }
 }
 
@@ -603,6 +830,149 @@ mod tests {
             q.push(t);
         }
         q
+    }
+
+    fn gso<'a>(dest: SocketAddr, contents: &'a [u8], segment: usize) -> Transmit<'a> {
+        Transmit {
+            segment_size: Some(segment),
+            ..transmit(dest, contents)
+        }
+    }
+
+    /// Each queued message as (datagrams, bytes).
+    fn shapes(q: &Queue) -> Vec<(usize, usize)> {
+        q.pending()
+            .iter()
+            .map(|m| (m.datagrams(), m.range.len()))
+            .collect()
+    }
+
+    /// A connection's GSO batches (ten datagrams each, quinn's most) fill one send:
+    /// up to 64 KB and 64 datagrams; a short last datagram ends it. At a jumbo size
+    /// the parts `try_send` splits a batch into top each other up.
+    #[test]
+    fn a_connection_s_gso_batches_fill_one_send() {
+        let a: SocketAddr = "127.0.0.1:4433".parse().unwrap();
+        let ten = vec![1u8; 10 * 1452];
+        let q = queued(&[gso(a, &ten, 1452), gso(a, &ten, 1452), transmit(a, &[2; 700])]);
+        assert_eq!(shapes(&q), [(21, 20 * 1452 + 700)]);
+        assert_eq!(q.pending()[0].segment_size, Some(1452));
+        assert_eq!(q.bytes.len(), 20 * 1452 + 700, "one copy of each byte");
+        // The short datagram ended that send: the next batch starts another.
+        let mut q = q;
+        q.push(&gso(a, &ten, 1452));
+        assert_eq!(shapes(&q), [(21, 20 * 1452 + 700), (10, 10 * 1452)]);
+        // 65,487 bytes hold 45 datagrams of 1452, and a send holds 64 of 1000.
+        let q = queued(&vec![gso(a, &ten, 1452); 5]);
+        assert_eq!(shapes(&q), [(45, 45 * 1452), (5, 5 * 1452)]);
+        let small = vec![3u8; 10 * 1000];
+        let q = queued(&vec![gso(a, &small, 1000); 7]);
+        assert_eq!(shapes(&q), [(64, 64_000), (6, 6000)]);
+        // Ten jumbo datagrams leave `try_send` as parts of seven and three.
+        let (seven, three) = (vec![4u8; 7 * 8972], vec![5u8; 3 * 8972]);
+        let part = |c| gso(a, c, 8972);
+        let q = queued(&[part(&seven), part(&three), part(&seven), part(&three)]);
+        assert_eq!(shapes(&q), [(7, 7 * 8972), (7, 7 * 8972), (6, 6 * 8972)]);
+    }
+
+    /// Only what quinn batched grows, and only with its own kind.
+    #[test]
+    fn what_may_not_share_a_send_stays_apart() {
+        let (a, b): (SocketAddr, SocketAddr) =
+            ("127.0.0.1:1".parse().unwrap(), "127.0.0.1:2".parse().unwrap());
+        let (two, one) = (vec![1u8; 2400], vec![1u8; 1200]);
+        let cases: [(&str, Vec<Transmit<'_>>); 7] = [
+            // `h3_gso = "0"` (or a device without GSO): quinn sends single datagrams.
+            ("single datagrams", vec![transmit(a, &one), transmit(a, &one)]),
+            (
+                "a probe after a batch",
+                vec![gso(a, &two, 1200), transmit(a, &[0; 1500])],
+            ),
+            (
+                "a batch after a probe",
+                vec![transmit(a, &[0; 1500]), gso(a, &two, 1200)],
+            ),
+            ("another peer", vec![gso(a, &two, 1200), gso(b, &two, 1200)]),
+            (
+                "another ECN codepoint",
+                vec![
+                    gso(a, &two, 1200),
+                    Transmit {
+                        ecn: Some(quinn::udp::EcnCodepoint::Ect0),
+                        ..gso(a, &two, 1200)
+                    },
+                ],
+            ),
+            ("another size", vec![gso(a, &two, 1200), gso(a, &[0; 2600], 1300)]),
+            (
+                "after a short datagram",
+                vec![gso(a, &[0; 2500], 1200), gso(a, &two, 1200)],
+            ),
+        ];
+        for (case, transmits) in cases {
+            let q = queued(&transmits);
+            assert_eq!(q.pending().len(), 2, "{case}: {:?}", shapes(&q));
+        }
+    }
+
+    /// Inside a poll without a delay: a batch that may grow waits for the poll's end,
+    /// which sends it as one message whose datagrams arrive as quinn built them; what
+    /// cannot grow, with nothing queued, goes straight to the socket.
+    #[tokio::test]
+    async fn a_poll_s_batches_leave_as_one_send_at_its_end() {
+        let b = batcher(0);
+        let (r, a) = receiver();
+        let numbers = |range: std::ops::Range<u32>| -> Vec<u8> { range.flat_map(u32::to_be_bytes).collect() };
+        let (first, second) = (numbers(0..10), numbers(10..20));
+        let mut direct = 0;
+        b.coalescing(|| {
+            b.send(&transmit(a, &99u32.to_be_bytes()), |_| {
+                direct += 1;
+                Ok(())
+            })
+            .unwrap();
+            for t in [
+                gso(a, &first, 4),
+                gso(a, &second, 4),
+                transmit(a, &20u32.to_be_bytes()),
+            ] {
+                b.send(&t, |_| panic!("a batch that may grow was sent directly"))
+                    .unwrap();
+            }
+            let q = lock(&b.queue);
+            assert_eq!(shapes(&q), [(21, 84)], "not one message before the poll's end");
+        });
+        assert_eq!(direct, 1, "a lone datagram waited");
+        assert_eq!(
+            b.queued.load(Ordering::Relaxed),
+            0,
+            "the poll's end left it queued"
+        );
+        assert_eq!(received(&r), (0..21).collect::<Vec<u32>>());
+    }
+
+    /// A poll's end that finds the socket full leaves the queue to the task, which
+    /// sends it once the socket is writable; polls ending meanwhile do not try again.
+    #[tokio::test]
+    async fn a_poll_end_on_a_full_socket_leaves_the_queue_to_the_task() {
+        let b = batcher(0);
+        let (r, a) = receiver();
+        let both = [0u32.to_be_bytes(), 1u32.to_be_bytes()].concat();
+        let outer = COALESCING.replace(std::ptr::from_ref(&*b) as usize);
+        b.send(&gso(a, &both, 4), |_| panic!("direct")).unwrap();
+        COALESCING.set(outer);
+        let full = |_: &Queue, _| -> io::Result<usize> { Err(io::ErrorKind::WouldBlock.into()) };
+        b.end_poll_with(full);
+        assert!(b.stalled.load(Ordering::Relaxed));
+        b.end_poll_with(|_, _| panic!("tried again while the task waits"));
+        let start = Instant::now();
+        let mut got = Vec::new();
+        while got.len() < 2 && start.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            got.extend(received(&r));
+        }
+        assert_eq!(got, [0, 1], "the task did not send the queue");
+        assert!(!b.stalled.load(Ordering::Relaxed));
     }
 
     /// A send that takes nothing is a full socket, not a reason to call again at once

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use quinn::crypto::rustls::QuicServerConfig;
 use tokio::sync::Semaphore;
 
+use super::batch::Runtime;
 use super::congestion::BulkSignal;
 use super::generation::{CidGenerator, ForwardStats, GenerationKey, Handshakes, Predecessor, QuicSocket};
 use super::routing::{Group, MAX_SOCKETS};
@@ -142,16 +143,16 @@ impl H3Endpoint {
             socket.set_nonblocking(true).map_err(bind_err)?;
             udp.push(Arc::new(socket.try_clone().map_err(bind_err)?));
             let socket = QuicSocket::new(socket, index, group.clone()).map_err(bind_err)?;
-            socket
-                .batch_sends(settings.send_batch_delay_us)
-                .map_err(bind_err)?;
+            if let Err(e) = socket.batch_sends(settings.send_batch_delay_us) {
+                tracing::warn!(error = %e, "h3: cannot batch sends; sending per connection");
+            }
             let mut config = quinn::EndpointConfig::default();
             config.cid_generator(move || Box::new(CidGenerator::new(key, index)));
             let endpoint = quinn::Endpoint::new_with_abstract_socket(
                 config,
                 Some(base.clone()),
                 socket.clone(),
-                Arc::new(quinn::TokioRuntime),
+                Arc::new(Runtime::new(socket.clone())),
             )
             .map_err(bind_err)?;
             endpoints.push(endpoint);

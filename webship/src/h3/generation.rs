@@ -271,8 +271,9 @@ pub(crate) struct QuicSocket {
     group: Arc<Group>,
     mode: Mutex<Mode>,
     stats: Mutex<ForwardStats>,
-    /// Cross-connection send batching (`h3_send_batch_delay_us`), built the first
-    /// time it is turned on; see [`Batcher`].
+    /// The send queue ([`Batcher`]: a driver's GSO batches leave as one, and with
+    /// `h3_send_batch_delay_us` many connections' packets), built by
+    /// [`QuicSocket::batch_sends`].
     batch: std::sync::OnceLock<Arc<Batcher>>,
     /// A duplicate of the UDP socket for the batcher.
     raw: std::net::UdpSocket,
@@ -282,7 +283,7 @@ pub(crate) struct QuicSocket {
 /// field's 65,535 less an IPv6 header and the UDP header (IPv4 allows 20 bytes
 /// more). Beyond it the kernel answers EMSGSIZE and quinn-udp drops the whole batch;
 /// [`QuicSocket::try_send`] splits larger batches into sends of at most this.
-const GSO_BATCH_BYTES: usize = 65_535 - 40 - 8;
+pub(crate) const GSO_BATCH_BYTES: usize = 65_535 - 40 - 8;
 
 impl QuicSocket {
     /// Socket `index` of `group` (the index must be below the group's size).
@@ -323,7 +324,12 @@ impl QuicSocket {
         self.switch(Mode::Demux(predecessor));
     }
 
-    /// One send: through the cross-connection queue when batching is on.
+    /// The socket's send queue, once [`QuicSocket::batch_sends`] has built it.
+    pub(crate) fn batcher(&self) -> Option<&Arc<Batcher>> {
+        self.batch.get()
+    }
+
+    /// One send: through the queue when it is in use.
     fn send_part(&self, transmit: &Transmit<'_>) -> io::Result<()> {
         match self.batch.get() {
             Some(b) => b.send(transmit, |t| self.udp.try_send(t)),
@@ -331,12 +337,14 @@ impl QuicSocket {
         }
     }
 
-    /// Batches sends across connections with at most `delay_us` of delay (0: off;
-    /// what is queued still leaves). Must run inside the tokio runtime.
+    /// Sends through the socket's queue: each poll's transmits as one, and across
+    /// connections with at most `delay_us` of delay (0: only within a poll; what is
+    /// queued still leaves). Must run inside the tokio runtime. Without it (an error
+    /// here) every transmit goes straight to the socket.
     pub(crate) fn batch_sends(&self, delay_us: u64) -> io::Result<()> {
         if let Some(b) = self.batch.get() {
             b.set_delay(delay_us);
-        } else if delay_us > 0 && cfg!(target_os = "linux") {
+        } else if cfg!(target_os = "linux") {
             let b = Batcher::new(self.raw.try_clone()?, delay_us)?;
             if let Err(b) = self.batch.set(b) {
                 // Another caller won the race; use its batcher.
