@@ -643,13 +643,13 @@ pub(crate) fn write_metrics(out: &mut Encoder) {
     out.family(
         "webship_quic_send_batch_messages",
         Kind::Histogram,
-        "sendmmsg calls of batched QUIC sends, by the messages (connection GSO batches) each carried.",
+        "sendmmsg calls of gathered QUIC sends, by the messages (one connection's GSO send each) they carried.",
     );
     MESSAGES_PER_CALL.write(out, &[]);
     out.family(
         "webship_quic_send_batch_datagrams",
         Kind::Counter,
-        "UDP datagrams sent by batched sendmmsg calls.",
+        "UDP datagrams sent by the gathered sendmmsg calls.",
     )
     .sample(&[], DATAGRAMS.load(Ordering::Relaxed));
     out.family(

@@ -161,7 +161,7 @@ impl Collector for Metrics {
         out.family(
             "webship_quic_udp_ios",
             Kind::Counter,
-            "Socket calls that carried those datagrams (GSO/GRO batches), by direction.",
+            "Received: socket calls that carried those datagrams (GRO batches); sent: transmits (GSO batches) quinn built, which the socket may gather into fewer calls. By direction.",
         )
         .sample(&[("direction", "sent")], get(Sum::IosSent))
         .sample(&[("direction", "received")], get(Sum::IosReceived));
@@ -204,7 +204,7 @@ impl Collector for Metrics {
             ),
             (
                 "webship_quic_gso_batch_datagrams",
-                "UDP datagrams per send call of each ended QUIC connection (GSO batch, rounded up).",
+                "UDP datagrams per transmit (GSO batch) quinn built for each ended QUIC connection, rounded up; the socket may gather several into one send.",
                 &GSO_BATCH,
             ),
         ];
