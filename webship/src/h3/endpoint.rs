@@ -11,7 +11,7 @@ use std::sync::Arc;
 use quinn::crypto::rustls::QuicServerConfig;
 use tokio::sync::Semaphore;
 
-use super::batch::Runtime;
+use super::batch::GatheringRuntime;
 use super::congestion::BulkSignal;
 use super::generation::{CidGenerator, ForwardStats, GenerationKey, Handshakes, Predecessor, QuicSocket};
 use super::routing::{Group, MAX_SOCKETS};
@@ -143,7 +143,7 @@ impl H3Endpoint {
             socket.set_nonblocking(true).map_err(bind_err)?;
             udp.push(Arc::new(socket.try_clone().map_err(bind_err)?));
             let socket = QuicSocket::new(socket, index, group.clone()).map_err(bind_err)?;
-            if let Err(e) = socket.batch_sends(settings.send_batch_delay_us) {
+            if let Err(e) = socket.use_send_queue(settings.send_batch_delay_us) {
                 tracing::warn!(error = %e, "h3: cannot batch sends; sending per connection");
             }
             let mut config = quinn::EndpointConfig::default();
@@ -152,7 +152,7 @@ impl H3Endpoint {
                 config,
                 Some(base.clone()),
                 socket.clone(),
-                Arc::new(Runtime::new(socket.clone())),
+                Arc::new(GatheringRuntime::new(socket.clone())),
             )
             .map_err(bind_err)?;
             endpoints.push(endpoint);
@@ -298,8 +298,9 @@ impl Intake {
                 webtransport,
                 signal.clone(),
             )));
-            // A reload may turn batching on or off; what is queued still leaves.
-            if let Err(e) = self.socket.batch_sends(drivers.h3.send_batch_delay_us) {
+            // A reload changes the cross-connection delay (gathering within a poll is
+            // always on); what is queued still leaves.
+            if let Err(e) = self.socket.use_send_queue(drivers.h3.send_batch_delay_us) {
                 tracing::warn!(error = %e, "h3: cannot batch sends; sending per connection");
             }
             let peer = incoming.remote_address();

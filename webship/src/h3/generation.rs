@@ -48,6 +48,7 @@ use std::io::{self, IoSliceMut, Read};
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -271,12 +272,14 @@ pub(crate) struct QuicSocket {
     group: Arc<Group>,
     mode: Mutex<Mode>,
     stats: Mutex<ForwardStats>,
-    /// The send queue ([`Batcher`]: a driver's GSO batches leave as one, and with
-    /// `h3_send_batch_delay_us` many connections' packets), built by
-    /// [`QuicSocket::batch_sends`].
+    /// The send queue ([`Batcher`]: a connection's GSO batches within a poll leave
+    /// as few sends, and with `h3_send_batch_delay_us` many connections'), built by
+    /// [`QuicSocket::use_send_queue`].
     batch: std::sync::OnceLock<Arc<Batcher>>,
     /// A duplicate of the UDP socket for the batcher.
     raw: std::net::UdpSocket,
+    /// Building the batcher failed once (reported then; tried again quietly).
+    batch_failed: AtomicBool,
 }
 
 /// The most UDP payload one `sendmsg` may carry, GSO batch included: the IP length
@@ -298,6 +301,7 @@ impl QuicSocket {
         Ok(Arc::new(Self {
             raw: socket.try_clone()?,
             batch: std::sync::OnceLock::new(),
+            batch_failed: AtomicBool::new(false),
             udp: quinn::TokioRuntime.wrap_udp_socket(socket)?,
             index,
             group,
@@ -324,7 +328,7 @@ impl QuicSocket {
         self.switch(Mode::Demux(predecessor));
     }
 
-    /// The socket's send queue, once [`QuicSocket::batch_sends`] has built it.
+    /// The socket's send queue, once [`QuicSocket::use_send_queue`] has built it.
     pub(crate) fn batcher(&self) -> Option<&Arc<Batcher>> {
         self.batch.get()
     }
@@ -337,15 +341,20 @@ impl QuicSocket {
         }
     }
 
-    /// Sends through the socket's queue: each poll's transmits as one, and across
-    /// connections with at most `delay_us` of delay (0: only within a poll; what is
-    /// queued still leaves). Must run inside the tokio runtime. Without it (an error
-    /// here) every transmit goes straight to the socket.
-    pub(crate) fn batch_sends(&self, delay_us: u64) -> io::Result<()> {
+    /// Sends through the socket's queue ([`Batcher`]): a connection's GSO batches
+    /// within a poll as few sends, and across connections with at most `delay_us` of
+    /// delay (0: only within a poll; what is queued still leaves). Must run inside the tokio runtime. Without it (an error
+    /// here, returned the first time only: the caller warns once per socket) every
+    /// transmit goes straight to the socket.
+    pub(crate) fn use_send_queue(&self, delay_us: u64) -> io::Result<()> {
         if let Some(b) = self.batch.get() {
             b.set_delay(delay_us);
         } else if cfg!(target_os = "linux") {
-            let b = Batcher::new(self.raw.try_clone()?, delay_us)?;
+            let b = match self.raw.try_clone().and_then(|raw| Batcher::new(raw, delay_us)) {
+                Ok(b) => b,
+                Err(e) if !self.batch_failed.swap(true, Ordering::Relaxed) => return Err(e),
+                Err(_) => return Ok(()),
+            };
             if let Err(b) = self.batch.set(b) {
                 // Another caller won the race; use its batcher.
                 drop(b);
@@ -627,8 +636,13 @@ impl AsyncUdpSocket for QuicSocket {
     }
 }
 
-/// Whether a connection driver may send: the UDP socket's readiness, or the send
-/// queue's while batching is on.
+/// Whether a connection driver may send: the send queue's readiness while it is in
+/// use (no transmit refused, or the queue sent since), and the UDP socket's.
+///
+/// Both, because a driver using the queue may still send straight to the socket (a
+/// transmit that cannot grow, with nothing queued): after that send's `WouldBlock`
+/// quinn polls again before retrying, and only the socket's own readiness waits for
+/// room; the queue's alone would answer at once, and quinn would retry in a loop.
 #[derive(Debug)]
 struct Poller {
     socket: Arc<QuicSocket>,
@@ -640,7 +654,7 @@ impl UdpPoller for Poller {
     fn poll_writable(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         if let Some(b) = this.socket.batch.get().filter(|b| b.active()) {
-            return this.batched.get_or_insert_with(|| b.poller()).poll_writable(cx);
+            std::task::ready!(this.batched.get_or_insert_with(|| b.poller()).poll_writable(cx))?;
         }
         this.direct.as_mut().poll_writable(cx)
     }
@@ -729,18 +743,53 @@ mod tests {
         );
     }
 
+    /// A socket that is never writable.
+    #[derive(Debug)]
+    struct Full;
+
+    impl UdpPoller for Full {
+        fn poll_writable(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    /// Inside a gathering poll the queue is in use, yet a transmit that cannot grow
+    /// goes straight to the socket; after its `WouldBlock` quinn polls before trying
+    /// again, and the poller must wait for the socket. Failed before the fix, which
+    /// answered from the queue's readiness alone (quinn retried in a loop, the worker
+    /// spinning).
+    #[test]
+    fn a_driver_using_the_queue_still_waits_for_a_full_socket() {
+        let rt = runtime();
+        let _guard = rt.enter();
+        let group = Group::new(GenerationKey::random().unwrap(), 1, Arc::default());
+        let socket = QuicSocket::new(loopback_udp().0, 0, group).unwrap();
+        socket.use_send_queue(0).unwrap();
+        let batcher = socket.batcher().unwrap().clone();
+        let mut poller = Poller {
+            socket,
+            direct: Box::pin(Full),
+            batched: None,
+        };
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        let polled = batcher.gathering(|| Pin::new(&mut poller).poll_writable(&mut cx));
+        assert!(polled.is_pending(), "ready while the socket is full");
+    }
+
     /// Ten 8972-byte datagrams in one transmit (quinn's batch at loopback's `auto`
-    /// ceiling, 89,720 bytes) reach the peer whole and in order, sent directly and
-    /// through the cross-connection queue. Before the split the kernel refused the
-    /// one 90 KB send (EMSGSIZE) and nothing arrived.
+    /// ceiling, 89,720 bytes) reach the peer whole and in order: sent outside a poll,
+    /// inside a gathering poll (the seven-datagram part straight to the socket, the
+    /// three queued for the poll's end) and through the cross-connection queue.
+    /// Before the split the kernel refused the one 90 KB send (EMSGSIZE) and nothing
+    /// arrived.
     #[test]
     fn a_transmit_over_one_send_s_limit_arrives_whole() {
         let rt = runtime();
         let _guard = rt.enter();
-        for delay_us in [0, 1] {
+        for (delay_us, in_poll) in [(0, false), (0, true), (1, false)] {
             let group = Group::new(GenerationKey::random().unwrap(), 1, Arc::default());
             let socket = QuicSocket::new(loopback_udp().0, 0, group).unwrap();
-            socket.batch_sends(delay_us).unwrap();
+            socket.use_send_queue(delay_us).unwrap();
             let rx = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
             socket2::SockRef::from(&rx).set_recv_buffer_size(4 << 20).unwrap();
             rx.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
@@ -756,7 +805,10 @@ mod tests {
             let mut poller = socket.clone().create_io_poller();
             rt.block_on(std::future::poll_fn(|cx| poller.as_mut().poll_writable(cx)))
                 .unwrap();
-            socket.try_send(&transmit).unwrap();
+            match socket.batcher().filter(|_| in_poll) {
+                Some(b) => b.gathering(|| socket.try_send(&transmit)).unwrap(),
+                None => socket.try_send(&transmit).unwrap(),
+            }
             // The queue's task sends what batching queued.
             rt.block_on(tokio::time::sleep(Duration::from_millis(20)));
             let mut buf = vec![0u8; 65_536];

@@ -55,7 +55,8 @@ static MTU: Values = Values::new(
     ],
     1.0,
 );
-/// UDP datagrams per send call over the connection's life (GSO batching).
+/// UDP datagrams per transmit quinn built over the connection's life (its GSO
+/// batches; the socket may gather several into one send).
 static GSO_BATCH: Values = Values::new(&[1, 2, 4, 8, 16, 32, 64], 1.0);
 
 /// Indices into [`SUMS`].
