@@ -30,7 +30,8 @@
 //!   transmit that does not fit first sends the queue synchronously; if the socket's
 //!   buffer is full too, it is refused with `WouldBlock` (counted) and quinn retries it
 //!   once the queue has gone out: back-pressure, never an unbounded queue. The task
-//!   waits up to [`WRITABLE_TIMEOUT`] for a full socket, then drops what is queued
+//!   tries a full socket again as it signals room and at least every
+//!   [`WRITABLE_RECHECK`], and after [`WRITABLE_TIMEOUT`] drops what is queued
 //!   (counted).
 //! * **Order.** One FIFO queue, sent in order (a partial `sendmmsg` resumes where the
 //!   kernel stopped), and a transmit goes straight to the socket only when nothing is
@@ -76,6 +77,8 @@ pub(crate) use runtime::GatheringRuntime;
 /// How long the flushing task waits for a full socket buffer to drain before it drops
 /// what is queued (counted).
 const WRITABLE_TIMEOUT: Duration = Duration::from_secs(1);
+/// How often the flushing task tries a full socket again without its signal of room.
+const WRITABLE_RECHECK: Duration = Duration::from_millis(10);
 
 thread_local! {
     /// The batcher whose task this thread is polling inside [`Batcher::gathering`]
@@ -239,10 +242,6 @@ impl Batcher {
         if !self.active() {
             return direct(t);
         }
-        if t.contents.len() > QUEUE_BYTES {
-            // Larger than any GSO batch can be; never queued, so never stuck.
-            return direct(t);
-        }
         // Inside this queue's poll without a delay, the poll's end sends the queue;
         // otherwise the task does.
         let at_poll_end = self.delay_us.load(Ordering::Relaxed) == 0 && self.gathering_here();
@@ -257,6 +256,12 @@ impl Batcher {
                 REFUSED.fetch_add(1, Ordering::Relaxed);
                 return Err(e);
             }
+        }
+        if t.contents.len() > QUEUE_BYTES {
+            // Larger than the queue (never from `try_send`, whose parts are at most one
+            // send): on its own, behind what was queued.
+            drop(q);
+            return direct(t);
         }
         let first = q.is_empty();
         q.push(t);
@@ -361,27 +366,40 @@ impl Batcher {
 
     /// Sends the queue, waiting (bounded) for the socket to take it.
     async fn flush_when_writable(&self) {
-        if self.flush(&mut lock(&self.queue)).is_ok() {
-            return;
-        }
+        let fd = self.fd.get_ref().as_fd();
+        self.flush_when_writable_with(|q, tos| udp::sendmmsg(fd, &q.bytes, q.pending(), tos))
+            .await;
+    }
+
+    /// [`Batcher::flush_when_writable`] with the system call given (tests give a
+    /// socket that is full for a while). A try that finds the socket full clears
+    /// tokio's readiness, so the next wait is for the socket's edge; but the kernel
+    /// signals room only once the buffer is half empty, and polls' ends may send
+    /// meanwhile, so the task tries again at least every [`WRITABLE_RECHECK`] and
+    /// drops the queue only after a try at [`WRITABLE_TIMEOUT`] fails too.
+    async fn flush_when_writable_with(&self, mut sendmmsg: impl FnMut(&Queue, bool) -> io::Result<usize>) {
         let deadline = tokio::time::Instant::now() + WRITABLE_TIMEOUT;
-        loop {
-            let mut ready = match tokio::time::timeout_at(deadline, self.fd.writable()).await {
-                Ok(Ok(ready)) => ready,
-                Ok(Err(_)) | Err(_) => {
-                    self.drop_queued("the socket stayed full");
-                    return;
-                }
-            };
-            // Through the readiness guard, so `EAGAIN` clears tokio's stale readiness.
-            let sent = self.flush_with(&mut lock(&self.queue), |q, tos| {
-                ready
-                    .try_io(|s| udp::sendmmsg(s.get_ref().as_fd(), &q.bytes, q.pending(), tos))
-                    .unwrap_or_else(|_| Err(io::ErrorKind::WouldBlock.into()))
-            });
-            if sent.is_ok() {
+        let mut sent = self.flush_with(&mut lock(&self.queue), &mut sendmmsg);
+        while sent.is_err() {
+            if tokio::time::Instant::now() >= deadline {
+                self.drop_queued("the socket stayed full");
                 return;
             }
+            let recheck = (tokio::time::Instant::now() + WRITABLE_RECHECK).min(deadline);
+            sent = match tokio::time::timeout_at(recheck, self.fd.writable()).await {
+                Ok(Ok(mut ready)) => {
+                    let tried = self.flush_with(&mut lock(&self.queue), &mut sendmmsg);
+                    if tried.is_err() {
+                        ready.clear_ready();
+                    }
+                    tried
+                }
+                Ok(Err(_)) => {
+                    self.drop_queued("the socket failed");
+                    return;
+                }
+                Err(_no_edge) => self.flush_with(&mut lock(&self.queue), &mut sendmmsg),
+            };
         }
     }
 

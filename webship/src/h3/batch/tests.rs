@@ -282,6 +282,34 @@ async fn with_a_delay_batches_join_and_wait_for_the_task() {
     assert_eq!(arrivals(&r, 4).await, [0, 1, 2, 3]);
 }
 
+/// A socket full for a while and then taking the queue without signalling room (the
+/// kernel signals only once its buffer is half empty): the task tries again on its
+/// own and sends, dropping nothing. Fails with a wait for the signal alone
+/// (`WRITABLE_RECHECK` at the timeout): the queue is dropped after a second.
+#[tokio::test]
+async fn a_full_socket_that_takes_the_queue_without_a_signal_gets_it() {
+    // A delay far beyond the test: the task's own flush stays out of it.
+    let b = batcher(60_000_000);
+    let (r, a) = receiver();
+    queue(&b, a, &7u32.to_be_bytes());
+    let (fd, mut full) = (b.fd.get_ref().as_fd(), 5);
+    let start = Instant::now();
+    b.flush_when_writable_with(|q, tos| {
+        if full > 0 {
+            full -= 1;
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        udp::sendmmsg(fd, &q.bytes, q.pending(), tos)
+    })
+    .await;
+    assert!(
+        start.elapsed() < WRITABLE_TIMEOUT,
+        "waited for a signal that never came"
+    );
+    // Sent, not dropped (the counter is shared with the other tests).
+    assert_eq!(arrivals(&r, 1).await, [7]);
+}
+
 /// A send that takes nothing is a full socket, not a reason to call again at once
 /// (which would spin holding the queue's lock). Failed before the fix by never
 /// returning.
