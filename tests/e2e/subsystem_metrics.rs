@@ -652,6 +652,41 @@ async fn a_connection_s_gso_batches_leave_as_larger_sends() {
     );
 }
 
+/// With `h3_gso = "0"` quinn sends single datagrams, which never start a gathered
+/// send: a bulk download arrives byte-exact, quinn's transmits are one datagram each,
+/// and none of them was gathered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_gso_nothing_is_gathered_and_the_body_arrives() {
+    use webship_tests::client::hex;
+    use webship_tests::fixture::sha256_file;
+
+    let env = Env::new();
+    env.write("eight.bin", &pattern(8 * MIB as usize));
+    let want = hex(&sha256_file(&env.root.join("eight.bin")).unwrap());
+    let (toml, admin) = admin();
+    let server = env.start(&format!(
+        "{toml}[runtime.settings]\nh3_gso = \"0\"\nh3_mtu_upper_bound_bytes = \"1452\"\n"
+    ));
+    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::bulk())
+        .await
+        .expect("h3 connection");
+    let got = h3.fetch("GET", "/eight.bin", &[]).await;
+    h3.close().await;
+    assert_eq!(got.status, 200);
+    assert_eq!(hex(&got.sha256), want, "body digest");
+    let s = Scrape::take(admin);
+    let sent = s.value("webship_quic_udp_datagrams_total{direction=\"sent\"}");
+    let transmits = s.value("webship_quic_udp_ios_total{direction=\"sent\"}");
+    let gathered = s.value("webship_quic_send_batch_datagrams_total");
+    println!("{sent} datagrams in {transmits} transmits, {gathered} gathered");
+    assert!(
+        sent * 1452.0 > 8.0 * MIB as f64,
+        "{sent} datagrams cannot carry the body"
+    );
+    assert_eq!(sent, transmits, "quinn batched datagrams with GSO off");
+    assert_eq!(gathered, 0.0, "single datagrams were gathered into GSO sends");
+}
+
 /// With `h3_send_batch_delay_us` on, sixteen h3 connections downloading at once get
 /// byte-exact bodies and their packets leave together: the batching `sendmmsg` calls
 /// carry several messages (a connection's gathered send each) on average.
