@@ -612,23 +612,19 @@ fn passthrough_figures(engine: &str, front: &Server, admin: SocketAddr, len: f64
     println!("{engine}: /metrics and webship stats agree: {compared:?}");
 }
 
-/// Without a delay, one connection's GSO batches leave together: at 1452 bytes (the
-/// ceiling every internet client gets) the sends of a bulk download carry more
-/// datagrams than quinn puts in one transmit (ten), and the body arrives byte-exact.
-/// Before the sends were gathered, nothing went through the queue (0 messages).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_connection_s_gso_batches_leave_as_larger_sends() {
+/// 8 MiB over one h3 connection from a server whose `[runtime.settings]` are
+/// `settings`, at the 1452-byte ceiling every internet client gets; checked
+/// byte-exact. The server's metrics afterwards.
+async fn eight_mib_over_h3_at_1452(settings: &str) -> Scrape {
     use webship_tests::client::hex;
     use webship_tests::fixture::sha256_file;
 
-    /// quinn's most datagrams per transmit (`MAX_TRANSMIT_SEGMENTS`).
-    const QUINN_BATCH: f64 = 10.0;
     let env = Env::new();
     env.write("eight.bin", &pattern(8 * MIB as usize));
     let want = hex(&sha256_file(&env.root.join("eight.bin")).unwrap());
     let (toml, admin) = admin();
     let server = env.start(&format!(
-        "{toml}[runtime.settings]\nh3_mtu_upper_bound_bytes = \"1452\"\n"
+        "{toml}[runtime.settings]\nh3_mtu_upper_bound_bytes = \"1452\"\n{settings}"
     ));
     let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::bulk())
         .await
@@ -637,7 +633,18 @@ async fn a_connection_s_gso_batches_leave_as_larger_sends() {
     h3.close().await;
     assert_eq!(got.status, 200);
     assert_eq!(hex(&got.sha256), want, "body digest");
-    let s = Scrape::take(admin);
+    Scrape::take(admin)
+}
+
+/// Without a delay, one connection's GSO batches leave together: the sends of a bulk
+/// download carry more datagrams than quinn puts in one transmit (ten), and the body
+/// arrives byte-exact. Before the sends were gathered, nothing went through the
+/// queue (0 messages).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_s_gso_batches_leave_as_larger_sends() {
+    /// quinn's most datagrams per transmit (`MAX_TRANSMIT_SEGMENTS`).
+    const QUINN_BATCH: f64 = 10.0;
+    let s = eight_mib_over_h3_at_1452("").await;
     let messages = s.value("webship_quic_send_batch_messages_sum");
     let datagrams = s.value("webship_quic_send_batch_datagrams_total");
     println!("{datagrams} datagrams in {messages} GSO sends");
@@ -657,24 +664,7 @@ async fn a_connection_s_gso_batches_leave_as_larger_sends() {
 /// and none of them was gathered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_gso_nothing_is_gathered_and_the_body_arrives() {
-    use webship_tests::client::hex;
-    use webship_tests::fixture::sha256_file;
-
-    let env = Env::new();
-    env.write("eight.bin", &pattern(8 * MIB as usize));
-    let want = hex(&sha256_file(&env.root.join("eight.bin")).unwrap());
-    let (toml, admin) = admin();
-    let server = env.start(&format!(
-        "{toml}[runtime.settings]\nh3_gso = \"0\"\nh3_mtu_upper_bound_bytes = \"1452\"\n"
-    ));
-    let mut h3 = H3Client::connect(server.addr(), HOST, &env.client(b"h3"), &H3Options::bulk())
-        .await
-        .expect("h3 connection");
-    let got = h3.fetch("GET", "/eight.bin", &[]).await;
-    h3.close().await;
-    assert_eq!(got.status, 200);
-    assert_eq!(hex(&got.sha256), want, "body digest");
-    let s = Scrape::take(admin);
+    let s = eight_mib_over_h3_at_1452("h3_gso = \"0\"\n").await;
     let sent = s.value("webship_quic_udp_datagrams_total{direction=\"sent\"}");
     let transmits = s.value("webship_quic_udp_ios_total{direction=\"sent\"}");
     let gathered = s.value("webship_quic_send_batch_datagrams_total");

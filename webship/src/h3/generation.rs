@@ -343,9 +343,9 @@ impl QuicSocket {
 
     /// Sends through the socket's queue ([`Batcher`]): a connection's GSO batches
     /// within a poll as few sends, and across connections with at most `delay_us` of
-    /// delay (0: only within a poll; what is queued still leaves). Must run inside the tokio runtime. Without it (an error
-    /// here, returned the first time only: the caller warns once per socket) every
-    /// transmit goes straight to the socket.
+    /// delay (0: only within a poll; what is queued still leaves). Must run inside the
+    /// tokio runtime. Without the queue (an error here, returned the first time only:
+    /// the caller warns once per socket) every transmit goes straight to the socket.
     pub(crate) fn use_send_queue(&self, delay_us: u64) -> io::Result<()> {
         if let Some(b) = self.batch.get() {
             b.set_delay(delay_us);
