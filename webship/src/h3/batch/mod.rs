@@ -60,8 +60,6 @@ use std::os::fd::AsFd;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
-
-use super::lock;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -69,6 +67,7 @@ use quinn::udp::Transmit;
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 
+use super::lock;
 use crate::metrics::{Encoder, Kind, Values};
 use crate::sys::udp::{self, Message, Refusal};
 use queue::{Queue, QUEUE_BYTES};
@@ -124,7 +123,7 @@ pub(crate) struct Batcher {
 
 impl Batcher {
     /// Batches sends on `socket` (a duplicate of the endpoint's), starting with
-    /// `delay_us` (0: off). Needs a tokio runtime: it registers the socket and spawns
+    /// `delay_us` (0: no cross-connection delay). Needs a tokio runtime: it registers the socket and spawns
     /// the flushing task.
     pub(crate) fn new(socket: std::net::UdpSocket, delay_us: u64) -> io::Result<Arc<Self>> {
         let wake = Arc::new(Notify::new());
@@ -189,8 +188,7 @@ impl Batcher {
 
     /// The end of a gathering poll: the queue leaves now, unless the task has it.
     fn send_after_poll(&self) {
-        let fd = self.fd.get_ref().as_fd();
-        self.send_after_poll_with(|q, tos| udp::sendmmsg(fd, &q.bytes, q.pending(), tos));
+        self.send_after_poll_with(|q, tos| self.sendmmsg(q, tos));
     }
 
     /// [`Batcher::send_after_poll`] with the system call given (tests give a full
@@ -228,8 +226,7 @@ impl Batcher {
         t: &Transmit<'_>,
         direct: impl FnOnce(&Transmit<'_>) -> io::Result<()>,
     ) -> io::Result<()> {
-        let fd = self.fd.get_ref().as_fd();
-        self.send_with(t, direct, |q, tos| udp::sendmmsg(fd, &q.bytes, q.pending(), tos))
+        self.send_with(t, direct, |q, tos| self.sendmmsg(q, tos))
     }
 
     /// [`Batcher::send`] with the system call given (tests give a full socket).
@@ -281,8 +278,13 @@ impl Batcher {
     /// Sends everything queued; `WouldBlock` when the socket's buffer is full (what
     /// is left stays queued).
     fn flush(&self, q: &mut Queue) -> io::Result<()> {
-        let fd = self.fd.get_ref().as_fd();
-        self.flush_with(q, |q, tos| udp::sendmmsg(fd, &q.bytes, q.pending(), tos))
+        self.flush_with(q, |q, tos| self.sendmmsg(q, tos))
+    }
+
+    /// One `sendmmsg` of what `q` has pending (`tos`: with the ECN codepoint); how many
+    /// messages the kernel took.
+    fn sendmmsg(&self, q: &Queue, tos: bool) -> io::Result<usize> {
+        udp::sendmmsg(self.fd.get_ref().as_fd(), &q.bytes, q.pending(), tos)
     }
 
     /// Sends the queue with `send` (given whether to set the ECN codepoint).
@@ -366,8 +368,7 @@ impl Batcher {
 
     /// Sends the queue, waiting (bounded) for the socket to take it.
     async fn flush_when_writable(&self) {
-        let fd = self.fd.get_ref().as_fd();
-        self.flush_when_writable_with(|q, tos| udp::sendmmsg(fd, &q.bytes, q.pending(), tos))
+        self.flush_when_writable_with(|q, tos| self.sendmmsg(q, tos))
             .await;
     }
 

@@ -292,14 +292,14 @@ async fn a_full_socket_that_takes_the_queue_without_a_signal_gets_it() {
     let b = batcher(60_000_000);
     let (r, a) = receiver();
     queue(&b, a, &7u32.to_be_bytes());
-    let (fd, mut full) = (b.fd.get_ref().as_fd(), 5);
+    let mut full = 5;
     let start = Instant::now();
     b.flush_when_writable_with(|q, tos| {
         if full > 0 {
             full -= 1;
             return Err(io::ErrorKind::WouldBlock.into());
         }
-        udp::sendmmsg(fd, &q.bytes, q.pending(), tos)
+        b.sendmmsg(q, tos)
     })
     .await;
     assert!(
