@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::metrics::{Collector, Encoder, Kind, Values};
 
 /// Counters summed over ended connections, in [`COUNTERS`] order.
-static SUMS: [AtomicU64; 12] = [const { AtomicU64::new(0) }; 12];
+static SUMS: [AtomicU64; 13] = [const { AtomicU64::new(0) }; 13];
 /// Connections switched from CUBIC to BBR (counted at the switch).
 pub(super) static BBR_SWITCHES: AtomicU64 = AtomicU64::new(0);
 /// HTTP/3 stream bytes handed to quinn as the sender's own buffer (live, counted by
@@ -74,6 +74,7 @@ enum Sum {
     IosReceived,
     ProbesSent,
     ProbesLost,
+    BlackHoles,
 }
 
 fn add(which: Sum, n: u64) {
@@ -107,6 +108,7 @@ fn ended(s: &quinn::ConnectionStats) {
     add(Sum::IosReceived, s.udp_rx.ios);
     add(Sum::ProbesSent, p.sent_plpmtud_probes);
     add(Sum::ProbesLost, p.lost_plpmtud_probes);
+    add(Sum::BlackHoles, p.black_holes_detected);
     RTT.observe(u64::try_from(p.rtt.as_micros()).unwrap_or(u64::MAX));
     CWND.observe(p.cwnd);
     MTU.observe(u64::from(p.current_mtu));
@@ -173,6 +175,12 @@ impl Collector for Metrics {
         )
         .sample(&[("result", "sent")], get(Sum::ProbesSent))
         .sample(&[("result", "lost")], get(Sum::ProbesLost));
+        out.family(
+            "webship_quic_mtu_black_holes",
+            Kind::Counter,
+            "Times an ended QUIC connection fell back to the 1200-byte minimum MTU after bursts of lost large packets (DPLPMTUD's black-hole detection); it probes again after 60 s.",
+        )
+        .sample(&[], get(Sum::BlackHoles));
         out.family(
             "webship_quic_bbr_switches",
             Kind::Counter,
