@@ -44,7 +44,7 @@ pub use admin::AdminError;
 use generation::{Current, Fixed, Generation};
 pub use handover::HandoverError;
 use plan::Plan;
-pub use process::{raise_fd_limit, Privilege, ProcessError};
+pub use process::{keep_freed_heap_memory, raise_fd_limit, Privilege, ProcessError};
 pub use reload::CheckError;
 
 // The errors a server can fail with, nameable by the binary.

@@ -1,5 +1,6 @@
 //! What the daemon asks of the host before it serves: enough file descriptors for
-//! `max_connections`, and giving up root once everything that needs it is done.
+//! `max_connections`, a heap that keeps the memory it reuses (`sys::heap`), and
+//! giving up root once everything that needs it is done.
 //!
 //! The switch to the service account happens on every thread of the runtime. The
 //! runtime's threads start while the daemon is still root and wait in
@@ -44,6 +45,25 @@ pub enum ProcessError {
     NotRoot(String),
     #[error("runtime threads did not switch to the service account within 10 s ({switched} of {expected})")]
     ThreadsStuck { switched: usize, expected: usize },
+}
+
+/// Keeps freed heap memory for reuse instead of returning it to the kernel at once
+/// (`sys::heap`: glibc's mmap and trim thresholds fixed at 1 and 2 MiB, unless the
+/// environment sets them). Called first, before the runtime's threads allocate.
+pub fn keep_freed_heap_memory() {
+    use crate::sys::heap::{self, Heap};
+    // Not `env::vars`, which panics on a variable that is not UTF-8.
+    let environment = std::env::vars_os()
+        .map(|(name, value)| (name.to_string_lossy().into_owned(), value.to_string_lossy().into_owned()));
+    match heap::keep_freed_memory(environment) {
+        Heap::Kept => tracing::debug!(
+            mmap_threshold = heap::MMAP_THRESHOLD,
+            trim_threshold = heap::TRIM_THRESHOLD,
+            "heap: freed memory is kept for reuse"
+        ),
+        Heap::Operator => tracing::info!("heap: glibc's mmap/trim thresholds come from the environment"),
+        Heap::Unsupported => {}
+    }
 }
 
 /// Descriptors one connection can hold: the client socket and what serves it.

@@ -7,6 +7,7 @@
 
 pub(crate) mod fdpass;
 pub(crate) mod file;
+pub(crate) mod heap;
 pub mod notify;
 pub(crate) mod privilege;
 pub(crate) mod rlimit;
