@@ -53,8 +53,12 @@ pub enum ProcessError {
 pub fn keep_freed_heap_memory() {
     use crate::sys::heap::{self, Heap};
     // Not `env::vars`, which panics on a variable that is not UTF-8.
-    let environment = std::env::vars_os()
-        .map(|(name, value)| (name.to_string_lossy().into_owned(), value.to_string_lossy().into_owned()));
+    let environment = std::env::vars_os().map(|(name, value)| {
+        (
+            name.to_string_lossy().into_owned(),
+            value.to_string_lossy().into_owned(),
+        )
+    });
     match heap::keep_freed_memory(environment) {
         Heap::Kept => tracing::debug!(
             mmap_threshold = heap::MMAP_THRESHOLD,
