@@ -7,6 +7,8 @@ use std::fs;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stat {
     pub ppid: u32,
+    /// Minor page faults (every thread's).
+    pub minflt: u64,
     pub majflt: u64,
     pub utime: u64,
     pub stime: u64,
@@ -28,6 +30,7 @@ pub fn parse_stat(stat: &str) -> Option<Stat> {
     let field = |n: usize| -> Option<u64> { fields.get(n - 3)?.parse().ok() };
     Some(Stat {
         ppid: u32::try_from(field(4)?).ok()?,
+        minflt: field(10)?,
         majflt: field(12)?,
         utime: field(14)?,
         stime: field(15)?,

@@ -235,10 +235,12 @@ async fn bulk_responses_switch_their_connection_to_bbr() {
 /// Downloads 32 MiB over HTTP/3 with a client that accepts any payload size;
 /// returns the datagrams the client received and their average size.
 ///
-/// The client's socket holds 8 MiB (`SO_RCVBUFFORCE`): with the kernel's default
-/// 208 KiB it dropped up to a tenth of the datagrams on a busy host, and about one
-/// download in 40 lost them in bursts that quinn's black-hole detection took for
-/// an MTU failure, so the server fell back to 1200 bytes for a minute.
+/// The client's socket holds 8 MiB (`SO_RCVBUFFORCE`, which needs root or
+/// `CAP_NET_ADMIN`, as the suite runs; otherwise `net.core.rmem_max` caps it): with
+/// the kernel's default 208 KiB it dropped up to a tenth of the datagrams on a busy
+/// host, and about one download in 40 lost them in bursts that quinn's black-hole
+/// detection took for an MTU failure, so the server fell back to 1200 bytes for a
+/// minute.
 async fn bulk_datagrams(env: &Env, server: &Server) -> (u64, u64) {
     let options = H3Options {
         force_receive_buffer: true,

@@ -8,6 +8,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use webship_testkit::proc::read_stat;
 use webship_testkit::process::{Logs, Process, Ready};
 use webship_tests::client::{fetch, fetch_h3, Proto};
 use webship_tests::server::binary;
@@ -381,25 +382,18 @@ fn the_harness_removes_a_killed_daemons_pin_folder() {
     assert!(!pins.exists(), "the harness left {}", pins.display());
 }
 
-/// Minor page faults the process has taken (`/proc/PID/stat`, field 10: every
-/// thread's).
-fn minor_faults(pid: u32) -> u64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    // The command name, field 2, is in parentheses and may hold spaces.
-    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
-    after_name.split(' ').nth(7).unwrap().parse().unwrap()
-}
-
 /// A file response's chunks reuse the heap memory the previous response freed: 1 MiB
 /// over HTTP/3 and HTTP/2 takes (almost) no page faults once the server is warm.
-/// With glibc's moving thresholds, each HTTP/3 download of it faulted 110–210 pages
-/// back in (the chunks landed in memory just returned to the kernel).
+/// With glibc's moving thresholds, each HTTP/3 download of it faulted 56–202 pages
+/// back in (the chunks landed in memory just returned to the kernel); HTTP/2's
+/// allocations did not churn, and its half guards against that changing.
 #[tokio::test]
 async fn a_file_response_reuses_freed_heap_memory() {
     let env = Env::new();
     let len = MIB as usize;
     env.write("one.bin", &pattern(len));
     let server = env.start("");
+    let faults = || read_stat(server.pid()).expect("the server's /proc stat").minflt;
     for h3 in [true, false] {
         let download = || async {
             let got = match h3 {
@@ -411,15 +405,18 @@ async fn a_file_response_reuses_freed_heap_memory() {
         for _ in 0..3 {
             download().await;
         }
-        let before = minor_faults(server.pid());
-        let downloads = 20;
-        for _ in 0..downloads {
+        let mut each = Vec::new();
+        for _ in 0..20 {
+            let before = faults();
             download().await;
+            each.push(faults() - before);
         }
-        let per_download = (minor_faults(server.pid()) - before) / downloads;
+        // A download that holds more unacknowledged chunks than any before it grows
+        // the heap once (up to 256 pages); that memory is then kept.
+        let many = each.iter().filter(|&&n| n >= 16).count();
         assert!(
-            per_download < 16,
-            "h3 {h3}: {per_download} page faults per 1 MiB download (a 1 MiB body is 256 pages)"
+            many <= 2,
+            "h3 {h3}: page faults per 1 MiB download (a 1 MiB body is 256 pages): {each:?}"
         );
     }
 }

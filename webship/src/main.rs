@@ -226,8 +226,8 @@ fn load(path: Option<&Path>) -> anyhow::Result<Config> {
 }
 
 fn serve(path: Option<&Path>, takeover: bool) -> anyhow::Result<ExitCode> {
-    server::keep_freed_heap_memory();
     let mut config = load(path)?;
+    server::keep_freed_heap_memory(&config);
     let wants_ebpf = match takeover {
         true => config.may_want_ebpf_taking_over(),
         false => config.wants_ebpf(),

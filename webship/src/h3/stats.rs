@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::metrics::{Collector, Encoder, Kind, Values};
 
-/// Counters summed over ended connections, in [`COUNTERS`] order.
-static SUMS: [AtomicU64; 13] = [const { AtomicU64::new(0) }; 13];
+/// Counters summed over ended connections, indexed by [`Sum`].
+static SUMS: [AtomicU64; SUM_COUNT] = [const { AtomicU64::new(0) }; SUM_COUNT];
 /// Connections switched from CUBIC to BBR (counted at the switch).
 pub(super) static BBR_SWITCHES: AtomicU64 = AtomicU64::new(0);
 /// HTTP/3 stream bytes handed to quinn as the sender's own buffer (live, counted by
@@ -76,6 +76,9 @@ enum Sum {
     ProbesLost,
     BlackHoles,
 }
+
+/// How many [`Sum`]s there are (the last one's index plus one).
+const SUM_COUNT: usize = Sum::BlackHoles as usize + 1;
 
 fn add(which: Sum, n: u64) {
     SUMS[which as usize].fetch_add(n, Ordering::Relaxed);
@@ -178,7 +181,7 @@ impl Collector for Metrics {
         out.family(
             "webship_quic_mtu_black_holes",
             Kind::Counter,
-            "Times an ended QUIC connection fell back to the 1200-byte minimum MTU after bursts of lost large packets (DPLPMTUD's black-hole detection); it probes again after 60 s.",
+            "Times an ended QUIC connection fell back to the 1200-byte minimum MTU after bursts of lost large packets (quinn's DPLPMTUD black-hole detection, which congestion or a peer's full receive buffer can set off too); a connection that lives on probes again after 60 s.",
         )
         .sample(&[], get(Sum::BlackHoles));
         out.family(

@@ -48,25 +48,30 @@ pub enum ProcessError {
 }
 
 /// Keeps freed heap memory for reuse instead of returning it to the kernel at once
-/// (`sys::heap`: glibc's mmap and trim thresholds fixed at 1 and 2 MiB, unless the
-/// environment sets them). Called first, before the runtime's threads allocate.
-pub fn keep_freed_heap_memory() {
-    use crate::sys::heap::{self, Heap};
-    // Not `env::vars`, which panics on a variable that is not UTF-8.
-    let environment = std::env::vars_os().map(|(name, value)| {
-        (
-            name.to_string_lossy().into_owned(),
-            value.to_string_lossy().into_owned(),
-        )
-    });
-    match heap::keep_freed_memory(environment) {
-        Heap::Kept => tracing::debug!(
-            mmap_threshold = heap::MMAP_THRESHOLD,
-            trim_threshold = heap::TRIM_THRESHOLD,
+/// (`sys::heap`: glibc's mmap and trim thresholds fixed above the largest buffer
+/// `config` makes, unless the environment tunes malloc). Called before the runtime's
+/// threads start; a reload does not move them.
+pub fn keep_freed_heap_memory(config: &Config) {
+    use crate::sys::heap::{self, Thresholds};
+    // The largest single buffers a setting sizes: HTTP/2's TLS write batch, and a
+    // frame as large as the one HTTP/2 allows its peer.
+    let largest = config
+        .h2
+        .tls_write_buffer_bytes
+        .max(config.h2.max_frame_size_bytes as usize);
+    match heap::fix_thresholds(largest) {
+        Thresholds::Fixed { mmap, trim } => tracing::debug!(
+            mmap_threshold = mmap,
+            trim_threshold = trim,
             "heap: freed memory is kept for reuse"
         ),
-        Heap::Operator => tracing::info!("heap: glibc's mmap/trim thresholds come from the environment"),
-        Heap::Unsupported => {}
+        Thresholds::FromEnvironment => {
+            tracing::info!("heap: glibc's malloc settings come from the environment")
+        }
+        Thresholds::Refused => tracing::warn!(
+            "heap: glibc refused the mmap/trim thresholds; freed memory goes back to the kernel as glibc decides"
+        ),
+        Thresholds::NotGlibc => {}
     }
 }
 
