@@ -77,7 +77,8 @@ enum Sum {
     BlackHoles,
 }
 
-/// How many [`Sum`]s there are (the last one's index plus one).
+/// How many [`Sum`]s there are: the last one's index plus one (a new variant goes
+/// before `BlackHoles`, or this names the new last one).
 const SUM_COUNT: usize = Sum::BlackHoles as usize + 1;
 
 fn add(which: Sum, n: u64) {

@@ -53,13 +53,7 @@ pub enum ProcessError {
 /// threads start; a reload does not move them.
 pub fn keep_freed_heap_memory(config: &Config) {
     use crate::sys::heap::{self, Thresholds};
-    // The largest single buffers a setting sizes: HTTP/2's TLS write batch, and a
-    // frame as large as the one HTTP/2 allows its peer.
-    let largest = config
-        .h2
-        .tls_write_buffer_bytes
-        .max(config.h2.max_frame_size_bytes as usize);
-    match heap::fix_thresholds(largest) {
+    match heap::fix_thresholds(largest_buffer(config)) {
         Thresholds::Fixed { mmap, trim } => tracing::debug!(
             mmap_threshold = mmap,
             trim_threshold = trim,
@@ -73,6 +67,29 @@ pub fn keep_freed_heap_memory(config: &Config) {
         ),
         Thresholds::NotGlibc => {}
     }
+}
+
+/// The largest single buffer a setting sizes: HTTP/2's TLS write batch, a frame as
+/// large as HTTP/2 allows its peer, a request head (and a proxied response's), a
+/// WebTransport capsule.
+fn largest_buffer(config: &Config) -> usize {
+    let per_site = config.sites.iter().flat_map(|site| {
+        let capsule = site.webtransport.as_ref().map(|wt| wt.max_capsule_bytes);
+        let heads = match &site.serve {
+            Serve::Proxy(routes) => routes.iter().map(|r| r.max_header_bytes).max(),
+            Serve::Files(_) => None,
+        };
+        capsule.into_iter().chain(heads)
+    });
+    [
+        config.h2.tls_write_buffer_bytes,
+        config.h2.max_frame_size_bytes as usize,
+        config.limits.max_header_bytes,
+    ]
+    .into_iter()
+    .chain(per_site)
+    .max()
+    .unwrap_or(0)
 }
 
 /// Descriptors one connection can hold: the client socket and what serves it.
@@ -379,6 +396,21 @@ pub(super) fn check_roots(config: &Config) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The settings that size one buffer each, and the largest of them wins.
+    #[test]
+    fn the_largest_buffer_is_the_largest_setting() {
+        let dir = std::env::temp_dir();
+        let mut config = crate::config::builtin_default(&dir).unwrap();
+        // The defaults: HTTP/2's 128 KiB write batch.
+        assert_eq!(largest_buffer(&config), 128 * 1024);
+        config.limits.max_header_bytes = 1 << 20;
+        assert_eq!(largest_buffer(&config), 1 << 20);
+        config.h2.max_frame_size_bytes = (1 << 24) - 1;
+        assert_eq!(largest_buffer(&config), (1 << 24) - 1);
+        config.h2.tls_write_buffer_bytes = 1 << 24;
+        assert_eq!(largest_buffer(&config), 1 << 24);
+    }
 
     #[test]
     fn only_ebpf_and_a_restricted_bbr_keep_capabilities() {

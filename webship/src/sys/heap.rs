@@ -8,8 +8,8 @@
 //! and frees each once the peer has it; HTTP/3 holds a chunk until it is
 //! acknowledged, so the next chunks need new memory while older ones are freed.
 //! They kept landing in memory just given back, and every 4 KiB page faulted in
-//! again as the file was read into it: hundreds of page faults per 1 MiB response
-//! over HTTP/3; without them the server's CPU for that response fell by 10–28 %
+//! again as the file was read into it: 96–224 page faults per 1 MiB response over
+//! HTTP/3; without them the server's CPU for that response fell by 10–28 %
 //! (docs/benchmarks.md, "Page faults").
 //!
 //! [`fix_thresholds`] sets both thresholds once, at start: requests under the mmap
@@ -19,16 +19,17 @@
 //! least twice the largest buffer the configuration makes ([`thresholds_for`]).
 //! What it costs: each heap may keep up to the trim threshold of free memory at its
 //! top (glibc gives each thread that allocates an arena of its own, up to eight per
-//! core; in practice about one per worker thread). Free memory below a heap's top
-//! was never given back either way. An operator's own malloc settings in the
+//! core: the workers, the blocking pool's threads, the main thread). Free memory
+//! below a heap's top was never given back either way. An operator's own malloc settings in the
 //! environment are left to glibc ([`operator_sets_thresholds`]).
 
 /// The smallest mmap threshold: well above a file chunk (256 KiB at most).
-pub(crate) const MIN_MMAP_THRESHOLD: usize = 1 << 20;
+const MIN_MMAP_THRESHOLD: usize = 1 << 20;
 
 /// The largest mmap threshold glibc accepts on 64-bit targets (`HEAP_MAX_SIZE / 2`),
-/// also the ceiling of its own adjustment.
-pub(crate) const MAX_MMAP_THRESHOLD: usize = 32 << 20;
+/// also the ceiling of its own adjustment (32-bit targets are left alone: theirs is
+/// 512 KiB).
+const MAX_MMAP_THRESHOLD: usize = 32 << 20;
 
 /// What [`fix_thresholds`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +72,9 @@ pub(crate) fn fix_thresholds(largest_buffer: usize) -> Thresholds {
             value.to_string_lossy().into_owned(),
         )
     });
-    if operator_sets_thresholds(environment) {
+    // A process started with more privilege than its starter (set-user-ID, file
+    // capabilities) is "secure" to glibc, which then ignores these variables.
+    if !imp::secure() && operator_sets_thresholds(environment) {
         return Thresholds::FromEnvironment;
     }
     let (mmap, trim) = thresholds_for(largest_buffer);
@@ -80,9 +83,9 @@ pub(crate) fn fix_thresholds(largest_buffer: usize) -> Thresholds {
 
 /// Whether `environment` sets one of the malloc parameters that fix glibc's
 /// thresholds (any of them turns its adjustment off): a `GLIBC_TUNABLES` entry
-/// `glibc.malloc.{mmap_threshold,trim_threshold,top_pad,mmap_max}=VALUE`, or
-/// `MALLOC_{MMAP_THRESHOLD,TRIM_THRESHOLD,TOP_PAD,MMAP_MAX}_`, with a value (glibc
-/// skips an entry without one).
+/// `glibc.malloc.{mmap_threshold,trim_threshold,top_pad,mmap_max}=…`, or
+/// `MALLOC_{MMAP_THRESHOLD,TRIM_THRESHOLD,TOP_PAD,MMAP_MAX}_`. An empty value counts
+/// (glibc reads it as 0); a tunable without `=` does not (glibc skips it).
 fn operator_sets_thresholds(mut environment: impl Iterator<Item = (String, String)>) -> bool {
     const TUNABLES: [&str; 4] = [
         "glibc.malloc.mmap_threshold",
@@ -100,20 +103,28 @@ fn operator_sets_thresholds(mut environment: impl Iterator<Item = (String, Strin
         "GLIBC_TUNABLES" => value.split(':').any(|entry| {
             entry
                 .split_once('=')
-                .is_some_and(|(name, value)| TUNABLES.contains(&name) && !value.is_empty())
+                .is_some_and(|(name, _)| TUNABLES.contains(&name))
         }),
-        name => VARIABLES.contains(&name) && !value.is_empty(),
+        name => VARIABLES.contains(&name),
     })
 }
 
 #[cfg(all(
     target_os = "linux",
     target_env = "gnu",
+    target_pointer_width = "64",
     not(feature = "allocator-jemalloc"),
     not(feature = "allocator-mimalloc")
 ))]
 mod imp {
     use super::Thresholds;
+
+    /// Whether glibc runs this process in secure mode (`AT_SECURE`).
+    pub(super) fn secure() -> bool {
+        // SAFETY: `getauxval` reads the auxiliary vector the kernel gave the
+        // process; it takes and returns integers only.
+        unsafe { libc::getauxval(libc::AT_SECURE) != 0 }
+    }
 
     pub(super) fn set(mmap: usize, trim: usize) -> Thresholds {
         let set = |param, value: usize| {
@@ -138,11 +149,16 @@ mod imp {
 #[cfg(not(all(
     target_os = "linux",
     target_env = "gnu",
+    target_pointer_width = "64",
     not(feature = "allocator-jemalloc"),
     not(feature = "allocator-mimalloc")
 )))]
 mod imp {
     use super::Thresholds;
+
+    pub(super) fn secure() -> bool {
+        false
+    }
 
     pub(super) fn set(_: usize, _: usize) -> Thresholds {
         Thresholds::NotGlibc
@@ -174,6 +190,9 @@ mod tests {
             env(&[("MALLOC_TRIM_THRESHOLD_", "0")]),
             env(&[("PATH", "/bin"), ("MALLOC_MMAP_THRESHOLD_", "0")]),
             env(&[("MALLOC_TOP_PAD_", "4096")]),
+            // glibc reads an empty value as 0.
+            env(&[("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=")]),
+            env(&[("MALLOC_TRIM_THRESHOLD_", "")]),
         ] {
             assert!(operator_sets_thresholds(set));
         }
@@ -184,10 +203,8 @@ mod tests {
                 "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0",
             )]),
             env(&[("GLIBC_TUNABLES", "glibc.malloc.trim_threshold_x=1")]),
-            // glibc skips an entry without a value.
+            // glibc skips an entry without `=`.
             env(&[("GLIBC_TUNABLES", "glibc.malloc.trim_threshold")]),
-            env(&[("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=")]),
-            env(&[("MALLOC_TRIM_THRESHOLD_", "")]),
             env(&[("MALLOC_ARENA_MAX", "2")]),
         ] {
             assert!(!operator_sets_thresholds(unrelated));
@@ -226,6 +243,10 @@ mod tests {
             // Threads may then share an arena with other tests' allocations.
             return;
         }
+        // `mallopt` here runs while other tests' threads allocate, which the daemon
+        // never does (`fix_thresholds`' SAFETY): a racing allocation may see one
+        // threshold before the other, which changes only when freed memory goes back;
+        // the thresholds then hold for the rest of this test binary, which is fine.
         match fix_thresholds(0) {
             Thresholds::Fixed { .. } => {}
             Thresholds::FromEnvironment | Thresholds::NotGlibc => return,
