@@ -20,8 +20,8 @@
 //! What it costs: each heap may keep up to the trim threshold of free memory at its
 //! top (glibc gives each thread that allocates an arena of its own, up to eight per
 //! core: the workers, the blocking pool's threads, the main thread). Free memory
-//! below a heap's top was never given back either way. An operator's own malloc settings in the
-//! environment are left to glibc ([`operator_sets_thresholds`]).
+//! below a heap's top was never given back either way. An operator's own malloc
+//! settings in the environment are left to glibc ([`operator_sets_thresholds`]).
 
 /// The smallest mmap threshold: well above a file chunk (256 KiB at most).
 const MIN_MMAP_THRESHOLD: usize = 1 << 20;
@@ -51,7 +51,7 @@ pub(crate) enum Thresholds {
 /// size, and malloc's own header, stay under it) rounded up to a power of two,
 /// within [`MIN_MMAP_THRESHOLD`] and [`MAX_MMAP_THRESHOLD`]; and twice that for the
 /// trim threshold (the ratio glibc keeps when it moves the two itself).
-pub(crate) fn thresholds_for(largest_buffer: usize) -> (usize, usize) {
+fn thresholds_for(largest_buffer: usize) -> (usize, usize) {
     let mmap = largest_buffer
         .saturating_mul(2)
         .checked_next_power_of_two()
