@@ -9,6 +9,10 @@
 //! connection gets its own factory holding a [`BulkSignal`]; the response path raises
 //! the signal, and the controller starts BBR at its next send. Other connections keep
 //! their own controllers and are never affected.
+//!
+//! In slow start the window quinn reads is raised for its pacer's sake only
+//! ([`super::pacing`]): slow start is paced at two windows per round trip, as Linux
+//! paces TCP's, and what is in flight stays within CUBIC's window.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +21,8 @@ use std::time::Instant;
 
 use quinn::congestion::{BbrConfig, Controller, ControllerFactory, ControllerMetrics, CubicConfig};
 use quinn_proto::RttEstimator;
+
+use super::pacing::SlowStartPacing;
 
 /// Raised once a connection's traffic is known to be bulk.
 #[derive(Debug, Clone, Default)]
@@ -70,6 +76,7 @@ impl ControllerFactory for SwitchingFactory {
             mtu: current_mtu,
             initial_window_packets: self.initial_window_packets,
             recounting: true,
+            pacing: SlowStartPacing::default(),
             now,
         })
     }
@@ -105,6 +112,8 @@ struct Switching {
     /// response spent 0.25–0.55 ms longer in slow start (docs/benchmarks.md, "The
     /// initial window, counted in datagrams"). Only sizes the path has carried count.
     recounting: bool,
+    /// What is in flight, for the window quinn's pacer reads in slow start.
+    pacing: SlowStartPacing,
     /// The latest time quinn has passed in, for building a controller.
     now: Instant,
 }
@@ -139,6 +148,26 @@ impl Switching {
         self.cubic = Arc::new(config).build(self.now, mtu);
     }
 
+    /// The window in force: CUBIC's, or after the switch the larger of BBR's and
+    /// CUBIC's.
+    fn congestion_window(&self) -> u64 {
+        let cubic = self.cubic.window();
+        self.bbr.as_ref().map_or(cubic, |bbr| bbr.window().max(cubic))
+    }
+
+    /// CUBIC below its slow start threshold (`u64::MAX` until the first congestion
+    /// event): the window in force then grows by what each round delivers, whether
+    /// it is CUBIC's or, after a switch, a larger one of BBR's (in its startup, or
+    /// CUBIC would have overtaken it). A switch comes early in a response (at
+    /// `h3_bbr_switch_bytes` handed to quinn, not sent), so a connection with the
+    /// default policy spends most of its first round trips switched.
+    fn in_slow_start(&self) -> bool {
+        self.cubic
+            .metrics()
+            .ssthresh
+            .is_some_and(|threshold| self.cubic.window() < threshold)
+    }
+
     fn each(&mut self, mut f: impl FnMut(&mut dyn Controller)) {
         f(self.cubic.as_mut());
         if let Some(bbr) = self.bbr.as_mut() {
@@ -151,6 +180,7 @@ impl Controller for Switching {
     fn on_sent(&mut self, now: Instant, bytes: u64, last_packet_number: u64) {
         self.now = now;
         self.maybe_switch(now);
+        self.pacing.on_sent(bytes);
         self.each(|c| c.on_sent(now, bytes, last_packet_number));
     }
 
@@ -160,6 +190,7 @@ impl Controller for Switching {
     }
 
     fn on_end_acks(&mut self, now: Instant, in_flight: u64, app_limited: bool, largest_acked: Option<u64>) {
+        self.pacing.on_end_acks(in_flight);
         self.each(|c| c.on_end_acks(now, in_flight, app_limited, largest_acked));
     }
 
@@ -184,14 +215,17 @@ impl Controller for Switching {
         self.each(|c| c.on_mtu_update(new_mtu));
     }
 
+    /// The window in force, raised in slow start for quinn's pacer as
+    /// [`SlowStartPacing::window`] says; quinn reads it for its pacer and for what
+    /// may be in flight, and its connection statistics report it.
     fn window(&self) -> u64 {
-        let cubic = self.cubic.window();
-        self.bbr.as_ref().map_or(cubic, |bbr| bbr.window().max(cubic))
+        self.pacing
+            .window(self.congestion_window(), self.in_slow_start(), self.mtu)
     }
 
     fn metrics(&self) -> ControllerMetrics {
         let mut metrics = self.cubic.metrics();
-        metrics.congestion_window = self.window();
+        metrics.congestion_window = self.congestion_window();
         if let Some(bbr) = &self.bbr {
             metrics.pacing_rate = bbr.metrics().pacing_rate;
         }
@@ -211,6 +245,7 @@ impl Controller for Switching {
             mtu: self.mtu,
             initial_window_packets: self.initial_window_packets,
             recounting: false,
+            pacing: self.pacing.clone(),
             now: self.now,
         })
     }
@@ -279,13 +314,66 @@ mod tests {
     fn a_connection_starts_from_the_configured_window() {
         let now = Instant::now();
         let (signal, mut c) = controller(32, now);
-        assert_eq!((c.window(), c.initial_window()), (38_400, 38_400));
+        assert_eq!(
+            (c.metrics().congestion_window, c.initial_window()),
+            (38_400, 38_400)
+        );
         let (_, ten) = controller(10, now);
-        assert_eq!(ten.window(), 12_000, "quinn's and RFC 9002's ten");
+        assert_eq!(
+            ten.metrics().congestion_window,
+            12_000,
+            "quinn's and RFC 9002's ten"
+        );
         signal.raise();
         c.on_sent(now, 1200, 1);
-        assert_eq!(c.window(), 38_400);
+        assert_eq!(c.metrics().congestion_window, 38_400);
         assert!(switching(c).bbr.is_some());
+    }
+
+    /// In slow start quinn reads 1.6 windows, so its pacer (1.25 of what it reads
+    /// per round trip) sends two windows per round trip, until what is in flight
+    /// leaves no room under the true window for a transmit of ten datagrams; after
+    /// a switch to BBR too, while CUBIC is in slow start. After a loss it reads the
+    /// window as it is.
+    #[test]
+    fn slow_start_is_paced_at_two_windows_per_round_trip() {
+        let now = Instant::now();
+        let (signal, mut c) = controller(32, now);
+        assert_eq!(c.metrics().congestion_window, 38_400);
+        assert_eq!(c.window(), 61_440);
+        c.on_sent(now, 26_400, 1);
+        assert_eq!(
+            c.window(),
+            61_440,
+            "26,400 in flight: ten 1200-byte datagrams fit"
+        );
+        c.on_sent(now, 1_200, 2);
+        assert_eq!(c.window(), 38_400, "27,600 in flight: they do not");
+        c.on_end_acks(now, 14_400, false, Some(2));
+        assert_eq!(c.window(), 61_440, "quinn's own count replaces the estimate");
+
+        let (_, mut lossy) = controller(32, now);
+        lose_one(lossy.as_mut(), now, 1200);
+        lossy.on_end_acks(now, 0, false, Some(19));
+        assert_eq!(lossy.window(), lossy.metrics().congestion_window);
+        assert!(lossy.window() < 38_400, "CUBIC backed off: {}", lossy.window());
+
+        signal.raise();
+        c.on_sent(now, 1_200, 3);
+        c.on_end_acks(now, 0, false, Some(3));
+        assert!(switching(c.clone_box()).bbr.is_some());
+        assert_eq!(
+            c.window(),
+            c.metrics().congestion_window * 8 / 5,
+            "switched, CUBIC in slow start"
+        );
+        lose_one(c.as_mut(), now, 1200);
+        c.on_end_acks(now, 0, false, Some(22));
+        assert_eq!(
+            c.window(),
+            c.metrics().congestion_window,
+            "switched, after a loss"
+        );
     }
 
     /// A switch right after a loss starts BBR from the window CUBIC backed off to
@@ -297,7 +385,7 @@ mod tests {
         let (signal, mut c) = controller(200, now);
         c.on_mtu_update(1452);
         lose_one(c.as_mut(), now, 1452);
-        let backed_off = c.window();
+        let backed_off = c.metrics().congestion_window;
         assert!(
             backed_off < 200 * 1200,
             "CUBIC must have backed off: {backed_off}"
@@ -317,9 +405,9 @@ mod tests {
         let now = Instant::now();
         let (signal, mut c) = controller(32, now);
         c.on_mtu_update(5086);
-        assert_eq!(c.window(), 32 * 5086);
+        assert_eq!(c.metrics().congestion_window, 32 * 5086);
         c.on_mtu_update(8972);
-        assert_eq!(c.window(), 32 * 8972);
+        assert_eq!(c.metrics().congestion_window, 32 * 8972);
         assert_eq!(c.metrics().congestion_window, 32 * 8972);
         signal.raise();
         c.on_sent(now, 8972, 1);
@@ -338,10 +426,10 @@ mod tests {
         let (_, mut c) = controller(32, now);
         c.on_mtu_update(5086);
         lose_one(c.as_mut(), now, 5086);
-        let cut = c.window();
+        let cut = c.metrics().congestion_window;
         assert_eq!(cut, (32.0 * 5086.0 * 0.7) as u64, "CUBIC's beta of 0.7");
         c.on_mtu_update(8972);
-        assert_eq!(c.window(), cut);
+        assert_eq!(c.metrics().congestion_window, cut);
     }
 
     /// Black hole detection falling back to a smaller size ends the recounting: a
@@ -352,9 +440,13 @@ mod tests {
         let (_, mut c) = controller(32, now);
         c.on_mtu_update(5086);
         c.on_mtu_update(1200);
-        assert_eq!(c.window(), 32 * 5086, "CUBIC keeps its window in bytes");
+        assert_eq!(
+            c.metrics().congestion_window,
+            32 * 5086,
+            "CUBIC keeps its window in bytes"
+        );
         c.on_mtu_update(8972);
-        assert_eq!(c.window(), 32 * 5086);
+        assert_eq!(c.metrics().congestion_window, 32 * 5086);
     }
 
     /// A controller cloned for a NAT rebinding keeps the window and recounts no
@@ -365,11 +457,15 @@ mod tests {
         let (_, mut c) = controller(32, now);
         c.on_mtu_update(5086);
         let mut clone = c.clone_box();
-        assert_eq!(clone.window(), 32 * 5086);
+        assert_eq!(clone.metrics().congestion_window, 32 * 5086);
         clone.on_mtu_update(8972);
-        assert_eq!(clone.window(), 32 * 5086);
+        assert_eq!(clone.metrics().congestion_window, 32 * 5086);
         c.on_mtu_update(8972);
-        assert_eq!(c.window(), 32 * 8972, "the original still recounts");
+        assert_eq!(
+            c.metrics().congestion_window,
+            32 * 8972,
+            "the original still recounts"
+        );
     }
 
     #[test]
@@ -392,7 +488,7 @@ mod tests {
         let start = Instant::now();
         let (signal, mut c) = controller(10, start);
         let mut cubic = Arc::new(CubicConfig::default()).build(start, 1200);
-        let before = c.window();
+        let before = c.metrics().congestion_window;
         signal.raise();
         let mut pn = 0;
         for step in 0..50u32 {
@@ -408,15 +504,15 @@ mod tests {
                 }
             }
             assert!(
-                c.window() >= cubic.window(),
+                c.metrics().congestion_window >= cubic.window(),
                 "step {step}: {} < CUBIC's {}",
-                c.window(),
+                c.metrics().congestion_window,
                 cubic.window()
             );
         }
         assert!(cubic.window() < before, "the losses must have cut CUBIC");
         assert!(
-            c.window() >= before,
+            c.metrics().congestion_window >= before,
             "BBR keeps the window CUBIC had at the switch"
         );
     }

@@ -27,6 +27,7 @@ mod endpoint;
 mod fields;
 pub(crate) mod generation;
 mod mtu;
+mod pacing;
 pub(crate) mod routing;
 pub(crate) mod stats;
 #[cfg(test)]

@@ -94,11 +94,15 @@ pub(super) struct OnEnd(pub(super) quinn::Connection);
 
 impl Drop for OnEnd {
     fn drop(&mut self) {
-        ended(&self.0.stats());
+        // The window from the controller's metrics: quinn's statistics carry the
+        // window quinn reads, which in slow start is raised for its pacer
+        // (`h3::pacing`).
+        let window = self.0.congestion_state().metrics().congestion_window;
+        ended(&self.0.stats(), window);
     }
 }
 
-fn ended(s: &quinn::ConnectionStats) {
+fn ended(s: &quinn::ConnectionStats, window: u64) {
     let p = &s.path;
     add(Sum::PacketsSent, p.sent_packets);
     add(Sum::PacketsLost, p.lost_packets);
@@ -114,7 +118,7 @@ fn ended(s: &quinn::ConnectionStats) {
     add(Sum::ProbesLost, p.lost_plpmtud_probes);
     add(Sum::BlackHoles, p.black_holes_detected);
     RTT.observe(u64::try_from(p.rtt.as_micros()).unwrap_or(u64::MAX));
-    CWND.observe(p.cwnd);
+    CWND.observe(window);
     MTU.observe(u64::from(p.current_mtu));
     if s.udp_tx.ios > 0 {
         GSO_BATCH.observe(s.udp_tx.datagrams.div_ceil(s.udp_tx.ios));
