@@ -192,6 +192,32 @@ async fn transports_h2_batches_and_quic_connection_stats() {
     );
 }
 
+/// The window metric is the congestion controller's window, not the figure quinn's
+/// statistics carry, which slow start raises 1.6 times for quinn's pacer
+/// (`h3::pacing`). A 1 KiB response over a 1200-byte ceiling (no DPLPMTUD growth)
+/// without the BBR switch leaves CUBIC in slow start, near its initial 32 × 1200
+/// bytes, with nothing in flight when the connection ends: the raised figure would be
+/// 61,440 or more.
+#[tokio::test]
+async fn the_quic_window_metric_is_the_controllers_window() {
+    let env = Env::new();
+    env.write("small.bin", &pattern(1024));
+    let (toml, admin) = admin();
+    let server = env.start(&format!(
+        "{toml}\n[runtime.settings]\nh3_mtu_upper_bound_bytes = \"1200\"\n[kernel]\nbbr = \"off\"\n"
+    ));
+    let (got, line) = aioquic_fetch(server.port, HOST, "/small.bin", &env.ca_file(), &[]);
+    assert_eq!(got["len"].as_u64(), Some(1024), "{line}");
+    let s = scrape_until(admin, "the h3 connection's window", |s| {
+        s.get("webship_quic_congestion_window_bytes_count") == Some(1.0)
+    });
+    let window = s.value("webship_quic_congestion_window_bytes_sum");
+    assert!(
+        (38_400.0..61_440.0).contains(&window),
+        "window {window} bytes at the end: CUBIC's is 38,400 plus what slow start added"
+    );
+}
+
 /// HTTP/3 response bodies reach quinn without a userspace copy: the body bytes of a
 /// file and of a body relayed from an upstream are counted under `zero_copy` but for
 /// chunks under 16 KiB (a file's tail, a relayed read that came alone), and what was

@@ -10,9 +10,9 @@
 //! the signal, and the controller starts BBR at its next send. Other connections keep
 //! their own controllers and are never affected.
 //!
-//! In slow start the window quinn reads is raised for its pacer's sake only
-//! ([`super::pacing`]): slow start is paced at two windows per round trip, as Linux
-//! paces TCP's, and what is in flight stays within CUBIC's window.
+//! In CUBIC's slow start the window quinn reads is raised for its pacer's sake
+//! only ([`super::pacing`]): slow start is paced at two windows per round trip, as
+//! Linux paces TCP's, and what is in flight stays within the window in force.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -150,22 +150,24 @@ impl Switching {
 
     /// The window in force: CUBIC's, or after the switch the larger of BBR's and
     /// CUBIC's.
-    fn congestion_window(&self) -> u64 {
+    fn window_in_force(&self) -> u64 {
         let cubic = self.cubic.window();
         self.bbr.as_ref().map_or(cubic, |bbr| bbr.window().max(cubic))
     }
 
-    /// CUBIC below its slow start threshold (`u64::MAX` until the first congestion
-    /// event): the window in force then grows by what each round delivers, whether
-    /// it is CUBIC's or, after a switch, a larger one of BBR's (in its startup, or
-    /// CUBIC would have overtaken it). A switch comes early in a response (at
-    /// `h3_bbr_switch_bytes` handed to quinn, not sent), so a connection with the
-    /// default policy spends most of its first round trips switched.
-    fn in_slow_start(&self) -> bool {
-        self.cubic
-            .metrics()
-            .ssthresh
-            .is_some_and(|threshold| self.cubic.window() < threshold)
+    /// Whether the window in force is CUBIC's, in slow start: below its threshold,
+    /// which is `u64::MAX` until the first congestion event (quinn's CUBIC has no
+    /// HyStart) and comes back after persistent congestion. After a switch BBR's
+    /// window may be the larger one, and BBR (its startup included) is then left
+    /// to quinn's pacer as it is.
+    fn in_cubic_slow_start(&self) -> bool {
+        let cubic = self.cubic.window();
+        self.bbr.as_ref().is_none_or(|bbr| cubic >= bbr.window())
+            && self
+                .cubic
+                .metrics()
+                .ssthresh
+                .is_some_and(|threshold| cubic < threshold)
     }
 
     fn each(&mut self, mut f: impl FnMut(&mut dyn Controller)) {
@@ -180,7 +182,7 @@ impl Controller for Switching {
     fn on_sent(&mut self, now: Instant, bytes: u64, last_packet_number: u64) {
         self.now = now;
         self.maybe_switch(now);
-        self.pacing.on_sent(bytes);
+        self.pacing.on_sent(bytes, last_packet_number, self.mtu);
         self.each(|c| c.on_sent(now, bytes, last_packet_number));
     }
 
@@ -215,17 +217,18 @@ impl Controller for Switching {
         self.each(|c| c.on_mtu_update(new_mtu));
     }
 
-    /// The window in force, raised in slow start for quinn's pacer as
-    /// [`SlowStartPacing::window`] says; quinn reads it for its pacer and for what
-    /// may be in flight, and its connection statistics report it.
+    /// The window in force, raised in CUBIC's slow start for quinn's pacer as
+    /// [`SlowStartPacing::reported_window`] says; quinn reads it for its pacer and
+    /// for what may be in flight, and its connection statistics carry it
+    /// (`metrics` has the window in force).
     fn window(&self) -> u64 {
         self.pacing
-            .window(self.congestion_window(), self.in_slow_start(), self.mtu)
+            .reported_window(self.window_in_force(), self.in_cubic_slow_start(), self.mtu)
     }
 
     fn metrics(&self) -> ControllerMetrics {
         let mut metrics = self.cubic.metrics();
-        metrics.congestion_window = self.congestion_window();
+        metrics.congestion_window = self.window_in_force();
         if let Some(bbr) = &self.bbr {
             metrics.pacing_rate = bbr.metrics().pacing_rate;
         }
@@ -273,6 +276,11 @@ mod tests {
         (signal, Arc::new(factory).build(now, 1200))
     }
 
+    /// The window in force, as `metrics` reports it (`window` is what quinn reads).
+    fn in_force(c: &dyn Controller) -> u64 {
+        c.metrics().congestion_window
+    }
+
     fn switching(c: Box<dyn Controller>) -> Box<Switching> {
         c.into_any().downcast::<Switching>().unwrap()
     }
@@ -314,32 +322,25 @@ mod tests {
     fn a_connection_starts_from_the_configured_window() {
         let now = Instant::now();
         let (signal, mut c) = controller(32, now);
-        assert_eq!(
-            (c.metrics().congestion_window, c.initial_window()),
-            (38_400, 38_400)
-        );
+        assert_eq!((in_force(c.as_ref()), c.initial_window()), (38_400, 38_400));
         let (_, ten) = controller(10, now);
-        assert_eq!(
-            ten.metrics().congestion_window,
-            12_000,
-            "quinn's and RFC 9002's ten"
-        );
+        assert_eq!(in_force(ten.as_ref()), 12_000, "quinn's and RFC 9002's ten");
         signal.raise();
         c.on_sent(now, 1200, 1);
-        assert_eq!(c.metrics().congestion_window, 38_400);
+        assert_eq!(in_force(c.as_ref()), 38_400);
         assert!(switching(c).bbr.is_some());
     }
 
     /// In slow start quinn reads 1.6 windows, so its pacer (1.25 of what it reads
     /// per round trip) sends two windows per round trip, until what is in flight
     /// leaves no room under the true window for a transmit of ten datagrams; after
-    /// a switch to BBR too, while CUBIC is in slow start. After a loss it reads the
-    /// window as it is.
+    /// a switch to BBR too, while CUBIC's window is in force. After a loss it reads
+    /// the window as it is.
     #[test]
     fn slow_start_is_paced_at_two_windows_per_round_trip() {
         let now = Instant::now();
         let (signal, mut c) = controller(32, now);
-        assert_eq!(c.metrics().congestion_window, 38_400);
+        assert_eq!(in_force(c.as_ref()), 38_400);
         assert_eq!(c.window(), 61_440);
         c.on_sent(now, 26_400, 1);
         assert_eq!(
@@ -355,7 +356,7 @@ mod tests {
         let (_, mut lossy) = controller(32, now);
         lose_one(lossy.as_mut(), now, 1200);
         lossy.on_end_acks(now, 0, false, Some(19));
-        assert_eq!(lossy.window(), lossy.metrics().congestion_window);
+        assert_eq!(lossy.window(), in_force(lossy.as_ref()));
         assert!(lossy.window() < 38_400, "CUBIC backed off: {}", lossy.window());
 
         signal.raise();
@@ -364,15 +365,63 @@ mod tests {
         assert!(switching(c.clone_box()).bbr.is_some());
         assert_eq!(
             c.window(),
-            c.metrics().congestion_window * 8 / 5,
+            in_force(c.as_ref()) * 8 / 5,
             "switched, CUBIC in slow start"
         );
         lose_one(c.as_mut(), now, 1200);
         c.on_end_acks(now, 0, false, Some(22));
+        assert_eq!(c.window(), in_force(c.as_ref()), "switched, after a loss");
+    }
+
+    /// BBR's stand-in holding a fixed window.
+    #[derive(Clone)]
+    struct Fixed(u64);
+
+    impl Controller for Fixed {
+        fn on_congestion_event(&mut self, _: Instant, _: Instant, _: bool, _: u64) {}
+        fn on_mtu_update(&mut self, _: u16) {}
+        fn window(&self) -> u64 {
+            self.0
+        }
+        fn clone_box(&self) -> Box<dyn Controller> {
+            Box::new(self.clone())
+        }
+        fn initial_window(&self) -> u64 {
+            self.0
+        }
+        fn into_any(self: Box<Self>) -> Box<dyn Any> {
+            self
+        }
+    }
+
+    /// After a switch, a larger window of BBR's is read as it is: the gain is for
+    /// CUBIC's slow start only. Level with CUBIC's, CUBIC's slow start is in force.
+    #[test]
+    fn a_larger_bbr_window_is_read_as_it_is() {
+        let now = Instant::now();
+        let (_, c) = controller(32, now);
+        let mut s = switching(c);
+        s.bbr = Some(Box::new(Fixed(500_000)));
+        assert_eq!(s.window(), 500_000);
+        s.bbr = Some(Box::new(Fixed(38_400)));
+        assert_eq!(s.window(), 61_440);
+    }
+
+    /// The headroom is ten datagrams of the size DPLPMTUD confirmed, and packet
+    /// numbers quinn used without reporting a send count as datagrams of it.
+    #[test]
+    fn the_headroom_follows_the_datagram_size() {
+        let now = Instant::now();
+        let (_, mut c) = controller(32, now);
+        c.on_mtu_update(1452);
+        assert_eq!(in_force(c.as_ref()), 46_464, "32 × 1452, recounted");
+        c.on_sent(now, 46_464 - 14_520, 7);
+        assert_eq!(c.window(), 46_464 * 8 / 5, "ten 1452-byte datagrams fit");
+        c.on_sent(now, 100, 9);
         assert_eq!(
             c.window(),
-            c.metrics().congestion_window,
-            "switched, after a loss"
+            46_464,
+            "packet 8 went unreported: two datagrams count"
         );
     }
 
@@ -385,7 +434,7 @@ mod tests {
         let (signal, mut c) = controller(200, now);
         c.on_mtu_update(1452);
         lose_one(c.as_mut(), now, 1452);
-        let backed_off = c.metrics().congestion_window;
+        let backed_off = in_force(c.as_ref());
         assert!(
             backed_off < 200 * 1200,
             "CUBIC must have backed off: {backed_off}"
@@ -405,10 +454,14 @@ mod tests {
         let now = Instant::now();
         let (signal, mut c) = controller(32, now);
         c.on_mtu_update(5086);
-        assert_eq!(c.metrics().congestion_window, 32 * 5086);
+        assert_eq!(in_force(c.as_ref()), 32 * 5086);
         c.on_mtu_update(8972);
-        assert_eq!(c.metrics().congestion_window, 32 * 8972);
-        assert_eq!(c.metrics().congestion_window, 32 * 8972);
+        assert_eq!(in_force(c.as_ref()), 32 * 8972);
+        assert_eq!(
+            c.window(),
+            32 * 8972 * 8 / 5,
+            "quinn reads 1.6 of it in slow start"
+        );
         signal.raise();
         c.on_sent(now, 8972, 1);
         let switched = switching(c);
@@ -426,10 +479,10 @@ mod tests {
         let (_, mut c) = controller(32, now);
         c.on_mtu_update(5086);
         lose_one(c.as_mut(), now, 5086);
-        let cut = c.metrics().congestion_window;
+        let cut = in_force(c.as_ref());
         assert_eq!(cut, (32.0 * 5086.0 * 0.7) as u64, "CUBIC's beta of 0.7");
         c.on_mtu_update(8972);
-        assert_eq!(c.metrics().congestion_window, cut);
+        assert_eq!(in_force(c.as_ref()), cut);
     }
 
     /// Black hole detection falling back to a smaller size ends the recounting: a
@@ -440,13 +493,9 @@ mod tests {
         let (_, mut c) = controller(32, now);
         c.on_mtu_update(5086);
         c.on_mtu_update(1200);
-        assert_eq!(
-            c.metrics().congestion_window,
-            32 * 5086,
-            "CUBIC keeps its window in bytes"
-        );
+        assert_eq!(in_force(c.as_ref()), 32 * 5086, "CUBIC keeps its window in bytes");
         c.on_mtu_update(8972);
-        assert_eq!(c.metrics().congestion_window, 32 * 5086);
+        assert_eq!(in_force(c.as_ref()), 32 * 5086);
     }
 
     /// A controller cloned for a NAT rebinding keeps the window and recounts no
@@ -457,15 +506,11 @@ mod tests {
         let (_, mut c) = controller(32, now);
         c.on_mtu_update(5086);
         let mut clone = c.clone_box();
-        assert_eq!(clone.metrics().congestion_window, 32 * 5086);
+        assert_eq!(in_force(clone.as_ref()), 32 * 5086);
         clone.on_mtu_update(8972);
-        assert_eq!(clone.metrics().congestion_window, 32 * 5086);
+        assert_eq!(in_force(clone.as_ref()), 32 * 5086);
         c.on_mtu_update(8972);
-        assert_eq!(
-            c.metrics().congestion_window,
-            32 * 8972,
-            "the original still recounts"
-        );
+        assert_eq!(in_force(c.as_ref()), 32 * 8972, "the original still recounts");
     }
 
     #[test]
@@ -488,7 +533,7 @@ mod tests {
         let start = Instant::now();
         let (signal, mut c) = controller(10, start);
         let mut cubic = Arc::new(CubicConfig::default()).build(start, 1200);
-        let before = c.metrics().congestion_window;
+        let before = in_force(c.as_ref());
         signal.raise();
         let mut pn = 0;
         for step in 0..50u32 {
@@ -504,15 +549,15 @@ mod tests {
                 }
             }
             assert!(
-                c.metrics().congestion_window >= cubic.window(),
+                in_force(c.as_ref()) >= cubic.window(),
                 "step {step}: {} < CUBIC's {}",
-                c.metrics().congestion_window,
+                in_force(c.as_ref()),
                 cubic.window()
             );
         }
         assert!(cubic.window() < before, "the losses must have cut CUBIC");
         assert!(
-            c.metrics().congestion_window >= before,
+            in_force(c.as_ref()) >= before,
             "BBR keeps the window CUBIC had at the switch"
         );
     }

@@ -1,6 +1,7 @@
-//! QUIC transport figures for the metrics: quinn's statistics of each connection,
-//! read once when the connection ends (its task returns or is dropped by the
-//! drain) and added to process-wide counters and histograms. Nothing is measured
+//! QUIC transport figures for the metrics: quinn's statistics of each connection
+//! and its congestion controller's window, read once when the connection ends (its
+//! task returns or is dropped by the drain) and added to process-wide counters and
+//! histograms. Nothing is measured
 //! per packet; a long connection shows in these families only once it closes.
 //! One family is live: the HTTP/3 stream bytes by how they reached quinn, which
 //! [`super::backend`] counts as it writes them.
@@ -27,7 +28,8 @@ static RTT: Values = Values::new(
     ],
     1e6,
 );
-/// Congestion window at the end, in bytes.
+/// Congestion window in force at the end, in bytes (the controller's, not the one
+/// quinn's pacer reads).
 static CWND: Values = Values::new(
     &[
         16_384,
@@ -94,6 +96,10 @@ pub(super) struct OnEnd(pub(super) quinn::Connection);
 
 impl Drop for OnEnd {
     fn drop(&mut self) {
+        // quinn's own locks would panic again on a state a panic poisoned.
+        if std::thread::panicking() {
+            return;
+        }
         // The window from the controller's metrics: quinn's statistics carry the
         // window quinn reads, which in slow start is raised for its pacer
         // (`h3::pacing`).
