@@ -415,8 +415,17 @@ mod tests {
         let (_, mut c) = controller(32, now);
         c.on_mtu_update(1452);
         assert_eq!(in_force(c.as_ref()), 46_464, "32 × 1452, recounted");
-        c.on_sent(now, 46_464 - 14_520, 7);
-        assert_eq!(c.window(), 46_464 * 8 / 5, "ten 1452-byte datagrams fit");
+        c.on_sent(now, 33_000, 7);
+        assert_eq!(
+            c.window(),
+            46_464,
+            "33,000 + 14,520 is over: ten 1452-byte datagrams"
+        );
+
+        let (_, mut c) = controller(32, now);
+        c.on_mtu_update(1452);
+        c.on_sent(now, 30_000, 7);
+        assert_eq!(c.window(), 74_342, "30,000 + 14,520 fits: 1.6 × 46,464");
         c.on_sent(now, 100, 9);
         assert_eq!(
             c.window(),

@@ -23,25 +23,27 @@
 //!   datagrams (up to [`TRANSMIT_DATAGRAMS`]), so the headroom is a whole transmit
 //!   of datagrams of the current size.
 //! - A few sends reach the wire without a report: a transmit cut after its first
-//!   datagram because the next application DATAGRAM does not fit its size, and a
-//!   PATH_RESPONSE to another address. Each still takes a packet number, and each
-//!   datagram after the handshake carries one packet of at most the current size,
-//!   so a transmit counts as the larger of its bytes and one datagram of the
-//!   current size per packet number since the last report. Only a run of nothing
-//!   but such sends between two acknowledgements stays uncounted until the second:
-//!   a WebTransport session sending datagrams of ever larger sizes can then have up
-//!   to 1.6 windows in flight while in slow start.
+//!   datagram because the next application DATAGRAM does not fit its size, a
+//!   PATH_RESPONSE to another address, and a PATH_CHALLENGE to the previous one
+//!   (which quinn does not count in flight either). Each still takes a packet
+//!   number, and each datagram after the handshake carries one packet of at most
+//!   the current size, so a transmit counts as the larger of its bytes and one
+//!   datagram of the current size per packet number since the last report. Only a
+//!   run of nothing but such sends between two acknowledgements stays uncounted
+//!   until the second: a WebTransport session sending datagrams of ever larger
+//!   sizes can then have up to 1.6 windows in flight while in slow start.
 //! - Apart from that the estimate only errs high, which falls back to the true
 //!   window: acknowledgement-only datagrams count too, quinn skips packet numbers
 //!   now and then, and losses, PTO and discarded handshake packets leave quinn's
 //!   figure lower until the next acknowledgement brings it back.
 //! - The one send it undercounts is a DPLPMTUD probe, which quinn sends outside its
-//!   window check: it counts as one datagram of the current size. With a probe in
-//!   flight (one at a time), the total may pass the window by the probe's excess,
-//!   within the bound quinn's own check has when it probes while the window is full.
+//!   window check and reports with no transmit: until the next report it is not
+//!   counted at all, then as one datagram of the current size. With a probe in
+//!   flight (one at a time), the total may pass the window by that probe, the bound
+//!   quinn's own check has when it probes while the window is full.
 //!
-//! With `h3_initial_window_packets = "10"` the first window is one transmit, so
-//! its first round leaves at quinn's 1.25; the gain starts as the window grows.
+//! With `h3_initial_window_packets = "10"` the first window is one transmit, which
+//! leaves as one burst (quinn's pacer lets at least ten datagrams go at once).
 
 /// quinn's pacer refills `QUINN_PACING.0 / QUINN_PACING.1` (1.25) of the window it
 /// reads per smoothed RTT.

@@ -1,10 +1,9 @@
 //! QUIC transport figures for the metrics: quinn's statistics of each connection
 //! and its congestion controller's window, read once when the connection ends (its
 //! task returns or is dropped by the drain) and added to process-wide counters and
-//! histograms. Nothing is measured
-//! per packet; a long connection shows in these families only once it closes.
-//! One family is live: the HTTP/3 stream bytes by how they reached quinn, which
-//! [`super::backend`] counts as it writes them.
+//! histograms. Nothing is measured per packet; a long connection shows in these
+//! families only once it closes. One family is live: the HTTP/3 stream bytes by
+//! how they reached quinn, which [`super::backend`] counts as it writes them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
