@@ -162,7 +162,7 @@ impl Switching {
     /// to quinn's pacer as it is.
     fn in_cubic_slow_start(&self) -> bool {
         let cubic = self.cubic.window();
-        self.bbr.as_ref().is_none_or(|bbr| cubic >= bbr.window())
+        cubic == self.window_in_force()
             && self
                 .cubic
                 .metrics()
