@@ -5,7 +5,9 @@
 //! `runtime.settings` advice. With `--h3-batch-delays`, one Webship per
 //! `h3_send_batch_delay_us` value serves the h3 rows, interleaved in one run;
 //! `--h3-sockets` sets the servers' `h3_sockets`: with `--workers`, how HTTP/3
-//! spreads over cores.
+//! spreads over cores. `--core-share` gives each worker thread an emulated core of
+//! its own (a CPU quota, [`crate::cores`]), so the server limits the run, not the
+//! client beside it: how throughput grows with `--workers` on a small host.
 //!
 //! The client (the test kit's, sized for bulk downloads) runs in this process on a
 //! current-thread runtime (one core, like the server's one worker by default), or
@@ -30,6 +32,7 @@ use webship_testkit::h3::{recv_body, request, H3Client, H3Options};
 use webship_testkit::http::{connect, Conn, Proto as Http, Tuning};
 use webship_testkit::pki::client_config;
 
+use crate::cores::EmulatedCores;
 use crate::proc::RssWatch;
 use crate::report::{fixed, Section};
 use crate::servers::{self, Settings, WebshipSpec};
@@ -64,6 +67,10 @@ pub(crate) struct ConcurrencyArgs {
     /// Client runtime threads (1: a current-thread runtime).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub client_threads: u16,
+    /// Each server worker thread confined to this share of one CPU (its other
+    /// threads together to one more), as root with the cgroup v1 cpu controller.
+    #[arg(long)]
+    pub core_share: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -135,7 +142,13 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
             dir: &stage.dir(name)?,
             hold: None,
         };
-        servers.push((delay, servers::start_webship(&spec, &settings)?));
+        let server = servers::start_webship(&spec, &settings)?;
+        // Before the first request: later blocking-pool threads join their worker's core.
+        let cores = args
+            .core_share
+            .map(|share| EmulatedCores::confine(server.pid(), usize::try_from(args.workers)?, share))
+            .transpose()?;
+        servers.push((delay, server, cores));
     }
     let all = [Proto::H1, Proto::H2, Proto::H3, Proto::H3Each];
     if let Some(unknown) = args.protos.iter().find(|a| !all.iter().any(|p| p.short() == *a)) {
@@ -163,9 +176,12 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     let mut report = String::new();
     let mut json = Vec::new();
     let mut bars = Vec::new();
+    let cores = args.core_share.map_or_else(String::new, |share| {
+        format!(", each worker an emulated core of {share} CPU (the other threads one more)")
+    });
     let _ = writeln!(
         report,
-        "{} concurrent downloads of {} MiB each from Webship ({} worker, h3_sockets {}), \
+        "{} concurrent downloads of {} MiB each from Webship ({} worker{cores}, h3_sockets {}), \
          {} client thread(s); every body checked byte for byte.\n",
         args.levels
             .iter()
@@ -179,13 +195,12 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     );
     let _ = writeln!(
         report,
-        "| protocol | h3 batch µs | concurrent | aggregate MiB/s | p50 TTLB ms | p99 TTLB ms | server CPU-s/GB | client CPU-s/GB | server peak RSS MiB |"
+        "| protocol | h3 batch µs | concurrent | aggregate MiB/s | p50 connected ms | p50 TTLB ms | p99 TTLB ms | server CPU-s/GB | client CPU-s/GB | server peak RSS MiB | CPU-s per core |"
     );
-    let _ = writeln!(report, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-    let ticks = crate::proc::clock_ticks_per_second();
+    let _ = writeln!(report, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     // One untimed download per protocol and server first: the file in the page cache
     // and each server's first-connection costs out of the first row.
-    for (_, server) in &servers {
+    for (_, server, _) in &servers {
         let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
         for proto in [Proto::H2, Proto::H3] {
             runtime
@@ -201,32 +216,27 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
                 continue;
             }
             let h3 = matches!(proto, Proto::H3 | Proto::H3Each);
-            for (delay, server) in servers.iter().take(if h3 { usize::MAX } else { 1 }) {
-                let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
-                let rss = RssWatch::start(server.pid());
-                let cpu = crate::proc::cpu_ticks(server.pid());
-                let client_cpu = crate::proc::cpu_ticks(std::process::id());
-                let start = Instant::now();
-                let times = runtime
-                    .block_on(async {
-                        tokio::time::timeout(DEADLINE, downloads(proto, n, addr, &tls, size)).await
-                    })
-                    .map_err(|_| anyhow!("{} × {n}: not done within {DEADLINE:?}", proto.label()))??;
-                // Up to the last byte: closing the connections afterwards is not counted.
-                let total = times.iter().max().map_or(start.elapsed(), |t| *t).as_secs_f64();
-                let cpu_s = (crate::proc::cpu_ticks(server.pid()) - cpu) as f64 / ticks;
-                let client_s = (crate::proc::cpu_ticks(std::process::id()) - client_cpu) as f64 / ticks;
-                let peak = rss.finish();
-                let mut ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
-                ms.sort_by(f64::total_cmp);
-                let pct = |p: f64| ms[((ms.len() as f64 * p).ceil() as usize).clamp(1, ms.len()) - 1];
-                let mibs = (n as u64 * size) as f64 / total / 1_048_576.0;
-                let (p50, p99, rss_mib) = (pct(0.50), pct(0.99), peak as f64 / 1024.0);
-                let gb = (n as u64 * size) as f64 / 1e9;
-                let (cpu_gb, client_gb) = (cpu_s / gb, client_s / gb);
+            for (delay, server, cores) in servers.iter().take(if h3 { usize::MAX } else { 1 }) {
+                let row = measure_row(&runtime, proto, n, server, cores.as_ref(), &tls, size)?;
+                let Row {
+                    mibs,
+                    p50,
+                    p99,
+                    connect_p50,
+                    cpu_gb,
+                    client_gb,
+                    rss_mib,
+                    ..
+                } = row;
+                let spread = row
+                    .per_core
+                    .iter()
+                    .map(|s| format!("{s:.2}"))
+                    .collect::<Vec<_>>()
+                    .join(" + ");
                 let batch = if h3 { delay.to_string() } else { "—".to_owned() };
                 let line = format!(
-                    "| {} | {batch} | {n} | {mibs:.1} | {p50:.1} | {p99:.1} | {cpu_gb:.2} | {client_gb:.2} | {rss_mib:.1} |",
+                    "| {} | {batch} | {n} | {mibs:.1} | {connect_p50:.1} | {p50:.1} | {p99:.1} | {cpu_gb:.2} | {client_gb:.2} | {rss_mib:.1} | {spread} |",
                     proto.label()
                 );
                 eprintln!("concurrency: {line}");
@@ -238,9 +248,11 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
                     "server_cpu_s_per_gb": fixed(cpu_gb, 3),
                 "client_cpu_s_per_gb": fixed(client_gb, 3),
                     "aggregate_mib_s": fixed(mibs, 3),
+                    "p50_connected_ms": fixed(connect_p50, 2),
                     "p50_ttlb_ms": fixed(p50, 1),
                     "p99_ttlb_ms": fixed(p99, 1),
                     "server_peak_rss_mib": fixed(rss_mib, 1),
+                    "cpu_s_per_core": row.per_core,
                 }));
                 bars.push((format!("concurrency {} × {n} batch {batch}", proto.short()), mibs));
             }
@@ -257,15 +269,97 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     })
 }
 
-/// `n` concurrent downloads; each one's time to last byte, from the common start.
+/// One row's figures: MiB/s, times in ms, CPU-s per GB, MiB, and CPU-s per
+/// emulated core (workers, then the rest; empty without `--core-share`).
+struct Row {
+    mibs: f64,
+    connect_p50: f64,
+    p50: f64,
+    p99: f64,
+    cpu_gb: f64,
+    client_gb: f64,
+    rss_mib: f64,
+    per_core: Vec<f64>,
+}
+
+/// `n` downloads over `proto` from `server`, with the server's and this process's CPU
+/// and the server's peak RSS over them.
+fn measure_row(
+    runtime: &tokio::runtime::Runtime,
+    proto: Proto,
+    n: usize,
+    server: &servers::Server,
+    cores: Option<&EmulatedCores>,
+    tls: &Arc<rustls::ClientConfig>,
+    size: u64,
+) -> Result<Row> {
+    let ticks = crate::proc::clock_ticks_per_second();
+    let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
+    let core_ticks = cores.map(|c| c.ticks(server.pid()));
+    let rss = RssWatch::start(server.pid());
+    let cpu = crate::proc::cpu_ticks(server.pid());
+    let client_cpu = crate::proc::cpu_ticks(std::process::id());
+    let start = Instant::now();
+    let times = runtime
+        .block_on(async { tokio::time::timeout(DEADLINE, downloads(proto, n, addr, tls, size)).await })
+        .map_err(|_| anyhow!("{} × {n}: not done within {DEADLINE:?}", proto.label()))??;
+    // Up to the last byte: closing the connections afterwards is not counted.
+    let total = times
+        .last_byte
+        .iter()
+        .max()
+        .map_or(start.elapsed(), |t| *t)
+        .as_secs_f64();
+    let cpu_s = (crate::proc::cpu_ticks(server.pid()) - cpu) as f64 / ticks;
+    let client_s = (crate::proc::cpu_ticks(std::process::id()) - client_cpu) as f64 / ticks;
+    let peak = rss.finish();
+    let per_core = cores.zip(core_ticks).map_or_else(Vec::new, |(cores, before)| {
+        let after = cores.ticks(server.pid());
+        after
+            .iter()
+            .zip(before)
+            .map(|(a, b)| a.saturating_sub(b) as f64 / ticks)
+            .collect()
+    });
+    let gb = (n as u64 * size) as f64 / 1e9;
+    Ok(Row {
+        mibs: (n as u64 * size) as f64 / total / 1_048_576.0,
+        connect_p50: percentile_ms(&times.connected, 0.50),
+        p50: percentile_ms(&times.last_byte, 0.50),
+        p99: percentile_ms(&times.last_byte, 0.99),
+        cpu_gb: cpu_s / gb,
+        client_gb: client_s / gb,
+        rss_mib: peak as f64 / 1024.0,
+        per_core,
+    })
+}
+
+/// The `p` quantile of `times` (nearest rank), in ms; 0 for none.
+fn percentile_ms(times: &[Duration], p: f64) -> f64 {
+    let mut ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
+    ms.sort_by(f64::total_cmp);
+    let rank = ((ms.len() as f64 * p).ceil() as usize).clamp(1, ms.len().max(1));
+    ms.get(rank - 1).copied().unwrap_or(0.0)
+}
+
+/// When a row's downloads ended and when their connections were ready (handshakes
+/// done: TCP, TLS and HTTP/2's preface, or QUIC and HTTP/3's setup), from the
+/// common start. One connection time per connection: one for a shared connection.
+struct Timings {
+    last_byte: Vec<Duration>,
+    connected: Vec<Duration>,
+}
+
+/// `n` concurrent downloads, timed.
 async fn downloads(
     proto: Proto,
     n: usize,
     addr: SocketAddr,
     tls: &Arc<rustls::ClientConfig>,
     size: u64,
-) -> Result<Vec<Duration>> {
+) -> Result<Timings> {
     let start = Instant::now();
+    let mut connected = Vec::new();
     let path = format!("/{FILE}");
     let mut set = tokio::task::JoinSet::new();
     // What is left to close once every download is in.
@@ -277,18 +371,20 @@ async fn downloads(
                 let (tls, path) = (tls.clone(), path.clone());
                 set.spawn(async move {
                     let mut conn = open(addr, &tls, Http::H1).await?;
+                    let ready = start.elapsed();
                     let checked = get(&mut conn, &path).await;
                     conn.close().await;
-                    checked
+                    Ok((checked?, Some(ready)))
                 });
             }
         }
         Proto::H2 => {
             let conn = open(addr, tls, Http::H2).await?;
+            connected.push(start.elapsed());
             for _ in 0..n {
                 let mut conn = conn.share().context("an h2 connection is shared")?;
                 let path = path.clone();
-                set.spawn(async move { get(&mut conn, &path).await });
+                set.spawn(async move { Ok((get(&mut conn, &path).await?, None)) });
             }
             h2 = Some(conn);
         }
@@ -297,6 +393,7 @@ async fn downloads(
                 let (tls, path, open) = (tls.clone(), path.clone(), h3_each.clone());
                 set.spawn(async move {
                     let client = H3Client::connect(addr, "localhost", &tls, &H3Options::bulk()).await?;
+                    let ready = start.elapsed();
                     let (head, mut stream) =
                         request(&mut client.send.clone(), &client.origin(), "GET", &path, &[]).await?;
                     ensure!(head.status == 200, "h3 status {}", head.status);
@@ -304,12 +401,13 @@ async fn downloads(
                     recv_body(&mut stream, &mut check).await?;
                     // Closed once every body is in, so a close is not a time to last byte.
                     open.lock().map_err(|_| anyhow!("poisoned"))?.push(client);
-                    Ok(check)
+                    Ok((check, Some(ready)))
                 });
             }
         }
         Proto::H3 => {
             let client = H3Client::connect(addr, "localhost", tls, &H3Options::bulk()).await?;
+            connected.push(start.elapsed());
             for _ in 0..n {
                 let (mut send, origin, path) = (client.send.clone(), client.origin(), path.clone());
                 set.spawn(async move {
@@ -317,17 +415,19 @@ async fn downloads(
                     ensure!(head.status == 200, "h3 status {}", head.status);
                     let mut check = FixtureCheck::default();
                     recv_body(&mut stream, &mut check).await?;
-                    Ok(check)
+                    Ok((check, None))
                 });
             }
             h3 = Some(client);
         }
     }
-    let mut times = Vec::with_capacity(n);
+    let mut last_byte = Vec::with_capacity(n);
     while let Some(done) = set.join_next().await {
-        let verdict = done??.verdict(size);
+        let (check, ready) = done??;
+        let verdict = check.verdict(size);
         ensure!(verdict == EXACT, "a download's body {verdict}");
-        times.push(start.elapsed());
+        last_byte.push(start.elapsed());
+        connected.extend(ready);
     }
     if let Some(conn) = h2 {
         conn.close().await;
@@ -339,7 +439,7 @@ async fn downloads(
     for client in each {
         client.close().await;
     }
-    Ok(times)
+    Ok(Timings { last_byte, connected })
 }
 
 /// A TLS connection to `localhost` on `addr` speaking `http`.

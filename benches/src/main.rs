@@ -16,6 +16,7 @@ mod aead;
 mod clients;
 mod concurrency;
 mod connections;
+mod cores;
 mod h3client;
 mod idleclient;
 mod measure;

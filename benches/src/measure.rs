@@ -639,6 +639,7 @@ pub(crate) fn run(args: &DownloadArgs) -> Result<()> {
                 workers: args.workers,
                 h3_sockets: 1,
                 client_threads: 1,
+                core_share: None,
                 cache_dir: Some(cache.join("root")),
                 h3_batch_delays: vec![0],
                 protos: ["h1", "h2", "h3", "h3n"].map(String::from).to_vec(),
