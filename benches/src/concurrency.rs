@@ -9,6 +9,17 @@
 //! its own (a CPU quota, [`crate::cores`]), so the server limits the run, not the
 //! client beside it: how throughput grows with `--workers` on a small host.
 //!
+//! Columns: aggregate MiB/s (every byte over the time to the last one); "p50
+//! connected", the median time from the row's start until a connection's handshakes
+//! were done (TCP, TLS and HTTP/2's preface, or QUIC and the client's HTTP/3 setup,
+//! which does not wait for the server's SETTINGS: one figure
+//! for a shared connection, and for a connection each it includes waiting behind the
+//! others' handshakes); p50/p99 time to last byte; server and client CPU per GB;
+//! the server's peak RSS; with `--core-share`, the CPU each emulated core used over
+//! the row (CPU-seconds over seconds to the last byte: each worker's, then the
+//! rest's), which shows whether the cores were what limited it. CPU is read at the
+//! last byte, before the connections close.
+//!
 //! The client (the test kit's, sized for bulk downloads) runs in this process on a
 //! current-thread runtime (one core, like the server's one worker by default), or
 //! on `--client-threads` threads; its CPU per GB is in the table, so a row the
@@ -34,7 +45,7 @@ use webship_testkit::pki::client_config;
 
 use crate::cores::EmulatedCores;
 use crate::proc::RssWatch;
-use crate::report::{fixed, Section};
+use crate::report::{fixed, percentile, Section};
 use crate::servers::{self, Settings, WebshipSpec};
 
 #[derive(Debug, Args)]
@@ -67,9 +78,10 @@ pub(crate) struct ConcurrencyArgs {
     /// Client runtime threads (1: a current-thread runtime).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     pub client_threads: u16,
-    /// Each server worker thread confined to this share of one CPU (its other
-    /// threads together to one more), as root with the cgroup v1 cpu controller.
-    #[arg(long)]
+    /// Emulated cores: each server worker thread gets this share of one CPU (0.01
+    /// to 1), and the server's other threads share one more such quota; the report
+    /// adds each core's CPU-seconds. Needs root and the cgroup v1 cpu controller.
+    #[arg(long, value_parser = crate::cores::parse_share)]
     pub core_share: Option<f64>,
 }
 
@@ -122,34 +134,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     data.truncate(usize::try_from(size)?);
     fs::write(root.join(FILE), &data)?;
     drop(data);
-    let mut servers = Vec::new();
-    for &delay in &args.h3_batch_delays {
-        let name: &'static str = Box::leak(format!("webship-batch{delay}").into_boxed_str());
-        let spec = WebshipSpec {
-            name,
-            binary: &args.webship,
-            ktls: "auto",
-            runtime: vec![
-                ("h3_send_batch_delay_us", delay.to_string()),
-                ("h3_sockets", args.h3_sockets.to_string()),
-            ],
-            scraped: false,
-        };
-        let settings = Settings {
-            root,
-            identity,
-            workers: args.workers,
-            dir: &stage.dir(name)?,
-            hold: None,
-        };
-        let server = servers::start_webship(&spec, &settings)?;
-        // Before the first request: later blocking-pool threads join their worker's core.
-        let cores = args
-            .core_share
-            .map(|share| EmulatedCores::confine(server.pid(), usize::try_from(args.workers)?, share))
-            .transpose()?;
-        servers.push((delay, server, cores));
-    }
+    let servers = start_servers(args, &stage)?;
     let all = [Proto::H1, Proto::H2, Proto::H3, Proto::H3Each];
     if let Some(unknown) = args.protos.iter().find(|a| !all.iter().any(|p| p.short() == *a)) {
         return Err(anyhow!("unknown protocol {unknown:?} (h1, h2, h3, h3n)"));
@@ -195,7 +180,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     );
     let _ = writeln!(
         report,
-        "| protocol | h3 batch µs | concurrent | aggregate MiB/s | p50 connected ms | p50 TTLB ms | p99 TTLB ms | server CPU-s/GB | client CPU-s/GB | server peak RSS MiB | CPU-s per core |"
+        "| protocol | h3 batch µs | concurrent | aggregate MiB/s | p50 connected ms | p50 TTLB ms | p99 TTLB ms | server CPU-s/GB | client CPU-s/GB | server peak RSS MiB | CPU share per emulated core (workers + rest) |"
     );
     let _ = writeln!(report, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
     // One untimed download per protocol and server first: the file in the page cache
@@ -205,7 +190,12 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
         for proto in [Proto::H2, Proto::H3] {
             runtime
                 .block_on(async {
-                    tokio::time::timeout(DEADLINE, downloads(proto, 1, addr, &tls, size)).await
+                    tokio::time::timeout(DEADLINE, async {
+                        let (_, left_open) = downloads(proto, 1, addr, &tls, size).await?;
+                        left_open.close().await;
+                        anyhow::Ok(())
+                    })
+                    .await
                 })
                 .map_err(|_| anyhow!("warm-up {}: not done within {DEADLINE:?}", proto.label()))??;
         }
@@ -218,43 +208,15 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
             let h3 = matches!(proto, Proto::H3 | Proto::H3Each);
             for (delay, server, cores) in servers.iter().take(if h3 { usize::MAX } else { 1 }) {
                 let row = measure_row(&runtime, proto, n, server, cores.as_ref(), &tls, size)?;
-                let Row {
-                    mibs,
-                    p50,
-                    p99,
-                    connect_p50,
-                    cpu_gb,
-                    client_gb,
-                    rss_mib,
-                    ..
-                } = row;
-                let spread = row
-                    .per_core
-                    .iter()
-                    .map(|s| format!("{s:.2}"))
-                    .collect::<Vec<_>>()
-                    .join(" + ");
                 let batch = if h3 { delay.to_string() } else { "—".to_owned() };
-                let line = format!(
-                    "| {} | {batch} | {n} | {mibs:.1} | {connect_p50:.1} | {p50:.1} | {p99:.1} | {cpu_gb:.2} | {client_gb:.2} | {rss_mib:.1} | {spread} |",
-                    proto.label()
-                );
+                let line = row.markdown(proto, &batch, n);
                 eprintln!("concurrency: {line}");
                 let _ = writeln!(report, "{line}");
-                json.push(json!({
-                    "protocol": proto.label(),
-                    "concurrent": n,
-                    "h3_send_batch_delay_us": h3.then_some(*delay),
-                    "server_cpu_s_per_gb": fixed(cpu_gb, 3),
-                "client_cpu_s_per_gb": fixed(client_gb, 3),
-                    "aggregate_mib_s": fixed(mibs, 3),
-                    "p50_connected_ms": fixed(connect_p50, 2),
-                    "p50_ttlb_ms": fixed(p50, 1),
-                    "p99_ttlb_ms": fixed(p99, 1),
-                    "server_peak_rss_mib": fixed(rss_mib, 1),
-                    "cpu_s_per_core": row.per_core,
-                }));
-                bars.push((format!("concurrency {} × {n} batch {batch}", proto.short()), mibs));
+                json.push(row.json(proto, h3.then_some(*delay), n));
+                bars.push((
+                    format!("concurrency {} × {n} batch {batch}", proto.short()),
+                    row.mibs,
+                ));
             }
         }
     }
@@ -269,8 +231,47 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     })
 }
 
-/// One row's figures: MiB/s, times in ms, CPU-s per GB, MiB, and CPU-s per
-/// emulated core (workers, then the rest; empty without `--core-share`).
+/// One Webship per `h3_send_batch_delay_us` value, each with its emulated cores
+/// when `--core-share` asks for them.
+fn start_servers(
+    args: &ConcurrencyArgs,
+    stage: &servers::Stage,
+) -> Result<Vec<(u64, servers::Server, Option<EmulatedCores>)>> {
+    let mut started = Vec::new();
+    for &delay in &args.h3_batch_delays {
+        let name: &'static str = Box::leak(format!("webship-batch{delay}").into_boxed_str());
+        let spec = WebshipSpec {
+            name,
+            binary: &args.webship,
+            ktls: "auto",
+            runtime: vec![
+                ("h3_send_batch_delay_us", delay.to_string()),
+                ("h3_sockets", args.h3_sockets.to_string()),
+            ],
+            scraped: false,
+        };
+        let settings = Settings {
+            root: &stage.root,
+            identity: &stage.identity,
+            workers: args.workers,
+            dir: &stage.dir(name)?,
+            hold: None,
+        };
+        let server = servers::start_webship(&spec, &settings)?;
+        // Before the first request, so that no blocking-pool thread exists yet (it
+        // would carry a worker's name); those started later join their starter's core.
+        let cores = args
+            .core_share
+            .map(|share| EmulatedCores::confine(server.pid(), usize::try_from(args.workers)?, share))
+            .transpose()?;
+        started.push((delay, server, cores));
+    }
+    Ok(started)
+}
+
+/// One row's figures: MiB/s, times in ms, CPU-s per GB, MiB, the seconds to the
+/// last byte, and per emulated core (workers, then the rest; empty without
+/// `--core-share`) its CPU-seconds and how often it was throttled (by the row's end).
 struct Row {
     mibs: f64,
     connect_p50: f64,
@@ -279,7 +280,50 @@ struct Row {
     cpu_gb: f64,
     client_gb: f64,
     rss_mib: f64,
+    seconds: f64,
     per_core: Vec<f64>,
+    throttled: Vec<u64>,
+}
+
+impl Row {
+    /// The report's table line.
+    fn markdown(&self, proto: Proto, batch: &str, n: usize) -> String {
+        let shares = if self.per_core.is_empty() {
+            "—".to_owned()
+        } else {
+            let each = self.per_core.iter().map(|s| format!("{:.2}", s / self.seconds));
+            each.collect::<Vec<_>>().join(" + ")
+        };
+        format!(
+            "| {} | {batch} | {n} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} | {:.2} | {:.1} | {shares} |",
+            proto.label(),
+            self.mibs,
+            self.connect_p50,
+            self.p50,
+            self.p99,
+            self.cpu_gb,
+            self.client_gb,
+            self.rss_mib
+        )
+    }
+
+    fn json(&self, proto: Proto, h3_batch_delay: Option<u64>, n: usize) -> serde_json::Value {
+        json!({
+            "protocol": proto.label(),
+            "concurrent": n,
+            "h3_send_batch_delay_us": h3_batch_delay,
+            "server_cpu_s_per_gb": fixed(self.cpu_gb, 3),
+            "client_cpu_s_per_gb": fixed(self.client_gb, 3),
+            "aggregate_mib_s": fixed(self.mibs, 3),
+            "p50_connected_ms": fixed(self.connect_p50, 1),
+            "p50_ttlb_ms": fixed(self.p50, 1),
+            "p99_ttlb_ms": fixed(self.p99, 1),
+            "server_peak_rss_mib": fixed(self.rss_mib, 1),
+            "seconds_to_last_byte": fixed(self.seconds, 3),
+            "cpu_s_per_core": self.per_core.iter().map(|s| fixed(*s, 3)).collect::<Vec<_>>(),
+            "throttled_per_core": self.throttled,
+        })
+    }
 }
 
 /// `n` downloads over `proto` from `server`, with the server's and this process's CPU
@@ -293,14 +337,14 @@ fn measure_row(
     tls: &Arc<rustls::ClientConfig>,
     size: u64,
 ) -> Result<Row> {
-    let ticks = crate::proc::clock_ticks_per_second();
+    let ticks_per_s = crate::proc::clock_ticks_per_second();
     let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
-    let core_ticks = cores.map(|c| c.ticks(server.pid()));
+    let core_before = cores.map(EmulatedCores::cpu_seconds);
     let rss = RssWatch::start(server.pid());
     let cpu = crate::proc::cpu_ticks(server.pid());
     let client_cpu = crate::proc::cpu_ticks(std::process::id());
     let start = Instant::now();
-    let times = runtime
+    let (times, left_open) = runtime
         .block_on(async { tokio::time::timeout(DEADLINE, downloads(proto, n, addr, tls, size)).await })
         .map_err(|_| anyhow!("{} × {n}: not done within {DEADLINE:?}", proto.label()))??;
     // Up to the last byte: closing the connections afterwards is not counted.
@@ -310,36 +354,37 @@ fn measure_row(
         .max()
         .map_or(start.elapsed(), |t| *t)
         .as_secs_f64();
-    let cpu_s = (crate::proc::cpu_ticks(server.pid()) - cpu) as f64 / ticks;
-    let client_s = (crate::proc::cpu_ticks(std::process::id()) - client_cpu) as f64 / ticks;
-    let peak = rss.finish();
-    let per_core = cores.zip(core_ticks).map_or_else(Vec::new, |(cores, before)| {
-        let after = cores.ticks(server.pid());
-        after
-            .iter()
-            .zip(before)
-            .map(|(a, b)| a.saturating_sub(b) as f64 / ticks)
-            .collect()
+    let cpu_s = (crate::proc::cpu_ticks(server.pid()) - cpu) as f64 / ticks_per_s;
+    let client_s = (crate::proc::cpu_ticks(std::process::id()) - client_cpu) as f64 / ticks_per_s;
+    let per_core = cores.zip(core_before).map_or_else(Vec::new, |(cores, before)| {
+        let after = cores.cpu_seconds();
+        after.iter().zip(before).map(|(a, b)| a - b).collect()
     });
+    let peak = rss.finish();
+    let throttled = cores.map(EmulatedCores::throttled).unwrap_or_default();
+    runtime
+        .block_on(async { tokio::time::timeout(DEADLINE, left_open.close()).await })
+        .map_err(|_| {
+            anyhow!(
+                "{} × {n}: connections not closed within {DEADLINE:?}",
+                proto.label()
+            )
+        })?;
     let gb = (n as u64 * size) as f64 / 1e9;
+    let ms = |d: &[Duration]| d.iter().map(|d| d.as_secs_f64() * 1000.0).collect::<Vec<_>>();
+    let (connected, last_byte) = (ms(&times.connected), ms(&times.last_byte));
     Ok(Row {
         mibs: (n as u64 * size) as f64 / total / 1_048_576.0,
-        connect_p50: percentile_ms(&times.connected, 0.50),
-        p50: percentile_ms(&times.last_byte, 0.50),
-        p99: percentile_ms(&times.last_byte, 0.99),
+        connect_p50: percentile(&connected, 0.50).unwrap_or(0.0),
+        p50: percentile(&last_byte, 0.50).unwrap_or(0.0),
+        p99: percentile(&last_byte, 0.99).unwrap_or(0.0),
         cpu_gb: cpu_s / gb,
         client_gb: client_s / gb,
         rss_mib: peak as f64 / 1024.0,
+        seconds: total,
         per_core,
+        throttled,
     })
-}
-
-/// The `p` quantile of `times` (nearest rank), in ms; 0 for none.
-fn percentile_ms(times: &[Duration], p: f64) -> f64 {
-    let mut ms: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1000.0).collect();
-    ms.sort_by(f64::total_cmp);
-    let rank = ((ms.len() as f64 * p).ceil() as usize).clamp(1, ms.len().max(1));
-    ms.get(rank - 1).copied().unwrap_or(0.0)
 }
 
 /// When a row's downloads ended and when their connections were ready (handshakes
@@ -350,20 +395,38 @@ struct Timings {
     connected: Vec<Duration>,
 }
 
-/// `n` concurrent downloads, timed.
+/// The connections a row leaves open, closed after its figures are read (so a
+/// close is neither a time to last byte nor CPU of the row).
+#[derive(Default)]
+struct Open {
+    h2: Option<Conn>,
+    h3: Vec<H3Client>,
+}
+
+impl Open {
+    async fn close(self) {
+        if let Some(conn) = self.h2 {
+            conn.close().await;
+        }
+        for client in self.h3 {
+            client.close().await;
+        }
+    }
+}
+
+/// `n` concurrent downloads, timed; the connections still open.
 async fn downloads(
     proto: Proto,
     n: usize,
     addr: SocketAddr,
     tls: &Arc<rustls::ClientConfig>,
     size: u64,
-) -> Result<Timings> {
+) -> Result<(Timings, Open)> {
     let start = Instant::now();
     let mut connected = Vec::new();
     let path = format!("/{FILE}");
     let mut set = tokio::task::JoinSet::new();
-    // What is left to close once every download is in.
-    let (mut h2, mut h3) = (None, None);
+    let mut left_open = Open::default();
     let h3_each = Arc::new(std::sync::Mutex::new(Vec::new()));
     match proto {
         Proto::H1 => {
@@ -386,11 +449,11 @@ async fn downloads(
                 let path = path.clone();
                 set.spawn(async move { Ok((get(&mut conn, &path).await?, None)) });
             }
-            h2 = Some(conn);
+            left_open.h2 = Some(conn);
         }
         Proto::H3Each => {
             for _ in 0..n {
-                let (tls, path, open) = (tls.clone(), path.clone(), h3_each.clone());
+                let (tls, path, kept) = (tls.clone(), path.clone(), h3_each.clone());
                 set.spawn(async move {
                     let client = H3Client::connect(addr, "localhost", &tls, &H3Options::bulk()).await?;
                     let ready = start.elapsed();
@@ -400,7 +463,7 @@ async fn downloads(
                     let mut check = FixtureCheck::default();
                     recv_body(&mut stream, &mut check).await?;
                     // Closed once every body is in, so a close is not a time to last byte.
-                    open.lock().map_err(|_| anyhow!("poisoned"))?.push(client);
+                    kept.lock().map_err(|_| anyhow!("poisoned"))?.push(client);
                     Ok((check, Some(ready)))
                 });
             }
@@ -418,7 +481,7 @@ async fn downloads(
                     Ok((check, None))
                 });
             }
-            h3 = Some(client);
+            left_open.h3.push(client);
         }
     }
     let mut last_byte = Vec::with_capacity(n);
@@ -429,17 +492,10 @@ async fn downloads(
         last_byte.push(start.elapsed());
         connected.extend(ready);
     }
-    if let Some(conn) = h2 {
-        conn.close().await;
-    }
-    if let Some(client) = h3 {
-        client.close().await;
-    }
-    let each = std::mem::take(&mut *h3_each.lock().map_err(|_| anyhow!("poisoned"))?);
-    for client in each {
-        client.close().await;
-    }
-    Ok(Timings { last_byte, connected })
+    left_open.h3.extend(std::mem::take(
+        &mut *h3_each.lock().map_err(|_| anyhow!("poisoned"))?,
+    ));
+    Ok((Timings { last_byte, connected }, left_open))
 }
 
 /// A TLS connection to `localhost` on `addr` speaking `http`.

@@ -877,6 +877,18 @@ pub(crate) fn fixed(v: f64, places: i32) -> f64 {
     (v * scale).round() / scale
 }
 
+/// The nearest-rank percentile (so p99 of a few samples is their maximum); None
+/// for no samples.
+pub(crate) fn percentile(v: &[f64], p: f64) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    let mut sorted = v.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let rank = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len());
+    Some(sorted[rank - 1])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

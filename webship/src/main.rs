@@ -257,6 +257,8 @@ fn serve(path: Option<&Path>, takeover: bool) -> anyhow::Result<ExitCode> {
     let hook = privilege.clone();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(config.workers)
+        // Workers and the blocking pool alike (tokio names both); the benchmarks'
+        // emulated cores find the workers by this name (benches/src/cores.rs).
         .thread_name("webship-worker")
         .on_thread_start(move || hook.thread_start())
         .enable_all()

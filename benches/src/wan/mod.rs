@@ -32,7 +32,7 @@ use webship_testkit::process::{Logs, Process};
 
 use crate::clients::{Clients, Fetch, Protocol};
 use crate::proc::{clock_ticks_per_second, cpu_ticks};
-use crate::report::{fixed, Section};
+use crate::report::{fixed, percentile, Section};
 use crate::servers::{self, Settings};
 use link::{Counts, Relay, Shape};
 use netns::{Wan, CLIENT_ADDR, SERVER_ADDR};
@@ -662,17 +662,6 @@ fn counts_json(c: &Counts) -> serde_json::Value {
 
 fn median(v: &[f64]) -> Option<f64> {
     percentile(v, 0.5)
-}
-
-/// The nearest-rank percentile (so p99 of a few samples is their maximum).
-fn percentile(v: &[f64], p: f64) -> Option<f64> {
-    if v.is_empty() {
-        return None;
-    }
-    let mut sorted = v.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let rank = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len());
-    Some(sorted[rank - 1])
 }
 
 /// What the relay carries: a plain TCP stream (the server namespace's CUBIC)
