@@ -14,7 +14,8 @@
 //! were done (TCP, TLS and HTTP/2's preface, or QUIC and the client's HTTP/3 setup,
 //! which does not wait for the server's SETTINGS: one figure
 //! for a shared connection, and for a connection each it includes waiting behind the
-//! others' handshakes); p50/p99 time to last byte; server and client CPU per GB;
+//! others' handshakes); p50/p99 time to last byte; server and client CPU per GB
+//! (the client's is this process's own, the servers being its children);
 //! the server's peak RSS; with `--core-share`, the CPU each emulated core used over
 //! the row (CPU-seconds over seconds to the last byte: each worker's, then the
 //! rest's), which shows whether the cores were what limited it. CPU is read at the
@@ -80,7 +81,8 @@ pub(crate) struct ConcurrencyArgs {
     pub client_threads: u16,
     /// Emulated cores: each server worker thread gets this share of one CPU (0.01
     /// to 1), and the server's other threads share one more such quota; the report
-    /// adds each core's CPU-seconds. Needs root and the cgroup v1 cpu controller.
+    /// adds each core's share of a CPU over the row. Needs root and the cgroup v1
+    /// cpu and cpuacct controllers.
     #[arg(long, value_parser = crate::cores::parse_share)]
     pub core_share: Option<f64>,
 }
@@ -161,12 +163,12 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
     let mut report = String::new();
     let mut json = Vec::new();
     let mut bars = Vec::new();
-    let cores = args.core_share.map_or_else(String::new, |share| {
+    let cores_note = args.core_share.map_or_else(String::new, |share| {
         format!(", each worker an emulated core of {share} CPU (the other threads one more)")
     });
     let _ = writeln!(
         report,
-        "{} concurrent downloads of {} MiB each from Webship ({} worker{cores}, h3_sockets {}), \
+        "{} concurrent downloads of {} MiB each from Webship ({} worker{cores_note}, h3_sockets {}), \
          {} client thread(s); every body checked byte for byte.\n",
         args.levels
             .iter()
@@ -271,7 +273,7 @@ fn start_servers(
 
 /// One row's figures: MiB/s, times in ms, CPU-s per GB, MiB, the seconds to the
 /// last byte, and per emulated core (workers, then the rest; empty without
-/// `--core-share`) its CPU-seconds and how often it was throttled (by the row's end).
+/// `--core-share`) its CPU-seconds and how often it was throttled, over the row.
 struct Row {
     mibs: f64,
     connect_p50: f64,
@@ -340,9 +342,10 @@ fn measure_row(
     let ticks_per_s = crate::proc::clock_ticks_per_second();
     let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
     let core_before = cores.map(EmulatedCores::cpu_seconds);
+    let throttled_before = cores.map(EmulatedCores::throttled).unwrap_or_default();
     let rss = RssWatch::start(server.pid());
     let cpu = crate::proc::cpu_ticks(server.pid());
-    let client_cpu = crate::proc::cpu_ticks(std::process::id());
+    let client_cpu = crate::proc::own_cpu_ticks();
     let start = Instant::now();
     let (times, left_open) = runtime
         .block_on(async { tokio::time::timeout(DEADLINE, downloads(proto, n, addr, tls, size)).await })
@@ -354,14 +357,19 @@ fn measure_row(
         .max()
         .map_or(start.elapsed(), |t| *t)
         .as_secs_f64();
-    let cpu_s = (crate::proc::cpu_ticks(server.pid()) - cpu) as f64 / ticks_per_s;
-    let client_s = (crate::proc::cpu_ticks(std::process::id()) - client_cpu) as f64 / ticks_per_s;
+    let cpu_s = crate::proc::cpu_ticks(server.pid()).saturating_sub(cpu) as f64 / ticks_per_s;
+    let client_s = crate::proc::own_cpu_ticks().saturating_sub(client_cpu) as f64 / ticks_per_s;
     let per_core = cores.zip(core_before).map_or_else(Vec::new, |(cores, before)| {
         let after = cores.cpu_seconds();
         after.iter().zip(before).map(|(a, b)| a - b).collect()
     });
     let peak = rss.finish();
-    let throttled = cores.map(EmulatedCores::throttled).unwrap_or_default();
+    let throttled_after = cores.map(EmulatedCores::throttled).unwrap_or_default();
+    let throttled = throttled_after
+        .iter()
+        .zip(throttled_before)
+        .map(|(a, b)| a.saturating_sub(b))
+        .collect();
     runtime
         .block_on(async { tokio::time::timeout(DEADLINE, left_open.close()).await })
         .map_err(|_| {
@@ -399,13 +407,13 @@ struct Timings {
 /// close is neither a time to last byte nor CPU of the row).
 #[derive(Default)]
 struct Open {
-    h2: Option<Conn>,
+    tcp: Vec<Conn>,
     h3: Vec<H3Client>,
 }
 
 impl Open {
     async fn close(self) {
-        if let Some(conn) = self.h2 {
+        for conn in self.tcp {
             conn.close().await;
         }
         for client in self.h3 {
@@ -427,17 +435,21 @@ async fn downloads(
     let path = format!("/{FILE}");
     let mut set = tokio::task::JoinSet::new();
     let mut left_open = Open::default();
-    let h3_each = Arc::new(std::sync::Mutex::new(Vec::new()));
+    // Connections of their own, kept by their tasks once their body is in.
+    let (h1_each, h3_each) = (
+        Arc::new(std::sync::Mutex::new(Vec::new())),
+        Arc::new(std::sync::Mutex::new(Vec::new())),
+    );
     match proto {
         Proto::H1 => {
             for _ in 0..n {
-                let (tls, path) = (tls.clone(), path.clone());
+                let (tls, path, kept) = (tls.clone(), path.clone(), h1_each.clone());
                 set.spawn(async move {
                     let mut conn = open(addr, &tls, Http::H1).await?;
                     let ready = start.elapsed();
-                    let checked = get(&mut conn, &path).await;
-                    conn.close().await;
-                    Ok((checked?, Some(ready)))
+                    let checked = get(&mut conn, &path).await?;
+                    kept.lock().map_err(|_| anyhow!("poisoned"))?.push(conn);
+                    Ok((checked, Some(ready)))
                 });
             }
         }
@@ -449,7 +461,7 @@ async fn downloads(
                 let path = path.clone();
                 set.spawn(async move { Ok((get(&mut conn, &path).await?, None)) });
             }
-            left_open.h2 = Some(conn);
+            left_open.tcp.push(conn);
         }
         Proto::H3Each => {
             for _ in 0..n {
@@ -462,7 +474,6 @@ async fn downloads(
                     ensure!(head.status == 200, "h3 status {}", head.status);
                     let mut check = FixtureCheck::default();
                     recv_body(&mut stream, &mut check).await?;
-                    // Closed once every body is in, so a close is not a time to last byte.
                     kept.lock().map_err(|_| anyhow!("poisoned"))?.push(client);
                     Ok((check, Some(ready)))
                 });

@@ -20,7 +20,8 @@
 //!   that miss the page cache) joins the group of the worker that started it, and
 //!   then serves every worker's blocking calls on that worker's quota.
 //! - The kernel charges some packet work to whoever runs when it happens: on
-//!   loopback the server's receive path runs partly in the client's send.
+//!   loopback the server's receive path runs partly in the client's sends, and the
+//!   client's in the server's.
 //! - The quota is enforced at the scheduler's accounting points, so a group can
 //!   overrun its share for a while; the CPU a core actually got is reported.
 //! - Cgroup v2 would need the process moved into a threaded subtree; only v1 (as
@@ -104,8 +105,9 @@ impl Hierarchies {
         };
         let (Some(cpu), Some(acct)) = (dir("cpu"), dir("cpuacct")) else {
             bail!(
-                "--core-share needs the cgroup v1 cpu and cpuacct controllers under {CGROUP_ROOT} \
-                 (this host's process {pid} is in none; cgroup v2 alone is not supported)"
+                "--core-share needs the cgroup v1 cpu and cpuacct controllers mounted under \
+                 {CGROUP_ROOT}, with process {pid}'s groups there (cgroup v2 alone, or a \
+                 container that does not show its groups, is not supported)"
             );
         };
         ensure!(crate::is_root(), "--core-share needs root (it creates cgroups)");
@@ -165,8 +167,16 @@ impl EmulatedCores {
                 fs::create_dir(&dir).with_context(|| format!("creating {}", dir.display()))?;
             }
             let cpu = cores.hierarchies.cpu.join(&name);
-            fs::write(cpu.join("cpu.cfs_period_us"), period.to_string())?;
-            fs::write(cpu.join("cpu.cfs_quota_us"), quota.to_string())?;
+            // A quota above the server's own group's (systemd's CPUQuota=, a
+            // container's limit) is refused by the kernel with EINVAL.
+            for (file, value) in [("cpu.cfs_period_us", period), ("cpu.cfs_quota_us", quota)] {
+                fs::write(cpu.join(file), value.to_string()).with_context(|| {
+                    format!(
+                        "writing {value} to {} (under a quota of its own?)",
+                        cpu.join(file).display()
+                    )
+                })?;
+            }
             for tid in tids {
                 for dir in cores.hierarchies.dirs(&name) {
                     fs::write(dir.join("tasks"), tid.to_string())
@@ -186,7 +196,8 @@ impl EmulatedCores {
             .collect()
     }
 
-    /// How often each group was throttled so far (`nr_throttled` of `cpu.stat`).
+    /// How often each group was throttled since it was made (`nr_throttled` of
+    /// `cpu.stat`).
     pub(crate) fn throttled(&self) -> Vec<u64> {
         self.groups
             .iter()

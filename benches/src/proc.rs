@@ -23,6 +23,12 @@ pub(crate) fn cpu_ticks(pid: u32) -> u64 {
     total
 }
 
+/// utime + stime, in clock ticks, of this process alone: an in-process client's
+/// CPU (`cpu_ticks` would add the servers it started, which are its children).
+pub(crate) fn own_cpu_ticks() -> u64 {
+    read_stat(std::process::id()).map_or(0, |stat| stat.utime + stat.stime)
+}
+
 /// Busy clock ticks of the whole host (every CPU's user, nice, system, irq and
 /// softirq time from /proc/stat): what a sample cost everyone, including kernel work
 /// no process is charged for (softirq, workqueues), such as sockmap redirection.
