@@ -12,14 +12,14 @@
 //! Columns: aggregate MiB/s (every byte over the time to the last one); "p50
 //! connected", the median time from the row's start until a connection's handshakes
 //! were done (TCP, TLS and HTTP/2's preface, or QUIC and the client's HTTP/3 setup,
-//! which does not wait for the server's SETTINGS: one figure
-//! for a shared connection, and for a connection each it includes waiting behind the
-//! others' handshakes); p50/p99 time to last byte; server and client CPU per GB
-//! (the client's is this process's own, the servers being its children);
-//! the server's peak RSS; with `--core-share`, the CPU each emulated core used over
-//! the row (CPU-seconds over seconds to the last byte: each worker's, then the
-//! rest's), which shows whether the cores were what limited it. CPU is read at the
-//! last byte, before the connections close.
+//! which does not wait for the server's SETTINGS; one figure for a shared
+//! connection, and for a connection each it includes waiting behind the others'
+//! handshakes); p50/p99 time to last byte; server and client CPU per GB (the
+//! client's is this process's own, the servers being its children); the server's
+//! peak RSS; with `--core-share`, the CPU each emulated core used over the row
+//! (CPU-seconds over seconds to the last byte: each worker's, then the rest's),
+//! which shows whether the cores were what limited it. CPU is read at the last
+//! byte, before the connections close.
 //!
 //! The client (the test kit's, sized for bulk downloads) runs in this process on a
 //! current-thread runtime (one core, like the server's one worker by default), or
@@ -185,23 +185,7 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
         "| protocol | h3 batch µs | concurrent | aggregate MiB/s | p50 connected ms | p50 TTLB ms | p99 TTLB ms | server CPU-s/GB | client CPU-s/GB | server peak RSS MiB | CPU share per emulated core (workers + rest) |"
     );
     let _ = writeln!(report, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
-    // One untimed download per protocol and server first: the file in the page cache
-    // and each server's first-connection costs out of the first row.
-    for (_, server, _) in &servers {
-        let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
-        for proto in [Proto::H2, Proto::H3] {
-            runtime
-                .block_on(async {
-                    tokio::time::timeout(DEADLINE, async {
-                        let (_, left_open) = downloads(proto, 1, addr, &tls, size).await?;
-                        left_open.close().await;
-                        anyhow::Ok(())
-                    })
-                    .await
-                })
-                .map_err(|_| anyhow!("warm-up {}: not done within {DEADLINE:?}", proto.label()))??;
-        }
-    }
+    warm_up(&runtime, &servers, &tls, size)?;
     for &n in &args.levels {
         for proto in protos.iter().copied() {
             if proto == Proto::H1 && n > 256 {
@@ -231,6 +215,32 @@ pub(crate) fn measure(args: &ConcurrencyArgs) -> Result<Section> {
         json: json.into(),
         bars,
     })
+}
+
+/// One untimed download per protocol and server before the rows: the file in the
+/// page cache and each server's first-connection costs out of the first row.
+fn warm_up(
+    runtime: &tokio::runtime::Runtime,
+    servers: &[(u64, servers::Server, Option<EmulatedCores>)],
+    tls: &Arc<rustls::ClientConfig>,
+    size: u64,
+) -> Result<()> {
+    for (_, server, _) in servers {
+        let addr = SocketAddr::from(([127, 0, 0, 1], server.port));
+        for proto in [Proto::H2, Proto::H3] {
+            runtime
+                .block_on(async {
+                    tokio::time::timeout(DEADLINE, async {
+                        let (_, left_open) = downloads(proto, 1, addr, tls, size).await?;
+                        left_open.close().await;
+                        anyhow::Ok(())
+                    })
+                    .await
+                })
+                .map_err(|_| anyhow!("warm-up {}: not done within {DEADLINE:?}", proto.label()))??;
+        }
+    }
+    Ok(())
 }
 
 /// One Webship per `h3_send_batch_delay_us` value, each with its emulated cores
