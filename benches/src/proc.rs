@@ -246,6 +246,28 @@ mod tests {
         assert!(Loss::read().is_some());
     }
 
+    /// The in-process client's CPU is its own: the servers it starts are its
+    /// children, and `cpu_ticks` counts them (the concurrency scenario's client
+    /// column once did, reading the servers' CPU as the client's).
+    #[test]
+    fn own_ticks_leave_the_children_out() {
+        let mut busy = Command::new("sh")
+            .args(["-c", "while :; do :; done"])
+            .spawn()
+            .expect("sh runs");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // At least 50 ms of the child's CPU, read within a bounded wait.
+        let mut children = 0;
+        while children < 5 && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(50));
+            let me = std::process::id();
+            children = cpu_ticks(me).saturating_sub(own_cpu_ticks());
+        }
+        let _ = busy.kill();
+        let _ = busy.wait();
+        assert!(children >= 5, "the tree counts the busy child: {children} ticks");
+    }
+
     #[test]
     fn own_tree_rss_and_faults_readable() {
         let me = std::process::id();
